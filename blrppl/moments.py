@@ -1,0 +1,350 @@
+"""Expectations of distribution arguments under the candidate q.
+
+The compiler classifies every argument of a factor (and its value) as a function of the
+blocks (see :mod:`blrppl.expressions`) and hands the rules one *moment object* per
+argument. A moment object answers the expectations a closed-form rule needs, each
+elementwise with the argument's shape:
+
+============================  =======================================================
+class                          argument is …
+============================  =======================================================
+:class:`Const`                 a fixed array (data, or an enumerated discrete value)
+:class:`AffineGaussian`        affine in one or more Gaussian blocks
+:class:`PowerGamma`            c · τ^a with τ a Gamma block (possibly indexed)
+:class:`BetaIdentity`          p (possibly indexed) with p a Beta block
+:class:`DirichletIdentity`     π (possibly indexed) with π a Dirichlet block
+============================  =======================================================
+
+Moment objects are pytrees of arrays built inside the jitted step from the blocks'
+``view`` parameters, so a rule written with them is differentiable in those parameters;
+the message is the gradient (see :meth:`blrppl.families.base.Family.message_from_view_grad`).
+
+Methods a rule may call (each raises :class:`NotImplementedError` where the expectation
+has no closed form for that class, which the compiler checks before choosing ``exact``):
+
+* ``mean()``            E[x]
+* ``var()``             Var[x] (elementwise)
+* ``mean_square()``     E[x²]
+* ``expect_log()``      E[log x]
+* ``expect_log1m()``    E[log(1 − x)]
+* ``expect_pow(k)``     E[x^k]
+* ``cov_event(n)``      covariance over the last ``n`` dims (``AffineGaussian`` only)
+
+``AffineGaussian`` supports ``+``, ``-`` and multiplication by constants, with :class:`Const`
+and with other ``AffineGaussian`` objects, so that e.g. a Normal rule computes E[(x − loc)²]
+exactly even when x and loc depend on the same block.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.scipy.special import digamma, gammaln
+
+#: the kinds a compiler may assign to an argument; rules declare which they support
+KINDS = ("const", "affine_gaussian", "power_gamma", "beta", "dirichlet")
+
+
+class Const(NamedTuple):
+    """A fixed array x (no block)."""
+
+    value: jax.Array
+    kind = "const"
+
+    @property
+    def shape(self):
+        return jnp.shape(self.value)
+
+    def mean(self):
+        return self.value
+
+    def var(self):
+        return jnp.zeros_like(jnp.asarray(self.value, dtype=jnp.result_type(float)))
+
+    def mean_square(self):
+        return jnp.square(self.value)
+
+    def expect_log(self):
+        return jnp.log(self.value)
+
+    def expect_log1m(self):
+        return jnp.log1p(-self.value)
+
+    def expect_pow(self, k):
+        return jnp.power(self.value, k)
+
+    def cov_event(self, n: int):
+        shape = jnp.shape(self.value)
+        ev = shape[len(shape) - n :]
+        size = int(_prod(ev))
+        return jnp.zeros(shape[: len(shape) - n] + (size, size), dtype=jnp.result_type(float))
+
+    def __neg__(self):
+        return Const(-self.value)
+
+    def __add__(self, other):
+        if isinstance(other, Const):
+            return Const(self.value + other.value)
+        if isinstance(other, AffineGaussian):
+            return other + self
+        return Const(self.value + other)
+
+    __radd__ = __add__
+
+    def __sub__(self, other):
+        return self + (-other)
+
+    def __rsub__(self, other):
+        return (-self) + other
+
+    def __mul__(self, other):
+        if isinstance(other, Const):
+            return Const(self.value * other.value)
+        if isinstance(other, AffineGaussian):
+            return other * self
+        return Const(self.value * other)
+
+    __rmul__ = __mul__
+
+
+class AffineGaussian(NamedTuple):
+    """x = mean + Σ_b J_b (w_b − m_b) with w_b ~ N(m_b, Σ_b) independent Gaussian blocks.
+
+    The random part is stored as pairs of column stacks per block, ``left[b][j] = J_b e_j``
+    and ``right[b][j] = J_b Σ_b e_j`` (``j`` over the block's columns, leading axis), so that
+    Cov[x_n, y_n] = Σ_b Σ_j left^x[b][j]_n · right^y[b][j]_n for two arguments sharing blocks.
+
+    Attributes:
+        mean: E[x], the argument evaluated at the block means.
+        left: tuple over blocks of arrays (columns, *shape_b); None where x does not use
+            the block (the tuple is indexed by the factor's Gaussian neighbours).
+        right: same layout as ``left``.
+    """
+
+    mean_value: jax.Array
+    left: tuple
+    right: tuple
+    kind = "affine_gaussian"
+
+    @property
+    def shape(self):
+        return jnp.shape(self.mean_value)
+
+    def mean(self):
+        return self.mean_value
+
+    def var(self):
+        total = jnp.zeros(self.shape, dtype=jnp.result_type(self.mean_value, float))
+        for lft, rgt in zip(self.left, self.right):
+            if lft is not None:
+                total = total + jnp.sum(lft * rgt, axis=0)
+        return jnp.broadcast_to(total, self.shape)
+
+    def mean_square(self):
+        return jnp.square(self.mean_value) + self.var()
+
+    def cov_event(self, n: int):
+        """Covariance over the last ``n`` dims, flattened: shape (*batch, size, size)."""
+        shape = self.shape
+        batch, ev = shape[: len(shape) - n], shape[len(shape) - n :]
+        size = int(_prod(ev))
+        total = jnp.zeros(batch + (size, size), dtype=jnp.result_type(self.mean_value, float))
+        for lft, rgt in zip(self.left, self.right):
+            if lft is None:
+                continue
+            cols = lft.shape[0]
+            lf = jnp.broadcast_to(lft, (cols,) + shape).reshape((cols,) + batch + (size,))
+            rf = jnp.broadcast_to(rgt, (cols,) + shape).reshape((cols,) + batch + (size,))
+            total = total + jnp.einsum("j...a,j...b->...ab", lf, rf)
+        return 0.5 * (total + jnp.swapaxes(total, -1, -2))
+
+    def _combine(self, other, sign):
+        if isinstance(other, AffineGaussian):
+            shape = jnp.broadcast_shapes(self.shape, other.shape)
+            left, right = [], []
+            for la, ra, lb, rb in zip(self.left, self.right, other.left, other.right):
+                if la is None and lb is None:
+                    left.append(None)
+                    right.append(None)
+                    continue
+                cols = (la if la is not None else lb).shape[0]
+                parts_l = [_bcast_cols(la, cols, shape), sign * _bcast_cols(lb, cols, shape)]
+                parts_r = [_bcast_cols(ra, cols, shape), sign * _bcast_cols(rb, cols, shape)]
+                left.append(parts_l[0] + parts_l[1])
+                right.append(parts_r[0] + parts_r[1])
+            return AffineGaussian(self.mean_value + sign * other.mean_value, tuple(left), tuple(right))
+        value = other.value if isinstance(other, Const) else other
+        return AffineGaussian(self.mean_value + sign * value, self.left, self.right)
+
+    def __add__(self, other):
+        return self._combine(other, 1.0)
+
+    __radd__ = __add__
+
+    def __sub__(self, other):
+        return self._combine(other, -1.0)
+
+    def __rsub__(self, other):
+        return (-self) + other
+
+    def __neg__(self):
+        return self * -1.0
+
+    def __mul__(self, other):
+        c = other.value if isinstance(other, Const) else other
+        if isinstance(other, AffineGaussian):
+            raise NotImplementedError("the product of two Gaussian arguments is not affine")
+        left = tuple(None if lft is None else lft * c for lft in self.left)
+        right = tuple(None if rgt is None else rgt * c for rgt in self.right)
+        return AffineGaussian(self.mean_value * c, left, right)
+
+    __rmul__ = __mul__
+
+    def expect_log(self):
+        raise NotImplementedError
+
+    def expect_log1m(self):
+        raise NotImplementedError
+
+    def expect_pow(self, k):
+        if k == 1:
+            return self.mean_value
+        if k == 2:
+            return self.mean_square()
+        raise NotImplementedError
+
+
+class PowerGamma(NamedTuple):
+    """x = c · τ^a elementwise, τ ~ Gamma(shape, rate) a Gamma block gathered to x's shape.
+
+    Attributes:
+        coef: c (> 0), shape of x.
+        power: a (≠ 0), shape of x.
+        shape_param: Gamma shape α of the τ each element of x uses.
+        rate: Gamma rate β of that τ.
+    """
+
+    coef: jax.Array
+    power: jax.Array
+    shape_param: jax.Array
+    rate: jax.Array
+    kind = "power_gamma"
+
+    @property
+    def shape(self):
+        return jnp.shape(self.coef)
+
+    def expect_pow(self, k):
+        """E[x^k] = c^k Γ(α + a k) / Γ(α) · β^(−a k); needs α + a k > 0."""
+        ak = self.power * k
+        return jnp.power(self.coef, k) * jnp.exp(
+            gammaln(self.shape_param + ak) - gammaln(self.shape_param) - ak * jnp.log(self.rate)
+        )
+
+    def mean(self):
+        return self.expect_pow(1.0)
+
+    def mean_square(self):
+        return self.expect_pow(2.0)
+
+    def var(self):
+        return self.mean_square() - jnp.square(self.mean())
+
+    def expect_log(self):
+        """E[log x] = log c + a (ψ(α) − log β)."""
+        return jnp.log(self.coef) + self.power * (digamma(self.shape_param) - jnp.log(self.rate))
+
+    def expect_log1m(self):
+        raise NotImplementedError
+
+
+class BetaIdentity(NamedTuple):
+    """x = p elementwise, p ~ Beta(alpha, beta) a Beta block gathered to x's shape."""
+
+    alpha: jax.Array
+    beta: jax.Array
+    kind = "beta"
+
+    @property
+    def shape(self):
+        return jnp.shape(self.alpha)
+
+    def mean(self):
+        return self.alpha / (self.alpha + self.beta)
+
+    def var(self):
+        total = self.alpha + self.beta
+        return self.alpha * self.beta / (jnp.square(total) * (total + 1.0))
+
+    def mean_square(self):
+        return self.var() + jnp.square(self.mean())
+
+    def expect_log(self):
+        """E[log p] = ψ(α) − ψ(α + β)."""
+        return digamma(self.alpha) - digamma(self.alpha + self.beta)
+
+    def expect_log1m(self):
+        """E[log(1 − p)] = ψ(β) − ψ(α + β)."""
+        return digamma(self.beta) - digamma(self.alpha + self.beta)
+
+    def expect_pow(self, k):
+        """E[p^k] = B(α + k, β) / B(α, β)."""
+        return jnp.exp(
+            gammaln(self.alpha + k) - gammaln(self.alpha)
+            + gammaln(self.alpha + self.beta) - gammaln(self.alpha + self.beta + k)
+        )
+
+
+class DirichletIdentity(NamedTuple):
+    """x = π_k elementwise (gathered), π ~ Dirichlet(α) a Dirichlet block.
+
+    Each element of x is one component π_k of one Dirichlet draw; ``concentration`` is
+    α_k and ``total`` is α_0 = Σ_k α_k of that draw, both with x's shape. When x is a whole
+    probability vector (e.g. ``Categorical(probs=pi)``) its last dim runs over k.
+    """
+
+    concentration: jax.Array
+    total: jax.Array
+    kind = "dirichlet"
+
+    @property
+    def shape(self):
+        return jnp.shape(self.concentration)
+
+    def mean(self):
+        return self.concentration / self.total
+
+    def var(self):
+        a, a0 = self.concentration, self.total
+        return a * (a0 - a) / (jnp.square(a0) * (a0 + 1.0))
+
+    def mean_square(self):
+        return self.var() + jnp.square(self.mean())
+
+    def expect_log(self):
+        """E[log π_k] = ψ(α_k) − ψ(α_0)."""
+        return digamma(self.concentration) - digamma(self.total)
+
+    def expect_log1m(self):
+        """E[log(1 − π_k)] = ψ(α_0 − α_k) − ψ(α_0) (1 − π_k is Beta(α_0 − α_k, α_k))."""
+        return digamma(self.total - self.concentration) - digamma(self.total)
+
+    def expect_pow(self, k):
+        a, a0 = self.concentration, self.total
+        return jnp.exp(gammaln(a + k) - gammaln(a) + gammaln(a0) - gammaln(a0 + k))
+
+
+def _bcast_cols(cols_array, cols, shape):
+    if cols_array is None:
+        return jnp.zeros((cols,) + shape)
+    lead = (cols,) + (1,) * (len(shape) - (cols_array.ndim - 1)) + cols_array.shape[1:]
+    return jnp.broadcast_to(cols_array.reshape(lead), (cols,) + shape)
+
+
+def _prod(shape):
+    out = 1
+    for s in shape:
+        out *= int(s)
+    return out
