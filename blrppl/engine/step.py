@@ -1,0 +1,139 @@
+"""One step of the Bayesian learning rule: messages, natural-parameter updates, ELBO.
+
+For every block b (all at once in the ``parallel`` schedule, one after the other with the
+newest neighbours in the ``sequential`` schedule),
+
+    λ_b ← (1 − ρ_b) λ_b + ρ_b Σ_{i ∋ b} λ̃_ib,      λ̃_ib = ∇_{μ_b} E_q[log f_i],
+
+where Σ_i λ̃_ib is the family's conversion of ∇_view Σ_i E_q[log f_i]. A candidate λ outside
+the family's domain is never kept: ρ is halved until it is valid (a convex combination of
+valid parameters is valid), and after ``max_halvings`` the block keeps its λ.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from blrppl.estimators.enumeration import expected_log_factor
+
+
+class BLRState(NamedTuple):
+    """Carried state: natural parameters per block, step count, last ELBO."""
+
+    nat: dict
+    step: jax.Array
+    elbo: jax.Array
+
+
+class BLRInfo(NamedTuple):
+    """Per-step information."""
+
+    elbo: jax.Array
+    max_delta: jax.Array
+    valid: jax.Array
+
+
+def views_of(plan, nat: dict) -> dict:
+    return {b.name: b.family.view(nat[b.name]) for b in plan.blocks}
+
+
+def make_objective(plan, fns):
+    """Σ_i E_q[log f_i] over a subset of factors, as a function of the views."""
+    blocks = {b.name: b for b in plan.blocks}
+
+    def objective(views, data, factor_names=None):
+        total = 0.0
+        for f in plan.factors:
+            if factor_names is None or f.name in factor_names:
+                total = total + expected_log_factor(fns, f, blocks, views, data)
+        return total
+
+    return objective
+
+
+def make_elbo(plan, fns):
+    """ELBO(λ) = Σ_i E_q[log f_i] + Σ_b H(q_b)."""
+    objective = make_objective(plan, fns)
+
+    def elbo(nat, data):
+        views = views_of(plan, nat)
+        entropy = sum(jnp.sum(b.family.entropy(nat[b.name])) for b in plan.blocks)
+        return objective(views, data) + entropy
+
+    return elbo
+
+
+def _relative_delta(old, new):
+    diffs = [
+        jnp.max(jnp.abs(a - b) / (1.0 + jnp.abs(a))) for a, b in zip(jax.tree.leaves(old), jax.tree.leaves(new))
+    ]
+    return jnp.max(jnp.stack(diffs)) if diffs else jnp.zeros(())
+
+
+def _update_block(family, nat_old, message, rho, max_halvings):
+    """(1−ρ)λ + ρ λ̃, halving ρ until the result is valid."""
+
+    def candidate(r):
+        return jax.tree.map(lambda a, m: (1.0 - r) * a + r * m, nat_old, message)
+
+    def cond(carry):
+        r, k = carry
+        return jnp.logical_and(~family.is_valid(candidate(r)), k < max_halvings)
+
+    def body(carry):
+        r, k = carry
+        return r * 0.5, k + 1
+
+    r, _ = jax.lax.while_loop(cond, body, (jnp.asarray(rho, dtype=jnp.result_type(float)), 0))
+    new = candidate(r)
+    ok = family.is_valid(new)
+    return jax.tree.map(lambda a, b: jnp.where(ok, b, a), nat_old, new), ok
+
+
+def make_step(plan, fns, schedule: str, rho_fn: Callable, max_halvings: int = 30):
+    """Build ``step(state, data) -> (state, info)``.
+
+    Args:
+        plan: the compiled plan.
+        fns: model functions.
+        schedule: ``"sequential"`` or ``"parallel"``.
+        rho_fn: ``rho_fn(block_name, step) -> ρ``.
+    """
+    objective = make_objective(plan, fns)
+    elbo_fn = make_elbo(plan, fns)
+    blocks = {b.name: b for b in plan.blocks}
+    factors_of = {b.name: tuple(f.name for f in plan.factors_of(b.name)) for b in plan.blocks}
+
+    def messages(nat, names, data):
+        views = views_of(plan, nat)
+        wanted = set().union(*(factors_of[n] for n in names)) if names else set()
+
+        def obj(sub):
+            return objective({**views, **sub}, data, wanted)
+
+        grads = jax.grad(obj)({n: views[n] for n in names})
+        return {n: blocks[n].family.message_from_view_grad(nat[n], grads[n]) for n in names}
+
+    def step(state, data):
+        nat = dict(state.nat)
+        valid = jnp.array(True)
+        if schedule == "parallel":
+            names = tuple(plan.order)
+            msgs = messages(nat, names, data)
+            for n in names:
+                nat[n], ok = _update_block(blocks[n].family, nat[n], msgs[n], rho_fn(n, state.step), max_halvings)
+                valid = valid & ok
+        else:
+            for n in plan.order:
+                msg = messages(nat, (n,), data)[n]
+                nat[n], ok = _update_block(blocks[n].family, nat[n], msg, rho_fn(n, state.step), max_halvings)
+                valid = valid & ok
+        elbo = elbo_fn(nat, data)
+        delta = _relative_delta(state.nat, nat)
+        new_state = BLRState(nat=nat, step=state.step + 1, elbo=elbo)
+        return new_state, BLRInfo(elbo=elbo, max_delta=delta, valid=valid)
+
+    return step, elbo_fn, messages

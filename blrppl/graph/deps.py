@@ -1,0 +1,76 @@
+"""Which inputs each output of a function depends on, read off its jaxpr.
+
+Used to find the latent sites each factor's arguments depend on. The analysis is
+structural (data flow through the jaxpr's equations), so it works for discrete inputs
+and never samples the model. Sub-jaxprs of call-like primitives (``pjit``, custom
+derivatives) are followed; other higher-order primitives are treated conservatively
+(every output depends on every input).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import jax
+from jax.extend import core as jex_core
+
+
+def _jaxpr_deps(jaxpr, in_deps: Sequence[frozenset]) -> list[frozenset]:
+    env: dict = {}
+    for var, dep in zip(jaxpr.invars, in_deps):
+        env[var] = dep
+    for var in jaxpr.constvars:
+        env[var] = frozenset()
+
+    def read(v):
+        if isinstance(v, jex_core.Literal):
+            return frozenset()
+        return env.get(v, frozenset())
+
+    for eqn in jaxpr.eqns:
+        ins = [read(v) for v in eqn.invars]
+        sub = _sub_jaxpr(eqn)
+        if sub is not None and len(sub.invars) == len(ins):
+            outs = _jaxpr_deps(sub, ins)
+        else:
+            union = frozenset().union(*ins) if ins else frozenset()
+            outs = [union] * len(eqn.outvars)
+        for var, dep in zip(eqn.outvars, outs):
+            env[var] = dep
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _sub_jaxpr(eqn):
+    for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+        sub = eqn.params.get(key)
+        if sub is None:
+            continue
+        inner = getattr(sub, "jaxpr", sub)
+        if hasattr(inner, "eqns"):
+            return inner
+    return None
+
+
+def output_dependencies(fn: Callable, inputs: dict, *extra) -> dict:
+    """For each leaf of ``fn(inputs, *extra)``, the set of ``inputs`` keys it depends on.
+
+    Args:
+        fn: a function of a dict of arrays (and optional extra arguments, which are
+            treated as having no tracked dependencies).
+        inputs: dict name → array (or pytree); dependencies are reported by name.
+
+    Returns:
+        A pytree with the structure of ``fn``'s output whose leaves are frozensets of names.
+    """
+    names = list(inputs)
+    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(inputs, *extra)
+    n_extra = len(jax.tree.leaves(extra))
+    # make_jaxpr flattens (inputs, *extra) in pytree order: dict keys are sorted.
+    flat_names = []
+    for name in sorted(names):
+        for _ in jax.tree.leaves(inputs[name]):
+            flat_names.append(frozenset([name]))
+    flat_names.extend([frozenset()] * n_extra)
+    out_deps = _jaxpr_deps(closed.jaxpr, flat_names)
+    treedef = jax.tree.structure(out_shape)
+    return jax.tree.unflatten(treedef, out_deps)

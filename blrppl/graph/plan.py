@@ -1,0 +1,173 @@
+"""The static plan the jitted step is built from: blocks, factors and estimators.
+
+A *block* is one latent site with its candidate family and the map between the site's
+value layout and the family's canonical layout (batch dims first). A *factor* is one
+sample site's log-density term, with the blocks it touches, the kind of each argument and
+the estimator that computes its expected log-density.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from blrppl.families.base import Family
+
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+    """One latent site and its candidate family.
+
+    Attributes:
+        name: site name.
+        family: the candidate family (static configuration).
+        kind: family name (``"gaussian"``, ``"gamma"``, ...).
+        value_shape: shape of the site value.
+        plate_axes: for dense Gaussian blocks, axes of the value that are independent plate
+            elements (batch dims of the canonical layout); the remaining axes are flattened
+            into the dense event dimension.
+        support_values: for discrete blocks, the values enumerated.
+    """
+
+    name: str
+    family: Family
+    kind: str
+    value_shape: tuple
+    plate_axes: tuple = ()
+    support_values: tuple | None = None
+
+    @property
+    def discrete(self) -> bool:
+        return self.family.discrete
+
+    @property
+    def _perm(self):
+        other = tuple(a for a in range(len(self.value_shape)) if a not in self.plate_axes)
+        return self.plate_axes + other
+
+    @property
+    def batch_shape(self) -> tuple:
+        """Batch shape of the canonical layout."""
+        if self.kind == "gaussian":
+            return tuple(self.value_shape[a] for a in self.plate_axes)
+        if self.kind == "dirichlet":
+            return tuple(self.value_shape[:-1])
+        return tuple(self.value_shape)
+
+    @property
+    def size(self) -> int:
+        """Number of scalar latent dimensions."""
+        return int(math.prod(self.value_shape))
+
+    def to_canonical(self, x):
+        """Site layout → canonical layout (``x`` may carry leading sample dims)."""
+        if self.kind != "gaussian":
+            return x
+        lead = jnp.ndim(x) - len(self.value_shape)
+        perm = tuple(range(lead)) + tuple(lead + a for a in self._perm)
+        x = jnp.transpose(x, perm)
+        return jnp.reshape(x, jnp.shape(x)[:lead] + self.batch_shape + (-1,))
+
+    def to_site(self, x):
+        """Canonical layout → site layout (``x`` may carry leading sample dims)."""
+        if self.kind != "gaussian":
+            return x
+        lead = jnp.ndim(x) - len(self.batch_shape) - 1
+        permuted = tuple(self.value_shape[a] for a in self._perm)
+        x = jnp.reshape(x, jnp.shape(x)[:lead] + permuted)
+        inv = np.argsort(self._perm)
+        return jnp.transpose(x, tuple(range(lead)) + tuple(lead + int(a) for a in inv))
+
+
+@dataclasses.dataclass(frozen=True)
+class Factor:
+    """One log-density term of the model.
+
+    Attributes:
+        name: site name.
+        dist_name: name of the (unwrapped) distribution.
+        observed: whether the site is observed (else it is the prior of its own block).
+        neighbours: blocks the factor touches, in model order.
+        discrete: the discrete neighbours (enumerated).
+        estimator: ``"exact"`` (closed-form rule) — the only estimator of this plan.
+        rule: the rule computing the expected log-density.
+        arg_kinds: kind of each argument and of the value (see :mod:`blrppl.moments`).
+        arg_blocks: blocks each argument depends on.
+        columns: for each Gaussian neighbour, ``"gather"`` (each element of an argument
+            uses one plate element of the block) or ``"full"`` (elements mix plate elements).
+        reinterpreted_ndim: trailing batch dims summed as event dims.
+    """
+
+    name: str
+    dist_name: str
+    observed: bool
+    neighbours: tuple
+    discrete: tuple
+    estimator: str
+    rule: Any
+    arg_kinds: tuple
+    arg_blocks: tuple
+    columns: tuple
+    reinterpreted_ndim: int
+
+    @property
+    def kinds(self) -> dict:
+        return dict(self.arg_kinds)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Static description of a compiled model: what is fitted and how.
+
+    Attributes:
+        blocks: the latent blocks, in model order.
+        factors: the factors, in model order.
+        order: the order in which the sequential schedule updates blocks.
+        conjugate: per block, whether every factor's message to it is independent of its
+            own parameters (then ρ = 1 is an exact coordinate step).
+    """
+
+    blocks: tuple
+    factors: tuple
+    order: tuple
+    conjugate: tuple = ()
+
+    def block(self, name: str) -> Block:
+        for b in self.blocks:
+            if b.name == name:
+                return b
+        raise KeyError(name)
+
+    def factors_of(self, name: str) -> tuple:
+        return tuple(f for f in self.factors if name in f.neighbours)
+
+    def describe(self) -> str:
+        """A readable table of blocks (site, family, shape) and factors (site, distribution,
+        neighbours, estimator)."""
+        conj = dict(self.conjugate)
+        rows = [("block", "family", "shape", "size", "conjugate")]
+        for b in self.blocks:
+            rows.append((b.name, b.kind, str(b.value_shape), str(b.size), str(conj.get(b.name, "-"))))
+        out = _table(rows)
+        rows = [("factor", "distribution", "neighbours", "estimator", "arguments")]
+        for f in self.factors:
+            args = ", ".join(f"{k}:{v}" for k, v in f.arg_kinds)
+            rows.append((f.name, f.dist_name, ", ".join(f.neighbours) or "-", f.estimator, args))
+        return out + "\n\n" + _table(rows)
+
+    def __str__(self) -> str:
+        return self.describe()
+
+
+def _table(rows) -> str:
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
+    lines = []
+    for k, r in enumerate(rows):
+        lines.append("  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip())
+        if k == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)

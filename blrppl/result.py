@@ -1,0 +1,140 @@
+"""The result of a fit: posteriors per site, draws, summary, ELBO trace."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpyro.distributions as dist
+from numpyro.distributions import constraints
+
+from blrppl.graph.plan import Block, Plan
+
+
+class _SiteLayout(dist.Distribution):
+    """A canonical-layout posterior seen in a site's value layout (reshape / transpose)."""
+
+    def __init__(self, inner: dist.Distribution, block: Block):
+        self.inner = inner
+        self.block = block
+        batch = ()
+        super().__init__(batch_shape=batch, event_shape=tuple(block.value_shape), validate_args=False)
+
+    @property
+    def support(self):
+        return constraints.independent(constraints.real, len(self.block.value_shape))
+
+    def sample(self, key, sample_shape=()):
+        return self.block.to_site(self.inner.sample(key, sample_shape))
+
+    def log_prob(self, value):
+        lp = self.inner.log_prob(self.block.to_canonical(value))
+        nb = len(self.block.batch_shape)
+        return jnp.sum(lp, axis=tuple(range(lp.ndim - nb, lp.ndim))) if nb else lp
+
+    @property
+    def mean(self):
+        return self.block.to_site(self.inner.mean)
+
+    @property
+    def variance(self):
+        return self.block.to_site(self.inner.variance)
+
+
+def site_distribution(block: Block, nat, event_ndim: int) -> dist.Distribution:
+    """The posterior of a block as a numpyro distribution in the site's layout."""
+    inner = block.family.to_numpyro(nat)
+    if block.kind == "gaussian":
+        bshape, dim = block.batch_shape, inner.event_shape[-1]
+        if tuple(block.value_shape) == bshape + (dim,) and block.plate_axes == tuple(range(len(bshape))):
+            out = inner
+        elif tuple(block.value_shape) == bshape and block.plate_axes == tuple(range(len(bshape))):
+            out = dist.Normal(inner.loc[..., 0], jnp.sqrt(inner.covariance_matrix[..., 0, 0]))
+        else:
+            return _SiteLayout(inner, block)
+        extra = event_ndim - len(out.event_shape)
+        return out.to_event(extra) if extra > 0 else out
+    if block.discrete:
+        values = np.asarray(block.support_values)
+        if values[0] != 0:
+            return dist.TransformedDistribution(inner, dist.transforms.AffineTransform(values[0], 1.0))
+        return inner
+    extra = event_ndim - len(inner.event_shape)
+    return inner.to_event(extra) if extra > 0 else inner
+
+
+@dataclasses.dataclass
+class BLRResult:
+    """A fitted candidate posterior.
+
+    Attributes:
+        posterior: site name → numpyro distribution in the site's constrained space.
+        elbo: ELBO after every step.
+        num_steps: steps run.
+        converged: whether the convergence test passed.
+        message: why the fit stopped.
+        plan: the compiled plan (``plan.describe()`` prints it).
+        nat: natural parameters per block (the fitted state).
+        compile_time: seconds spent tracing, probing and compiling.
+        run_time: seconds spent in the jitted loop.
+    """
+
+    posterior: dict
+    elbo: np.ndarray
+    num_steps: int
+    converged: bool
+    message: str
+    plan: Plan
+    nat: dict
+    compile_time: float = 0.0
+    run_time: float = 0.0
+    graph: Any = None
+
+    def sample(self, rng_key, num_samples: int) -> dict:
+        """Draws from the posterior: site → array with a leading ``num_samples`` axis."""
+        keys = jax.random.split(rng_key, len(self.posterior))
+        return {
+            name: d.sample(k, (num_samples,)) for k, (name, d) in zip(keys, self.posterior.items())
+        }
+
+    def summary(self, prob: float = 0.9, num_samples: int = 4000, rng_key=None, print_table=True) -> dict:
+        """Mean, sd and central ``prob`` interval of every scalar of every site.
+
+        Returns:
+            site → dict with ``mean``, ``sd``, ``median``, lower and upper quantiles.
+        """
+        rng_key = jax.random.key(0) if rng_key is None else rng_key
+        draws = self.sample(rng_key, num_samples)
+        lo_q, hi_q = 50 * (1 - prob), 50 * (1 + prob)
+        out = {}
+        for name, x in draws.items():
+            x = np.asarray(x, dtype=float)
+            out[name] = {
+                "mean": x.mean(0),
+                "sd": x.std(0),
+                "median": np.median(x, 0),
+                f"{lo_q:.1f}%": np.percentile(x, lo_q, axis=0),
+                f"{hi_q:.1f}%": np.percentile(x, hi_q, axis=0),
+            }
+        if print_table:
+            print(format_summary(out))
+        return out
+
+
+def format_summary(stats: dict) -> str:
+    cols = None
+    rows = []
+    for name, s in stats.items():
+        cols = list(s)
+        mean = np.asarray(s["mean"])
+        for idx in np.ndindex(mean.shape):
+            label = name + (f"[{','.join(map(str, idx))}]" if idx else "")
+            rows.append([label] + [f"{np.asarray(s[c])[idx]:.4g}" for c in cols])
+    header = [""] + (cols or [])
+    widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
+    lines = ["  ".join(h.rjust(w) for h, w in zip(header, widths))]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
+    return "\n".join(lines)
