@@ -1,5 +1,15 @@
-"""blrppl: Bayesian Learning Rule inference for NumPyro models."""
+"""blrppl: Bayesian Learning Rule inference for NumPyro models.
 
+Public names:
+
+* :func:`blr_fit` — fit a model; returns a :class:`BLRResult`.
+* :class:`BLRResult` — posteriors per site, draws, summary, ELBO trace, plan.
+* :mod:`blrppl.families` — the candidate exponential families.
+* the :class:`BLRError` hierarchy.
+"""
+
+from blrppl import families
+from blrppl.api import blr_fit
 from blrppl.errors import (
     BLRError,
     FamilyError,
@@ -8,12 +18,16 @@ from blrppl.errors import (
     UnsupportedFactorError,
     UnsupportedLatentError,
 )
+from blrppl.result import BLRResult
 
 __all__ = [
     "BLRError",
+    "BLRResult",
     "FamilyError",
     "ModelTraceError",
     "ObservedDataError",
     "UnsupportedFactorError",
     "UnsupportedLatentError",
+    "blr_fit",
+    "families",
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Callable
 
@@ -35,42 +36,73 @@ def _split_data(data):
     )
 
 
-def _perturbed_nat(block, nat, key):
-    """A different valid λ for a block (used to test conjugacy)."""
+def _perturbed_nat(block, nat, noise):
+    """A different valid λ for a block (used to test conjugacy); ``noise`` is a standard
+    normal array of the shape of the block's first view leaf."""
     family = block.family
     view = family.view(nat)
     if block.discrete:
-        probs = jax.random.dirichlet(key, jnp.ones(view.probs.shape[-1]), view.probs.shape[:-1])
-        return family.nat_from_view(type(view)(probs))
+        logits = jnp.log(view.probs) + noise
+        return family.nat_from_view(type(view)(jax.nn.softmax(logits, axis=-1)))
     if block.kind == "gaussian":
-        return family.nat_from_view(
-            fam.GaussianView(view.mean + 0.3 * jax.random.normal(key, view.mean.shape), 1.7 * view.cov)
-        )
+        return family.nat_from_view(fam.GaussianView(view.mean + 0.3 * noise, 1.7 * view.cov))
     if block.kind == "gaussian-diag":
-        return family.nat_from_view(
-            fam.DiagGaussianView(view.mean + 0.3 * jax.random.normal(key, view.mean.shape), 1.7 * view.var)
-        )
-    scale = jnp.exp(0.3 * jax.random.normal(key, jax.tree.leaves(view)[0].shape))
-    return family.nat_from_view(type(view)(*[leaf * (1.3 + 0.2 * scale) for leaf in view]))
+        return family.nat_from_view(fam.DiagGaussianView(view.mean + 0.3 * noise, 1.7 * view.var))
+    scale = 1.3 + 0.2 * jnp.exp(0.3 * noise)
+    return family.nat_from_view(type(view)(*[leaf * scale for leaf in view]))
 
 
-def _detect_conjugate(plan, messages, nat, data, key) -> dict:
-    """A block is conjugate when its incoming messages do not change with its own λ."""
-    names = tuple(plan.order)
-    fn = jax.jit(lambda n, d: messages(n, names, d))
-    base = fn(nat, data)
-    tol = 1e-6 if jnp.result_type(float) == jnp.float64 else 1e-3
-    out = {}
-    for key_b, b in zip(jax.random.split(key, len(plan.blocks)), plan.blocks):
-        other = dict(nat)
-        other[b.name] = _perturbed_nat(b, nat[b.name], key_b)
-        moved = fn(other, data)[b.name]
-        same = all(
-            bool(jnp.allclose(x, y, rtol=tol, atol=tol))
-            for x, y in zip(jax.tree.leaves(base[b.name]), jax.tree.leaves(moved))
+def _detect_conjugate(plan, chunk, state, data, rng: np.random.Generator) -> dict:
+    """A block is conjugate when its incoming messages do not change with its own λ.
+
+    One step with ρ = 1 for block b only (ρ = 0 for the others) sets λ_b to the sum of its
+    messages; it is run from the initial state and from the initial state with λ_b moved,
+    with the compiled chunk itself (no extra compilation of the model).
+    """
+    blocks = {b.name: b for b in plan.blocks}
+    names = tuple(n for n in plan.order if not blocks[n].discrete)
+    nat = state.nat
+    shapes = jax.eval_shape(lambda nat: {n: blocks[n].family.view(nat[n]) for n in names}, nat)
+    noise = {n: rng.normal(size=jax.tree.leaves(shapes[n])[0].shape) for n in names}
+    moved = jax.jit(lambda nat, noise: {n: _perturbed_nat(blocks[n], nat[n], noise[n]) for n in names})(
+        nat, noise
+    )
+    dtype = jnp.result_type(float)
+    one = jnp.asarray(1, jnp.int32)
+    tol = 1e-6 if dtype == jnp.float64 else 1e-3
+    out = {n: True for n in plan.order if blocks[n].discrete}
+    for n in names:
+        rho = {m: jnp.asarray(1.0 if m == n else 0.0, dtype) for m in plan.order}
+        first = chunk(state, data, one, rho)[0].nat[n]
+        second = chunk(state._replace(nat={**nat, n: moved[n]}), data, one, rho)[0].nat[n]
+        out[n] = all(
+            bool(np.allclose(x, y, rtol=tol, atol=tol))
+            for x, y in zip(jax.tree.leaves(first), jax.tree.leaves(second))
         )
-        out[b.name] = same
     return out
+
+
+#: below this many data elements, compile time dominates run time and XLA's backend
+#: optimisations are turned off (several times faster to compile)
+SMALL_DATA = 200_000
+
+
+def _compiler_options(data) -> dict | None:
+    size = sum(int(np.prod(jnp.shape(x))) for x in jax.tree.leaves(data))
+    return {"xla_backend_optimization_level": 0} if size < SMALL_DATA else None
+
+
+def _posteriors(plan, records, nat) -> dict:
+    """Posterior distributions of every site, built in one compiled call where possible."""
+    blocks = {b.name: b for b in plan.blocks}
+
+    def build(nat):
+        return {n: site_distribution(b, nat[n], records[n].event_ndim) for n, b in blocks.items()}
+
+    try:
+        return jax.jit(build)(nat)
+    except TypeError:  # a distribution that is not a pytree
+        return build(nat)
 
 
 def blr_fit(
@@ -126,39 +158,47 @@ def blr_fit(
     x64 = jnp.result_type(float) == jnp.float64
     tol = (1e-8 if x64 else 1e-5) if tol is None else float(tol)
     rng_key = jax.random.key(0) if rng_key is None else rng_key
-    k_trace, k_probe, k_init, k_conj = jax.random.split(rng_key, 4)
+    k_trace, k_probe, k_host = jax.random.split(rng_key, 3)
+    rng = np.random.default_rng(np.asarray(jax.random.key_data(k_host)).ravel())
 
-    records = trace_model(model, args, kwargs, k_trace)
+    records, data_spec, dyn_data = trace_model(model, args, kwargs, k_trace)
     plan, fns, dyn_data, init_values, graph = compile_model(
-        model, records, args, kwargs, families=families, rng_key=k_probe
+        model, records, data_spec, dyn_data, families=families, rng_key=k_probe
     )
-    init_keys = jax.random.split(k_init, len(plan.blocks))
-    nat0 = {b.name: init_nat(b, init_values[b.name], k) for b, k in zip(plan.blocks, init_keys)}
+    probs0 = {
+        b.name: rng.dirichlet(np.ones(len(b.support_values)), size=b.value_shape)
+        for b in plan.blocks
+        if b.discrete
+    }
+    blocks = {b.name: b for b in plan.blocks}
+    nat0 = jax.jit(
+        lambda values, probs: {n: init_nat(b, values[n], probs.get(n)) for n, b in blocks.items()}
+    )(init_values, probs0)
 
-    step, elbo_fn, messages = make_step(plan, fns, schedule, lambda n, t: 1.0)
-    if learning_rate is None:
-        conj = _detect_conjugate(plan, messages, nat0, dyn_data, k_conj)
-        rhos = {n: 1.0 if c else NONCONJUGATE_RHO for n, c in conj.items()}
-        rho_fn = lambda n, t: rhos[n]  # noqa: E731
-    elif callable(learning_rate):
-        conj = {}
-        rho_fn = lambda n, t: learning_rate(t)  # noqa: E731
-    else:
-        conj = {}
+    rate_fn = learning_rate if callable(learning_rate) else None
+    if learning_rate is not None and not callable(learning_rate):
         rate = float(learning_rate)
         if not 0.0 < rate <= 1.0:
             raise BLRError(f"learning_rate must be in (0, 1], not {rate}")
-        rho_fn = lambda n, t: rate  # noqa: E731
-    plan = type(plan)(plan.blocks, plan.factors, plan.order, tuple(conj.items()))
-    step, _, _ = make_step(plan, fns, schedule, rho_fn)
-
+    step, _, _ = make_step(plan, fns, schedule, rate_fn)
     chunk_size = min(num_steps, 100)
     chunk = make_chunk(step, chunk_size, tol)
     dtype = jnp.result_type(float)
     state = BLRState(nat=nat0, step=jnp.zeros((), jnp.int32), elbo=jnp.asarray(jnp.nan, dtype))
-    compiled = jax.jit(chunk).lower(state, dyn_data, jnp.asarray(num_steps, jnp.int32)).compile()
+    rho = {n: jnp.asarray(1.0, dtype) for n in plan.order}
+    compiled = (
+        jax.jit(chunk)
+        .lower(state, dyn_data, jnp.asarray(num_steps, jnp.int32), rho)
+        .compile(compiler_options=_compiler_options(dyn_data))
+    )
+    if learning_rate is None:
+        conj = _detect_conjugate(plan, compiled, state, dyn_data, rng)
+        rho = {n: jnp.asarray(1.0 if conj[n] else NONCONJUGATE_RHO, dtype) for n in plan.order}
+        plan = dataclasses.replace(plan, conjugate=tuple(conj.items()))
+    elif not callable(learning_rate):
+        rho = {n: jnp.asarray(rate, dtype) for n in plan.order}
     t1 = time.perf_counter()
-    outcome = run_loop(compiled, state, dyn_data, num_steps, chunk_size, progress_bar)
+    outcome = run_loop(compiled, state, dyn_data, rho, num_steps, chunk_size, progress_bar)
     jax.block_until_ready(outcome.state)
     t2 = time.perf_counter()
 
@@ -177,9 +217,7 @@ def blr_fit(
             "parameters"
         )
     nat = outcome.state.nat
-    posterior = {
-        b.name: site_distribution(b, nat[b.name], records[b.name].event_ndim) for b in plan.blocks
-    }
+    posterior = _posteriors(plan, records, nat)
     return BLRResult(
         posterior=posterior,
         elbo=np.asarray(outcome.elbo),

@@ -20,7 +20,7 @@ sign patterns over plate elements: the squared directional derivative is the sam
 every pattern exactly when a single element contributes. Dense Gaussian blocks whose
 elements mix (e.g. a sum over a plate) use one column per scalar of the block instead.
 
-At run time :func:`argument_moments` builds the moment objects of :mod:`blrppl.moments`
+At run time :func:`group_moments` builds the moment objects of :mod:`blrppl.moments`
 from the blocks' ``view`` parameters with one ``jax.linearize`` of the model per factor:
 means of affine arguments are values at the block means and their covariance columns are
 JVPs along the block's covariance columns; gathered Gamma/Beta/Dirichlet parameters are
@@ -37,8 +37,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from numpyro import handlers
+from numpyro.primitives import Messenger
 
 from blrppl import moments as mom
+from blrppl.graph.data import DataSpec
 from blrppl.graph.plan import Block
 from blrppl.graph.trace import unwrap
 
@@ -49,37 +51,31 @@ _NUM_SIGN_PATTERNS = 16
 _NUM_PROBES = 2
 
 
-@dataclasses.dataclass(frozen=True)
-class DataSpec:
-    """Splits model arguments into array leaves (passed to jit) and static leaves."""
+class _Collected(Exception):
+    """Raised to stop the model once every wanted site has run."""
 
-    treedef: Any
-    static: tuple  # (index, value) of non-array leaves
 
-    @staticmethod
-    def split(args, kwargs):
-        leaves, treedef = jax.tree.flatten((tuple(args), dict(kwargs)), is_leaf=lambda x: x is None)
-        dynamic, static = [], []
-        for i, leaf in enumerate(leaves):
-            if isinstance(leaf, (jax.Array, np.ndarray)) and not isinstance(leaf, np.generic):
-                dynamic.append(jnp.asarray(leaf))
-            else:
-                static.append((i, leaf))
-        return DataSpec(treedef, tuple(static)), tuple(dynamic)
+class _StopAfter(Messenger):
+    """Collects the messages of the wanted sites and stops the model after the last one."""
 
-    def merge(self, dynamic):
-        n = len(dynamic) + len(self.static)
-        leaves = [None] * n
-        static = dict(self.static)
-        it = iter(dynamic)
-        for i in range(n):
-            leaves[i] = static[i] if i in static else next(it)
-        args, kwargs = jax.tree.unflatten(self.treedef, leaves)
-        return args, kwargs
+    def __init__(self, fn, names):
+        super().__init__(fn)
+        self.remaining = set(names)
+        self.sites = {}
+
+    def postprocess_message(self, msg):
+        if msg.get("name") in self.remaining:
+            self.sites[msg["name"]] = {k: msg[k] for k in ("fn", "value", "scale")}
+            self.remaining.discard(msg["name"])
+            if not self.remaining:
+                raise _Collected
 
 
 class ModelFunctions:
-    """Evaluates a factor's arguments as a function of the latent values.
+    """Evaluates factors' arguments as a function of the latent values.
+
+    The model is re-run with the latent values substituted and stopped as soon as the last
+    wanted site has run, so a factor early in the model does not pay for the rest of it.
 
     Args:
         model: the numpyro model.
@@ -93,54 +89,68 @@ class ModelFunctions:
         self.data_spec = data_spec
         self.fill_values = fill_values
 
-    def site(self, name: str, values: dict, data):
-        """Run the model with ``values`` substituted and return the site's trace entry."""
+    def sites(self, names, values: dict, data) -> dict:
+        """Run the model with ``values`` substituted; the messages of the sites ``names``."""
         args, kwargs = self.data_spec.merge(data)
         full = dict(self.fill_values)
         full.update(values)
         model = handlers.substitute(handlers.seed(self.model, 0), data=full)
-        tr = handlers.trace(model).get_trace(*args, **kwargs)
-        return tr[name]
+        stopper = _StopAfter(model, names)
+        try:
+            stopper(*args, **kwargs)
+        except _Collected:
+            pass
+        return stopper.sites
+
+    def args_of(self, wanted: dict, values: dict, data) -> dict:
+        """Rule arguments and value of several sites: ``wanted`` maps site → argument names."""
+        sites = self.sites(tuple(wanted), values, data)
+        out = {}
+        for name, arg_names in wanted.items():
+            base, _, _ = unwrap(sites[name]["fn"])
+            args = {a: jnp.asarray(getattr(base, a)) for a in arg_names}
+            args["value"] = jnp.asarray(sites[name]["value"])
+            out[name] = args
+        return out
 
     def factor_args(self, name: str, arg_names, values: dict, data) -> dict:
         """The rule arguments and value of site ``name`` (unwrapped distribution)."""
-        site = self.site(name, values, data)
-        base, _, _ = unwrap(site["fn"])
-        out = {a: jnp.asarray(getattr(base, a)) for a in arg_names}
-        out["value"] = jnp.asarray(site["value"])
-        return out
+        return self.args_of({name: arg_names}, values, data)[name]
 
-    def factor_weight(self, name: str, data):
-        """Mask and scale of site ``name`` (do not depend on latent values)."""
-        site = self.site(name, {}, data)
-        _, _, mask = unwrap(site["fn"])
-        return mask, site.get("scale")
+    def factor_weights(self, names, data) -> dict:
+        """Mask and scale of each site (they do not depend on latent values)."""
+        sites = self.sites(tuple(names), {}, data)
+        out = {}
+        for name in names:
+            _, _, mask = unwrap(sites[name]["fn"])
+            out[name] = (mask, sites[name].get("scale"))
+        return out
 
 
 # -- probing -----------------------------------------------------------------------------
 
 
-def random_point(block: Block, key) -> jax.Array:
-    """A random value of a block's site, inside its support."""
+def random_point(block: Block, rng: np.random.Generator) -> np.ndarray:
+    """A random value of a block's site, inside its support (host-side numpy)."""
     shape = block.value_shape
     if block.discrete:
-        vals = jnp.asarray(block.support_values)
-        return vals[jax.random.randint(key, shape, 0, len(vals))]
+        return rng.choice(np.asarray(block.support_values), size=shape)
     if block.kind in ("gaussian", "gaussian-diag"):
-        return jax.random.normal(key, shape)
+        return rng.normal(size=shape)
     if block.kind == "gamma":
-        return jnp.exp(0.5 * jax.random.normal(key, shape))
+        return np.exp(0.5 * rng.normal(size=shape))
     if block.kind == "beta":
-        return jax.random.uniform(key, shape, minval=0.2, maxval=0.8)
+        return rng.uniform(0.2, 0.8, size=shape)
     if block.kind == "dirichlet":
-        return jax.random.dirichlet(key, jnp.ones(shape[-1]), shape[:-1])
+        return rng.dirichlet(np.ones(shape[-1]), size=shape[:-1])
     raise ValueError(block.kind)
 
 
 def _second_derivative(fn, point, tangent):
+    """d²/ds² fn(point + s·tangent) at s = 0 (forward over forward: exact zeros for affine fn)."""
+
     def first(s):
-        shifted = jax.tree.map(lambda p, t: p + s * t, point, tangent)
-        return fn(shifted)
+        return fn(jax.tree.map(lambda p, t: p + s * t, point, tangent))
 
     def d1(s):
         return jax.jvp(first, (s,), (jnp.ones_like(s),))[1]
@@ -149,36 +159,20 @@ def _second_derivative(fn, point, tangent):
     return jax.jvp(d1, (s0,), (jnp.ones_like(s0),))[1]
 
 
-def _is_gather(fn, point, name, block: Block, key, elementwise: bool) -> bool:
-    """Whether each output element of ``fn`` uses one plate element (or, if ``elementwise``,
-    one scalar) of ``block``."""
+def _sign_tangents(block: Block, rng: np.random.Generator, elementwise: bool):
+    """Random sign patterns over the block's elements (or plate elements), site layout."""
     if elementwise:
-        shape = block.value_shape
-        if math.prod(shape) <= 1:
-            return True
-    else:
-        if math.prod(block.batch_shape) <= 1:
-            return True
-    k1, k2 = jax.random.split(key)
-    if elementwise:
-        signs = jax.random.rademacher(k1, (_NUM_SIGN_PATTERNS,) + block.value_shape).astype(float)
-        scales = jnp.exp(0.3 * jax.random.normal(k2, block.value_shape))
-        tangents = signs * scales
-    else:
-        bshape = block.batch_shape
-        dim = math.prod(block.value_shape) // max(math.prod(bshape), 1)
-        signs = jax.random.rademacher(k1, (_NUM_SIGN_PATTERNS,) + bshape + (1,)).astype(float)
-        direction = jax.random.normal(k2, (dim,))
-        tangents = jax.vmap(block.to_site)(signs * direction)
+        signs = rng.choice([-1.0, 1.0], size=(_NUM_SIGN_PATTERNS,) + block.value_shape)
+        return signs * np.exp(0.3 * rng.normal(size=block.value_shape))
+    bshape = block.batch_shape
+    dim = math.prod(block.value_shape) // max(math.prod(bshape), 1)
+    signs = rng.choice([-1.0, 1.0], size=(_NUM_SIGN_PATTERNS,) + bshape + (1,))
+    canon = signs * rng.normal(size=(dim,))
+    return np.stack([block.to_site(c) for c in canon])
 
-    def jvp_of(t):
-        return jax.jvp(lambda x: fn({**point, name: x}), (point[name],), (t,))[1]
 
-    outs = jax.vmap(jvp_of)(tangents)
-    sq = jnp.square(outs)
-    ref = sq[0]
-    tol = 1e-5 if sq.dtype == jnp.float64 else 1e-3
-    return bool(jnp.all(jnp.abs(sq - ref) <= tol * (jnp.abs(ref) + 1e-12)))
+def _needs_gather_test(block: Block, elementwise: bool) -> bool:
+    return math.prod(block.value_shape if elementwise else block.batch_shape) > 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,98 +192,188 @@ class ArgumentClass:
     reason: str = ""
 
 
-def classify_argument(
-    fn: Callable[[dict], jax.Array],
-    deps: frozenset,
-    blocks: dict,
-    key,
-) -> ArgumentClass:
-    """Classify ``fn`` (a function of site values) by probing it at random points.
+@dataclasses.dataclass
+class ArgumentProbe:
+    """Probes of one argument: host-side random inputs, a traceable computation of the probe
+    values, and the decision taken from them.
+
+    ``compute(inputs, data)`` is pure JAX so that the probes of every argument of a model run
+    in one compiled call; ``decide(outputs)`` runs on the host.
+    """
+
+    group: str
+    cont: tuple
+    inputs: dict
+    compute: Callable | None
+    decide: Callable
+
+
+def probe_argument(fn, deps: frozenset, blocks: dict, rng: np.random.Generator) -> ArgumentProbe:
+    """Plan the probes that classify ``fn(values, data)`` (a function of latent site values).
 
     Args:
-        fn: maps a dict of latent site values (those in ``deps``) to the argument.
+        fn: maps (dict of latent site values, data) to the argument.
         deps: names of the blocks the argument depends on (structurally).
         blocks: name → :class:`Block` for every latent site.
-        key: PRNG key for the probes.
+        rng: host random generator for probe points.
     """
     cont = tuple(n for n in deps if not blocks[n].discrete)
     disc = tuple(n for n in deps if blocks[n].discrete)
     if not cont:
-        return ArgumentClass("const", ())
+        return ArgumentProbe("const", (), {}, None, lambda out: ArgumentClass("const", ()))
     kinds = {blocks[n].kind for n in cont}
-    keys = jax.random.split(key, _NUM_PROBES * 4)
-
-    def probe_point(k):
-        ks = jax.random.split(k, len(deps))
-        return {n: random_point(blocks[n], kk) for n, kk in zip(cont + disc, ks)}
-
     if kinds <= {"gaussian", "gaussian-diag"}:
-        full = set()
-        for p in range(_NUM_PROBES):
-            point = probe_point(keys[4 * p])
-            tks = jax.random.split(keys[4 * p + 1], len(cont))
-            tangent = {n: jax.random.normal(k, blocks[n].value_shape) for n, k in zip(cont, tks)}
+        group = "gaussian"
+    elif len(cont) == 1 and blocks[cont[0]].kind in ("gamma", "beta", "dirichlet"):
+        group = blocks[cont[0]].kind
+    else:
+        reason = "depends on several non-Gaussian blocks" if len(cont) > 1 else "unsupported block"
+        return ArgumentProbe(
+            "opaque", cont, {}, None, lambda out: ArgumentClass("opaque", cont, reason=reason)
+        )
+
+    inputs = {"points": [], "tangents": [], "signs": []}
+    for _ in range(_NUM_PROBES):
+        inputs["points"].append({n: random_point(blocks[n], rng) for n in cont + disc})
+        inputs["tangents"].append({n: rng.normal(size=blocks[n].value_shape) for n in cont})
+        signs = {}
+        for n in cont:
+            elementwise = group != "gaussian" or blocks[n].kind != "gaussian"
+            if _needs_gather_test(blocks[n], elementwise):
+                signs[n] = _sign_tangents(blocks[n], rng, elementwise)
+        inputs["signs"].append(signs)
+    if group == "gaussian":
+        compute, decide = _gaussian_probe(fn, cont, blocks)
+    elif group == "gamma":
+        compute, decide = _gamma_probe(fn, cont[0])
+    else:
+        compute, decide = _identity_probe(fn, cont[0], group)
+    return ArgumentProbe(group, cont, inputs, compute, decide)
+
+
+def _gather_ok(sq) -> bool:
+    sq = np.asarray(sq)
+    ref = sq[0]
+    tol = 1e-5 if sq.dtype == np.float64 else 1e-3
+    return bool(np.all(np.abs(sq - ref) <= tol * (np.abs(ref) + 1e-12)))
+
+
+def _jvp_squares(fn, point, name, tangents, data):
+    def jvp_of(t):
+        return jax.jvp(lambda x: fn({**point, name: x}, data), (point[name],), (t,))[1]
+
+    return jnp.square(jax.vmap(jvp_of)(tangents))
+
+
+def _gaussian_probe(fn, cont, blocks):
+    def compute(inputs, data):
+        out = []
+        for point, tangent, signs in zip(inputs["points"], inputs["tangents"], inputs["signs"]):
 
             def restricted(x, point=point):
-                return fn({**point, **x})
+                return fn({**point, **x}, data)
 
             d2 = _second_derivative(restricted, {n: point[n] for n in cont}, tangent)
-            if not bool(jnp.all(d2 == 0)):
+            sq = {n: _jvp_squares(fn, point, n, signs[n], data) for n in signs}
+            out.append({"d2": d2, "sq": sq})
+        return out
+
+    def decide(outputs):
+        full = set()
+        for o in outputs:
+            if not bool(np.all(np.asarray(o["d2"]) == 0)):
                 return ArgumentClass("opaque", cont, reason="not affine in its Gaussian blocks")
-            for n in cont:
-                if not _is_gather(fn, point, n, blocks[n], keys[4 * p + 2], blocks[n].kind != "gaussian"):
-                    full.add(n)
+            full.update(n for n, sq in o["sq"].items() if not _gather_ok(sq))
         for n in full:
             if blocks[n].size > MAX_FULL_COLUMNS:
-                return ArgumentClass(
-                    "opaque", cont, reason=f"mixes the elements of the large block '{n}'"
-                )
+                return ArgumentClass("opaque", cont, reason=f"mixes the elements of the large block '{n}'")
         return ArgumentClass("affine_gaussian", cont, tuple(sorted(full)))
 
-    if len(cont) != 1:
-        return ArgumentClass("opaque", cont, reason="depends on several non-Gaussian blocks")
-    (name,) = cont
-    block = blocks[name]
-    if block.kind == "gamma":
-        for p in range(_NUM_PROBES):
-            point = probe_point(keys[4 * p])
+    return compute, decide
+
+
+def _gamma_probe(fn, name):
+    def compute(inputs, data):
+        out = []
+        for point, tangent, signs in zip(inputs["points"], inputs["tangents"], inputs["signs"]):
 
             def log_fn(u, point=point):
-                return jnp.log(fn({**point, name: jnp.exp(u[name])}))
+                return jnp.log(fn({**point, name: jnp.exp(u[name])}, data))
 
             u0 = {name: jnp.log(point[name])}
-            val = fn(point)
-            if not bool(jnp.all(val > 0)):
-                return ArgumentClass("opaque", cont, reason="not positive")
-            tangent = {name: jax.random.normal(keys[4 * p + 1], block.value_shape)}
-            d2 = _second_derivative(log_fn, u0, tangent)
-            if not bool(jnp.all(jnp.abs(d2) <= 1e-6 * (1 + jnp.abs(val)))):
-                return ArgumentClass("opaque", cont, reason="not a power of its Gamma block")
-            log_point = {**point, name: u0[name]}
-            if not _is_gather(lambda v: log_fn({name: v[name]}), log_point, name, block, keys[4 * p + 2], True):
-                return ArgumentClass("opaque", cont, reason="mixes elements of its Gamma block")
-        return ArgumentClass("power_gamma", cont)
+            val = fn(point, data)
+            d2 = _second_derivative(log_fn, u0, {name: tangent[name]})
+            o = {"val": val, "d2": d2}
+            if name in signs:
+                log_point = {**point, name: u0[name]}
+                o["sq"] = _jvp_squares(lambda v, d: log_fn({name: v[name]}), log_point, name, signs[name], data)
+            out.append(o)
+        return out
 
-    if block.kind in ("beta", "dirichlet"):
-        for p in range(_NUM_PROBES):
-            point = probe_point(keys[4 * p])
+    def decide(outputs):
+        for o in outputs:
+            val = np.asarray(o["val"])
+            if not np.all(val > 0):
+                return ArgumentClass("opaque", (name,), reason="not positive")
+            if not np.all(np.abs(np.asarray(o["d2"])) <= 1e-6 * (1 + np.abs(val))):
+                return ArgumentClass("opaque", (name,), reason="not a power of its Gamma block")
+            if "sq" in o and not _gather_ok(o["sq"]):
+                return ArgumentClass("opaque", (name,), reason="mixes elements of its Gamma block")
+        return ArgumentClass("power_gamma", (name,))
+
+    return compute, decide
+
+
+def _identity_probe(fn, name, kind):
+    def compute(inputs, data):
+        out = []
+        for point, signs in zip(inputs["points"], inputs["signs"]):
             x = point[name]
 
             def lin_fn(v, point=point):
-                return fn({**point, name: v})
+                return fn({**point, name: v}, data)
 
             val, slope_x = jax.jvp(lin_fn, (x,), (x,))
             _, slope_1 = jax.jvp(lin_fn, (x,), (jnp.ones_like(x),))
-            ok = bool(jnp.allclose(val, slope_x, rtol=1e-6, atol=1e-9)) and bool(
-                jnp.allclose(slope_1, 1.0, rtol=1e-6)
+            o = {"val": val, "slope_x": slope_x, "slope_1": slope_1}
+            if name in signs:
+                o["sq"] = _jvp_squares(fn, point, name, signs[name], data)
+            out.append(o)
+        return out
+
+    def decide(outputs):
+        for o in outputs:
+            ok = np.allclose(o["val"], o["slope_x"], rtol=1e-6, atol=1e-9) and np.allclose(
+                o["slope_1"], 1.0, rtol=1e-6
             )
             if not ok:
-                return ArgumentClass("opaque", cont, reason=f"not the {block.kind} block itself")
-            if not _is_gather(fn, point, name, block, keys[4 * p + 2], True):
-                return ArgumentClass("opaque", cont, reason=f"mixes elements of its {block.kind} block")
-        return ArgumentClass(block.kind, cont)
+                return ArgumentClass("opaque", (name,), reason=f"not the {kind} block itself")
+            if "sq" in o and not _gather_ok(o["sq"]):
+                return ArgumentClass("opaque", (name,), reason=f"mixes elements of its {kind} block")
+        return ArgumentClass(kind, (name,))
 
-    return ArgumentClass("opaque", cont, reason=f"depends on a {block.kind} block")
+    return compute, decide
+
+
+def run_probes(probes: dict, data) -> dict:
+    """Run the probes of many arguments in one compiled call and classify each.
+
+    Args:
+        probes: key → :class:`ArgumentProbe`.
+        data: dynamic model data.
+
+    Returns:
+        key → :class:`ArgumentClass`.
+    """
+    active = {k: p for k, p in probes.items() if p.compute is not None}
+
+    def compute_all(inputs, data):
+        return {k: active[k].compute(inputs[k], data) for k in active}
+
+    outputs = {}
+    if active:
+        outputs = jax.jit(compute_all)({k: p.inputs for k, p in active.items()}, data)
+    return {k: p.decide(outputs.get(k)) for k, p in probes.items()}
 
 
 # -- moments at run time ------------------------------------------------------------------
@@ -324,95 +408,115 @@ def gaussian_columns(block: Block, view, full: bool):
     return jax.vmap(block.to_site)(eye), jax.vmap(block.to_site)(right)
 
 
-def argument_moments(
-    fns: ModelFunctions,
-    factor,
-    blocks: dict,
-    views: dict,
-    discrete_values: dict,
-    data,
-) -> dict:
-    """Moment objects of every argument (and the value) of ``factor``.
+def _base_point(block: Block, view):
+    """Where the model is linearised: Gaussian blocks at their mean, Gamma blocks at
+    log τ = 0 (so a power c·τ^a reads c), Beta/Dirichlet blocks at their mean."""
+    if block.kind == "gaussian":
+        return block.to_site(view.mean)
+    if block.kind == "gaussian-diag":
+        return view.mean
+    if block.kind == "gamma":
+        return jnp.zeros(block.value_shape, view.shape.dtype)
+    if block.kind == "beta":
+        return view.alpha / (view.alpha + view.beta)
+    return view.concentration / view.concentration.sum(-1, keepdims=True)
+
+
+def _tangent_sets(block: Block, view, full: bool) -> dict:
+    """Stacks of tangents (site layout) to push through the linearised model."""
+    if block.kind in ("gaussian", "gaussian-diag"):
+        left, right = gaussian_columns(block, view, full)
+        return {"left": left, "right": right}
+    if block.kind == "gamma":
+        ones = jnp.ones(block.value_shape, view.shape.dtype)
+        return {"gamma": jnp.stack([ones, view.shape, view.rate])}
+    if block.kind == "beta":
+        return {"beta": jnp.stack([view.alpha, view.beta])}
+    a = view.concentration
+    total = jnp.broadcast_to(a.sum(-1, keepdims=True), a.shape)
+    return {"dirichlet": jnp.stack([a, total])}
+
+
+def group_moments(fns: ModelFunctions, factors, blocks: dict, views: dict, discrete_values: dict, data) -> dict:
+    """Moment objects of every argument (and value) of several factors, from one
+    linearisation of the model and one batched JVP.
 
     Args:
         fns: model evaluation functions.
-        factor: the :class:`blrppl.graph.plan.Factor`.
+        factors: :class:`blrppl.graph.plan.Factor` objects sharing their discrete neighbours.
         blocks: name → Block.
-        views: name → the block's ``view`` (parameters the moments are differentiable in).
+        views: name → the block's ``view`` (the moments are differentiable in these).
         discrete_values: name → site value of each enumerated discrete neighbour.
         data: dynamic model data.
+
+    Returns:
+        factor name → {argument → moment object}.
     """
-    cont = [n for n in factor.neighbours if n not in factor.discrete]
-    point = {}
-    for n in cont:
-        b, v = blocks[n], views[n]
-        if b.kind == "gaussian":
-            point[n] = b.to_site(v.mean)
-        elif b.kind == "gaussian-diag":
-            point[n] = v.mean
-        elif b.kind == "gamma":
-            point[n] = jnp.zeros(b.value_shape, v.shape.dtype)  # u = log τ = 0
-        elif b.kind == "beta":
-            point[n] = v.alpha / (v.alpha + v.beta)
-        elif b.kind == "dirichlet":
-            point[n] = v.concentration / v.concentration.sum(-1, keepdims=True)
+    cont = []
+    for f in factors:
+        cont += [n for n in f.neighbours if n not in f.discrete and n not in cont]
+    gamma_names = {n for n in cont if blocks[n].kind == "gamma"}
+    wanted = {f.name: f.rule.arg_names for f in factors}
+    point = {n: _base_point(blocks[n], views[n]) for n in cont}
 
-    gamma_names = [n for n in cont if blocks[n].kind == "gamma"]
-    arg_names = factor.rule.arg_names
-
-    def f(x):
+    def model_args(x):
         vals = dict(discrete_values)
         for n in cont:
             vals[n] = jnp.exp(x[n]) if n in gamma_names else x[n]
-        return fns.factor_args(factor.name, arg_names, vals, data)
+        return fns.args_of(wanted, vals, data)
 
-    out, lin = jax.linearize(f, point)
-    zeros = {n: jnp.zeros_like(p) for n, p in point.items()}
+    if not cont:
+        out = model_args({})
+        return {f.name: {a: mom.Const(v) for a, v in out[f.name].items()} for f in factors}
 
-    def lin_block(n, t):
-        return lin({**zeros, n: t})
+    out, lin = jax.linearize(model_args, point)
+    full = {n for f in factors for n, mode in f.columns if mode == "full"}
+    # one batched JVP for every tangent of every block: rows [start, stop) belong to a set
+    sets = {n: _tangent_sets(blocks[n], views[n], n in full) for n in cont}
+    rows, tangents, total = {}, {}, 0
+    for n in cont:
+        for tag, stack in sets[n].items():
+            rows[(n, tag)] = (total, total + stack.shape[0])
+            total += stack.shape[0]
+    for n in cont:
+        parts = []
+        for (m, tag), (lo, hi) in rows.items():
+            if m == n:
+                parts.append(sets[n][tag])
+            else:
+                parts.append(jnp.zeros((hi - lo,) + point[n].shape, point[n].dtype))
+        tangents[n] = jnp.concatenate(parts, axis=0)
+    pushed = jax.vmap(lin)(tangents)
 
-    kinds = factor.kinds
-    arg_blocks = dict(factor.arg_blocks)
+    def rows_of(n, tag, fname, arg):
+        lo, hi = rows[(n, tag)]
+        return pushed[fname][arg][lo:hi]
+
     gauss = [n for n in cont if blocks[n].kind in ("gaussian", "gaussian-diag")]
-    full = {n for n, mode in factor.columns if mode == "full"}
-    columns = {}
-    for n in gauss:
-        left_t, right_t = gaussian_columns(blocks[n], views[n], n in full)
-        columns[n] = (
-            jax.vmap(lambda t, n=n: lin_block(n, t))(left_t),
-            jax.vmap(lambda t, n=n: lin_block(n, t))(right_t),
-        )
     result = {}
-    for arg in ("value",) + tuple(arg_names):
-        kind = kinds[arg]
-        value = out[arg]
-        if kind == "const":
-            result[arg] = mom.Const(value)
-        elif kind == "affine_gaussian":
+    for f in factors:
+        kinds, arg_blocks = f.kinds, dict(f.arg_blocks)
+        fgauss = [n for n in f.neighbours if n in gauss]
+        moments = {}
+        for arg in ("value",) + tuple(f.rule.arg_names):
+            kind, value = kinds[arg], out[f.name][arg]
             used = arg_blocks[arg]
-            left = tuple(columns[n][0][arg] if n in used else None for n in gauss)
-            right = tuple(columns[n][1][arg] if n in used else None for n in gauss)
-            result[arg] = mom.AffineGaussian(value, left, right)
-        elif kind == "power_gamma":
-            (n,) = arg_blocks[arg]
-            v = views[n]
-            slope = lin_block(n, jnp.ones(blocks[n].value_shape, value.dtype))[arg]
-            result[arg] = mom.PowerGamma(
-                coef=value,
-                power=slope / value,
-                shape_param=lin_block(n, v.shape)[arg] / slope,
-                rate=lin_block(n, v.rate)[arg] / slope,
-            )
-        elif kind == "beta":
-            (n,) = arg_blocks[arg]
-            v = views[n]
-            result[arg] = mom.BetaIdentity(lin_block(n, v.alpha)[arg], lin_block(n, v.beta)[arg])
-        elif kind == "dirichlet":
-            (n,) = arg_blocks[arg]
-            a = views[n].concentration
-            total = jnp.broadcast_to(a.sum(-1, keepdims=True), a.shape)
-            result[arg] = mom.DirichletIdentity(lin_block(n, a)[arg], lin_block(n, total)[arg])
-        else:
-            raise ValueError(f"factor '{factor.name}': argument '{arg}' is {kind}")
+            if kind == "const":
+                moments[arg] = mom.Const(value)
+            elif kind == "affine_gaussian":
+                left = tuple(rows_of(n, "left", f.name, arg) if n in used else None for n in fgauss)
+                right = tuple(rows_of(n, "right", f.name, arg) if n in used else None for n in fgauss)
+                moments[arg] = mom.AffineGaussian(value, left, right)
+            elif kind == "power_gamma":
+                slope, shape_t, rate_t = rows_of(used[0], "gamma", f.name, arg)
+                moments[arg] = mom.PowerGamma(value, slope / value, shape_t / slope, rate_t / slope)
+            elif kind == "beta":
+                alpha, beta = rows_of(used[0], "beta", f.name, arg)
+                moments[arg] = mom.BetaIdentity(alpha, beta)
+            elif kind == "dirichlet":
+                conc, tot = rows_of(used[0], "dirichlet", f.name, arg)
+                moments[arg] = mom.DirichletIdentity(conc, tot)
+            else:
+                raise ValueError(f"factor '{f.name}': argument '{arg}' is {kind}")
+        result[f.name] = moments
     return result

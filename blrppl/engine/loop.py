@@ -39,10 +39,11 @@ def _all_finite(tree) -> jax.Array:
 
 
 def make_chunk(step, chunk_size: int, tol: float):
-    """``chunk(state, data, steps_left) -> (state, elbo buffer, steps run, stop code, invalid)``."""
+    """``chunk(state, data, steps_left, rho) -> (state, elbo buffer, steps run, stop code,
+    invalid steps)``; ``rho`` is the per-block step-size dict passed to ``step``."""
     param_tol = math.sqrt(tol)
 
-    def chunk(state, data, steps_left):
+    def chunk(state, data, steps_left, rho):
         dtype = jnp.result_type(float)
         buf = jnp.full((chunk_size,), jnp.nan, dtype)
         limit = jnp.minimum(steps_left, chunk_size)
@@ -53,7 +54,7 @@ def make_chunk(step, chunk_size: int, tol: float):
 
         def body(carry):
             st, i, buf, _, invalid = carry
-            new, info = step(st, data)
+            new, info = step(st, data, rho)
             finite = jnp.isfinite(info.elbo) & _all_finite(new.nat)
             change = jnp.abs(info.elbo - st.elbo) <= tol * jnp.maximum(1.0, jnp.abs(info.elbo))
             conv = finite & change & (info.max_delta <= param_tol) & (st.step > 0)
@@ -71,7 +72,7 @@ def make_chunk(step, chunk_size: int, tol: float):
     return chunk
 
 
-def run_loop(chunk_fn, state: BLRState, data, num_steps: int, chunk_size: int, progress_bar: bool):
+def run_loop(chunk_fn, state: BLRState, data, rho, num_steps: int, chunk_size: int, progress_bar: bool):
     """Run chunks until convergence, a stop, or ``num_steps``."""
     elbos, total, stop, invalid = [], 0, CONTINUE, 0
     bar = None
@@ -83,7 +84,7 @@ def run_loop(chunk_fn, state: BLRState, data, num_steps: int, chunk_size: int, p
         except ImportError:  # pragma: no cover
             bar = None
     while total < num_steps and stop == CONTINUE:
-        state, buf, n, stop_arr, inv = chunk_fn(state, data, jnp.asarray(num_steps - total, jnp.int32))
+        state, buf, n, stop_arr, inv = chunk_fn(state, data, jnp.asarray(num_steps - total, jnp.int32), rho)
         n = int(n)
         elbos.append(np.asarray(buf)[:n])
         total += n

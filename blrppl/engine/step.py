@@ -17,7 +17,7 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from blrppl.estimators.enumeration import expected_log_factor
+from blrppl.estimators.enumeration import expected_log_factors
 
 
 class BLRState(NamedTuple):
@@ -45,11 +45,8 @@ def make_objective(plan, fns):
     blocks = {b.name: b for b in plan.blocks}
 
     def objective(views, data, factor_names=None):
-        total = 0.0
-        for f in plan.factors:
-            if factor_names is None or f.name in factor_names:
-                total = total + expected_log_factor(fns, f, blocks, views, data)
-        return total
+        factors = [f for f in plan.factors if factor_names is None or f.name in factor_names]
+        return expected_log_factors(fns, factors, blocks, views, data)
 
     return objective
 
@@ -93,15 +90,20 @@ def _update_block(family, nat_old, message, rho, max_halvings):
     return jax.tree.map(lambda a, b: jnp.where(ok, b, a), nat_old, new), ok
 
 
-def make_step(plan, fns, schedule: str, rho_fn: Callable, max_halvings: int = 30):
-    """Build ``step(state, data) -> (state, info)``.
+def make_step(plan, fns, schedule: str, rate_fn: Callable | None = None, max_halvings: int = 30):
+    """Build ``step(state, data, rho) -> (state, info)``.
+
+    The step size of block b at step t is ρ_b(t) = ``rho[b]`` · ``rate_fn(t)``: ``rho`` is a
+    dict of scalars passed at run time (so that one compiled step serves every choice of
+    per-block step sizes), ``rate_fn`` a static schedule (constant 1 by default).
 
     Args:
         plan: the compiled plan.
         fns: model functions.
         schedule: ``"sequential"`` or ``"parallel"``.
-        rho_fn: ``rho_fn(block_name, step) -> ρ``.
+        rate_fn: optional callable of the step number.
     """
+    rate_fn = rate_fn or (lambda t: 1.0)
     objective = make_objective(plan, fns)
     elbo_fn = make_elbo(plan, fns)
     blocks = {b.name: b for b in plan.blocks}
@@ -117,19 +119,20 @@ def make_step(plan, fns, schedule: str, rho_fn: Callable, max_halvings: int = 30
         grads = jax.grad(obj)({n: views[n] for n in names})
         return {n: blocks[n].family.message_from_view_grad(nat[n], grads[n]) for n in names}
 
-    def step(state, data):
+    def step(state, data, rho):
         nat = dict(state.nat)
         valid = jnp.array(True)
+        rate = rate_fn(state.step)
         if schedule == "parallel":
             names = tuple(plan.order)
             msgs = messages(nat, names, data)
             for n in names:
-                nat[n], ok = _update_block(blocks[n].family, nat[n], msgs[n], rho_fn(n, state.step), max_halvings)
+                nat[n], ok = _update_block(blocks[n].family, nat[n], msgs[n], rho[n] * rate, max_halvings)
                 valid = valid & ok
         else:
             for n in plan.order:
                 msg = messages(nat, (n,), data)[n]
-                nat[n], ok = _update_block(blocks[n].family, nat[n], msg, rho_fn(n, state.step), max_halvings)
+                nat[n], ok = _update_block(blocks[n].family, nat[n], msg, rho[n] * rate, max_halvings)
                 valid = valid & ok
         elbo = elbo_fn(nat, data)
         delta = _relative_delta(state.nat, nat)

@@ -19,26 +19,41 @@ import jax.numpy as jnp
 import numpy as np
 
 from blrppl.estimators.exact import elementwise_expected_log_prob, reduce_factor
+from blrppl.expressions import group_moments
 
 
-def expected_log_factor(fns, factor, blocks, views, data):
-    """E_q[log f] of one factor, summed over its elements."""
-    if not factor.discrete:
-        el = elementwise_expected_log_prob(fns, factor, blocks, views, {}, data)
-        return reduce_factor(fns, factor, el, data)
-    names = factor.discrete
-    sizes = [len(blocks[d].support_values) for d in names]
-    combos = jnp.asarray(np.array(list(itertools.product(*[range(k) for k in sizes]))))
+def expected_log_factors(fns, factors, blocks, views, data):
+    """Σ_i E_q[log f_i] over ``factors``, each summed over its elements.
 
-    def one(combo):
-        dvals, weight = {}, 1.0
-        for j, d in enumerate(names):
-            b = blocks[d]
-            support = jnp.asarray(b.support_values)
-            dvals[d] = jnp.full(b.value_shape, support[combo[j]], dtype=support.dtype)
-            weight = weight * jnp.take(views[d].probs, combo[j], axis=-1)
-        el = elementwise_expected_log_prob(fns, factor, blocks, views, dvals, data)
-        return el * weight
+    Factors sharing the same discrete neighbours are evaluated together: one run of the
+    model per enumerated assignment.
+    """
+    if not factors:
+        return 0.0
+    weights = fns.factor_weights([f.name for f in factors], data)
+    groups: dict = {}
+    for f in factors:
+        groups.setdefault(f.discrete, []).append(f)
+    total = 0.0
+    for names, group in groups.items():
+        if not names:
+            moments = group_moments(fns, group, blocks, views, {}, data)
+            els = {f.name: elementwise_expected_log_prob(f, moments[f.name]) for f in group}
+        else:
+            sizes = [len(blocks[d].support_values) for d in names]
+            combos = jnp.asarray(np.array(list(itertools.product(*[range(k) for k in sizes]))))
 
-    el = jax.vmap(one)(combos).sum(0)
-    return reduce_factor(fns, factor, el, data)
+            def one(combo, names=names, group=group):
+                dvals, weight = {}, 1.0
+                for j, d in enumerate(names):
+                    b = blocks[d]
+                    support = jnp.asarray(b.support_values)
+                    dvals[d] = jnp.full(b.value_shape, support[combo[j]], dtype=support.dtype)
+                    weight = weight * jnp.take(views[d].probs, combo[j], axis=-1)
+                moments = group_moments(fns, group, blocks, views, dvals, data)
+                return {f.name: elementwise_expected_log_prob(f, moments[f.name]) * weight for f in group}
+
+            els = jax.tree.map(lambda x: x.sum(0), jax.vmap(one)(combos))
+        for f in group:
+            total = total + reduce_factor(els[f.name], *weights[f.name])
+    return total

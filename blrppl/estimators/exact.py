@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from blrppl.expressions import argument_moments
 
-
-def elementwise_expected_log_prob(fns, factor, blocks, views, discrete_values, data):
+def elementwise_expected_log_prob(factor, moments: dict):
     """L per batch element of the factor (event and reinterpreted dims summed)."""
-    moments = argument_moments(fns, factor, blocks, views, discrete_values, data)
+    moments = dict(moments)
     value = moments.pop("value")
     out = factor.rule.expected_log_prob(value, **moments)
     if factor.reinterpreted_ndim:
@@ -23,9 +21,8 @@ def elementwise_expected_log_prob(fns, factor, blocks, views, discrete_values, d
     return out
 
 
-def reduce_factor(fns, factor, elementwise, data):
+def reduce_factor(elementwise, mask, scale):
     """Σ over elements of ``elementwise`` with the site's mask and scale."""
-    mask, scale = fns.factor_weight(factor.name, data)
     if mask is not None:
         elementwise = jnp.where(mask, elementwise, 0.0)
     if scale is not None:

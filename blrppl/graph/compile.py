@@ -10,7 +10,7 @@ from numpyro.distributions import constraints
 
 from blrppl import families as fam
 from blrppl.errors import FamilyError, UnsupportedFactorError, UnsupportedLatentError
-from blrppl.expressions import DataSpec, ModelFunctions, classify_argument
+from blrppl.expressions import ModelFunctions, probe_argument, run_probes
 from blrppl.graph.deps import output_dependencies
 from blrppl.graph.plan import Block, Factor, Plan
 from blrppl.graph.trace import SiteRecord, finite_support_values
@@ -90,15 +90,14 @@ def choose_family(record: SiteRecord, override: str | None) -> Block:
     return Block(record.name, fam.Dirichlet(shape[-1]), name, shape)
 
 
-def init_nat(block: Block, init_value, rng_key):
-    """Initial natural parameters: centred on the initial value, broad."""
+def init_nat(block: Block, init_value, probs=None):
+    """Initial natural parameters: centred on the initial value, broad; discrete blocks
+    start from the given random ``probs`` (breaking the symmetry of mixtures)."""
     family = block.family
     x = jnp.asarray(init_value)
     dtype = jnp.result_type(float)
     if block.discrete:
-        k = len(block.support_values)
-        probs = jax.random.dirichlet(rng_key, jnp.ones(k, dtype), block.value_shape)
-        return family.nat_from_view(fam.CategoricalView(probs))
+        return family.nat_from_view(fam.CategoricalView(jnp.asarray(probs, dtype)))
     x = x.astype(dtype)
     if block.kind == "gaussian":
         mean = block.to_canonical(x)
@@ -114,13 +113,13 @@ def init_nat(block: Block, init_value, rng_key):
     return family.nat_from_view(fam.DirichletView(x * x.shape[-1] + 0.5))
 
 
-def compile_model(model, records, args, kwargs, families=None, rng_key=None):
+def compile_model(model, records, data_spec, data, families=None, rng_key=None):
     """Build blocks, the factor graph and the plan of a traced model.
 
     Args:
         model: the numpyro model.
         records: site records from :func:`blrppl.graph.trace.trace_model`.
-        args, kwargs: the model's data.
+        data_spec, data: the model's data (static part and array leaves).
         families: optional dict site → family name overriding the default.
         rng_key: key for the probes.
 
@@ -135,7 +134,6 @@ def compile_model(model, records, args, kwargs, families=None, rng_key=None):
                 site=name,
             )
     rng_key = jax.random.key(1) if rng_key is None else rng_key
-    data_spec, data = DataSpec.split(args, kwargs)
     latent = [r for r in records.values() if not r.observed]
     blocks = {r.name: choose_family(r, families.get(r.name)) for r in latent}
     init_values = {r.name: jnp.asarray(r.init_value) for r in latent}
@@ -144,7 +142,7 @@ def compile_model(model, records, args, kwargs, families=None, rng_key=None):
     # rule of each factor and the arguments it reads
     rules = {}
     for r in records.values():
-        rule = None if r.is_factor else find_rule(type(r.base))
+        rule = None if r.is_factor else find_rule(r.dist_type)
         if rule is None:
             raise UnsupportedFactorError(
                 f"no closed-form expected log-density for {r.dist_name} "
@@ -164,23 +162,31 @@ def compile_model(model, records, args, kwargs, families=None, rng_key=None):
     graph = nx.Graph()
     for name, b in blocks.items():
         graph.add_node(("block", name), kind=b.kind, shape=b.value_shape)
-    factors = []
-    keys = jax.random.split(rng_key, len(records))
-    for key, (name, r) in zip(keys, records.items()):
+    rng = np.random.default_rng(np.asarray(jax.random.key_data(rng_key)).ravel())
+    probes, nbrs = {}, {}
+    for name, r in records.items():
         rule = rules[name]
         arg_deps = deps[name]
         neighbours = tuple(n for n in blocks if any(n in d for d in arg_deps.values()))
         discrete = tuple(n for n in neighbours if blocks[n].discrete)
         for d in discrete:
             _check_aligned(r, records[d], name)
-        kinds, arg_blocks, full = [], [], set()
-        akeys = jax.random.split(key, len(arg_deps))
-        for akey, arg in zip(akeys, ("value",) + rule.arg_names):
+        nbrs[name] = (neighbours, discrete)
+        for arg in ("value",) + rule.arg_names:
 
-            def fn(values, arg=arg, name=name, rule=rule):
+            def fn(values, data, arg=arg, name=name, rule=rule):
                 return fns.factor_args(name, rule.arg_names, values, data)[arg]
 
-            cls = classify_argument(fn, arg_deps[arg], blocks, akey)
+            probes[(name, arg)] = probe_argument(fn, arg_deps[arg], blocks, rng)
+    classes = run_probes(probes, data)
+
+    factors = []
+    for name, r in records.items():
+        rule = rules[name]
+        neighbours, discrete = nbrs[name]
+        kinds, arg_blocks, full = [], [], set()
+        for arg in ("value",) + rule.arg_names:
+            cls = classes[(name, arg)]
             if cls.kind == "opaque":
                 raise UnsupportedFactorError(
                     f"argument '{arg}' of {r.dist_name} is not a supported function of the "

@@ -67,20 +67,22 @@ class Block:
         """Site layout → canonical layout (``x`` may carry leading sample dims)."""
         if self.kind != "gaussian":
             return x
-        lead = jnp.ndim(x) - len(self.value_shape)
+        xp = np if isinstance(x, np.ndarray) else jnp
+        lead = xp.ndim(x) - len(self.value_shape)
         perm = tuple(range(lead)) + tuple(lead + a for a in self._perm)
-        x = jnp.transpose(x, perm)
-        return jnp.reshape(x, jnp.shape(x)[:lead] + self.batch_shape + (-1,))
+        x = xp.transpose(x, perm)
+        return xp.reshape(x, xp.shape(x)[:lead] + self.batch_shape + (-1,))
 
     def to_site(self, x):
         """Canonical layout → site layout (``x`` may carry leading sample dims)."""
         if self.kind != "gaussian":
             return x
-        lead = jnp.ndim(x) - len(self.batch_shape) - 1
+        xp = np if isinstance(x, np.ndarray) else jnp
+        lead = xp.ndim(x) - len(self.batch_shape) - 1
         permuted = tuple(self.value_shape[a] for a in self._perm)
-        x = jnp.reshape(x, jnp.shape(x)[:lead] + permuted)
+        x = xp.reshape(x, xp.shape(x)[:lead] + permuted)
         inv = np.argsort(self._perm)
-        return jnp.transpose(x, tuple(range(lead)) + tuple(lead + int(a) for a in inv))
+        return xp.transpose(x, tuple(range(lead)) + tuple(lead + int(a) for a in inv))
 
 
 @dataclasses.dataclass(frozen=True)

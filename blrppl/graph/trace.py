@@ -10,6 +10,7 @@ mask.
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 from collections import OrderedDict
 from typing import Any
 
@@ -20,8 +21,9 @@ import numpyro.distributions as dist
 from numpyro import handlers
 from numpyro.distributions import constraints
 from numpyro.primitives import Messenger
-from numpyro.infer.initialization import init_to_median
+from numpyro.infer.initialization import init_to_uniform
 
+from blrppl.graph.data import DataSpec
 from blrppl.errors import ModelTraceError, ObservedDataError, UnsupportedLatentError
 
 
@@ -43,7 +45,7 @@ class SiteRecord:
         name: site name.
         observed: True for observed sites and ``numpyro.factor`` terms.
         is_factor: True for ``numpyro.factor`` terms (opaque log-density).
-        base: the distribution with Independent/Expanded/Masked wrappers removed.
+        dist_type: type of the distribution with Independent/Expanded/Masked wrappers removed.
         reinterpreted_ndim: batch dims of ``base`` reinterpreted as event dims.
         has_mask: whether a mask wraps the distribution.
         value_shape: shape of the site value.
@@ -58,7 +60,7 @@ class SiteRecord:
     name: str
     observed: bool
     is_factor: bool
-    base: Any
+    dist_type: type
     reinterpreted_ndim: int
     has_mask: bool
     value_shape: tuple
@@ -71,7 +73,7 @@ class SiteRecord:
 
     @property
     def dist_name(self) -> str:
-        return type(self.base).__name__
+        return self.dist_type.__name__
 
     @property
     def batch_ndim(self) -> int:
@@ -119,19 +121,37 @@ def finite_support_values(support) -> np.ndarray | None:
     return None
 
 
-def _split_data(args, kwargs):
+def init_to_prior_mean(site=None):
+    """numpyro init strategy: the prior mean where it is finite, else a uniform draw in
+    (−2, 2) on the unconstrained space. Never samples the prior (cheap to compile, works for
+    ``ImproperUniform``)."""
+    if site is None:
+        return init_to_prior_mean
+    if site["type"] != "sample" or site["is_observed"] or site["fn"].support.is_discrete:
+        return None
+    fallback = init_to_uniform(site)
+    try:
+        mean = jnp.broadcast_to(1.0 * site["fn"].mean, jnp.shape(fallback))
+    except (NotImplementedError, ValueError, TypeError):
+        return fallback
+    return jnp.where(jnp.isfinite(mean), mean, fallback)
+
+
+def _split_data(args, kwargs):  # noqa: D103
     return args if args is not None else (), kwargs if kwargs is not None else {}
 
 
-def trace_model(model, args=(), kwargs=None, rng_key=None, init_strategy=init_to_median):
+def trace_model(model, args=(), kwargs=None, rng_key=None, init_strategy=init_to_prior_mean):
     """Run ``model`` once and record its sample sites.
 
-    Latent values come from ``init_strategy`` (numpyro's ``init_to_median`` by default,
-    which falls back to ``init_to_uniform`` for sites that cannot be sampled); discrete
-    latents are drawn from their prior.
+    Latent values come from ``init_strategy`` (:func:`init_to_prior_mean` by default; any
+    numpyro init strategy works); discrete latents are drawn from their prior. The run is jitted with the data's arrays as
+    arguments; a model that needs concrete data (e.g. calls ``np.asarray`` on an argument)
+    is run again with the data as constants, and the engine then does the same.
 
     Returns:
-        OrderedDict site name → :class:`SiteRecord`, in the order the model runs them.
+        (OrderedDict site name → :class:`SiteRecord` in the order the model runs them,
+        the :class:`DataSpec`, the dynamic data leaves)
 
     Raises:
         ModelTraceError: the model raised while running with the data given.
@@ -140,73 +160,123 @@ def trace_model(model, args=(), kwargs=None, rng_key=None, init_strategy=init_to
     """
     args, kwargs = _split_data(args, kwargs)
     rng_key = jax.random.key(0) if rng_key is None else rng_key
-    seeded = handlers.seed(model, rng_key)
-    last = _LastSite(handlers.substitute(seeded, substitute_fn=init_strategy))
+    spec, dyn = DataSpec.split(args, kwargs)
+    meta: dict = {}
     try:
-        tr = handlers.trace(last).get_trace(*args, **kwargs)
+        try:
+            outputs = jax.jit(partial(_run_once, model, spec, init_strategy, meta))(dyn, rng_key)
+        except _NEEDS_CONCRETE:
+            spec, dyn = DataSpec.split(args, kwargs, all_static=True)
+            meta.clear()
+            outputs = jax.jit(partial(_run_once, model, spec, init_strategy, meta))(dyn, rng_key)
     except Exception as exc:  # any failure of the user's model
-        where = (
-            f"after site '{last.name}'" if last.name is not None else "before its first site"
-        )
+        last = meta.get("last")
+        name = last.name if last is not None else None
+        where = f"after site '{name}'" if name is not None else "before its first site"
         raise ModelTraceError(
             f"the model could not be run with the data given: it raised {where} "
             f"({type(exc).__name__}: {exc}); check that `data` holds the model's arguments "
             "(a dict of keyword arguments or a tuple of positional ones)",
-            site=last.name,
+            site=name,
         ) from exc
     records: OrderedDict[str, SiteRecord] = OrderedDict()
-    for name, site in tr.items():
-        if site["type"] == "param":
+    for info in meta["sites"]:
+        name = info["name"]
+        if info["type"] == "param":
             raise ModelTraceError(
                 "numpyro.param sites are not fitted by blr_fit; declare the quantity with "
                 "numpyro.sample and a prior instead",
                 site=name,
             )
-        if site["type"] != "sample":
-            continue
-        fn = site["fn"]
-        base, reinterpreted, mask = unwrap(fn)
-        observed = bool(site["is_observed"])
-        is_factor = isinstance(base, dist.Unit)
-        value = site["value"]
-        if observed and not is_factor:
-            arr = np.asarray(value)
-            if np.issubdtype(arr.dtype, np.number) and not np.all(np.isfinite(arr)):
-                bad = int(np.size(arr) - np.isfinite(arr).sum())
+        value = np.asarray(outputs["values"][name])
+        support = info["support"]
+        if name in outputs["bounds"]:
+            lo, hi = outputs["bounds"][name]
+            support = constraints.integer_interval(np.asarray(lo), np.asarray(hi))
+        observed = info["observed"]
+        if observed and not info["is_factor"]:
+            if np.issubdtype(value.dtype, np.number) and not np.all(np.isfinite(value)):
+                bad = int(np.size(value) - np.isfinite(value).sum())
                 raise ObservedDataError(
                     f"{bad} observed value(s) are NaN or infinite; drop them or mask them "
                     "with numpyro.handlers.mask / obs_mask",
                     site=name,
                 )
-        if not observed and fn.support.is_discrete and finite_support_values(fn.support) is None:
+        if not observed and support.is_discrete and finite_support_values(support) is None:
             raise UnsupportedLatentError(
-                f"latent {type(base).__name__} has unbounded discrete support ({fn.support}); "
+                f"latent {info['dist_type'].__name__} has unbounded discrete support ({support}); "
                 "only finite discrete latents (Bernoulli, Categorical, bounded integers) can be "
                 "enumerated: marginalise it out by hand or give it a bounded support",
                 site=name,
             )
-        plates = tuple(
-            Plate(f.name, int(f.size), int(f.dim), int(f.size))
-            for f in reversed(site["cond_indep_stack"])
-        )
         records[name] = SiteRecord(
             name=name,
             observed=observed,
-            is_factor=is_factor,
-            base=base,
-            reinterpreted_ndim=reinterpreted,
-            has_mask=mask is not None,
-            value_shape=tuple(jnp.shape(value)),
-            event_ndim=fn.event_dim,
-            support=fn.support,
-            plates=plates,
-            has_scale=site.get("scale") is not None,
-            infer=dict(site.get("infer") or {}),
+            is_factor=info["is_factor"],
+            dist_type=info["dist_type"],
+            reinterpreted_ndim=info["reinterpreted_ndim"],
+            has_mask=info["has_mask"],
+            value_shape=tuple(value.shape),
+            event_ndim=info["event_ndim"],
+            support=support,
+            plates=info["plates"],
+            has_scale=info["has_scale"],
+            infer=info["infer"],
             init_value=value,
         )
     if not any(not r.observed for r in records.values()):
         raise ModelTraceError("the model has no latent sample site to infer")
-    return records
+    return records, spec, dyn
+
+
+def _run_once(model, spec, init_strategy, meta, dyn, rng_key):
+    """Trace the model; static facts go to ``meta``, arrays are returned."""
+    args, kwargs = spec.merge(dyn)
+    last = _LastSite(handlers.substitute(handlers.seed(model, rng_key), substitute_fn=init_strategy))
+    meta["last"] = last
+    tr = handlers.trace(last).get_trace(*args, **kwargs)
+    sites, values, bounds = [], {}, {}
+    for name, site in tr.items():
+        if site["type"] == "param":
+            sites.append({"name": name, "type": "param"})
+            continue
+        if site["type"] != "sample":
+            continue
+        fn = site["fn"]
+        base, reinterpreted, mask = unwrap(fn)
+        support = fn.support
+        if isinstance(support, constraints._IntegerInterval):
+            bounds[name] = (jnp.asarray(support.lower_bound), jnp.asarray(support.upper_bound))
+        values[name] = site["value"]
+        sites.append(
+            {
+                "name": name,
+                "type": "sample",
+                "observed": bool(site["is_observed"]),
+                "is_factor": isinstance(base, dist.Unit),
+                "dist_type": type(base),
+                "reinterpreted_ndim": reinterpreted,
+                "has_mask": mask is not None,
+                "event_ndim": fn.event_dim,
+                "support": support,
+                "plates": tuple(
+                    Plate(f.name, int(f.size), int(f.dim), int(f.size))
+                    for f in reversed(site["cond_indep_stack"])
+                ),
+                "has_scale": site.get("scale") is not None,
+                "infer": dict(site.get("infer") or {}),
+            }
+        )
+    meta["sites"] = sites
+    return {"values": values, "bounds": bounds}
+
+
+_NEEDS_CONCRETE = (
+    jax.errors.ConcretizationTypeError,
+    jax.errors.TracerArrayConversionError,
+    jax.errors.TracerBoolConversionError,
+    jax.errors.TracerIntegerConversionError,
+)
 
 
 class _LastSite(Messenger):

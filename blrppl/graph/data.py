@@ -1,0 +1,42 @@
+"""Model data: array leaves travel into jit as arguments, the rest stay static."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSpec:
+    """Splits model arguments into array leaves (passed to jit) and static leaves."""
+
+    treedef: Any
+    static: tuple  # (index, value) of non-array leaves
+
+    @staticmethod
+    def split(args, kwargs, all_static: bool = False):
+        """Split ``(args, kwargs)``; with ``all_static`` every leaf stays a Python constant
+        (for models that need concrete data, e.g. ``np.asarray`` of an argument)."""
+        leaves, treedef = jax.tree.flatten((tuple(args), dict(kwargs)), is_leaf=lambda x: x is None)
+        dynamic, static = [], []
+        for i, leaf in enumerate(leaves):
+            is_array = isinstance(leaf, (jax.Array, np.ndarray)) and not isinstance(leaf, np.generic)
+            if is_array and not all_static:
+                dynamic.append(jnp.asarray(leaf))
+            else:
+                static.append((i, leaf))
+        return DataSpec(treedef, tuple(static)), tuple(dynamic)
+
+    def merge(self, dynamic):
+        n = len(dynamic) + len(self.static)
+        leaves = [None] * n
+        static = dict(self.static)
+        it = iter(dynamic)
+        for i in range(n):
+            leaves[i] = static[i] if i in static else next(it)
+        args, kwargs = jax.tree.unflatten(self.treedef, leaves)
+        return args, kwargs
