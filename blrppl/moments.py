@@ -155,8 +155,8 @@ class AffineGaussian(NamedTuple):
             if lft is None:
                 continue
             cols = lft.shape[0]
-            lf = jnp.broadcast_to(lft, (cols,) + shape).reshape((cols,) + batch + (size,))
-            rf = jnp.broadcast_to(rgt, (cols,) + shape).reshape((cols,) + batch + (size,))
+            lf = _bcast_cols(lft, cols, shape).reshape((cols,) + batch + (size,))
+            rf = _bcast_cols(rgt, cols, shape).reshape((cols,) + batch + (size,))
             total = total + jnp.einsum("j...a,j...b->...ab", lf, rf)
         return 0.5 * (total + jnp.swapaxes(total, -1, -2))
 
@@ -196,8 +196,9 @@ class AffineGaussian(NamedTuple):
         c = other.value if isinstance(other, Const) else other
         if isinstance(other, AffineGaussian):
             raise NotImplementedError("the product of two Gaussian arguments is not affine")
-        left = tuple(None if lft is None else lft * c for lft in self.left)
-        right = tuple(None if rgt is None else rgt * c for rgt in self.right)
+        ndim = max(len(self.shape), jnp.ndim(c))
+        left = tuple(None if lft is None else _align_cols(lft, ndim) * c for lft in self.left)
+        right = tuple(None if rgt is None else _align_cols(rgt, ndim) * c for rgt in self.right)
         return AffineGaussian(self.mean_value * c, left, right)
 
     __rmul__ = __mul__
@@ -334,6 +335,18 @@ class DirichletIdentity(NamedTuple):
     def expect_pow(self, k):
         a, a0 = self.concentration, self.total
         return jnp.exp(gammaln(a + k) - gammaln(a) + gammaln(a0) - gammaln(a0 + k))
+
+
+def _align_cols(cols_array, ndim):
+    """Insert unit axes after the column axis so that the array has 1 + ``ndim`` dims.
+
+    Column stacks may have fewer dims than the argument (after adding a wider constant);
+    aligning them lets them broadcast against arrays of the argument's shape.
+    """
+    missing = ndim - (cols_array.ndim - 1)
+    if missing <= 0:
+        return cols_array
+    return cols_array.reshape(cols_array.shape[:1] + (1,) * missing + cols_array.shape[1:])
 
 
 def _bcast_cols(cols_array, cols, shape):

@@ -1,5 +1,22 @@
-"""Closed-form expected log-densities, one module per numpyro distribution."""
+"""Closed-form expected log-densities, one module per numpyro distribution.
 
+Importing this package registers every rule (see :mod:`blrppl.rules.registry`).
+"""
+
+from blrppl.rules import (  # noqa: F401  (imported for their registrations)
+    bernoulli,
+    beta,
+    binomial,
+    categorical,
+    dirichlet,
+    exponential,
+    gamma,
+    half_normal,
+    improper_uniform,
+    multivariate_normal,
+    normal,
+    poisson,
+)
 from blrppl.rules.registry import Rule, find_rule, register_rule, registered_rules
 
 __all__ = ["Rule", "find_rule", "register_rule", "registered_rules"]

@@ -1,0 +1,50 @@
+"""Helpers shared by the closed-form rules (private)."""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+from jax import lax
+from jax.scipy.special import xlog1py, xlogy
+
+#: log(2π)
+LOG_2PI = math.log(2.0 * math.pi)
+
+
+def const_value(arg):
+    """The array of an argument the rule only accepts as :class:`~blrppl.moments.Const`."""
+    if arg.kind != "const":
+        raise TypeError(f"expected a constant argument, got kind {arg.kind!r}")
+    return arg.value
+
+
+def x_expect_log(x, arg):
+    """x · E[log arg], with 0 · log 0 = 0 for a constant ``arg`` (as numpyro's ``xlogy``)."""
+    if arg.kind == "const":
+        return xlogy(x, arg.value)
+    return x * arg.expect_log()
+
+
+def x_expect_log1m(x, arg):
+    """x · E[log(1 − arg)], with 0 · log 0 = 0 for a constant ``arg``."""
+    if arg.kind == "const":
+        return xlog1py(x, -arg.value)
+    return x * arg.expect_log1m()
+
+
+def batch_shape(*args, event_ndim: int = 0):
+    """Broadcast batch shape of moment objects, dropping ``event_ndim`` trailing dims of each."""
+    shapes = []
+    for arg in args:
+        shape = tuple(arg.shape)
+        shapes.append(shape[: len(shape) - event_ndim] if event_ndim else shape)
+    return lax.broadcast_shapes(*shapes)
+
+
+def broadcast_batch(out, shape):
+    """``out`` broadcast to the factor's batch shape (a no-op when it already has it)."""
+    out = jnp.asarray(out)
+    if out.shape == tuple(shape):
+        return out
+    return jnp.broadcast_to(out, lax.broadcast_shapes(out.shape, tuple(shape)))

@@ -1,0 +1,36 @@
+"""Closed-form E_q[log Exponential(value | rate)]."""
+
+from __future__ import annotations
+
+import numpyro.distributions as dist
+
+from blrppl.rules._common import batch_shape, broadcast_batch
+from blrppl.rules.registry import register_rule
+
+
+@register_rule(
+    dist.Exponential,
+    kinds={"value": ("const", "power_gamma"), "rate": ("const", "power_gamma")},
+)
+def exponential_expected_log_prob(value, rate):
+    r"""E_q[log Exponential(x | r)], elementwise.
+
+    .. math::
+        L = E[\log r] - E[r]\,E[x].
+
+    x and r are independent under q (distinct blocks, or constants).
+
+    Messages λ̃ = ∇_μ L (natural parameters, T = (log τ, τ)):
+
+    * → Gamma block of the rate (r = τ): (1, −E[x]);
+    * → Gamma block of x (x = τ, prior factor): (0, −E[r]).
+
+    Args:
+        value: x, const or power_gamma.
+        rate: r, const or power_gamma.
+
+    Returns:
+        L with the broadcast batch shape of the arguments.
+    """
+    out = rate.expect_log() - rate.mean() * value.mean()
+    return broadcast_batch(out, batch_shape(value, rate))
