@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -13,8 +14,9 @@ import numpy as np
 from blrppl import families as fam
 from blrppl.engine.loop import CONVERGED, NONFINITE, make_chunk, run_loop
 from blrppl.engine.step import BLRState, make_step
-from blrppl.errors import BLRError
+from blrppl.errors import BLRError, ModelTraceError
 from blrppl.graph.compile import compile_model, init_nat
+from blrppl.graph.data import DataSpec
 from blrppl.graph.trace import trace_model
 from blrppl.result import BLRResult, site_distribution
 
@@ -30,7 +32,7 @@ def _split_data(data):
         return (), dict(data)
     if isinstance(data, (tuple, list)):
         return tuple(data), {}
-    raise BLRError(
+    raise ModelTraceError(
         f"data must be a dict of model keyword arguments or a tuple of positional ones, "
         f"not {type(data).__name__}"
     )
@@ -92,17 +94,96 @@ def _compiler_options(data) -> dict | None:
     return {"xla_backend_optimization_level": 0} if size < SMALL_DATA else None
 
 
-def _posteriors(plan, records, nat) -> dict:
-    """Posterior distributions of every site, built in one compiled call where possible."""
+def _posterior_builder(plan, records):
+    """nat → posterior distributions of every site, compiled once where possible."""
     blocks = {b.name: b for b in plan.blocks}
+    event_ndim = {n: records[n].event_ndim for n in blocks}
 
     def build(nat):
-        return {n: site_distribution(b, nat[n], records[n].event_ndim) for n, b in blocks.items()}
+        return {n: site_distribution(b, nat[n], event_ndim[n]) for n, b in blocks.items()}
 
+    jitted = jax.jit(build)
+
+    def posteriors(nat):
+        try:
+            return jitted(nat)
+        except TypeError:  # a distribution that is not a pytree
+            return build(nat)
+
+    return posteriors
+
+
+@dataclasses.dataclass
+class _Compiled:
+    """Everything built once per (model, data shapes, options) and reused across fits."""
+
+    tracer: Any
+    plan: Any
+    graph: Any
+    init_fn: Callable
+    chunk: Callable
+    posterior_fn: Callable
+    conjugate: dict | None = None
+
+
+#: compiled fits, most recent last
+_CACHE: "collections.OrderedDict" = collections.OrderedDict()
+CACHE_SIZE = 16
+
+
+def _cache_key(model, args, kwargs, families, schedule, rate_fn, tol, chunk_size):
+    """Hashable key of what the compiled fit depends on, or None if something is unhashable
+    (then nothing is cached)."""
+    spec, dyn = DataSpec.split(args, kwargs)
+    shapes = tuple((jnp.shape(x), jnp.result_type(x)) for x in dyn)
+    key = (
+        model,
+        spec.treedef,
+        spec.static,
+        shapes,
+        tuple(sorted((families or {}).items())),
+        schedule,
+        rate_fn,
+        tol,
+        chunk_size,
+        jnp.result_type(float),
+    )
     try:
-        return jax.jit(build)(nat)
-    except TypeError:  # a distribution that is not a pytree
-        return build(nat)
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _remember(key, bundle):
+    _CACHE[key] = bundle
+    while len(_CACHE) > CACHE_SIZE:
+        _CACHE.popitem(last=False)
+
+
+def _compile(model, records, data_spec, dyn_data, tracer, families, schedule, rate_fn, tol, chunk_size, k_probe):
+    """Compile a model: plan, initialisation, the jitted chunk of steps, posterior export."""
+    plan, fns, dyn_data, init_values, graph = compile_model(
+        model, records, data_spec, dyn_data, families=families, rng_key=k_probe
+    )
+    blocks = {b.name: b for b in plan.blocks}
+    init_fn = jax.jit(
+        lambda values, probs: {n: init_nat(b, values[n], probs.get(n)) for n, b in blocks.items()}
+    )
+    step, _, _ = make_step(plan, fns, schedule, rate_fn)
+    chunk = make_chunk(step, chunk_size, tol)
+    dtype = jnp.result_type(float)
+    state = jax.eval_shape(
+        lambda v, p: BLRState(nat=init_fn(v, p), step=jnp.zeros((), jnp.int32), elbo=jnp.zeros((), dtype)),
+        init_values,
+        {b.name: np.ones(b.value_shape + (len(b.support_values),)) for b in plan.blocks if b.discrete},
+    )
+    rho = {n: jax.ShapeDtypeStruct((), dtype) for n in plan.order}
+    steps = jax.ShapeDtypeStruct((), jnp.int32)
+    compiled = (
+        jax.jit(chunk).lower(state, dyn_data, steps, rho).compile(compiler_options=_compiler_options(dyn_data))
+    )
+    return _Compiled(tracer, plan, graph, init_fn, compiled, _posterior_builder(plan, records))
 
 
 def blr_fit(
@@ -161,41 +242,43 @@ def blr_fit(
     k_trace, k_probe, k_host = jax.random.split(rng_key, 3)
     rng = np.random.default_rng(np.asarray(jax.random.key_data(k_host)).ravel())
 
-    records, data_spec, dyn_data = trace_model(model, args, kwargs, k_trace)
-    plan, fns, dyn_data, init_values, graph = compile_model(
-        model, records, data_spec, dyn_data, families=families, rng_key=k_probe
-    )
-    probs0 = {
-        b.name: rng.dirichlet(np.ones(len(b.support_values)), size=b.value_shape)
-        for b in plan.blocks
-        if b.discrete
-    }
-    blocks = {b.name: b for b in plan.blocks}
-    nat0 = jax.jit(
-        lambda values, probs: {n: init_nat(b, values[n], probs.get(n)) for n, b in blocks.items()}
-    )(init_values, probs0)
-
     rate_fn = learning_rate if callable(learning_rate) else None
     if learning_rate is not None and not callable(learning_rate):
         rate = float(learning_rate)
         if not 0.0 < rate <= 1.0:
             raise BLRError(f"learning_rate must be in (0, 1], not {rate}")
-    step, _, _ = make_step(plan, fns, schedule, rate_fn)
     chunk_size = min(num_steps, 100)
-    chunk = make_chunk(step, chunk_size, tol)
+    key = _cache_key(model, args, kwargs, families, schedule, rate_fn, tol, chunk_size)
+    bundle = _CACHE.get(key) if key is not None else None
+    records, data_spec, dyn_data, tracer = trace_model(
+        model, args, kwargs, k_trace, tracer=bundle.tracer if bundle else None
+    )
+    if any(isinstance(v, (np.ndarray, jax.Array)) for _, v in data_spec.static):
+        key = None  # the model needed concrete data: the compiled fit holds this data
+    if bundle is None:
+        bundle = _compile(model, records, data_spec, dyn_data, tracer, families, schedule, rate_fn, tol, chunk_size, k_probe)
+        if key is not None:
+            _remember(key, bundle)
+    plan = bundle.plan
+    init_values = {b.name: jnp.asarray(records[b.name].init_value) for b in plan.blocks}
+    probs0 = {
+        b.name: rng.dirichlet(np.ones(len(b.support_values)), size=b.value_shape)
+        for b in plan.blocks
+        if b.discrete
+    }
+    nat0 = bundle.init_fn(init_values, probs0)
     dtype = jnp.result_type(float)
     state = BLRState(nat=nat0, step=jnp.zeros((), jnp.int32), elbo=jnp.asarray(jnp.nan, dtype))
-    rho = {n: jnp.asarray(1.0, dtype) for n in plan.order}
-    compiled = (
-        jax.jit(chunk)
-        .lower(state, dyn_data, jnp.asarray(num_steps, jnp.int32), rho)
-        .compile(compiler_options=_compiler_options(dyn_data))
-    )
+    compiled = bundle.chunk
     if learning_rate is None:
-        conj = _detect_conjugate(plan, compiled, state, dyn_data, rng)
+        if bundle.conjugate is None:
+            bundle.conjugate = _detect_conjugate(plan, compiled, state, dyn_data, rng)
+        conj = bundle.conjugate
         rho = {n: jnp.asarray(1.0 if conj[n] else NONCONJUGATE_RHO, dtype) for n in plan.order}
         plan = dataclasses.replace(plan, conjugate=tuple(conj.items()))
-    elif not callable(learning_rate):
+    elif callable(learning_rate):
+        rho = {n: jnp.asarray(1.0, dtype) for n in plan.order}
+    else:
         rho = {n: jnp.asarray(rate, dtype) for n in plan.order}
     t1 = time.perf_counter()
     outcome = run_loop(compiled, state, dyn_data, rho, num_steps, chunk_size, progress_bar)
@@ -207,7 +290,8 @@ def blr_fit(
     elif outcome.stop == NONFINITE:
         message = (
             f"stopped after {outcome.num_steps} steps: the next step made the ELBO or a natural "
-            "parameter non-finite; the last valid state is returned"
+            "parameter non-finite (check the data for NaN or infinite values and the priors "
+            "for expectations that do not exist); the last valid state is returned"
         )
     else:
         message = f"reached num_steps={num_steps} without meeting the convergence test"
@@ -217,7 +301,7 @@ def blr_fit(
             "parameters"
         )
     nat = outcome.state.nat
-    posterior = _posteriors(plan, records, nat)
+    posterior = bundle.posterior_fn(nat)
     return BLRResult(
         posterior=posterior,
         elbo=np.asarray(outcome.elbo),
@@ -228,5 +312,5 @@ def blr_fit(
         nat=nat,
         compile_time=t1 - t0,
         run_time=t2 - t1,
-        graph=graph,
+        graph=bundle.graph,
     )

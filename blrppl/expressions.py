@@ -94,7 +94,7 @@ class ModelFunctions:
         args, kwargs = self.data_spec.merge(data)
         full = dict(self.fill_values)
         full.update(values)
-        model = handlers.substitute(handlers.seed(self.model, 0), data=full)
+        model = handlers.substitute(self.model, data=full)
         stopper = _StopAfter(model, names)
         try:
             stopper(*args, **kwargs)
@@ -117,14 +117,11 @@ class ModelFunctions:
         """The rule arguments and value of site ``name`` (unwrapped distribution)."""
         return self.args_of({name: arg_names}, values, data)[name]
 
-    def factor_weights(self, names, data) -> dict:
-        """Mask and scale of each site (they do not depend on latent values)."""
+    def factor_wrappers(self, names, data) -> dict:
+        """The wrapped distribution and scale of each site (used for the wrappers — event
+        dims, masks, expansion — which do not depend on latent values)."""
         sites = self.sites(tuple(names), {}, data)
-        out = {}
-        for name in names:
-            _, _, mask = unwrap(sites[name]["fn"])
-            out[name] = (mask, sites[name].get("scale"))
-        return out
+        return {name: (sites[name]["fn"], sites[name].get("scale")) for name in names}
 
 
 # -- probing -----------------------------------------------------------------------------
@@ -242,6 +239,21 @@ def probe_argument(fn, deps: frozenset, blocks: dict, rng: np.random.Generator) 
             if _needs_gather_test(blocks[n], elementwise):
                 signs[n] = _sign_tangents(blocks[n], rng, elementwise)
         inputs["signs"].append(signs)
+    # secant targets from the first point: the second point, a reflection (−x for Gaussian
+    # blocks, 1/τ for Gamma blocks: across the kinks of abs, relu, max(τ, 1)), a far point
+    first, second = inputs["points"][0], inputs["points"][1]
+    if group == "gaussian":
+        inputs["secants"] = [
+            {n: second[n] for n in cont},
+            {n: -first[n] for n in cont},
+            {n: 3.0 * second[n] for n in cont},
+        ]
+    elif group == "gamma":
+        inputs["secants"] = [
+            {n: second[n] for n in cont},
+            {n: 1.0 / first[n] for n in cont},
+            {n: second[n] ** 3 for n in cont},
+        ]
     if group == "gaussian":
         compute, decide = _gaussian_probe(fn, cont, blocks)
     elif group == "gamma":
@@ -249,6 +261,16 @@ def probe_argument(fn, deps: frozenset, blocks: dict, rng: np.random.Generator) 
     else:
         compute, decide = _identity_probe(fn, cont[0], group)
     return ArgumentProbe(group, cont, inputs, compute, decide)
+
+
+def _secant_ok(diff, slope) -> bool:
+    """f(x1) − f(x0) == J(x0)(x1 − x0), as for every affine map."""
+    diff, slope = np.asarray(diff), np.asarray(slope)
+    if not (np.all(np.isfinite(diff)) and np.all(np.isfinite(slope))):
+        return False
+    rtol = 1e-6 if diff.dtype == np.float64 else 1e-3
+    scale = 1.0 + (np.abs(diff).max() if diff.size else 0.0)
+    return bool(np.allclose(diff, slope, rtol=rtol, atol=rtol * 1e-3 * scale))
 
 
 def _gather_ok(sq) -> bool:
@@ -276,11 +298,22 @@ def _gaussian_probe(fn, cont, blocks):
             d2 = _second_derivative(restricted, {n: point[n] for n in cont}, tangent)
             sq = {n: _jvp_squares(fn, point, n, signs[n], data) for n in signs}
             out.append({"d2": d2, "sq": sq})
+        # secants from the first probe point: exact for affine maps, not across kinks (abs, relu)
+        p0 = inputs["points"][0]
+        x0 = {n: p0[n] for n in cont}
+        secants = []
+        for target in inputs["secants"]:
+            step = jax.tree.map(lambda a, b: b - a, x0, target)
+            f0, slope = jax.jvp(lambda x: fn({**p0, **x}, data), (x0,), (step,))
+            secants.append((fn({**p0, **target}, data) - f0, slope))
+        out.append({"secant": secants})
         return out
 
     def decide(outputs):
         full = set()
-        for o in outputs:
+        if not all(_secant_ok(*sec) for sec in outputs[-1]["secant"]):
+            return ArgumentClass("opaque", cont, reason="not affine in its Gaussian blocks")
+        for o in outputs[:-1]:
             if not bool(np.all(np.asarray(o["d2"]) == 0)):
                 return ArgumentClass("opaque", cont, reason="not affine in its Gaussian blocks")
             full.update(n for n, sq in o["sq"].items() if not _gather_ok(sq))
@@ -308,10 +341,25 @@ def _gamma_probe(fn, name):
                 log_point = {**point, name: u0[name]}
                 o["sq"] = _jvp_squares(lambda v, d: log_fn({name: v[name]}), log_point, name, signs[name], data)
             out.append(o)
+        # secants in log space from the first probe point (catch kinks such as max(τ, 1))
+        p0 = inputs["points"][0]
+
+        def log_at(u):
+            return jnp.log(fn({**p0, name: jnp.exp(u)}, data))
+
+        u0 = jnp.log(p0[name])
+        secants = []
+        for target in inputs["secants"]:
+            u1 = jnp.log(target[name])
+            g0, slope = jax.jvp(log_at, (u0,), (u1 - u0,))
+            secants.append((log_at(u1) - g0, slope))
+        out.append({"secant": secants})
         return out
 
     def decide(outputs):
-        for o in outputs:
+        if not all(_secant_ok(*sec) for sec in outputs[-1]["secant"]):
+            return ArgumentClass("opaque", (name,), reason="not a power of its Gamma block")
+        for o in outputs[:-1]:
             val = np.asarray(o["val"])
             if not np.all(val > 0):
                 return ArgumentClass("opaque", (name,), reason="not positive")

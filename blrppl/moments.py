@@ -52,6 +52,7 @@ class Const(NamedTuple):
 
     value: jax.Array
     kind = "const"
+    __array_ufunc__ = None  # numpy arrays defer to our operators
 
     @property
     def shape(self):
@@ -127,6 +128,7 @@ class AffineGaussian(NamedTuple):
     left: tuple
     right: tuple
     kind = "affine_gaussian"
+    __array_ufunc__ = None
 
     @property
     def shape(self):

@@ -30,7 +30,7 @@ def expected_log_factors(fns, factors, blocks, views, data):
     """
     if not factors:
         return 0.0
-    weights = fns.factor_weights([f.name for f in factors], data)
+    wrappers = fns.factor_wrappers([f.name for f in factors], data)
     groups: dict = {}
     for f in factors:
         groups.setdefault(f.discrete, []).append(f)
@@ -38,7 +38,10 @@ def expected_log_factors(fns, factors, blocks, views, data):
     for names, group in groups.items():
         if not names:
             moments = group_moments(fns, group, blocks, views, {}, data)
-            els = {f.name: elementwise_expected_log_prob(f, moments[f.name]) for f in group}
+            els = {
+                f.name: elementwise_expected_log_prob(f, moments[f.name], wrappers[f.name][0])
+                for f in group
+            }
         else:
             sizes = [len(blocks[d].support_values) for d in names]
             combos = jnp.asarray(np.array(list(itertools.product(*[range(k) for k in sizes]))))
@@ -51,9 +54,12 @@ def expected_log_factors(fns, factors, blocks, views, data):
                     dvals[d] = jnp.full(b.value_shape, support[combo[j]], dtype=support.dtype)
                     weight = weight * jnp.take(views[d].probs, combo[j], axis=-1)
                 moments = group_moments(fns, group, blocks, views, dvals, data)
-                return {f.name: elementwise_expected_log_prob(f, moments[f.name]) * weight for f in group}
+                return {
+                    f.name: elementwise_expected_log_prob(f, moments[f.name], wrappers[f.name][0]) * weight
+                    for f in group
+                }
 
             els = jax.tree.map(lambda x: x.sum(0), jax.vmap(one)(combos))
         for f in group:
-            total = total + reduce_factor(els[f.name], *weights[f.name])
+            total = total + reduce_factor(els[f.name], wrappers[f.name][1])
     return total

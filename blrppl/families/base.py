@@ -74,11 +74,14 @@ class Family:
     def log_prob(self, nat: Nat, x: jax.Array) -> jax.Array:
         """log q(x) = <λ, T(x)> − A(λ), one value per batch element."""
         stats = self.sufficient_stats(x)
+        log_z = self.log_partition(nat)
+        # Sum over each leaf's own event dims only: ``x`` may carry extra leading sample
+        # dims, which must stay (and broadcast against the batch dims of ``nat``).
         inner = sum(
-            _sum_event(s * l, s.ndim - jnp.ndim(self.log_partition(nat)))
+            _sum_event(s * l, jnp.ndim(l) - jnp.ndim(log_z))
             for s, l in zip(jax.tree.leaves(stats), jax.tree.leaves(nat))
         )
-        return inner - self.log_partition(nat)
+        return inner - log_z
 
     def entropy(self, nat: Nat) -> jax.Array:
         """H(q) = A(λ) − <λ, μ>, one value per batch element."""

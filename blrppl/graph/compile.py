@@ -107,7 +107,7 @@ def init_nat(block: Block, init_value, probs=None):
     if block.kind == "gaussian-diag":
         return family.nat_from_view(fam.DiagGaussianView(x, jnp.ones_like(x)))
     if block.kind == "gamma":
-        return family.nat_from_view(fam.GammaView(jnp.full_like(x, 2.0), 2.0 / x))
+        return family.nat_from_view(fam.GammaView(jnp.full_like(x, 10.0), 10.0 / x))
     if block.kind == "beta":
         return family.nat_from_view(fam.BetaView(2.0 * x + 0.5, 2.0 * (1.0 - x) + 0.5))
     return family.nat_from_view(fam.DirichletView(x * x.shape[-1] + 0.5))

@@ -110,6 +110,34 @@ def unwrap(fn):
             return fn, reinterpreted, mask
 
 
+def reduce_wrapped(fn, elementwise):
+    """Apply the wrappers of ``fn`` to per-element log-densities of its base distribution.
+
+    Walks from the innermost wrapper out, as ``fn.log_prob`` does: ``Independent`` sums its
+    reinterpreted dims, ``MaskedDistribution`` zeroes masked elements at its own level,
+    ``ExpandedDistribution`` broadcasts to its batch shape.
+
+    Returns:
+        log-density terms with the batch shape of ``fn``.
+    """
+    chain = []
+    while isinstance(fn, (dist.Independent, dist.ExpandedDistribution, dist.MaskedDistribution)):
+        chain.append(fn)
+        fn = fn.base_dist
+    out = elementwise
+    for wrapper in reversed(chain):
+        if isinstance(wrapper, dist.Independent):
+            n = wrapper.reinterpreted_batch_ndims
+            out = out.sum(axis=tuple(range(-n, 0))) if n else out
+        elif isinstance(wrapper, dist.ExpandedDistribution):
+            out = jnp.broadcast_to(out, jnp.broadcast_shapes(jnp.shape(out), wrapper.batch_shape))
+        else:
+            mask = wrapper._mask
+            if mask is not True:
+                out = jnp.where(mask, out, 0.0)
+    return out
+
+
 def finite_support_values(support) -> np.ndarray | None:
     """The values of a finite discrete support, or None if it is unbounded."""
     if support is constraints.boolean:
@@ -141,7 +169,25 @@ def _split_data(args, kwargs):  # noqa: D103
     return args if args is not None else (), kwargs if kwargs is not None else {}
 
 
-def trace_model(model, args=(), kwargs=None, rng_key=None, init_strategy=init_to_prior_mean):
+class ModelTracer:
+    """A jitted run of the model from its initialisation strategy.
+
+    Static facts about the sites are collected in ``meta`` the first time the function is
+    traced; later calls with data of the same shapes reuse the compiled run.
+    """
+
+    def __init__(self, model, spec: DataSpec, init_strategy):
+        self.spec = spec
+        self.meta: dict = {}
+        self.fn = jax.jit(partial(_run_once, model, spec, init_strategy, self.meta))
+
+    def __call__(self, dyn, rng_key):
+        return self.fn(dyn, rng_key)
+
+
+def trace_model(
+    model, args=(), kwargs=None, rng_key=None, init_strategy=init_to_prior_mean, tracer=None
+):
     """Run ``model`` once and record its sample sites.
 
     Latent values come from ``init_strategy`` (:func:`init_to_prior_mean` by default; any
@@ -149,9 +195,12 @@ def trace_model(model, args=(), kwargs=None, rng_key=None, init_strategy=init_to
     arguments; a model that needs concrete data (e.g. calls ``np.asarray`` on an argument)
     is run again with the data as constants, and the engine then does the same.
 
+    Args:
+        tracer: a :class:`ModelTracer` from an earlier call with data of the same shapes.
+
     Returns:
         (OrderedDict site name → :class:`SiteRecord` in the order the model runs them,
-        the :class:`DataSpec`, the dynamic data leaves)
+        the :class:`DataSpec`, the dynamic data leaves, the :class:`ModelTracer`)
 
     Raises:
         ModelTraceError: the model raised while running with the data given.
@@ -160,17 +209,20 @@ def trace_model(model, args=(), kwargs=None, rng_key=None, init_strategy=init_to
     """
     args, kwargs = _split_data(args, kwargs)
     rng_key = jax.random.key(0) if rng_key is None else rng_key
-    spec, dyn = DataSpec.split(args, kwargs)
-    meta: dict = {}
+    if tracer is None:
+        spec, dyn = DataSpec.split(args, kwargs)
+        tracer = ModelTracer(model, spec, init_strategy)
+    else:
+        spec, dyn = tracer.spec, DataSpec.split(args, kwargs)[1]
     try:
         try:
-            outputs = jax.jit(partial(_run_once, model, spec, init_strategy, meta))(dyn, rng_key)
+            outputs = tracer(dyn, rng_key)
         except _NEEDS_CONCRETE:
             spec, dyn = DataSpec.split(args, kwargs, all_static=True)
-            meta.clear()
-            outputs = jax.jit(partial(_run_once, model, spec, init_strategy, meta))(dyn, rng_key)
+            tracer = ModelTracer(model, spec, init_strategy)
+            outputs = tracer(dyn, rng_key)
     except Exception as exc:  # any failure of the user's model
-        last = meta.get("last")
+        last = tracer.meta.get("last")
         name = last.name if last is not None else None
         where = f"after site '{name}'" if name is not None else "before its first site"
         raise ModelTraceError(
@@ -180,7 +232,7 @@ def trace_model(model, args=(), kwargs=None, rng_key=None, init_strategy=init_to
             site=name,
         ) from exc
     records: OrderedDict[str, SiteRecord] = OrderedDict()
-    for info in meta["sites"]:
+    for info in tracer.meta["sites"]:
         name = info["name"]
         if info["type"] == "param":
             raise ModelTraceError(
@@ -200,6 +252,24 @@ def trace_model(model, args=(), kwargs=None, rng_key=None, init_strategy=init_to
                 raise ObservedDataError(
                     f"{bad} observed value(s) are NaN or infinite; drop them or mask them "
                     "with numpyro.handlers.mask / obs_mask",
+                    site=name,
+                )
+        if observed and not info["is_factor"]:
+            try:
+                shape = np.broadcast_shapes(value.shape, info["dist_shape"])
+            except ValueError:
+                shape = None
+            if shape != value.shape:
+                raise ObservedDataError(
+                    f"observed value of shape {value.shape} does not match the distribution's "
+                    f"shape {info['dist_shape']} (batch + event); check the data and the plates "
+                    "around the site",
+                    site=name,
+                )
+            if not bool(outputs["in_support"][name]):
+                raise ObservedDataError(
+                    f"observed values lie outside the support {support} of "
+                    f"{info['dist_type'].__name__}",
                     site=name,
                 )
         if not observed and support.is_discrete and finite_support_values(support) is None:
@@ -226,7 +296,7 @@ def trace_model(model, args=(), kwargs=None, rng_key=None, init_strategy=init_to
         )
     if not any(not r.observed for r in records.values()):
         raise ModelTraceError("the model has no latent sample site to infer")
-    return records, spec, dyn
+    return records, spec, dyn, tracer
 
 
 def _run_once(model, spec, init_strategy, meta, dyn, rng_key):
@@ -235,7 +305,10 @@ def _run_once(model, spec, init_strategy, meta, dyn, rng_key):
     last = _LastSite(handlers.substitute(handlers.seed(model, rng_key), substitute_fn=init_strategy))
     meta["last"] = last
     tr = handlers.trace(last).get_trace(*args, **kwargs)
-    sites, values, bounds = [], {}, {}
+    sites, values, bounds, checks = [], {}, {}, {}
+    plate_sizes = {
+        name: int(site["args"][0]) for name, site in tr.items() if site["type"] == "plate"
+    }
     for name, site in tr.items():
         if site["type"] == "param":
             sites.append({"name": name, "type": "param"})
@@ -248,6 +321,8 @@ def _run_once(model, spec, init_strategy, meta, dyn, rng_key):
         if isinstance(support, constraints._IntegerInterval):
             bounds[name] = (jnp.asarray(support.lower_bound), jnp.asarray(support.upper_bound))
         values[name] = site["value"]
+        if site["is_observed"] and not isinstance(base, dist.Unit):
+            checks[name] = jnp.all(fn.support(site["value"]))
         sites.append(
             {
                 "name": name,
@@ -258,9 +333,10 @@ def _run_once(model, spec, init_strategy, meta, dyn, rng_key):
                 "reinterpreted_ndim": reinterpreted,
                 "has_mask": mask is not None,
                 "event_ndim": fn.event_dim,
+                "dist_shape": tuple(fn.batch_shape) + tuple(fn.event_shape),
                 "support": support,
                 "plates": tuple(
-                    Plate(f.name, int(f.size), int(f.dim), int(f.size))
+                    Plate(f.name, plate_sizes.get(f.name, int(f.size)), int(f.dim), int(f.size))
                     for f in reversed(site["cond_indep_stack"])
                 ),
                 "has_scale": site.get("scale") is not None,
@@ -268,7 +344,7 @@ def _run_once(model, spec, init_strategy, meta, dyn, rng_key):
             }
         )
     meta["sites"] = sites
-    return {"values": values, "bounds": bounds}
+    return {"values": values, "bounds": bounds, "in_support": checks}
 
 
 _NEEDS_CONCRETE = (

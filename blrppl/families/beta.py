@@ -1,0 +1,105 @@
+"""Beta candidate family."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpyro.distributions as dist
+from jax.scipy.special import digamma, gammaln
+
+from blrppl.families._special import dirichlet_concentration_from_mean, sherman_morrison_denominator, trigamma
+from blrppl.families.base import Family
+
+
+class BetaNat(NamedTuple):
+    """Natural parameters of elementwise Betas (also used for their mean parameters).
+
+    Attributes:
+        eta1: α − 1, shape ``(*B,)`` (mean parameters: E[log x] = ψ(α) − ψ(α + β)).
+        eta2: β − 1, shape ``(*B,)`` (mean parameters: E[log(1 − x)] = ψ(β) − ψ(α + β)).
+    """
+
+    eta1: jax.Array
+    eta2: jax.Array
+
+
+class BetaView(NamedTuple):
+    """Concentrations α and β, each ``(*B,)``."""
+
+    alpha: jax.Array
+    beta: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class Beta(Family):
+    """Independent Beta(α, β) distributions on (0, 1), one per batch element.
+
+    * T(x) = (log x, log(1 − x)); base measure 1.
+    * λ = (η₁, η₂) = (α − 1, β − 1)  (:class:`BetaNat`, each ``(*B,)``).
+    * A(λ) = log B(α, β) = log Γ(α) + log Γ(β) − log Γ(α₀),  α₀ = α + β.
+    * μ = (ψ(α) − ψ(α₀), ψ(β) − ψ(α₀)).
+    * view: :class:`BetaView` (α, β).
+    * Fisher F(λ) = [[ψ′(α) − ψ′(α₀), −ψ′(α₀)], [−ψ′(α₀), ψ′(β) − ψ′(α₀)]].
+
+    BLR update, with L = Σ_i E_q[log f_i] as a function of (α, β): ∇_λ L = (∂L/∂α, ∂L/∂β)
+    and the message is the closed-form 2×2 solve
+
+        λ̃ = ∇_μ L = F(λ)⁻¹ ∇_λ L,    λ ← (1 − ρ) λ + ρ λ̃,
+
+    written as Sherman–Morrison on F = diag(ψ′(α), ψ′(β)) − ψ′(α₀) 11ᵀ with the
+    cancellation-free 1/ψ′(α₀) − 1/ψ′(α) − 1/ψ′(β), so it stays accurate for large α, β.
+
+    A conjugate factor x^{c₁} (1 − x)^{c₂} (e.g. a Bernoulli observation) sends (c₁, c₂).
+    """
+
+    name: ClassVar[str] = "beta"
+
+    def view(self, nat: BetaNat) -> BetaView:
+        return BetaView(nat.eta1 + 1.0, nat.eta2 + 1.0)
+
+    def nat_from_view(self, view: BetaView) -> BetaNat:
+        return BetaNat(view.alpha - 1.0, view.beta - 1.0)
+
+    def mean_params(self, nat: BetaNat) -> BetaNat:
+        alpha, beta = self.view(nat)
+        psi0 = digamma(alpha + beta)
+        return BetaNat(digamma(alpha) - psi0, digamma(beta) - psi0)
+
+    def nat_from_mean(self, mean_params: BetaNat) -> BetaNat:
+        stacked = jnp.stack(jnp.broadcast_arrays(mean_params.eta1, mean_params.eta2), -1)
+        conc = dirichlet_concentration_from_mean(stacked)
+        return BetaNat(conc[..., 0] - 1.0, conc[..., 1] - 1.0)
+
+    def log_partition(self, nat: BetaNat) -> jax.Array:
+        alpha, beta = self.view(nat)
+        return gammaln(alpha) + gammaln(beta) - gammaln(alpha + beta)
+
+    def sufficient_stats(self, x: jax.Array) -> BetaNat:
+        return BetaNat(jnp.log(x), jnp.log1p(-x))
+
+    def message_from_view_grad(self, nat: BetaNat, view_grad: BetaView) -> BetaNat:
+        alpha, beta = self.view(nat)
+        # F = diag(ψ′(α), ψ′(β)) − ψ′(α₀) 11ᵀ, inverted by Sherman–Morrison with
+        # s = 1/ψ′(α₀) − 1/ψ′(α) − 1/ψ′(β) > 0 (det F = ψ′(α) ψ′(β) ψ′(α₀) s)
+        t1, t2 = trigamma(alpha), trigamma(beta)
+        s = sherman_morrison_denominator(jnp.stack(jnp.broadcast_arrays(alpha, beta), -1))[..., 0]
+        g1, g2 = view_grad.alpha / t1, view_grad.beta / t2  # D⁻¹ g
+        shift = (g1 + g2) / s
+        return BetaNat(g1 + shift / t1, g2 + shift / t2)
+
+    def is_valid(self, nat: BetaNat) -> jax.Array:
+        finite = jnp.all(jnp.isfinite(nat.eta1)) & jnp.all(jnp.isfinite(nat.eta2))
+        return finite & jnp.all(nat.eta1 > -1.0) & jnp.all(nat.eta2 > -1.0)
+
+    def sample(self, nat: BetaNat, rng_key: jax.Array, sample_shape: tuple[int, ...] = ()) -> jax.Array:
+        """x = g₁ / (g₁ + g₂), g ~ Gamma(α, 1), Gamma(β, 1) (implicitly reparameterised)."""
+        alpha, beta = self.view(nat)
+        shape = tuple(sample_shape) + jnp.broadcast_shapes(alpha.shape, beta.shape)
+        return jax.random.beta(rng_key, alpha, beta, shape=shape, dtype=alpha.dtype)
+
+    def to_numpyro(self, nat: BetaNat) -> dist.Beta:
+        alpha, beta = self.view(nat)
+        return dist.Beta(alpha, beta)

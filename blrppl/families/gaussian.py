@@ -1,0 +1,239 @@
+"""Gaussian candidate families: dense multivariate and elementwise (diagonal)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import ClassVar, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpyro.distributions as dist
+from jax.scipy.linalg import solve_triangular
+
+from blrppl.families.base import Family
+
+_LOG_2PI = math.log(2.0 * math.pi)
+
+
+class GaussianNat(NamedTuple):
+    """Natural parameters of a dense Gaussian (also used for its mean parameters).
+
+    Attributes:
+        eta1: S m, shape ``(*B, D)`` (mean parameters: E[x] = m).
+        eta2: −S/2, shape ``(*B, D, D)`` (mean parameters: E[x xᵀ] = Σ + m mᵀ).
+    """
+
+    eta1: jax.Array
+    eta2: jax.Array
+
+
+class GaussianView(NamedTuple):
+    """Mean ``(*B, D)`` and covariance ``(*B, D, D)`` of a dense Gaussian."""
+
+    mean: jax.Array
+    cov: jax.Array
+
+
+class DiagGaussianNat(NamedTuple):
+    """Natural parameters of elementwise Gaussians (also used for their mean parameters).
+
+    Attributes:
+        eta1: m / v, shape ``(*B,)`` (mean parameters: E[x] = m).
+        eta2: −1 / (2v), shape ``(*B,)`` (mean parameters: E[x²] = v + m²).
+    """
+
+    eta1: jax.Array
+    eta2: jax.Array
+
+
+class DiagGaussianView(NamedTuple):
+    """Mean and variance of elementwise Gaussians, each ``(*B,)``."""
+
+    mean: jax.Array
+    var: jax.Array
+
+
+def _sym(a: jax.Array) -> jax.Array:
+    return 0.5 * (a + jnp.swapaxes(a, -1, -2))
+
+
+def _outer(a: jax.Array) -> jax.Array:
+    return a[..., :, None] * a[..., None, :]
+
+
+def _eye_like(a: jax.Array) -> jax.Array:
+    return jnp.broadcast_to(jnp.eye(a.shape[-1], dtype=a.dtype), a.shape)
+
+
+def _chol_solve(chol: jax.Array, b: jax.Array) -> jax.Array:
+    """(L Lᵀ)⁻¹ b for a vector b (last axis), batched over leading dims."""
+    y = solve_triangular(chol, b[..., None], lower=True)
+    return solve_triangular(chol, y, lower=True, trans="T")[..., 0]
+
+
+def _chol_inverse(chol: jax.Array) -> jax.Array:
+    """(L Lᵀ)⁻¹ = L⁻ᵀ L⁻¹, exactly symmetric."""
+    inv = solve_triangular(chol, _eye_like(chol), lower=True)
+    return jnp.swapaxes(inv, -1, -2) @ inv
+
+
+@dataclasses.dataclass(frozen=True)
+class GaussianDense(Family):
+    """Dense multivariate Gaussian N(m, Σ) on ℝᴰ, precision S = Σ⁻¹.
+
+    * T(x) = (x, x xᵀ); base measure 1.
+    * λ = (η₁, η₂) = (S m, −S/2)  (:class:`GaussianNat`, shapes ``(*B, D)``, ``(*B, D, D)``).
+    * A(λ) = −¼ η₁ᵀ η₂⁻¹ η₁ − ½ log|−2η₂| + (D/2) log 2π
+      = ½ mᵀSm − ½ log|S| + (D/2) log 2π.
+    * μ = (m, Σ + m mᵀ).
+    * view: :class:`GaussianView` (mean m, covariance Σ).
+
+    BLR update, with L = Σ_i E_q[log f_i] as a function of (m, Σ) and G = sym(∂L/∂Σ):
+
+        λ̃ = ∇_μ L = (∂L/∂m − 2 G m, G),    λ ← (1 − ρ) λ + ρ λ̃,
+        i.e.  S ← (1 − ρ) S − 2ρ G,   S m ← (1 − ρ) S m + ρ (∂L/∂m − 2 G m).
+
+    All linear algebra goes through the Cholesky factor of S; ``is_valid`` requires
+    −η₂ positive definite.
+
+    Attributes:
+        dim: D, the event dimension.
+    """
+
+    dim: int
+    name: ClassVar[str] = "gaussian"
+
+    @property
+    def event_shape(self) -> tuple[int, ...]:
+        return (self.dim,)
+
+    def _prec_chol(self, nat: GaussianNat) -> jax.Array:
+        # S = −2 sym(η₂) = −(η₂ + η₂ᵀ); the Cholesky factor of S.
+        return jnp.linalg.cholesky(-(nat.eta2 + jnp.swapaxes(nat.eta2, -1, -2)))
+
+    def view(self, nat: GaussianNat) -> GaussianView:
+        chol = self._prec_chol(nat)
+        return GaussianView(_chol_solve(chol, nat.eta1), _chol_inverse(chol))
+
+    def nat_from_view(self, view: GaussianView) -> GaussianNat:
+        chol = jnp.linalg.cholesky(view.cov)
+        return GaussianNat(_chol_solve(chol, view.mean), -0.5 * _chol_inverse(chol))
+
+    def mean_params(self, nat: GaussianNat) -> GaussianNat:
+        mean, cov = self.view(nat)
+        return GaussianNat(mean, cov + _outer(mean))
+
+    def nat_from_mean(self, mean_params: GaussianNat) -> GaussianNat:
+        m = mean_params.eta1
+        return self.nat_from_view(GaussianView(m, _sym(mean_params.eta2) - _outer(m)))
+
+    def log_partition(self, nat: GaussianNat) -> jax.Array:
+        chol = self._prec_chol(nat)
+        white = solve_triangular(chol, nat.eta1[..., None], lower=True)[..., 0]  # L⁻¹ S m
+        half_logdet = jnp.log(jnp.diagonal(chol, axis1=-2, axis2=-1)).sum(-1)
+        return 0.5 * jnp.sum(white**2, -1) - half_logdet + 0.5 * self.dim * _LOG_2PI
+
+    def sufficient_stats(self, x: jax.Array) -> GaussianNat:
+        return GaussianNat(x, _outer(x))
+
+    def log_prob(self, nat: GaussianNat, x: jax.Array) -> jax.Array:
+        chol = self._prec_chol(nat)
+        mean = _chol_solve(chol, nat.eta1)
+        white = jnp.einsum("...i,...ij->...j", x - mean, chol)  # Lᵀ(x − m)
+        half_logdet = jnp.log(jnp.diagonal(chol, axis1=-2, axis2=-1)).sum(-1)
+        return -0.5 * jnp.sum(white**2, -1) + half_logdet - 0.5 * self.dim * _LOG_2PI
+
+    def entropy(self, nat: GaussianNat) -> jax.Array:
+        chol = self._prec_chol(nat)
+        half_logdet = jnp.log(jnp.diagonal(chol, axis1=-2, axis2=-1)).sum(-1)
+        return 0.5 * self.dim * (1.0 + _LOG_2PI) - half_logdet
+
+    def message_from_view_grad(self, nat: GaussianNat, view_grad: GaussianView) -> GaussianNat:
+        mean = _chol_solve(self._prec_chol(nat), nat.eta1)
+        g_cov = _sym(view_grad.cov)
+        return GaussianNat(view_grad.mean - 2.0 * jnp.einsum("...ij,...j->...i", g_cov, mean), g_cov)
+
+    def is_valid(self, nat: GaussianNat) -> jax.Array:
+        finite = jnp.all(jnp.isfinite(nat.eta1)) & jnp.all(jnp.isfinite(nat.eta2))
+        return finite & jnp.all(jnp.isfinite(self._prec_chol(nat)))
+
+    def sample(self, nat: GaussianNat, rng_key: jax.Array, sample_shape: tuple[int, ...] = ()) -> jax.Array:
+        """x = m + L⁻ᵀ ε with S = L Lᵀ (so Cov x = Σ), ε ~ N(0, I): reparameterised."""
+        chol = self._prec_chol(nat)
+        mean = _chol_solve(chol, nat.eta1)
+        batch = mean.shape[:-1]
+        n = math.prod(sample_shape)
+        eps = jax.random.normal(rng_key, batch + (self.dim, n), dtype=mean.dtype)
+        z = solve_triangular(chol, eps, lower=True, trans="T")  # (*B, D, n)
+        z = jnp.moveaxis(z, -1, 0).reshape(tuple(sample_shape) + batch + (self.dim,))
+        return mean + z
+
+    def to_numpyro(self, nat: GaussianNat) -> dist.MultivariateNormal:
+        mean = _chol_solve(self._prec_chol(nat), nat.eta1)
+        return dist.MultivariateNormal(mean, precision_matrix=-2.0 * _sym(nat.eta2))
+
+
+@dataclasses.dataclass(frozen=True)
+class GaussianDiag(Family):
+    """Independent scalar Gaussians N(m, v), one per batch element (event shape ``()``).
+
+    * T(x) = (x, x²); base measure 1.
+    * λ = (η₁, η₂) = (m / v, −1 / (2v))  (:class:`DiagGaussianNat`, each ``(*B,)``).
+    * A(λ) = −η₁² / (4η₂) − ½ log(−2η₂) + ½ log 2π.
+    * μ = (m, v + m²).
+    * view: :class:`DiagGaussianView` (mean m, variance v).
+
+    BLR update, with L = Σ_i E_q[log f_i] as a function of (m, v):
+
+        λ̃ = ∇_μ L = (∂L/∂m − 2 (∂L/∂v) m, ∂L/∂v),    λ ← (1 − ρ) λ + ρ λ̃,
+        i.e.  1/v ← (1 − ρ)/v − 2ρ ∂L/∂v.
+    """
+
+    name: ClassVar[str] = "gaussian-diag"
+
+    def view(self, nat: DiagGaussianNat) -> DiagGaussianView:
+        var = -0.5 / nat.eta2
+        return DiagGaussianView(nat.eta1 * var, var)
+
+    def nat_from_view(self, view: DiagGaussianView) -> DiagGaussianNat:
+        return DiagGaussianNat(view.mean / view.var, -0.5 / view.var)
+
+    def mean_params(self, nat: DiagGaussianNat) -> DiagGaussianNat:
+        mean, var = self.view(nat)
+        return DiagGaussianNat(mean, var + mean**2)
+
+    def nat_from_mean(self, mean_params: DiagGaussianNat) -> DiagGaussianNat:
+        m = mean_params.eta1
+        return self.nat_from_view(DiagGaussianView(m, mean_params.eta2 - m**2))
+
+    def log_partition(self, nat: DiagGaussianNat) -> jax.Array:
+        return -0.25 * nat.eta1**2 / nat.eta2 - 0.5 * jnp.log(-2.0 * nat.eta2) + 0.5 * _LOG_2PI
+
+    def sufficient_stats(self, x: jax.Array) -> DiagGaussianNat:
+        return DiagGaussianNat(x, x**2)
+
+    def log_prob(self, nat: DiagGaussianNat, x: jax.Array) -> jax.Array:
+        mean, var = self.view(nat)
+        return -0.5 * (x - mean) ** 2 / var - 0.5 * jnp.log(var) - 0.5 * _LOG_2PI
+
+    def entropy(self, nat: DiagGaussianNat) -> jax.Array:
+        return 0.5 * (1.0 + _LOG_2PI) - 0.5 * jnp.log(-2.0 * nat.eta2)
+
+    def message_from_view_grad(self, nat: DiagGaussianNat, view_grad: DiagGaussianView) -> DiagGaussianNat:
+        mean = -0.5 * nat.eta1 / nat.eta2
+        return DiagGaussianNat(view_grad.mean - 2.0 * view_grad.var * mean, view_grad.var)
+
+    def is_valid(self, nat: DiagGaussianNat) -> jax.Array:
+        finite = jnp.all(jnp.isfinite(nat.eta1)) & jnp.all(jnp.isfinite(nat.eta2))
+        return finite & jnp.all(nat.eta2 < 0)
+
+    def sample(self, nat: DiagGaussianNat, rng_key: jax.Array, sample_shape: tuple[int, ...] = ()) -> jax.Array:
+        """x = m + √v ε, ε ~ N(0, 1): reparameterised."""
+        mean, var = self.view(nat)
+        eps = jax.random.normal(rng_key, tuple(sample_shape) + mean.shape, dtype=mean.dtype)
+        return mean + jnp.sqrt(var) * eps
+
+    def to_numpyro(self, nat: DiagGaussianNat) -> dist.Normal:
+        mean, var = self.view(nat)
+        return dist.Normal(mean, jnp.sqrt(var))

@@ -1,0 +1,146 @@
+"""Compile guard (DESIGN.md §6, §8): the jitted chunk is traced once per (model, shapes).
+
+The step that ``blr_fit`` builds with :func:`blrppl.engine.step.make_step` is wrapped with a
+side-effect counter (it increments on every *Python* execution, i.e. every trace), and the
+chunk that :func:`blrppl.engine.loop.make_chunk` builds from it is captured with the
+initial state and the data leaves. Calling the jitted chunk again with new data of the same
+shapes must not run the step's Python again, and must still use the new data.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpyro
+import numpyro.distributions as dist
+import pytest
+
+import blrppl.api as api
+from blrppl.engine import loop as engine_loop
+from blrppl.engine import step as engine_step
+from blrppl.result import site_distribution
+
+M0, S0, SIGMA = 1.0, 2.0, 0.5
+
+
+def normal_normal(y):
+    mu = numpyro.sample("mu", dist.Normal(M0, S0))
+    with numpyro.plate("n", y.shape[0]):
+        numpyro.sample("y", dist.Normal(mu, SIGMA), obs=y)
+
+
+def exact(y):
+    precision = 1 / S0**2 + len(y) / SIGMA**2
+    return (M0 / S0**2 + np.sum(y) / SIGMA**2) / precision, 1 / precision
+
+
+@pytest.fixture(scope="module")
+def captured():
+    """Run blr_fit once with counting wrappers around make_step / make_chunk / run_loop."""
+    assert api.make_step is engine_step.make_step and api.make_chunk is engine_loop.make_chunk
+    traces = {"count": 0}
+    got = {}
+
+    def counting_make_step(*args, **kwargs):
+        step, elbo_fn, messages = engine_step.make_step(*args, **kwargs)
+
+        def counting_step(*step_args, **step_kwargs):
+            traces["count"] += 1
+            return step(*step_args, **step_kwargs)
+
+        return counting_step, elbo_fn, messages
+
+    def capturing_make_chunk(step, chunk_size, tol):
+        chunk = engine_loop.make_chunk(step, chunk_size, tol)
+        got["chunk"] = chunk
+        return chunk
+
+    def capturing_run_loop(compiled, *args, **kwargs):
+        def recording(*call_args):
+            # chunk(state, data, steps_left, *extra): the first call's arguments
+            got.setdefault("call", call_args)
+            return compiled(*call_args)
+
+        return engine_loop.run_loop(recording, *args, **kwargs)
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(api, "make_step", counting_make_step)
+    mp.setattr(api, "make_chunk", capturing_make_chunk)
+    mp.setattr(api, "run_loop", capturing_run_loop)
+    try:
+        y = 3.0 + SIGMA * np.random.default_rng(0).normal(size=20)
+        result = api.blr_fit(
+            normal_normal, {"y": y}, learning_rate=1.0, rng_key=jax.random.key(0), progress_bar=False
+        )
+    finally:
+        mp.undo()
+    assert {"chunk", "call"} <= set(got), "blr_fit no longer goes through make_chunk/run_loop"
+    return result, y, got, traces
+
+
+def mu_posterior(plan, state):
+    """Mean and variance of the 'mu' block from a state's natural parameters."""
+    q = site_distribution(plan.block("mu"), state.nat["mu"], 0)
+    return float(q.mean), float(q.variance)
+
+
+def test_blr_fit_traces_step_once(captured):
+    result, y, _, traces = captured
+    # one fit: the step is traced when the chunk is lowered (lax.while_loop traces its
+    # body once); conjugacy detection is off (learning_rate given)
+    assert traces["count"] == 1
+    mean, var = exact(y)
+    np.testing.assert_allclose(result.posterior["mu"].mean, mean, atol=1e-10)
+    np.testing.assert_allclose(result.posterior["mu"].variance, var, atol=1e-10)
+
+
+def _call(chunk, got, data=None, steps=1):
+    """Call the chunk as blr_fit's loop did, with other data and step count."""
+    state, old_data, _, *extra = got["call"]
+    out = chunk(state, old_data if data is None else data, jnp.asarray(steps, jnp.int32), *extra)
+    return jax.block_until_ready(out)
+
+
+def _with_y(got, y):
+    data = got["call"][1]
+    return jax.tree.unflatten(jax.tree.structure(data), [jnp.asarray(y)])
+
+
+def test_chunk_does_not_retrace_for_new_data(captured):
+    result, y, got, traces = captured
+    chunk = jax.jit(got["chunk"])
+    leaves = jax.tree.leaves(got["call"][1])
+    assert len(leaves) == 1 and np.shape(leaves[0]) == y.shape, "y must travel as a jit argument"
+
+    before = traces["count"]
+    out1 = _call(chunk, got)
+    # 0 when jit's trace cache already holds the chunk from blr_fit's own lowering, else 1
+    assert traces["count"] - before <= 1
+    base = traces["count"]
+
+    y2 = y[::-1] * 1.5 - 2.0  # same shape and dtype, different values
+    out2 = _call(chunk, got, _with_y(got, y2))
+    _call(chunk, got, steps=5)
+    assert traces["count"] == base, "the jitted chunk was retraced for data of the same shapes"
+
+    # the second call did use the new data: one step is the exact posterior for y2
+    for out, yy in ((out1, y), (out2, y2)):
+        mean, var = mu_posterior(result.plan, out[0])
+        want_mean, want_var = exact(yy)
+        assert mean == pytest.approx(want_mean, abs=1e-10)
+        assert var == pytest.approx(want_var, abs=1e-10)
+    assert int(out1[2]) == 1 and int(out2[2]) == 1
+
+
+def test_chunk_retraces_only_for_new_shapes(captured):
+    """Sanity check of the counter itself: a new data shape does trace again."""
+    _, y, got, traces = captured
+    chunk = jax.jit(got["chunk"])
+    _call(chunk, got)
+    base = traces["count"]
+    try:
+        _call(chunk, got, _with_y(got, np.concatenate([y, y])))
+    except Exception:  # the plan may hold shape-specific constants; the trace still ran
+        pass
+    assert traces["count"] == base + 1

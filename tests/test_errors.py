@@ -1,0 +1,257 @@
+"""Bad input: every error derives from BLRError and names the site (DESIGN.md §7)."""
+
+from __future__ import annotations
+
+import copy
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpyro
+import numpyro.distributions as dist
+import pytest
+
+import blrppl
+from blrppl.api import blr_fit
+from blrppl.errors import (
+    BLRError,
+    FamilyError,
+    ModelTraceError,
+    ObservedDataError,
+    UnsupportedLatentError,
+)
+
+
+def fit(model, data, **kw):
+    return blr_fit(model, data, rng_key=jax.random.key(0), progress_bar=False, **kw)
+
+
+def normal_gamma(y):
+    tau = numpyro.sample("tau", dist.Gamma(2.0, 1.0))
+    mu = numpyro.sample("mu", dist.Normal(0.0, 1 / jnp.sqrt(tau)))
+    with numpyro.plate("n", y.shape[0]):
+        numpyro.sample("y_obs", dist.Normal(mu, 1 / jnp.sqrt(tau)), obs=y)
+
+
+Y = np.array([0.3, -1.2, 2.1, 0.8, 1.5])
+
+
+def test_error_hierarchy():
+    for cls in (
+        ModelTraceError,
+        UnsupportedLatentError,
+        ObservedDataError,
+        FamilyError,
+        blrppl.UnsupportedFactorError,
+    ):
+        assert issubclass(cls, BLRError)
+    assert blrppl.BLRError is BLRError
+
+
+# ---------------------------------------------------------------------------------------
+# unsupported latents
+# ---------------------------------------------------------------------------------------
+
+
+def test_latent_poisson_is_unsupported():
+    def model(y):
+        count = numpyro.sample("n_events", dist.Poisson(3.0))
+        with numpyro.plate("n", y.shape[0]):
+            numpyro.sample("y", dist.Normal(count, 1.0), obs=y)
+
+    with pytest.raises(UnsupportedLatentError, match="n_events") as info:
+        fit(model, {"y": Y})
+    assert isinstance(info.value, BLRError)
+    assert info.value.site == "n_events"
+
+
+# ---------------------------------------------------------------------------------------
+# observed data
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("container", ["numpy", "jax"])
+def test_non_finite_observed_data(bad, container):
+    y = Y.copy()
+    y[2] = bad
+    if container == "jax":
+        y = jnp.asarray(y)
+    with pytest.raises(ObservedDataError, match="y_obs") as info:
+        fit(normal_gamma, {"y": y})
+    assert isinstance(info.value, BLRError)
+    assert info.value.site == "y_obs"
+
+
+def test_non_finite_observed_data_positional():
+    y = Y.copy()
+    y[0] = np.nan
+    with pytest.raises(ObservedDataError, match="y_obs"):
+        fit(normal_gamma, (y,))
+
+
+def test_misshaped_observed_data():
+    """DESIGN.md §7: mis-shaped observed data is an error naming the site."""
+
+    def model(y):
+        mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
+        with numpyro.plate("n", 4):
+            numpyro.sample("y_obs", dist.Normal(mu, 1.0), obs=y)
+
+    with pytest.raises(ObservedDataError, match="y_obs"):
+        fit(model, {"y": np.ones(5)})
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["bernoulli-2", "categorical-5", "poisson-negative"],
+)
+def test_observed_data_outside_support(case):
+    def bernoulli(y):
+        p = numpyro.sample("p", dist.Beta(1.0, 1.0))
+        with numpyro.plate("n", y.shape[0]):
+            numpyro.sample("y_obs", dist.Bernoulli(p), obs=y)
+
+    def categorical(y):
+        pi = numpyro.sample("pi", dist.Dirichlet(jnp.ones(3)))
+        with numpyro.plate("n", y.shape[0]):
+            numpyro.sample("y_obs", dist.Categorical(pi), obs=y)
+
+    def poisson(y):
+        lam = numpyro.sample("lam", dist.Gamma(1.0, 1.0))
+        with numpyro.plate("n", y.shape[0]):
+            numpyro.sample("y_obs", dist.Poisson(lam), obs=y)
+
+    model, y = {
+        "bernoulli-2": (bernoulli, np.array([0.0, 1.0, 2.0])),
+        "categorical-5": (categorical, np.array([0, 1, 5])),
+        "poisson-negative": (poisson, np.array([1.0, -3.0, 2.0])),
+    }[case]
+    with pytest.raises(ObservedDataError, match="y_obs"):
+        fit(model, {"y": y})
+
+
+# ---------------------------------------------------------------------------------------
+# models that cannot be traced, bad data types
+# ---------------------------------------------------------------------------------------
+
+
+def test_model_that_raises_names_last_site():
+    def model(X, y):
+        w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([3]).to_event(1))
+        mean = X @ w  # X has 4 columns: shape mismatch
+        with numpyro.plate("n", y.shape[0]):
+            numpyro.sample("y", dist.Normal(mean, 1.0), obs=y)
+
+    x = np.ones((5, 4))
+    with pytest.raises(ModelTraceError, match="'w'") as info:
+        fit(model, {"X": x, "y": Y})
+    assert isinstance(info.value, BLRError)
+    assert info.value.site == "w"
+
+
+def test_model_raising_before_any_site():
+    def model(y):
+        raise ValueError("boom")
+
+    with pytest.raises(ModelTraceError, match="boom"):
+        fit(model, {"y": Y})
+
+
+BAD_DATA = pytest.mark.parametrize("data", [Y, "y", 3.0, {1, 2}], ids=["array", "str", "float", "set"])
+
+
+@BAD_DATA
+def test_bad_data_type(data):
+    with pytest.raises(BLRError, match="data"):
+        fit(normal_gamma, data)
+
+
+@BAD_DATA
+def test_bad_data_type_is_model_trace_error(data):
+    with pytest.raises(ModelTraceError):
+        fit(normal_gamma, data)
+
+
+def test_wrong_keyword_names():
+    with pytest.raises(ModelTraceError):
+        fit(normal_gamma, {"not_y": Y})
+
+
+# ---------------------------------------------------------------------------------------
+# family overrides
+# ---------------------------------------------------------------------------------------
+
+
+def test_family_that_does_not_fit_support():
+    with pytest.raises(FamilyError, match="tau") as info:
+        fit(normal_gamma, {"y": Y}, families={"tau": "beta"})
+    assert isinstance(info.value, BLRError)
+    assert info.value.site == "tau"
+
+
+def test_family_override_on_missing_site():
+    with pytest.raises(FamilyError, match="sigma"):
+        fit(normal_gamma, {"y": Y}, families={"sigma": "gamma"})
+
+
+def test_family_override_on_observed_site():
+    with pytest.raises(FamilyError, match="y_obs"):
+        fit(normal_gamma, {"y": Y}, families={"y_obs": "gaussian"})
+
+
+def test_unknown_family_name():
+    with pytest.raises(FamilyError, match="mu"):
+        fit(normal_gamma, {"y": Y}, families={"mu": "student_t"})
+
+
+# ---------------------------------------------------------------------------------------
+# the user's data are not mutated
+# ---------------------------------------------------------------------------------------
+
+
+def test_data_not_mutated():
+    rng = np.random.default_rng(0)
+    x = np.column_stack([np.ones(20), rng.normal(size=20)])
+    y = x @ np.array([1.0, 2.0]) + 0.5 * rng.normal(size=20)
+    group = np.arange(20, dtype=np.int32) % 3
+    y_jax = jnp.asarray(y)
+
+    def model(X, y, group, opts):
+        w = numpyro.sample("w", dist.Normal(0.0, opts["scale"]).expand([2]).to_event(1))
+        with numpyro.plate("g", 3):
+            a = numpyro.sample("a", dist.Normal(0.0, 1.0))
+        with numpyro.plate("n", X.shape[0]):
+            numpyro.sample("y", dist.Normal(X @ w + a[group], 0.5), obs=y)
+
+    data = {"X": x, "y": y_jax, "group": group, "opts": {"scale": 2.0}}
+    before = copy.deepcopy({k: v for k, v in data.items() if k != "y"})
+    before_y = np.array(y_jax)
+    ids = {k: id(v) for k, v in data.items()}
+    flags = {k: (v.flags.writeable, v.dtype, v.shape) for k, v in data.items() if isinstance(v, np.ndarray)}
+
+    result = fit(model, data)
+    assert result.converged, result.message
+
+    assert set(data) == {"X", "y", "group", "opts"}
+    assert {k: id(v) for k, v in data.items()} == ids
+    np.testing.assert_array_equal(data["X"], before["X"])
+    np.testing.assert_array_equal(data["group"], before["group"])
+    np.testing.assert_array_equal(np.asarray(data["y"]), before_y)
+    assert data["opts"] == {"scale": 2.0}
+    for k, v in data.items():
+        if isinstance(v, np.ndarray):
+            assert (v.flags.writeable, v.dtype, v.shape) == flags[k], k
+
+    # positional data: the tuple's arrays stay as they were too
+    args = (x, y)
+    x_before, y_before = x.copy(), y.copy()
+
+    def model2(X, y):
+        w = numpyro.sample("w", dist.Normal(0.0, 2.0).expand([2]).to_event(1))
+        with numpyro.plate("n", X.shape[0]):
+            numpyro.sample("y", dist.Normal(X @ w, 0.5), obs=y)
+
+    fit(model2, args, num_steps=2)
+    np.testing.assert_array_equal(args[0], x_before)
+    np.testing.assert_array_equal(args[1], y_before)

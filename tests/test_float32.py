@@ -1,0 +1,104 @@
+"""float32 works (DESIGN.md §6): fits run in a fresh interpreter without x64.
+
+The test session itself runs in float64 (tests/conftest.py), so the float32 fits run in a
+subprocess; it prints the posterior parameters as JSON and this test compares them with the
+closed-form posteriors computed here in float64, at float32 tolerances (rtol 1e-4).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CODE = r"""
+import json
+import jax, jax.numpy as jnp, numpy as np
+import numpyro, numpyro.distributions as dist
+assert not jax.config.jax_enable_x64
+from blrppl.api import blr_fit
+
+y_nn = np.asarray(json.loads('Y_NN'), dtype=np.float32)
+y_bb = np.asarray(json.loads('Y_BB'), dtype=np.float32)
+
+def normal_normal(y):
+    mu = numpyro.sample("mu", dist.Normal(1.0, 2.0))
+    with numpyro.plate("n", y.shape[0]):
+        numpyro.sample("y", dist.Normal(mu, 0.5), obs=y)
+
+def beta_bernoulli(y):
+    p = numpyro.sample("p", dist.Beta(2.0, 3.0))
+    with numpyro.plate("n", y.shape[0]):
+        numpyro.sample("y", dist.Bernoulli(p), obs=y)
+
+out = {}
+for name, model, y in [("nn", normal_normal, y_nn), ("bb", beta_bernoulli, y_bb)]:
+    r = blr_fit(model, {"y": y}, rng_key=jax.random.key(0), progress_bar=False)
+    q = r.posterior["mu" if name == "nn" else "p"]
+    if name == "nn":
+        params = {"mean": q.mean, "var": q.variance}
+    else:
+        params = {"a": q.concentration1, "b": q.concentration0}
+    out[name] = {
+        "params": {k: float(v) for k, v in params.items()},
+        "dtypes": sorted({str(jnp.asarray(v).dtype) for v in params.values()}
+                         | {str(x.dtype) for x in jax.tree.leaves(r.nat)}),
+        "elbo": [float(e) for e in r.elbo],
+        "elbo_dtype": str(np.asarray(r.elbo).dtype),
+        "converged": bool(r.converged),
+        "message": r.message,
+        "finite_samples": bool(np.all(np.isfinite(np.asarray(r.sample(jax.random.key(1), 100)[
+            "mu" if name == "nn" else "p"])))),
+    }
+print("RESULT" + json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def float32_run():
+    rng = np.random.default_rng(0)
+    y_nn = (3.0 + 0.5 * rng.normal(size=20)).astype(np.float32)
+    y_bb = np.array([1, 0, 1, 1, 1, 0, 1, 1, 0, 1], dtype=np.float32)
+    code = CODE.replace("Y_NN", json.dumps(y_nn.tolist())).replace("Y_BB", json.dumps(y_bb.tolist()))
+    env = dict(os.environ)
+    env.pop("JAX_ENABLE_X64", None)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT"))
+    return json.loads(line[len("RESULT") :]), y_nn.astype(np.float64), y_bb.astype(np.float64)
+
+
+def test_float32_dtypes(float32_run):
+    out, _, _ = float32_run
+    for name in ("nn", "bb"):
+        assert out[name]["dtypes"] == ["float32"], (name, out[name]["dtypes"])
+        assert out[name]["elbo_dtype"] == "float32"
+
+
+def test_float32_normal_normal(float32_run):
+    out, y, _ = float32_run
+    r = out["nn"]
+    assert r["converged"], r["message"]
+    assert np.all(np.isfinite(r["elbo"])) and r["finite_samples"]
+    precision = 1 / 2.0**2 + len(y) / 0.5**2
+    mean = (1.0 / 2.0**2 + y.sum() / 0.5**2) / precision
+    np.testing.assert_allclose(r["params"]["mean"], mean, rtol=1e-4)
+    np.testing.assert_allclose(r["params"]["var"], 1 / precision, rtol=1e-4)
+
+
+def test_float32_beta_bernoulli(float32_run):
+    out, _, y = float32_run
+    r = out["bb"]
+    assert r["converged"], r["message"]
+    assert np.all(np.isfinite(r["elbo"])) and r["finite_samples"]
+    np.testing.assert_allclose(r["params"]["a"], 2.0 + y.sum(), rtol=1e-4)
+    np.testing.assert_allclose(r["params"]["b"], 3.0 + len(y) - y.sum(), rtol=1e-4)
