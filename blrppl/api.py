@@ -15,7 +15,7 @@ from blrppl import families as fam
 from blrppl.engine.loop import CONVERGED, NONFINITE, make_chunk, run_loop
 from blrppl.engine.step import BLRState, make_step
 from blrppl.errors import BLRError, ModelTraceError
-from blrppl.graph.compile import compile_model, init_nat
+from blrppl.graph.compile import _block_init_values, compile_model, init_nat
 from blrppl.graph.data import DataSpec
 from blrppl.graph.trace import trace_model
 from blrppl.result import BLRResult, site_distribution
@@ -174,7 +174,9 @@ def _compile(model, records, data_spec, dyn_data, tracer, families, schedule, ra
     chunk = make_chunk(step, chunk_size, tol)
     dtype = jnp.result_type(float)
     state = jax.eval_shape(
-        lambda v, p: BLRState(nat=init_fn(v, p), step=jnp.zeros((), jnp.int32), elbo=jnp.zeros((), dtype)),
+        lambda v, p: BLRState(
+            nat=init_fn(v, p), step=jnp.zeros((), jnp.int32), elbo=jnp.zeros((), dtype), rng_key=jax.random.key(0)
+        ),
         init_values,
         {b.name: np.ones(b.value_shape + (len(b.support_values),)) for b in plan.blocks if b.discrete},
     )
@@ -239,7 +241,7 @@ def blr_fit(
     x64 = jnp.result_type(float) == jnp.float64
     tol = (1e-8 if x64 else 1e-5) if tol is None else float(tol)
     rng_key = jax.random.key(0) if rng_key is None else rng_key
-    k_trace, k_probe, k_host = jax.random.split(rng_key, 3)
+    k_trace, k_probe, k_host, k_loop = jax.random.split(rng_key, 4)
     rng = np.random.default_rng(np.asarray(jax.random.key_data(k_host)).ravel())
 
     rate_fn = learning_rate if callable(learning_rate) else None
@@ -260,7 +262,9 @@ def blr_fit(
         if key is not None:
             _remember(key, bundle)
     plan = bundle.plan
-    init_values = {b.name: jnp.asarray(records[b.name].init_value) for b in plan.blocks}
+    init_values = _block_init_values(
+        {b.name: b for b in plan.blocks}, {b.name: jnp.asarray(records[b.name].init_value) for b in plan.blocks}
+    )
     probs0 = {
         b.name: rng.dirichlet(np.ones(len(b.support_values)), size=b.value_shape)
         for b in plan.blocks
@@ -268,7 +272,9 @@ def blr_fit(
     }
     nat0 = bundle.init_fn(init_values, probs0)
     dtype = jnp.result_type(float)
-    state = BLRState(nat=nat0, step=jnp.zeros((), jnp.int32), elbo=jnp.asarray(jnp.nan, dtype))
+    state = BLRState(
+        nat=nat0, step=jnp.zeros((), jnp.int32), elbo=jnp.asarray(jnp.nan, dtype), rng_key=k_loop
+    )
     compiled = bundle.chunk
     if learning_rate is None:
         if bundle.conjugate is None:

@@ -84,16 +84,20 @@ class ModelFunctions:
             depend on; their values never reach the factor's arguments).
     """
 
-    def __init__(self, model, data_spec: DataSpec, fill_values: dict):
+    def __init__(self, model, data_spec: DataSpec, fill_values: dict, transforms: dict | None = None):
         self.model = model
         self.data_spec = data_spec
         self.fill_values = fill_values
+        self.transforms = dict(transforms or {})
 
     def sites(self, names, values: dict, data) -> dict:
-        """Run the model with ``values`` substituted; the messages of the sites ``names``."""
+        """Run the model with ``values`` (block space: unconstrained for transformed blocks)
+        substituted; the messages of the sites ``names``."""
         args, kwargs = self.data_spec.merge(data)
         full = dict(self.fill_values)
         full.update(values)
+        for n, t in self.transforms.items():
+            full[n] = t(full[n])
         model = handlers.substitute(self.model, data=full)
         stopper = _StopAfter(model, names)
         try:
@@ -102,16 +106,24 @@ class ModelFunctions:
             pass
         return stopper.sites
 
+    @staticmethod
+    def rule_args(site: dict, arg_names) -> dict:
+        """The arguments ``arg_names`` of a site's unwrapped distribution, and its value."""
+        base, _, _ = unwrap(site["fn"])
+        args = {a: jnp.asarray(getattr(base, a)) for a in arg_names}
+        args["value"] = jnp.asarray(site["value"])
+        return args
+
     def args_of(self, wanted: dict, values: dict, data) -> dict:
         """Rule arguments and value of several sites: ``wanted`` maps site → argument names."""
         sites = self.sites(tuple(wanted), values, data)
-        out = {}
-        for name, arg_names in wanted.items():
-            base, _, _ = unwrap(sites[name]["fn"])
-            args = {a: jnp.asarray(getattr(base, a)) for a in arg_names}
-            args["value"] = jnp.asarray(sites[name]["value"])
-            out[name] = args
-        return out
+        return {name: self.rule_args(sites[name], arg_names) for name, arg_names in wanted.items()}
+
+    def log_probs(self, names, values: dict, data) -> dict:
+        """Each site's log-density (wrappers and scale applied), summed over its elements
+        except for the batch dims, as ``(log_prob array, scale)``."""
+        sites = self.sites(tuple(names), values, data)
+        return {n: (sites[n]["fn"].log_prob(sites[n]["value"]), sites[n].get("scale")) for n in names}
 
     def factor_args(self, name: str, arg_names, values: dict, data) -> dict:
         """The rule arguments and value of site ``name`` (unwrapped distribution)."""

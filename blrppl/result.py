@@ -44,8 +44,36 @@ class _SiteLayout(dist.Distribution):
         return self.block.to_site(self.inner.variance)
 
 
+class TransformedPosterior(dist.TransformedDistribution):
+    """A Gaussian on an unconstrained space pushed through the site's bijection.
+
+    ``mean`` and ``variance`` have no closed form: they are Monte Carlo estimates from
+    ``num_draws`` draws with a fixed key (standard error sd/√num_draws).
+    """
+
+    num_draws = 4096
+
+    def _draws(self):
+        return self.sample(jax.random.key(0), (self.num_draws,))
+
+    @property
+    def mean(self):
+        return self._draws().mean(0)
+
+    @property
+    def variance(self):
+        return self._draws().var(0)
+
+
 def site_distribution(block: Block, nat, event_ndim: int) -> dist.Distribution:
     """The posterior of a block as a numpyro distribution in the site's layout."""
+    if block.transform is not None:
+        base = _layout_distribution(block, nat, len(block.value_shape) - len(block.batch_shape) if block.kind == "gaussian" else 0)
+        return TransformedPosterior(base, block.transform)
+    return _layout_distribution(block, nat, event_ndim)
+
+
+def _layout_distribution(block: Block, nat, event_ndim: int) -> dist.Distribution:
     inner = block.family.to_numpyro(nat)
     if block.kind == "gaussian":
         bshape, dim = block.batch_shape, inner.event_shape[-1]

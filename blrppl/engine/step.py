@@ -21,11 +21,13 @@ from blrppl.estimators.enumeration import expected_log_factors
 
 
 class BLRState(NamedTuple):
-    """Carried state: natural parameters per block, step count, last ELBO."""
+    """Carried state: natural parameters per block, step count, last ELBO, PRNG key (for
+    Monte Carlo estimators)."""
 
     nat: dict
     step: jax.Array
     elbo: jax.Array
+    rng_key: jax.Array
 
 
 class BLRInfo(NamedTuple):
@@ -44,9 +46,9 @@ def make_objective(plan, fns):
     """Σ_i E_q[log f_i] over a subset of factors, as a function of the views."""
     blocks = {b.name: b for b in plan.blocks}
 
-    def objective(views, data, factor_names=None):
+    def objective(views, data, factor_names=None, key=None):
         factors = [f for f in plan.factors if factor_names is None or f.name in factor_names]
-        return expected_log_factors(fns, factors, blocks, views, data)
+        return expected_log_factors(fns, factors, blocks, views, data, key)
 
     return objective
 
@@ -55,10 +57,10 @@ def make_elbo(plan, fns):
     """ELBO(λ) = Σ_i E_q[log f_i] + Σ_b H(q_b)."""
     objective = make_objective(plan, fns)
 
-    def elbo(nat, data):
+    def elbo(nat, data, key=None):
         views = views_of(plan, nat)
         entropy = sum(jnp.sum(b.family.entropy(nat[b.name])) for b in plan.blocks)
-        return objective(views, data) + entropy
+        return objective(views, data, None, key) + entropy
 
     return elbo
 
@@ -109,12 +111,12 @@ def make_step(plan, fns, schedule: str, rate_fn: Callable | None = None, max_hal
     blocks = {b.name: b for b in plan.blocks}
     factors_of = {b.name: tuple(f.name for f in plan.factors_of(b.name)) for b in plan.blocks}
 
-    def messages(nat, names, data):
+    def messages(nat, names, data, key=None):
         views = views_of(plan, nat)
         wanted = set().union(*(factors_of[n] for n in names)) if names else set()
 
         def obj(sub):
-            return objective({**views, **sub}, data, wanted)
+            return objective({**views, **sub}, data, wanted, key)
 
         grads = jax.grad(obj)({n: views[n] for n in names})
         return {n: blocks[n].family.message_from_view_grad(nat[n], grads[n]) for n in names}
@@ -123,20 +125,21 @@ def make_step(plan, fns, schedule: str, rate_fn: Callable | None = None, max_hal
         nat = dict(state.nat)
         valid = jnp.array(True)
         rate = rate_fn(state.step)
+        key, key_elbo, *keys = jax.random.split(state.rng_key, len(plan.order) + 2)
         if schedule == "parallel":
             names = tuple(plan.order)
-            msgs = messages(nat, names, data)
+            msgs = messages(nat, names, data, keys[0])
             for n in names:
                 nat[n], ok = _update_block(blocks[n].family, nat[n], msgs[n], rho[n] * rate, max_halvings)
                 valid = valid & ok
         else:
-            for n in plan.order:
-                msg = messages(nat, (n,), data)[n]
+            for n, k in zip(plan.order, keys):
+                msg = messages(nat, (n,), data, k)[n]
                 nat[n], ok = _update_block(blocks[n].family, nat[n], msg, rho[n] * rate, max_halvings)
                 valid = valid & ok
-        elbo = elbo_fn(nat, data)
+        elbo = elbo_fn(nat, data, key_elbo)
         delta = _relative_delta(state.nat, nat)
-        new_state = BLRState(nat=nat, step=state.step + 1, elbo=elbo)
+        new_state = BLRState(nat=nat, step=state.step + 1, elbo=elbo, rng_key=key)
         return new_state, BLRInfo(elbo=elbo, max_delta=delta, valid=valid)
 
     return step, elbo_fn, messages

@@ -19,29 +19,57 @@ import jax.numpy as jnp
 import numpy as np
 
 from blrppl.estimators.exact import elementwise_expected_log_prob, reduce_factor
+from blrppl.estimators.monte_carlo import expected_log_jacobian, monte_carlo_elementwise
 from blrppl.expressions import group_moments
 
 
-def expected_log_factors(fns, factors, blocks, views, data):
+def is_jacobian(factor) -> bool:
+    """Whether a factor is the log|det J| term of an unconstrained block (not a site)."""
+    return factor.rule is None and factor.name.endswith(":jacobian")
+
+
+def _elementwise(fns, group, blocks, views, dvals, data, wrappers, key):
+    """Per-element E_q[log f | discrete values] of a group of factors, and their scales."""
+    exact = [f for f in group if f.estimator == "exact"]
+    sampled = [f for f in group if f.estimator != "exact"]
+    els, scales = {}, {}
+    if exact:
+        moments = group_moments(fns, exact, blocks, views, dvals, data)
+        for f in exact:
+            els[f.name] = elementwise_expected_log_prob(f, moments[f.name], wrappers[f.name][0])
+            scales[f.name] = wrappers[f.name][1]
+    if sampled:
+        mc, sc = monte_carlo_elementwise(fns, sampled, blocks, views, dvals, data, key)
+        els.update(mc)
+        scales.update(sc)
+    return els, scales
+
+
+def expected_log_factors(fns, factors, blocks, views, data, key=None):
     """Σ_i E_q[log f_i] over ``factors``, each summed over its elements.
 
     Factors sharing the same discrete neighbours are evaluated together: one run of the
-    model per enumerated assignment.
+    model per enumerated assignment (and per Monte Carlo sample for sampled factors).
     """
     if not factors:
         return 0.0
-    wrappers = fns.factor_wrappers([f.name for f in factors], data)
+    key = jax.random.key(0) if key is None else key
+    total = 0.0
+    for f in factors:
+        if is_jacobian(f):
+            key, sub = jax.random.split(key)
+            total = total + expected_log_jacobian(blocks[f.neighbours[0]], views[f.neighbours[0]], sub)
+    factors = [f for f in factors if not is_jacobian(f)]
+    if not factors:
+        return total
+    wrappers = fns.factor_wrappers([f.name for f in factors if f.estimator == "exact"], data)
     groups: dict = {}
     for f in factors:
         groups.setdefault(f.discrete, []).append(f)
-    total = 0.0
     for names, group in groups.items():
+        key, sub = jax.random.split(key)
         if not names:
-            moments = group_moments(fns, group, blocks, views, {}, data)
-            els = {
-                f.name: elementwise_expected_log_prob(f, moments[f.name], wrappers[f.name][0])
-                for f in group
-            }
+            els, scales = _elementwise(fns, group, blocks, views, {}, data, wrappers, sub)
         else:
             sizes = [len(blocks[d].support_values) for d in names]
             combos = jnp.asarray(np.array(list(itertools.product(*[range(k) for k in sizes]))))
@@ -53,13 +81,12 @@ def expected_log_factors(fns, factors, blocks, views, data):
                     support = jnp.asarray(b.support_values)
                     dvals[d] = jnp.full(b.value_shape, support[combo[j]], dtype=support.dtype)
                     weight = weight * jnp.take(views[d].probs, combo[j], axis=-1)
-                moments = group_moments(fns, group, blocks, views, dvals, data)
-                return {
-                    f.name: elementwise_expected_log_prob(f, moments[f.name], wrappers[f.name][0]) * weight
-                    for f in group
-                }
+                els, scales = _elementwise(fns, group, blocks, views, dvals, data, wrappers, sub)
+                return {n: v * weight for n, v in els.items()}, scales
 
-            els = jax.tree.map(lambda x: x.sum(0), jax.vmap(one)(combos))
+            els, scales = jax.vmap(one)(combos)
+            els = jax.tree.map(lambda x: x.sum(0), els)
+            scales = {n: None if s is None else s[0] for n, s in scales.items()}
         for f in group:
-            total = total + reduce_factor(els[f.name], wrappers[f.name][1])
+            total = total + reduce_factor(els[f.name], scales[f.name])
     return total

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import networkx as nx
 import numpy as np
-from numpyro.distributions import constraints
+from numpyro.distributions import biject_to, constraints
 
 from blrppl import families as fam
 from blrppl.errors import FamilyError, UnsupportedFactorError, UnsupportedLatentError
@@ -45,8 +45,14 @@ def _support_kind(support) -> str:
     return str(base)
 
 
-def choose_family(record: SiteRecord, override: str | None) -> Block:
-    """The candidate family of a latent site (native conjugate family by support)."""
+def choose_family(record: SiteRecord, override: str | None, unconstrained: bool = False) -> Block:
+    """The candidate family of a latent site.
+
+    By default the native family of its support (real → Gaussian, positive → Gamma, unit
+    interval → Beta, simplex → Dirichlet, finite discrete → Categorical/Bernoulli); a
+    Gaussian on the unconstrained space (``biject_to(support)``) when ``unconstrained`` or
+    when the support has no native family (intervals, ordered vectors, Cholesky factors...).
+    """
     kind = _support_kind(record.support)
     shape = record.value_shape
     if kind == "discrete":
@@ -63,26 +69,28 @@ def choose_family(record: SiteRecord, override: str | None) -> Block:
         family = fam.Bernoulli() if name == "bernoulli" else fam.Categorical(len(values))
         return Block(record.name, family, name, shape, (), tuple(int(v) for v in values))
     native = {"real": "gaussian", "positive": "gamma", "unit_interval": "beta", "simplex": "dirichlet"}
-    name = override or native.get(kind)
-    if name is None:
-        raise UnsupportedLatentError(
-            f"latent with support {record.support} has no candidate family; supported supports "
-            "are real, positive, unit interval, simplex and finite discrete",
-            site=record.name,
+    if override is not None and override not in _FITS:
+        raise FamilyError(
+            f"unknown family '{override}'; families: {sorted(_FITS)}", site=record.name
         )
-    if name not in _FITS or _FITS[name] != kind:
-        fits = sorted(k for k, v in _FITS.items() if v == kind)
+    gaussian = override in _GAUSSIAN or (override is None and (unconstrained or kind not in native or kind == "real"))
+    if gaussian:
+        name = override or "gaussian"
+        transform = None if kind == "real" else biject_to(record.support)
+        ushape = shape if transform is None else tuple(transform.inverse_shape(shape))
+        if name == "gaussian-diag":
+            return Block(record.name, fam.GaussianDiag(), name, ushape, (), None, transform, shape)
+        axes = record.plate_axes()
+        dim = int(np.prod([s for a, s in enumerate(ushape) if a not in axes]))
+        return Block(record.name, fam.GaussianDense(dim), name, ushape, axes, None, transform, shape)
+    name = override or native[kind]
+    if _FITS[name] != kind:
+        fits = sorted(k for k, v in _FITS.items() if v in (kind, "real"))
         raise FamilyError(
             f"family '{name}' cannot represent a latent with support {record.support}; "
             f"families that fit it: {fits}",
             site=record.name,
         )
-    if name == "gaussian":
-        axes = record.plate_axes()
-        dim = int(np.prod([s for a, s in enumerate(shape) if a not in axes]))
-        return Block(record.name, fam.GaussianDense(dim), name, shape, axes)
-    if name == "gaussian-diag":
-        return Block(record.name, fam.GaussianDiag(), name, shape)
     if name == "gamma":
         return Block(record.name, fam.Gamma(), name, shape)
     if name == "beta":
@@ -113,8 +121,17 @@ def init_nat(block: Block, init_value, probs=None):
     return family.nat_from_view(fam.DirichletView(x * x.shape[-1] + 0.5))
 
 
+_GAUSSIAN = ("gaussian", "gaussian-diag")
+
+
 def compile_model(model, records, data_spec, data, families=None, rng_key=None):
     """Build blocks, the factor graph and the plan of a traced model.
+
+    Family policy ("auto"): every latent starts in the native family of its support; a factor
+    whose expected log-density has no closed form for its arguments gets the Monte Carlo
+    estimator, and every non-Gaussian continuous latent it touches is moved to a Gaussian on
+    its unconstrained space (then the other factors of that latent are classified again),
+    until nothing changes. A family override that would need such a move is an error.
 
     Args:
         model: the numpyro model.
@@ -124,7 +141,8 @@ def compile_model(model, records, data_spec, data, families=None, rng_key=None):
         rng_key: key for the probes.
 
     Returns:
-        (plan, model functions, dynamic data leaves, init values dict, networkx graph)
+        (plan, model functions, dynamic data leaves, init values dict (block space),
+        networkx graph)
     """
     families = dict(families or {})
     for name in families:
@@ -135,49 +153,117 @@ def compile_model(model, records, data_spec, data, families=None, rng_key=None):
             )
     rng_key = jax.random.key(1) if rng_key is None else rng_key
     latent = [r for r in records.values() if not r.observed]
-    blocks = {r.name: choose_family(r, families.get(r.name)) for r in latent}
-    init_values = {r.name: jnp.asarray(r.init_value) for r in latent}
-    fns = ModelFunctions(model, data_spec, init_values)
+    site_init = {r.name: jnp.asarray(r.init_value) for r in latent}
+    rules = {r.name: (None if r.is_factor else find_rule(r.dist_type)) for r in records.values()}
+    deps = _dependencies(model, data_spec, data, records, rules, site_init)
 
-    # rule of each factor and the arguments it reads
-    rules = {}
-    for r in records.values():
-        rule = None if r.is_factor else find_rule(r.dist_type)
-        if rule is None:
-            raise UnsupportedFactorError(
-                f"no closed-form expected log-density for {r.dist_name} "
-                "(this engine fits models whose factors all have one)",
-                site=r.name,
-            )
-        rules[r.name] = rule
+    moved: set = set()
+    while True:
+        blocks = {r.name: choose_family(r, families.get(r.name), r.name in moved) for r in latent}
+        init_values = _block_init_values(blocks, site_init)
+        fns = ModelFunctions(model, data_spec, init_values, _transforms(blocks))
+        factors = _classify_factors(records, rules, deps, blocks, fns, data, rng_key)
+        to_move = set()
+        for f in factors:
+            if f.estimator == "exact":
+                continue
+            for n in f.neighbours:
+                b = blocks[n]
+                if b.discrete or b.kind in _GAUSSIAN:
+                    continue
+                if n in families:
+                    raise FamilyError(
+                        f"family '{families[n]}' cannot be fitted: factor '{f.name}' "
+                        f"({f.dist_name}) has no closed-form expectation under it; use "
+                        "'gaussian' (on the unconstrained space) or leave the family to the default",
+                        site=n,
+                    )
+                to_move.add(n)
+        if not to_move - moved:
+            break
+        moved |= to_move
 
-    def all_args(values, data):
-        out = {}
-        for name, rule in rules.items():
-            out[name] = fns.factor_args(name, rule.arg_names, values, data)
-        return out
-
-    deps = output_dependencies(all_args, init_values, data)
-
+    factors += [_jacobian_factor(b) for b in blocks.values() if b.transform is not None]
     graph = nx.Graph()
     for name, b in blocks.items():
         graph.add_node(("block", name), kind=b.kind, shape=b.value_shape)
+    for f in factors:
+        graph.add_node(("factor", f.name), dist=f.dist_name, estimator=f.estimator)
+        for n in f.neighbours:
+            graph.add_edge(("factor", f.name), ("block", n))
+    order = tuple(n for n in blocks if not blocks[n].discrete) + tuple(
+        n for n in blocks if blocks[n].discrete
+    )
+    plan = Plan(blocks=tuple(blocks.values()), factors=tuple(factors), order=order)
+    return plan, fns, data, init_values, graph
+
+
+def _transforms(blocks) -> dict:
+    return {n: b.transform for n, b in blocks.items() if b.transform is not None}
+
+
+def _block_init_values(blocks, site_init) -> dict:
+    """Initial values in block space (unconstrained for transformed Gaussian blocks)."""
+    out = {}
+    for n, b in blocks.items():
+        x = site_init[n]
+        out[n] = b.transform.inv(x) if b.transform is not None else x
+    return out
+
+
+def _dependencies(model, data_spec, data, records, rules, site_init) -> dict:
+    """Per site: the latent sites its rule arguments and its log-density depend on."""
+    fns = ModelFunctions(model, data_spec, site_init)
+
+    def all_args(values, data):
+        sites = fns.sites(tuple(records), values, data)
+        out = {}
+        for name, site in sites.items():
+            rule = rules[name]
+            args = fns.rule_args(site, rule.arg_names) if rule is not None else {}
+            args["log_prob"] = site["fn"].log_prob(site["value"])
+            out[name] = args
+        return out
+
+    return output_dependencies(all_args, site_init, data)
+
+
+def _jacobian_factor(block: Block) -> Factor:
+    """The log|det J| term of a Gaussian block on an unconstrained space."""
+    return Factor(
+        name=f"{block.name}:jacobian",
+        dist_name=f"log|det J| ({type(block.transform).__name__})",
+        observed=False,
+        neighbours=(block.name,),
+        discrete=(),
+        estimator="monte_carlo",
+        rule=None,
+        arg_kinds=(),
+        arg_blocks=(),
+        columns=(),
+        reinterpreted_ndim=0,
+    )
+
+
+def _classify_factors(records, rules, deps, blocks, fns, data, rng_key) -> list:
+    """Classify every factor's arguments and choose its estimator."""
     rng = np.random.default_rng(np.asarray(jax.random.key_data(rng_key)).ravel())
     probes, nbrs = {}, {}
     for name, r in records.items():
         rule = rules[name]
-        arg_deps = deps[name]
-        neighbours = tuple(n for n in blocks if any(n in d for d in arg_deps.values()))
+        neighbours = tuple(n for n in blocks if any(n in d for d in deps[name].values()))
         discrete = tuple(n for n in neighbours if blocks[n].discrete)
         for d in discrete:
             _check_aligned(r, records[d], name)
         nbrs[name] = (neighbours, discrete)
+        if rule is None:
+            continue
         for arg in ("value",) + rule.arg_names:
 
             def fn(values, data, arg=arg, name=name, rule=rule):
                 return fns.factor_args(name, rule.arg_names, values, data)[arg]
 
-            probes[(name, arg)] = probe_argument(fn, arg_deps[arg], blocks, rng)
+            probes[(name, arg)] = probe_argument(fn, deps[name][arg], blocks, rng)
     classes = run_probes(probes, data)
 
     factors = []
@@ -185,51 +271,35 @@ def compile_model(model, records, data_spec, data, families=None, rng_key=None):
         rule = rules[name]
         neighbours, discrete = nbrs[name]
         kinds, arg_blocks, full = [], [], set()
-        for arg in ("value",) + rule.arg_names:
-            cls = classes[(name, arg)]
-            if cls.kind == "opaque":
-                raise UnsupportedFactorError(
-                    f"argument '{arg}' of {r.dist_name} is not a supported function of the "
-                    f"latents {sorted(cls.blocks)} ({cls.reason}); closed-form expectations need "
-                    "constants, affine functions of Gaussian latents, powers of Gamma latents, "
-                    "or Beta/Dirichlet latents themselves",
-                    site=name,
-                )
-            kinds.append((arg, cls.kind))
-            arg_blocks.append((arg, cls.blocks))
-            full.update(cls.full)
-        if not rule.supports(dict(kinds)):
-            desc = ", ".join(f"{a}={k}" for a, k in kinds)
-            raise UnsupportedFactorError(
-                f"{r.dist_name} has no closed-form expected log-density for arguments of kinds "
-                f"({desc})",
-                site=name,
+        exact = rule is not None
+        if exact:
+            for arg in ("value",) + rule.arg_names:
+                cls = classes[(name, arg)]
+                kinds.append((arg, cls.kind))
+                arg_blocks.append((arg, cls.blocks))
+                full.update(cls.full)
+            exact = rule.supports(dict(kinds))
+        gauss = [n for n in neighbours if blocks[n].kind in _GAUSSIAN]
+        if exact:
+            columns = tuple((n, "full" if n in full else "gather") for n in gauss)
+        else:
+            kinds, arg_blocks, columns = [("log_prob", "monte_carlo")], [], ()
+        factors.append(
+            Factor(
+                name=name,
+                dist_name=r.dist_name,
+                observed=r.observed,
+                neighbours=neighbours,
+                discrete=discrete,
+                estimator="exact" if exact else "monte_carlo",
+                rule=rule if exact else None,
+                arg_kinds=tuple(kinds),
+                arg_blocks=tuple(arg_blocks),
+                columns=columns,
+                reinterpreted_ndim=r.reinterpreted_ndim,
             )
-        gauss = [n for n in neighbours if blocks[n].kind in ("gaussian", "gaussian-diag")]
-        columns = tuple((n, "full" if n in full else "gather") for n in gauss)
-        factor = Factor(
-            name=name,
-            dist_name=r.dist_name,
-            observed=r.observed,
-            neighbours=neighbours,
-            discrete=discrete,
-            estimator="exact",
-            rule=rule,
-            arg_kinds=tuple(kinds),
-            arg_blocks=tuple(arg_blocks),
-            columns=columns,
-            reinterpreted_ndim=r.reinterpreted_ndim,
         )
-        factors.append(factor)
-        graph.add_node(("factor", name), dist=r.dist_name, estimator="exact")
-        for n in neighbours:
-            graph.add_edge(("factor", name), ("block", n))
-
-    order = tuple(n for n in blocks if not blocks[n].discrete) + tuple(
-        n for n in blocks if blocks[n].discrete
-    )
-    plan = Plan(blocks=tuple(blocks.values()), factors=tuple(factors), order=order)
-    return plan, fns, data, init_values, graph
+    return factors
 
 
 def _check_aligned(factor: SiteRecord, discrete: SiteRecord, name: str):

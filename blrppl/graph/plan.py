@@ -31,6 +31,11 @@ class Block:
             elements (batch dims of the canonical layout); the remaining axes are flattened
             into the dense event dimension.
         support_values: for discrete blocks, the values enumerated.
+        transform: for Gaussian blocks on an unconstrained space, the bijection to the
+            site's support (``numpyro.distributions.biject_to``); the block variable u is
+            unconstrained and the site value is ``transform(u)``.
+        site_shape: shape of the site value when it differs from ``value_shape`` (the
+            shape of the block variable), as for the simplex (K values, K − 1 unconstrained).
     """
 
     name: str
@@ -39,6 +44,8 @@ class Block:
     value_shape: tuple
     plate_axes: tuple = ()
     support_values: tuple | None = None
+    transform: Any = None
+    site_shape: tuple | None = None
 
     @property
     def discrete(self) -> bool:
