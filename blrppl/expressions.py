@@ -115,9 +115,13 @@ class ModelFunctions:
         return args
 
     def args_of(self, wanted: dict, values: dict, data) -> dict:
-        """Rule arguments and value of several sites: ``wanted`` maps site → argument names."""
+        """Arguments of several sites: ``wanted`` maps site → argument names (rule arguments)
+        or → a function of the site's trace entry returning a dict of arrays."""
         sites = self.sites(tuple(wanted), values, data)
-        return {name: self.rule_args(sites[name], arg_names) for name, arg_names in wanted.items()}
+        return {
+            name: extract(sites[name]) if callable(extract) else self.rule_args(sites[name], extract)
+            for name, extract in wanted.items()
+        }
 
     def log_probs(self, names, values: dict, data) -> dict:
         """Each site's log-density (wrappers and scale applied), summed over its elements
@@ -134,6 +138,48 @@ class ModelFunctions:
         dims, masks, expansion — which do not depend on latent values)."""
         sites = self.sites(tuple(names), {}, data)
         return {name: (sites[name]["fn"], sites[name].get("scale")) for name in names}
+
+
+# -- projections for quadrature -----------------------------------------------------------
+
+#: link g and inverse of the scalar projections a quadrature factor integrates over
+LINKS = {
+    "identity": (lambda x: x, lambda y: y),
+    "exp": (jnp.exp, jnp.log),
+    "sigmoid": (jax.nn.sigmoid, jax.scipy.special.logit),
+}
+
+
+def distribution_leaves(site: dict):
+    """(unwrapped distribution, its pytree leaves, treedef) of a site's trace entry."""
+    base, _, _ = unwrap(site["fn"])
+    leaves, treedef = jax.tree_util.tree_flatten(base)
+    return base, leaves, treedef
+
+
+def projection_args(links) -> Callable:
+    """Extractor of the projections η = g⁻¹(leaf) of a quadrature factor from a site entry.
+
+    ``links`` holds ``(name, index, link)``: ``index`` is a leaf position of the unwrapped
+    distribution or ``"value"``.
+    """
+
+    def extract(site):
+        _, leaves, _ = distribution_leaves(site)
+        out = {}
+        for name, index, link in links:
+            x = site["value"] if index == "value" else leaves[index]
+            out[name] = LINKS[link][1](jnp.asarray(x))
+        return out
+
+    return extract
+
+
+def factor_arguments(factor):
+    """What :meth:`ModelFunctions.args_of` extracts for a factor."""
+    if factor.rule is not None:
+        return factor.rule.arg_names
+    return projection_args(factor.links)
 
 
 # -- probing -----------------------------------------------------------------------------
@@ -482,6 +528,15 @@ def _base_point(block: Block, view):
     return view.concentration / view.concentration.sum(-1, keepdims=True)
 
 
+def base_values(blocks: dict, views: dict, names) -> dict:
+    """Block values at the base point (see :func:`_base_point`), Gamma blocks as τ = 1."""
+    out = {}
+    for n in names:
+        x = _base_point(blocks[n], views[n])
+        out[n] = jnp.exp(x) if blocks[n].kind == "gamma" else x
+    return out
+
+
 def _tangent_sets(block: Block, view, full: bool) -> dict:
     """Stacks of tangents (site layout) to push through the linearised model."""
     if block.kind in ("gaussian", "gaussian-diag"):
@@ -516,7 +571,7 @@ def group_moments(fns: ModelFunctions, factors, blocks: dict, views: dict, discr
     for f in factors:
         cont += [n for n in f.neighbours if n not in f.discrete and n not in cont]
     gamma_names = {n for n in cont if blocks[n].kind == "gamma"}
-    wanted = {f.name: f.rule.arg_names for f in factors}
+    wanted = {f.name: factor_arguments(f) for f in factors}
     point = {n: _base_point(blocks[n], views[n]) for n in cont}
 
     def model_args(x):
@@ -558,7 +613,7 @@ def group_moments(fns: ModelFunctions, factors, blocks: dict, views: dict, discr
         kinds, arg_blocks = f.kinds, dict(f.arg_blocks)
         fgauss = [n for n in f.neighbours if n in gauss]
         moments = {}
-        for arg in ("value",) + tuple(f.rule.arg_names):
+        for arg, _ in f.arg_kinds:
             kind, value = kinds[arg], out[f.name][arg]
             used = arg_blocks[arg]
             if kind == "const":

@@ -351,6 +351,20 @@ def _align_cols(cols_array, ndim):
     return cols_array.reshape(cols_array.shape[:1] + (1,) * missing + cols_array.shape[1:])
 
 
+def covariance(a, b):
+    """Elementwise Cov[a_n, b_n] of two moment objects (zero unless both are affine in a
+    shared Gaussian block)."""
+    if not (isinstance(a, AffineGaussian) and isinstance(b, AffineGaussian)):
+        return jnp.zeros(jnp.broadcast_shapes(a.shape, b.shape))
+    shape = jnp.broadcast_shapes(a.shape, b.shape)
+    total = jnp.zeros(shape, dtype=jnp.result_type(a.mean_value, float))
+    for la, rb in zip(a.left, b.right):
+        if la is not None and rb is not None:
+            cols = la.shape[0]
+            total = total + jnp.sum(_bcast_cols(la, cols, shape) * _bcast_cols(rb, cols, shape), axis=0)
+    return total
+
+
 def _bcast_cols(cols_array, cols, shape):
     if cols_array is None:
         return jnp.zeros((cols,) + shape)

@@ -20,6 +20,7 @@ import numpy as np
 
 from blrppl.estimators.exact import elementwise_expected_log_prob, reduce_factor
 from blrppl.estimators.monte_carlo import expected_log_jacobian, monte_carlo_elementwise
+from blrppl.estimators.quadrature import quadrature_elementwise
 from blrppl.expressions import group_moments
 
 
@@ -31,8 +32,13 @@ def is_jacobian(factor) -> bool:
 def _elementwise(fns, group, blocks, views, dvals, data, wrappers, key):
     """Per-element E_q[log f | discrete values] of a group of factors, and their scales."""
     exact = [f for f in group if f.estimator == "exact"]
-    sampled = [f for f in group if f.estimator != "exact"]
+    quad = [f for f in group if f.estimator == "quadrature"]
+    sampled = [f for f in group if f.estimator == "monte_carlo"]
     els, scales = {}, {}
+    if quad:
+        q, sc = quadrature_elementwise(fns, quad, blocks, views, dvals, data)
+        els.update(q)
+        scales.update(sc)
     if exact:
         moments = group_moments(fns, exact, blocks, views, dvals, data)
         for f in exact:

@@ -10,7 +10,7 @@ from numpyro.distributions import biject_to, constraints
 
 from blrppl import families as fam
 from blrppl.errors import FamilyError, UnsupportedFactorError, UnsupportedLatentError
-from blrppl.expressions import ModelFunctions, probe_argument, run_probes
+from blrppl.expressions import LINKS, ModelFunctions, distribution_leaves, probe_argument, projection_args, run_probes
 from blrppl.graph.deps import output_dependencies
 from blrppl.graph.plan import Block, Factor, Plan
 from blrppl.graph.trace import SiteRecord, finite_support_values
@@ -122,6 +122,8 @@ def init_nat(block: Block, init_value, probs=None):
 
 
 _GAUSSIAN = ("gaussian", "gaussian-diag")
+#: the most scalar projections per element a quadrature factor may have
+MAX_PROJECTIONS = 2
 
 
 def compile_model(model, records, data_spec, data, families=None, rng_key=None):
@@ -222,6 +224,10 @@ def _dependencies(model, data_spec, data, records, rules, site_init) -> dict:
             rule = rules[name]
             args = fns.rule_args(site, rule.arg_names) if rule is not None else {}
             args["log_prob"] = site["fn"].log_prob(site["value"])
+            args["value"] = jnp.asarray(site["value"])
+            if not records[name].is_factor:
+                _, leaves, _ = distribution_leaves(site)
+                args.update({f"leaf:{i}": leaf for i, leaf in enumerate(leaves)})
             out[name] = args
         return out
 
@@ -266,24 +272,77 @@ def _classify_factors(records, rules, deps, blocks, fns, data, rng_key) -> list:
             probes[(name, arg)] = probe_argument(fn, deps[name][arg], blocks, rng)
     classes = run_probes(probes, data)
 
+    exact = {}
+    for name, r in records.items():
+        rule = rules[name]
+        if rule is None:
+            exact[name] = None
+            continue
+        kinds = {arg: classes[(name, arg)].kind for arg in ("value",) + rule.arg_names}
+        exact[name] = rule.supports(kinds)
+
+    # quadrature candidates: no closed form, continuous neighbours all Gaussian, a few
+    # distribution leaves (or the value) depending on them
+    quad_probes, candidates = {}, {}
+    for name, r in records.items():
+        neighbours, discrete = nbrs[name]
+        cont = [n for n in neighbours if not blocks[n].discrete]
+        if exact[name] or r.is_factor or not cont or any(blocks[n].kind not in _GAUSSIAN for n in cont):
+            continue
+        items = [k for k in deps[name] if k.startswith("leaf:") and deps[name][k] & set(cont)]
+        if deps[name]["value"] & set(cont):
+            items.append("value")
+        if not 1 <= len(items) <= MAX_PROJECTIONS:
+            continue
+        candidates[name] = items
+        for item in items:
+            index = "value" if item == "value" else int(item.split(":")[1])
+            for link in LINKS:
+                extract = projection_args((("eta", index, link),))
+
+                def fn(values, data, name=name, extract=extract):
+                    return fns.args_of({name: extract}, values, data)[name]["eta"]
+
+                quad_probes[(name, index, link)] = probe_argument(fn, deps[name][item], blocks, rng)
+    quad_classes = run_probes(quad_probes, data) if quad_probes else {}
+
     factors = []
     for name, r in records.items():
         rule = rules[name]
         neighbours, discrete = nbrs[name]
-        kinds, arg_blocks, full = [], [], set()
-        exact = rule is not None
-        if exact:
+        gauss = [n for n in neighbours if blocks[n].kind in _GAUSSIAN]
+        if exact[name]:
+            kinds, arg_blocks, full = [], [], set()
             for arg in ("value",) + rule.arg_names:
                 cls = classes[(name, arg)]
                 kinds.append((arg, cls.kind))
                 arg_blocks.append((arg, cls.blocks))
                 full.update(cls.full)
-            exact = rule.supports(dict(kinds))
-        gauss = [n for n in neighbours if blocks[n].kind in _GAUSSIAN]
-        if exact:
             columns = tuple((n, "full" if n in full else "gather") for n in gauss)
+            estimator, links = "exact", ()
         else:
-            kinds, arg_blocks, columns = [("log_prob", "monte_carlo")], [], ()
+            links, kinds, arg_blocks, full = [], [], [], set()
+            for k, item in enumerate(candidates.get(name, ())):
+                index = "value" if item == "value" else int(item.split(":")[1])
+                found = next(
+                    (link for link in LINKS if quad_classes[(name, index, link)].kind == "affine_gaussian"),
+                    None,
+                )
+                if found is None:
+                    links = None
+                    break
+                cls = quad_classes[(name, index, found)]
+                links.append((f"eta{k}", index, found))
+                kinds.append((f"eta{k}", "affine_gaussian"))
+                arg_blocks.append((f"eta{k}", cls.blocks))
+                full.update(cls.full)
+            if links:
+                estimator = "quadrature"
+                columns = tuple((n, "full" if n in full else "gather") for n in gauss)
+            else:
+                estimator, links, columns = "monte_carlo", (), ()
+                kinds, arg_blocks = [("log_prob", "monte_carlo")], []
+            rule = None
         factors.append(
             Factor(
                 name=name,
@@ -291,12 +350,13 @@ def _classify_factors(records, rules, deps, blocks, fns, data, rng_key) -> list:
                 observed=r.observed,
                 neighbours=neighbours,
                 discrete=discrete,
-                estimator="exact" if exact else "monte_carlo",
-                rule=rule if exact else None,
+                estimator=estimator,
+                rule=rule,
                 arg_kinds=tuple(kinds),
                 arg_blocks=tuple(arg_blocks),
                 columns=columns,
                 reinterpreted_ndim=r.reinterpreted_ndim,
+                links=tuple(links),
             )
         )
     return factors

@@ -109,6 +109,8 @@ class Factor:
         columns: for each Gaussian neighbour, ``"gather"`` (each element of an argument
             uses one plate element of the block) or ``"full"`` (elements mix plate elements).
         reinterpreted_ndim: trailing batch dims summed as event dims.
+        links: for ``quadrature`` factors, ``(name, leaf index or "value", link)`` of each
+            scalar projection η = g⁻¹(leaf) integrated over.
     """
 
     name: str
@@ -122,6 +124,7 @@ class Factor:
     arg_blocks: tuple
     columns: tuple
     reinterpreted_ndim: int
+    links: tuple = ()
 
     @property
     def kinds(self) -> dict:
