@@ -23,6 +23,8 @@ from blrppl.result import BLRResult, site_distribution
 _SCHEDULES = ("sequential", "parallel")
 #: default ρ of blocks with a factor whose message depends on the block itself
 NONCONJUGATE_RHO = 0.5
+#: window of the windowed-mean convergence test when the ELBO is a Monte Carlo estimate
+MC_WINDOW = 25
 
 
 def _split_data(data):
@@ -54,7 +56,7 @@ def _perturbed_nat(block, nat, noise):
     return family.nat_from_view(type(view)(*[leaf * scale for leaf in view]))
 
 
-def _detect_conjugate(plan, chunk, state, data, rng: np.random.Generator) -> dict:
+def _detect_conjugate(plan, chunk, state, data, rng: np.random.Generator, window: int = 0) -> dict:
     """A block is conjugate when its incoming messages do not change with its own λ.
 
     One step with ρ = 1 for block b only (ρ = 0 for the others) sets λ_b to the sum of its
@@ -73,10 +75,11 @@ def _detect_conjugate(plan, chunk, state, data, rng: np.random.Generator) -> dic
     one = jnp.asarray(1, jnp.int32)
     tol = 1e-6 if dtype == jnp.float64 else 1e-3
     out = {n: True for n in plan.order if blocks[n].discrete}
+    history = jnp.zeros((2 * max(window, 1),), dtype)
     for n in names:
         rho = {m: jnp.asarray(1.0 if m == n else 0.0, dtype) for m in plan.order}
-        first = chunk(state, data, one, rho)[0].nat[n]
-        second = chunk(state._replace(nat={**nat, n: moved[n]}), data, one, rho)[0].nat[n]
+        first = chunk(state, data, one, rho, history)[0].nat[n]
+        second = chunk(state._replace(nat={**nat, n: moved[n]}), data, one, rho, history)[0].nat[n]
         out[n] = all(
             bool(np.allclose(x, y, rtol=tol, atol=tol))
             for x, y in zip(jax.tree.leaves(first), jax.tree.leaves(second))
@@ -123,6 +126,7 @@ class _Compiled:
     init_fn: Callable
     chunk: Callable
     posterior_fn: Callable
+    window: int = 0
     conjugate: dict | None = None
 
 
@@ -170,8 +174,11 @@ def _compile(model, records, data_spec, dyn_data, tracer, families, schedule, ra
     init_fn = jax.jit(
         lambda values, probs: {n: init_nat(b, values[n], probs.get(n)) for n, b in blocks.items()}
     )
-    step, _, _ = make_step(plan, fns, schedule, rate_fn)
-    chunk = make_chunk(step, chunk_size, tol)
+    sampled = [f for f in plan.factors if f.estimator == "monte_carlo"]
+    decay = {n for f in sampled for n in f.neighbours}
+    window = MC_WINDOW if sampled else 0
+    step, _, _ = make_step(plan, fns, schedule, rate_fn, decay_blocks=decay)
+    chunk = make_chunk(step, chunk_size, tol, window)
     dtype = jnp.result_type(float)
     state = jax.eval_shape(
         lambda v, p: BLRState(
@@ -182,10 +189,13 @@ def _compile(model, records, data_spec, dyn_data, tracer, families, schedule, ra
     )
     rho = {n: jax.ShapeDtypeStruct((), dtype) for n in plan.order}
     steps = jax.ShapeDtypeStruct((), jnp.int32)
+    history = jax.ShapeDtypeStruct((2 * max(window, 1),), dtype)
     compiled = (
-        jax.jit(chunk).lower(state, dyn_data, steps, rho).compile(compiler_options=_compiler_options(dyn_data))
+        jax.jit(chunk)
+        .lower(state, dyn_data, steps, rho, history)
+        .compile(compiler_options=_compiler_options(dyn_data))
     )
-    return _Compiled(tracer, plan, graph, init_fn, compiled, _posterior_builder(plan, records))
+    return _Compiled(tracer, plan, graph, init_fn, compiled, _posterior_builder(plan, records), window)
 
 
 def blr_fit(
@@ -278,7 +288,7 @@ def blr_fit(
     compiled = bundle.chunk
     if learning_rate is None:
         if bundle.conjugate is None:
-            bundle.conjugate = _detect_conjugate(plan, compiled, state, dyn_data, rng)
+            bundle.conjugate = _detect_conjugate(plan, compiled, state, dyn_data, rng, bundle.window)
         conj = bundle.conjugate
         rho = {n: jnp.asarray(1.0 if conj[n] else NONCONJUGATE_RHO, dtype) for n in plan.order}
         plan = dataclasses.replace(plan, conjugate=tuple(conj.items()))
@@ -287,11 +297,16 @@ def blr_fit(
     else:
         rho = {n: jnp.asarray(rate, dtype) for n in plan.order}
     t1 = time.perf_counter()
-    outcome = run_loop(compiled, state, dyn_data, rho, num_steps, chunk_size, progress_bar)
+    outcome = run_loop(compiled, state, dyn_data, rho, num_steps, chunk_size, progress_bar, bundle.window)
     jax.block_until_ready(outcome.state)
     t2 = time.perf_counter()
 
-    if outcome.stop == CONVERGED:
+    if outcome.stop == CONVERGED and bundle.window:
+        message = (
+            f"converged after {outcome.num_steps} steps (Monte Carlo ELBO: the mean over the "
+            f"last {bundle.window} steps no longer improves on the {bundle.window} before)"
+        )
+    elif outcome.stop == CONVERGED:
         message = f"converged after {outcome.num_steps} steps (relative ELBO change below {tol:g})"
     elif outcome.stop == NONFINITE:
         message = (

@@ -38,42 +38,64 @@ def _all_finite(tree) -> jax.Array:
     return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
 
 
-def make_chunk(step, chunk_size: int, tol: float):
-    """``chunk(state, data, steps_left, rho) -> (state, elbo buffer, steps run, stop code,
-    invalid steps)``; ``rho`` is the per-block step-size dict passed to ``step``."""
+def make_chunk(step, chunk_size: int, tol: float, window: int = 0):
+    """``chunk(state, data, steps_left, rho, history) -> (state, elbo buffer, steps run, stop
+    code, invalid steps, history)``; ``rho`` is the per-block step-size dict passed to
+    ``step``.
+
+    With ``window`` > 0 the ELBO is a Monte Carlo estimate and convergence is tested on
+    windowed means: the mean of the last ``window`` ELBOs against the mean of the
+    ``window`` before them, converged (after at least 4·window steps) when they differ by
+    less than ``tol`` relative or by less than half the standard error of the difference
+    (no progress the noise lets one detect). ``history`` is the ring buffer of the last
+    2·window ELBOs carried across chunks.
+    """
     param_tol = math.sqrt(tol)
 
-    def chunk(state, data, steps_left, rho):
+    def windowed_converged(history, count):
+        recent, previous = history[window:], history[:window]
+        diff = jnp.abs(recent.mean() - previous.mean())
+        se = jnp.sqrt((recent.var() + previous.var()) / window)
+        scale = jnp.maximum(1.0, jnp.abs(recent.mean()))
+        return (count >= 4 * window) & ((diff <= tol * scale) | (diff <= 0.5 * se))
+
+    def chunk(state, data, steps_left, rho, history):
         dtype = jnp.result_type(float)
         buf = jnp.full((chunk_size,), jnp.nan, dtype)
         limit = jnp.minimum(steps_left, chunk_size)
 
         def cond(carry):
-            _, i, _, stop, _ = carry
+            _, i, _, stop, _, _ = carry
             return (i < limit) & (stop == CONTINUE)
 
         def body(carry):
-            st, i, buf, _, invalid = carry
+            st, i, buf, _, invalid, history = carry
             new, info = step(st, data, rho)
             finite = jnp.isfinite(info.elbo) & _all_finite(new.nat)
-            change = jnp.abs(info.elbo - st.elbo) <= tol * jnp.maximum(1.0, jnp.abs(info.elbo))
-            conv = finite & change & (info.max_delta <= param_tol) & (st.step > 0)
+            if window:
+                history = jnp.where(finite, jnp.roll(history, -1).at[-1].set(info.elbo), history)
+                conv = finite & windowed_converged(history, new.step)
+            else:
+                change = jnp.abs(info.elbo - st.elbo) <= tol * jnp.maximum(1.0, jnp.abs(info.elbo))
+                conv = finite & change & (info.max_delta <= param_tol) & (st.step > 0)
             new = jax.tree.map(lambda a, b: jnp.where(finite, b, a), st, new)
             buf = buf.at[i].set(jnp.where(finite, info.elbo, jnp.nan))
             stop = jnp.where(~finite, NONFINITE, jnp.where(conv, CONVERGED, CONTINUE))
             invalid = invalid + jnp.where(info.valid, 0, 1).astype(jnp.int32)
             i = i + jnp.where(finite, 1, 0).astype(jnp.int32)
-            return new, i, buf, stop.astype(jnp.int32), invalid
+            return new, i, buf, stop.astype(jnp.int32), invalid, history
 
-        init = (state, jnp.zeros((), jnp.int32), buf, jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32))
-        state, n, buf, stop, invalid = jax.lax.while_loop(cond, body, init)
-        return state, buf, n, stop, invalid
+        zero = jnp.zeros((), jnp.int32)
+        init = (state, zero, buf, zero, zero, history)
+        state, n, buf, stop, invalid, history = jax.lax.while_loop(cond, body, init)
+        return state, buf, n, stop, invalid, history
 
     return chunk
 
 
-def run_loop(chunk_fn, state: BLRState, data, rho, num_steps: int, chunk_size: int, progress_bar: bool):
+def run_loop(chunk_fn, state: BLRState, data, rho, num_steps: int, chunk_size: int, progress_bar: bool, window: int = 0):
     """Run chunks until convergence, a stop, or ``num_steps``."""
+    history = jnp.zeros((2 * max(window, 1),), jnp.result_type(float))
     elbos, total, stop, invalid = [], 0, CONTINUE, 0
     bar = None
     if progress_bar:
@@ -84,7 +106,9 @@ def run_loop(chunk_fn, state: BLRState, data, rho, num_steps: int, chunk_size: i
         except ImportError:  # pragma: no cover
             bar = None
     while total < num_steps and stop == CONTINUE:
-        state, buf, n, stop_arr, inv = chunk_fn(state, data, jnp.asarray(num_steps - total, jnp.int32), rho)
+        state, buf, n, stop_arr, inv, history = chunk_fn(
+            state, data, jnp.asarray(num_steps - total, jnp.int32), rho, history
+        )
         n = int(n)
         elbos.append(np.asarray(buf)[:n])
         total += n

@@ -92,20 +92,35 @@ def _update_block(family, nat_old, message, rho, max_halvings):
     return jax.tree.map(lambda a, b: jnp.where(ok, b, a), nat_old, new), ok
 
 
-def make_step(plan, fns, schedule: str, rate_fn: Callable | None = None, max_halvings: int = 30):
+def decaying_rate(t, tau: float = 10.0, kappa: float = 0.6):
+    """(1 + t/τ)^−κ: the step-size decay of blocks with Monte Carlo messages."""
+    return (1.0 + t / tau) ** (-kappa)
+
+
+def make_step(
+    plan, fns, schedule: str, rate_fn: Callable | None = None, max_halvings: int = 30, decay_blocks=()
+):
     """Build ``step(state, data, rho) -> (state, info)``.
 
     The step size of block b at step t is ρ_b(t) = ``rho[b]`` · ``rate_fn(t)``: ``rho`` is a
     dict of scalars passed at run time (so that one compiled step serves every choice of
-    per-block step sizes), ``rate_fn`` a static schedule (constant 1 by default).
+    per-block step sizes), ``rate_fn`` a static schedule (constant 1 by default; for
+    ``decay_blocks``, the blocks with Monte Carlo messages, :func:`decaying_rate`).
 
     Args:
         plan: the compiled plan.
         fns: model functions.
         schedule: ``"sequential"`` or ``"parallel"``.
         rate_fn: optional callable of the step number.
+        decay_blocks: names of blocks whose default schedule decays.
     """
-    rate_fn = rate_fn or (lambda t: 1.0)
+    user_rate = rate_fn
+    decay_blocks = frozenset(decay_blocks)
+
+    def block_rate(n, t):
+        if user_rate is not None:
+            return user_rate(t)
+        return decaying_rate(t) if n in decay_blocks else 1.0
     objective = make_objective(plan, fns)
     elbo_fn = make_elbo(plan, fns)
     blocks = {b.name: b for b in plan.blocks}
@@ -124,18 +139,17 @@ def make_step(plan, fns, schedule: str, rate_fn: Callable | None = None, max_hal
     def step(state, data, rho):
         nat = dict(state.nat)
         valid = jnp.array(True)
-        rate = rate_fn(state.step)
         key, key_elbo, *keys = jax.random.split(state.rng_key, len(plan.order) + 2)
         if schedule == "parallel":
             names = tuple(plan.order)
             msgs = messages(nat, names, data, keys[0])
             for n in names:
-                nat[n], ok = _update_block(blocks[n].family, nat[n], msgs[n], rho[n] * rate, max_halvings)
+                nat[n], ok = _update_block(blocks[n].family, nat[n], msgs[n], rho[n] * block_rate(n, state.step), max_halvings)
                 valid = valid & ok
         else:
             for n, k in zip(plan.order, keys):
                 msg = messages(nat, (n,), data, k)[n]
-                nat[n], ok = _update_block(blocks[n].family, nat[n], msg, rho[n] * rate, max_halvings)
+                nat[n], ok = _update_block(blocks[n].family, nat[n], msg, rho[n] * block_rate(n, state.step), max_halvings)
                 valid = valid & ok
         elbo = elbo_fn(nat, data, key_elbo)
         delta = _relative_delta(state.nat, nat)

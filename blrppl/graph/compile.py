@@ -242,7 +242,7 @@ def _jacobian_factor(block: Block) -> Factor:
         observed=False,
         neighbours=(block.name,),
         discrete=(),
-        estimator="monte_carlo",
+        estimator="quadrature" if block.transform.domain.event_dim == 0 else "monte_carlo",
         rule=None,
         arg_kinds=(),
         arg_blocks=(),
