@@ -100,10 +100,16 @@ def _compiler_options(data) -> dict | None:
 def _posterior_builder(plan, records):
     """nat → posterior distributions of every site, compiled once where possible."""
     blocks = {b.name: b for b in plan.blocks}
-    event_ndim = {n: records[n].event_ndim for n in blocks}
 
     def build(nat):
-        return {n: site_distribution(b, nat[n], event_ndim[n]) for n, b in blocks.items()}
+        out = {}
+        for n, b in blocks.items():
+            if b.members:
+                for m, view in b.member_views(b.family.view(nat[n])):
+                    out[m.name] = site_distribution(m, m.family.nat_from_view(view), records[m.name].event_ndim)
+            else:
+                out[n] = site_distribution(b, nat[n], records[n].event_ndim)
+        return {name: out[name] for name in records if name in out}
 
     jitted = jax.jit(build)
 
@@ -135,21 +141,19 @@ _CACHE: "collections.OrderedDict" = collections.OrderedDict()
 CACHE_SIZE = 16
 
 
-def _cache_key(model, args, kwargs, families, schedule, rate_fn, tol, chunk_size):
+def _cache_key(model, args, kwargs, options):
     """Hashable key of what the compiled fit depends on, or None if something is unhashable
     (then nothing is cached)."""
     spec, dyn = DataSpec.split(args, kwargs)
     shapes = tuple((jnp.shape(x), jnp.result_type(x)) for x in dyn)
+    families, *rest = options
     key = (
         model,
         spec.treedef,
         spec.static,
         shapes,
         tuple(sorted((families or {}).items())),
-        schedule,
-        rate_fn,
-        tol,
-        chunk_size,
+        *rest,
         jnp.result_type(float),
     )
     try:
@@ -165,10 +169,11 @@ def _remember(key, bundle):
         _CACHE.popitem(last=False)
 
 
-def _compile(model, records, data_spec, dyn_data, tracer, families, schedule, rate_fn, tol, chunk_size, k_probe):
+def _compile(model, records, data_spec, dyn_data, tracer, options, k_probe):
     """Compile a model: plan, initialisation, the jitted chunk of steps, posterior export."""
+    families, schedule, rate_fn, tol, chunk_size, structure = options
     plan, fns, dyn_data, init_values, graph = compile_model(
-        model, records, data_spec, dyn_data, families=families, rng_key=k_probe
+        model, records, data_spec, dyn_data, families=families, rng_key=k_probe, structure=structure
     )
     blocks = {b.name: b for b in plan.blocks}
     init_fn = jax.jit(
@@ -206,6 +211,7 @@ def blr_fit(
     learning_rate: float | Callable | None = None,
     schedule: str | None = None,
     families: dict | None = None,
+    structure: str | None = None,
     rng_key=None,
     tol: float | None = None,
     progress_bar: bool = True,
@@ -231,7 +237,11 @@ def blr_fit(
             neighbours, i.e. VMP) or ``"parallel"`` (all blocks from the same state).
         families: optional overrides, site → family name (``"gaussian"``,
             ``"gaussian-diag"``, ``"gamma"``, ``"beta"``, ``"dirichlet"``,
-            ``"categorical"``, ``"bernoulli"``).
+            ``"categorical"``, ``"bernoulli"``). Latents whose factors have no closed form
+            in their native family get a Gaussian on their unconstrained space.
+        structure: ``"joint"`` fits the Gaussian latents of non-closed-form factors as one
+            dense Gaussian (their posterior correlations kept), ``"mean-field"`` one block
+            per site; by default joint when their total dimension is at most 500.
         rng_key: a ``jax.random`` key (initialisation of discrete blocks, probes).
         tol: convergence tolerance on the relative ELBO change (default 1e-8 in float64,
             1e-5 in float32); natural parameters must also move less than ``sqrt(tol)``.
@@ -245,6 +255,8 @@ def blr_fit(
     schedule = schedule or "sequential"
     if schedule not in _SCHEDULES:
         raise BLRError(f"schedule must be one of {_SCHEDULES}, not {schedule!r}")
+    if structure not in (None, "joint", "mean-field"):
+        raise BLRError(f"structure must be 'joint' or 'mean-field', not {structure!r}")
     num_steps = 1000 if num_steps is None else int(num_steps)
     if num_steps < 1:
         raise BLRError("num_steps must be at least 1")
@@ -260,7 +272,8 @@ def blr_fit(
         if not 0.0 < rate <= 1.0:
             raise BLRError(f"learning_rate must be in (0, 1], not {rate}")
     chunk_size = min(num_steps, 100)
-    key = _cache_key(model, args, kwargs, families, schedule, rate_fn, tol, chunk_size)
+    options = (families, schedule, rate_fn, tol, chunk_size, structure)
+    key = _cache_key(model, args, kwargs, options)
     bundle = _CACHE.get(key) if key is not None else None
     records, data_spec, dyn_data, tracer = trace_model(
         model, args, kwargs, k_trace, tracer=bundle.tracer if bundle else None
@@ -268,12 +281,13 @@ def blr_fit(
     if any(isinstance(v, (np.ndarray, jax.Array)) for _, v in data_spec.static):
         key = None  # the model needed concrete data: the compiled fit holds this data
     if bundle is None:
-        bundle = _compile(model, records, data_spec, dyn_data, tracer, families, schedule, rate_fn, tol, chunk_size, k_probe)
+        bundle = _compile(model, records, data_spec, dyn_data, tracer, options, k_probe)
         if key is not None:
             _remember(key, bundle)
     plan = bundle.plan
     init_values = _block_init_values(
-        {b.name: b for b in plan.blocks}, {b.name: jnp.asarray(records[b.name].init_value) for b in plan.blocks}
+        {b.name: b for b in plan.blocks},
+        {n: jnp.asarray(records[n].init_value) for b in plan.blocks for n in b.sites},
     )
     probs0 = {
         b.name: rng.dirichlet(np.ones(len(b.support_values)), size=b.value_shape)

@@ -84,18 +84,25 @@ class ModelFunctions:
             depend on; their values never reach the factor's arguments).
     """
 
-    def __init__(self, model, data_spec: DataSpec, fill_values: dict, transforms: dict | None = None):
+    def __init__(
+        self, model, data_spec: DataSpec, fill_values: dict, transforms: dict | None = None, joints: dict | None = None
+    ):
         self.model = model
         self.data_spec = data_spec
         self.fill_values = fill_values
         self.transforms = dict(transforms or {})
+        self.joints = dict(joints or {})
 
     def sites(self, names, values: dict, data) -> dict:
         """Run the model with ``values`` (block space: unconstrained for transformed blocks)
         substituted; the messages of the sites ``names``."""
         args, kwargs = self.data_spec.merge(data)
         full = dict(self.fill_values)
-        full.update(values)
+        for n, v in values.items():
+            if n in self.joints:
+                full.update(self.joints[n].split(v))
+            else:
+                full[n] = v
         for n, t in self.transforms.items():
             full[n] = t(full[n])
         model = handlers.substitute(self.model, data=full)

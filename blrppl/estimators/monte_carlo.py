@@ -73,7 +73,15 @@ def monte_carlo_elementwise(fns, factors, blocks, views, discrete_values, data, 
 
 
 def expected_log_jacobian(block, view, key, num_samples=NUM_SAMPLES):
-    """E_q[log|det J|] of a block's bijection, summed over elements."""
+    """E_q[log|det J|] of a block's bijection(s), summed over elements (and members of a
+    joint block, each from its marginal)."""
+    if block.members:
+        keys = jax.random.split(key, len(block.members))
+        return sum(
+            expected_log_jacobian(m, v, k, num_samples)
+            for (m, v), k in zip(block.member_views(view), keys)
+            if m.transform is not None
+        )
     t = block.transform
     if t.domain.event_dim == 0:
         mean, var = marginal_moments(block, view)

@@ -124,9 +124,12 @@ def init_nat(block: Block, init_value, probs=None):
 _GAUSSIAN = ("gaussian", "gaussian-diag")
 #: the most scalar projections per element a quadrature factor may have
 MAX_PROJECTIONS = 2
+#: by default, Gaussian blocks with non-closed-form factors are merged into one joint
+#: dense Gaussian when their total dimension is at most this
+JOINT_MAX_DIM = 500
 
 
-def compile_model(model, records, data_spec, data, families=None, rng_key=None):
+def compile_model(model, records, data_spec, data, families=None, rng_key=None, structure=None):
     """Build blocks, the factor graph and the plan of a traced model.
 
     Family policy ("auto"): every latent starts in the native family of its support; a factor
@@ -141,6 +144,11 @@ def compile_model(model, records, data_spec, data, families=None, rng_key=None):
         data_spec, data: the model's data (static part and array leaves).
         families: optional dict site → family name overriding the default.
         rng_key: key for the probes.
+        structure: ``"joint"`` merges the dense Gaussian blocks touched by non-closed-form
+            factors into one dense Gaussian (capturing their posterior correlations, like
+            AutoMultivariateNormal); ``"mean-field"`` keeps one block per site; by default
+            they are merged when there are several and their total dimension is at most
+            :data:`JOINT_MAX_DIM`.
 
     Returns:
         (plan, model functions, dynamic data leaves, init values dict (block space),
@@ -163,7 +171,7 @@ def compile_model(model, records, data_spec, data, families=None, rng_key=None):
     while True:
         blocks = {r.name: choose_family(r, families.get(r.name), r.name in moved) for r in latent}
         init_values = _block_init_values(blocks, site_init)
-        fns = ModelFunctions(model, data_spec, init_values, _transforms(blocks))
+        fns = ModelFunctions(model, data_spec, _site_fill(blocks, site_init), _transforms(blocks))
         factors = _classify_factors(records, rules, deps, blocks, fns, data, rng_key)
         to_move = set()
         for f in factors:
@@ -185,7 +193,26 @@ def compile_model(model, records, data_spec, data, families=None, rng_key=None):
             break
         moved |= to_move
 
-    factors += [_jacobian_factor(b) for b in blocks.values() if b.transform is not None]
+    members = [
+        n
+        for n, b in blocks.items()
+        if b.kind == "gaussian" and n not in families and any(f.estimator != "exact" and n in f.neighbours for f in factors)
+    ]
+    size = sum(blocks[n].size for n in members)
+    if structure == "joint" or (structure is None and len(members) > 1 and size <= JOINT_MAX_DIM):
+        if len(members) > 1:
+            blocks = _merge_joint(blocks, members)
+            init_values = _block_init_values(blocks, site_init)
+            joints = {n: b for n, b in blocks.items() if b.members}
+            fns = ModelFunctions(model, data_spec, _site_fill(blocks, site_init), _transforms(blocks), joints)
+            site_block = {s: n for n, b in blocks.items() for s in b.sites}
+            deps = {
+                name: {arg: frozenset(site_block[x] for x in d) for arg, d in args.items()}
+                for name, args in deps.items()
+            }
+            factors = _classify_factors(records, rules, deps, blocks, fns, data, rng_key)
+
+    factors += [_jacobian_factor(b) for b in blocks.values() if _transformed(b)]
     graph = nx.Graph()
     for name, b in blocks.items():
         graph.add_node(("block", name), kind=b.kind, shape=b.value_shape)
@@ -201,15 +228,57 @@ def compile_model(model, records, data_spec, data, families=None, rng_key=None):
 
 
 def _transforms(blocks) -> dict:
-    return {n: b.transform for n, b in blocks.items() if b.transform is not None}
+    """Site → bijection from the block space to the site's support."""
+    out = {}
+    for n, b in blocks.items():
+        for m in b.members or (b,):
+            if m.transform is not None:
+                out[m.name] = m.transform
+    return out
+
+
+def _transformed(block) -> bool:
+    return any(m.transform is not None for m in (block.members or (block,)))
+
+
+def _site_fill(blocks, site_init) -> dict:
+    """Per site, a valid value in block space (unconstrained for transformed sites)."""
+    out = {}
+    for b in blocks.values():
+        for m in b.members or (b,):
+            x = site_init[m.name]
+            out[m.name] = m.transform.inv(x) if m.transform is not None else x
+    return out
 
 
 def _block_init_values(blocks, site_init) -> dict:
-    """Initial values in block space (unconstrained for transformed Gaussian blocks)."""
+    """Initial values in block space (unconstrained for transformed Gaussian blocks, the
+    members' values concatenated for joint blocks)."""
+    fill = _site_fill(blocks, site_init)
     out = {}
     for n, b in blocks.items():
-        x = site_init[n]
-        out[n] = b.transform.inv(x) if b.transform is not None else x
+        if b.members:
+            out[n] = jnp.concatenate([jnp.ravel(fill[m.name]) for m in b.members])
+        else:
+            out[n] = fill[n]
+    return out
+
+
+def _merge_joint(blocks: dict, members: list) -> dict:
+    """Replace the blocks ``members`` by one dense Gaussian over all their scalars."""
+    parts = tuple(
+        Block(n, fam.GaussianDense(blocks[n].size), "gaussian", blocks[n].value_shape, (), None,
+              blocks[n].transform, blocks[n].site_shape)
+        for n in members
+    )
+    size = sum(p.size for p in parts)
+    joint = Block("(" + ", ".join(members) + ")", fam.GaussianDense(size), "gaussian", (size,), members=parts)
+    out = {}
+    for n, b in blocks.items():
+        if n == members[0]:
+            out[joint.name] = joint
+        elif n not in members:
+            out[n] = b
     return out
 
 
@@ -236,13 +305,15 @@ def _dependencies(model, data_spec, data, records, rules, site_init) -> dict:
 
 def _jacobian_factor(block: Block) -> Factor:
     """The log|det J| term of a Gaussian block on an unconstrained space."""
+    transforms = [m.transform for m in (block.members or (block,)) if m.transform is not None]
+    elementwise = all(t.domain.event_dim == 0 for t in transforms)
     return Factor(
         name=f"{block.name}:jacobian",
-        dist_name=f"log|det J| ({type(block.transform).__name__})",
+        dist_name="log|det J| (" + ", ".join(sorted({type(t).__name__ for t in transforms})) + ")",
         observed=False,
         neighbours=(block.name,),
         discrete=(),
-        estimator="quadrature" if block.transform.domain.event_dim == 0 else "monte_carlo",
+        estimator="quadrature" if elementwise else "monte_carlo",
         rule=None,
         arg_kinds=(),
         arg_blocks=(),

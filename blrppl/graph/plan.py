@@ -46,6 +46,32 @@ class Block:
     support_values: tuple | None = None
     transform: Any = None
     site_shape: tuple | None = None
+    members: tuple = ()
+
+    @property
+    def sites(self) -> tuple:
+        """Names of the sites the block holds (one, or several for a joint block)."""
+        return tuple(m.name for m in self.members) if self.members else (self.name,)
+
+    def split(self, x):
+        """Block value (site layout, optional leading dims) → {member site: block-space value}."""
+        out, offset = {}, 0
+        lead = jnp.shape(x)[:-1]
+        for m in self.members:
+            out[m.name] = jnp.reshape(x[..., offset : offset + m.size], lead + m.value_shape)
+            offset += m.size
+        return out
+
+    def member_views(self, view):
+        """(member block, its marginal Gaussian view) for each member of a joint block."""
+        from blrppl.families.gaussian import GaussianView
+
+        out, offset = [], 0
+        for m in self.members:
+            sl = slice(offset, offset + m.size)
+            out.append((m, GaussianView(view.mean[sl], view.cov[sl, sl])))
+            offset += m.size
+        return out
 
     @property
     def discrete(self) -> bool:
