@@ -171,9 +171,9 @@ def _remember(key, bundle):
 
 def _compile(model, records, data_spec, dyn_data, tracer, options, k_probe):
     """Compile a model: plan, initialisation, the jitted chunk of steps, posterior export."""
-    families, schedule, rate_fn, tol, chunk_size, structure = options
+    families, schedule, rate_fn, tol, chunk_size, structure, point = options
     plan, fns, dyn_data, init_values, graph = compile_model(
-        model, records, data_spec, dyn_data, families=families, rng_key=k_probe, structure=structure
+        model, records, data_spec, dyn_data, families=families, rng_key=k_probe, structure=structure, point=point
     )
     blocks = {b.name: b for b in plan.blocks}
     init_fn = jax.jit(
@@ -212,6 +212,7 @@ def blr_fit(
     schedule: str | None = None,
     families: dict | None = None,
     structure: str | None = None,
+    point: tuple | list | None = None,
     rng_key=None,
     tol: float | None = None,
     progress_bar: bool = True,
@@ -242,6 +243,9 @@ def blr_fit(
         structure: ``"joint"`` fits the Gaussian latents of non-closed-form factors as one
             dense Gaussian (their posterior correlations kept), ``"mean-field"`` one block
             per site; by default joint when their total dimension is at most 500.
+        point: sites fitted by the delta method: a Gaussian seen at its mean by the other
+            factors, updated by Newton steps (ρ = 1 gives Newton's method; the posterior is
+            Laplace's approximation at convergence).
         rng_key: a ``jax.random`` key (initialisation of discrete blocks, probes).
         tol: convergence tolerance on the relative ELBO change (default 1e-8 in float64,
             1e-5 in float32); natural parameters must also move less than ``sqrt(tol)``.
@@ -272,7 +276,7 @@ def blr_fit(
         if not 0.0 < rate <= 1.0:
             raise BLRError(f"learning_rate must be in (0, 1], not {rate}")
     chunk_size = min(num_steps, 100)
-    options = (families, schedule, rate_fn, tol, chunk_size, structure)
+    options = (families, schedule, rate_fn, tol, chunk_size, structure, tuple(point or ()))
     key = _cache_key(model, args, kwargs, options)
     bundle = _CACHE.get(key) if key is not None else None
     records, data_spec, dyn_data, tracer = trace_model(

@@ -9,6 +9,9 @@ reference JSON), so the references and the tests see the same numbers.
 * ``poisson``: Poisson regression with a log link, N = 300, D = 3.
 * ``student_t``: robust linear regression with Student-t (ν = 4) noise and a HalfNormal scale,
   N = 100 of which 10 are gross outliers.
+* ``student_t_vague``: the same data and likelihood with vague priors (Normal(0, 10⁴) on the
+  coefficients, HalfNormal(10⁴) on the scale): the posterior is almost the same, but the first
+  steps of a fit start far from it.
 * ``factor``: a Normal latent with an opaque ``numpyro.factor`` soft constraint.
 * ``simplex``: a Dirichlet latent seen only through ``y ~ Normal(p @ centers, 1)``.
 """
@@ -21,7 +24,14 @@ import numpy as np
 import numpyro
 import numpyro.distributions as dist
 
-DATA_SEEDS = {"logistic": 20240501, "poisson": 20240502, "student_t": 20240503, "factor": 20240504, "simplex": 20240505}
+DATA_SEEDS = {
+    "logistic": 20240501,
+    "poisson": 20240502,
+    "student_t": 20240503,
+    "student_t_vague": 20240503,  # the data of student_t
+    "factor": 20240504,
+    "simplex": 20240505,
+}
 
 
 def _standardise(X):
@@ -49,6 +59,14 @@ def student_t_model(x, y=None, df=4.0):
     alpha = numpyro.sample("alpha", dist.Normal(0.0, 10.0))
     beta = numpyro.sample("beta", dist.Normal(0.0, 10.0))
     sigma = numpyro.sample("sigma", dist.HalfNormal(2.0))
+    with numpyro.plate("n", x.shape[0]):
+        numpyro.sample("y", dist.StudentT(df, alpha + beta * x, sigma), obs=y)
+
+
+def student_t_vague_model(x, y=None, df=4.0):
+    alpha = numpyro.sample("alpha", dist.Normal(0.0, 1e4))
+    beta = numpyro.sample("beta", dist.Normal(0.0, 1e4))
+    sigma = numpyro.sample("sigma", dist.HalfNormal(1e4))
     with numpyro.plate("n", x.shape[0]):
         numpyro.sample("y", dist.StudentT(df, alpha + beta * x, sigma), obs=y)
 
@@ -123,6 +141,7 @@ MODELS = {
     "logistic": (logistic_model, logistic_data),
     "poisson": (poisson_model, poisson_data),
     "student_t": (student_t_model, student_t_data),
+    "student_t_vague": (student_t_vague_model, student_t_data),
     "factor": (factor_model, factor_data),
     "simplex": (simplex_model, simplex_data),
 }

@@ -39,7 +39,39 @@ class BLRInfo(NamedTuple):
 
 
 def views_of(plan, nat: dict) -> dict:
-    return {b.name: b.family.view(nat[b.name]) for b in plan.blocks}
+    """The view of every block; point (delta-method) blocks are seen at their mean, with
+    zero covariance."""
+    out = {}
+    for b in plan.blocks:
+        view = b.family.view(nat[b.name])
+        if b.point:
+            view = view._replace(**{view._fields[1]: jnp.zeros_like(view[1])})
+        out[b.name] = view
+    return out
+
+
+def newton_message(block, nat, objective_of_mean, mean):
+    """Delta-method message of a point block: with g = ∇L(m) and H = ∇²L(m) of the expected
+    log factors at x = m, λ̃ = (g − H m, ½ H); at ρ = 1 the update is Newton's step
+    m ← m − H⁻¹ g with precision −H (Laplace's method at convergence)."""
+    family = block.family
+    shape = mean.shape
+    flat = mean.reshape(-1)
+
+    def f(x):
+        return objective_of_mean(x.reshape(shape))
+
+    g = jax.grad(f)(flat)
+    h = jax.hessian(f)(flat)
+    if block.kind == "gaussian-diag":
+        hd = jnp.diagonal(h).reshape(shape)
+        return type(nat)(g.reshape(shape) - hd * mean, 0.5 * hd)
+    dim = shape[-1]
+    nb = flat.size // dim
+    hb = h.reshape(nb, dim, nb, dim)[jnp.arange(nb), :, jnp.arange(nb), :]  # per plate element
+    hb = hb.reshape(shape[:-1] + (dim, dim))
+    eta1 = g.reshape(shape) - jnp.einsum("...ij,...j->...i", hb, mean)
+    return type(nat)(eta1, 0.5 * hb)
 
 
 def make_objective(plan, fns):
@@ -133,8 +165,16 @@ def make_step(
         def obj(sub):
             return objective({**views, **sub}, data, wanted, key)
 
-        grads = jax.grad(obj)({n: views[n] for n in names})
-        return {n: blocks[n].family.message_from_view_grad(nat[n], grads[n]) for n in names}
+        smooth = [n for n in names if not blocks[n].point]
+        grads = jax.grad(obj)({n: views[n] for n in smooth}) if smooth else {}
+        out = {n: blocks[n].family.message_from_view_grad(nat[n], grads[n]) for n in smooth}
+        for n in names:
+            if blocks[n].point:
+                view = views[n]
+                out[n] = newton_message(
+                    blocks[n], nat[n], lambda m, n=n, view=view: obj({n: view._replace(mean=m)}), view.mean
+                )
+        return out
 
     def step(state, data, rho):
         nat = dict(state.nat)

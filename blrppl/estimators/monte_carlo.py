@@ -36,7 +36,11 @@ def gauss_hermite(num_nodes: int = NUM_NODES):
 
 
 def sample_block(block, view, key, num_samples: int):
-    """Reparameterised draws of a Gaussian block in its site layout (block space)."""
+    """Reparameterised draws of a Gaussian block in its site layout (block space); a point
+    (delta-method) block is its mean."""
+    if block.point:
+        mean = view.mean if block.kind == "gaussian-diag" else block.to_site(view.mean)
+        return jnp.broadcast_to(mean, (num_samples,) + mean.shape)
     if block.kind == "gaussian-diag":
         eps = jax.random.normal(key, (num_samples,) + view.mean.shape, view.mean.dtype)
         return view.mean + jnp.sqrt(view.var) * eps

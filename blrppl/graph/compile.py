@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import networkx as nx
@@ -129,7 +131,7 @@ MAX_PROJECTIONS = 2
 JOINT_MAX_DIM = 500
 
 
-def compile_model(model, records, data_spec, data, families=None, rng_key=None, structure=None):
+def compile_model(model, records, data_spec, data, families=None, rng_key=None, structure=None, point=()):
     """Build blocks, the factor graph and the plan of a traced model.
 
     Family policy ("auto"): every latent starts in the native family of its support; a factor
@@ -149,6 +151,8 @@ def compile_model(model, records, data_spec, data, families=None, rng_key=None, 
             AutoMultivariateNormal); ``"mean-field"`` keeps one block per site; by default
             they are merged when there are several and their total dimension is at most
             :data:`JOINT_MAX_DIM`.
+        point: sites fitted by the delta method (Gaussian on the unconstrained space seen
+            at its mean; Newton updates; Laplace's method at convergence).
 
     Returns:
         (plan, model functions, dynamic data leaves, init values dict (block space),
@@ -161,6 +165,14 @@ def compile_model(model, records, data_spec, data, families=None, rng_key=None, 
                 f"families= names '{name}', which is not a latent sample site of the model",
                 site=name,
             )
+    point = tuple(point or ())
+    for name in point:
+        if name not in records or records[name].observed:
+            raise FamilyError(f"point= names '{name}', which is not a latent sample site", site=name)
+        if records[name].support.is_discrete:
+            raise FamilyError("a discrete latent cannot be a point (delta-method) block", site=name)
+        if families.get(name) not in (None, "gaussian", "gaussian-diag"):
+            raise FamilyError(f"a point block is Gaussian, not '{families[name]}'", site=name)
     rng_key = jax.random.key(1) if rng_key is None else rng_key
     latent = [r for r in records.values() if not r.observed]
     site_init = {r.name: jnp.asarray(r.init_value) for r in latent}
@@ -169,7 +181,10 @@ def compile_model(model, records, data_spec, data, families=None, rng_key=None, 
 
     moved: set = set()
     while True:
-        blocks = {r.name: choose_family(r, families.get(r.name), r.name in moved) for r in latent}
+        blocks = {
+            r.name: _as_point(choose_family(r, families.get(r.name), r.name in moved or r.name in point), r.name in point)
+            for r in latent
+        }
         init_values = _block_init_values(blocks, site_init)
         fns = ModelFunctions(model, data_spec, _site_fill(blocks, site_init), _transforms(blocks))
         factors = _classify_factors(records, rules, deps, blocks, fns, data, rng_key)
@@ -196,7 +211,7 @@ def compile_model(model, records, data_spec, data, families=None, rng_key=None, 
     members = [
         n
         for n, b in blocks.items()
-        if b.kind == "gaussian" and n not in families and any(f.estimator != "exact" and n in f.neighbours for f in factors)
+        if b.kind == "gaussian" and not b.point and n not in families and any(f.estimator != "exact" and n in f.neighbours for f in factors)
     ]
     size = sum(blocks[n].size for n in members)
     if structure == "joint" or (structure is None and len(members) > 1 and size <= JOINT_MAX_DIM):
@@ -225,6 +240,10 @@ def compile_model(model, records, data_spec, data, families=None, rng_key=None, 
     )
     plan = Plan(blocks=tuple(blocks.values()), factors=tuple(factors), order=order)
     return plan, fns, data, init_values, graph
+
+
+def _as_point(block: Block, point: bool) -> Block:
+    return dataclasses.replace(block, point=True) if point else block
 
 
 def _transforms(blocks) -> dict:

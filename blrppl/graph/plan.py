@@ -36,6 +36,9 @@ class Block:
             unconstrained and the site value is ``transform(u)``.
         site_shape: shape of the site value when it differs from ``value_shape`` (the
             shape of the block variable), as for the simplex (K values, K − 1 unconstrained).
+        members: for a joint block, the blocks of the sites it holds.
+        point: a delta-method block: factors see it at its mean and its update is a
+            Newton step (its precision is the negative Hessian: Laplace's method).
     """
 
     name: str
@@ -47,6 +50,7 @@ class Block:
     transform: Any = None
     site_shape: tuple | None = None
     members: tuple = ()
+    point: bool = False
 
     @property
     def sites(self) -> tuple:

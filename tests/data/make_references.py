@@ -4,9 +4,9 @@
 
 For each model: NUTS, 4 chains × 5000 draws after 2000 warm-up steps (float64, fixed seeds,
 chains in parallel on 4 host devices), then the mean and sd of every element of every latent
-site, named ``site[i]`` (0-based flat index; scalar sites keep their name), the data and
-NUTS seeds, and the convergence diagnostics (largest split R-hat, smallest effective sample
-size) are written to ``tests/data/<model>.json``.
+site, named ``site[i]`` (0-based flat index; scalar sites keep their name), their covariance
+matrix (``cov``: names and matrix, for derived quantities), the data and NUTS seeds, and the
+convergence diagnostics (largest split R-hat, smallest effective sample size) are written to ``tests/data/<model>.json``.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import reference_models as rm  # noqa: E402
 NUM_CHAINS = 4
 NUM_WARMUP = 2000
 NUM_SAMPLES = 5000
-NUTS_SEEDS = {"logistic": 101, "poisson": 102, "student_t": 103, "factor": 104, "simplex": 105}
+NUTS_SEEDS = {"logistic": 101, "poisson": 102, "student_t": 103, "student_t_vague": 106, "factor": 104, "simplex": 105}
 
 
 def reference(name: str) -> dict:
@@ -61,10 +61,14 @@ def reference(name: str) -> dict:
             params[key] = {"mean": float(chain_draws.mean()), "sd": float(chain_draws.std())}
             rhat.append(float(split_gelman_rubin(chain_draws[..., None])[0]))
             ess.append(float(effective_sample_size(chain_draws[..., None])[0]))
+    names = list(params)
+    pooled = np.concatenate([x.reshape(x.shape[0] * x.shape[1], -1) for x in latent.values()], axis=1)
+    cov = np.cov(pooled, rowvar=False).reshape(len(names), len(names))
     divergences = int(np.asarray(mcmc.get_extra_fields()["diverging"]).sum())
     return {
         "model": name,
         "params": params,
+        "cov": {"names": names, "matrix": cov.tolist()},
         "seeds": {"data": rm.DATA_SEEDS[name], "nuts": NUTS_SEEDS[name]},
         "nuts": {
             "num_chains": NUM_CHAINS,
