@@ -1,7 +1,9 @@
 """Monte Carlo and quadrature estimators for factors without a closed form.
 
 For a factor f whose neighbours are Gaussian blocks (the family policy moves every other
-continuous latent of such a factor to a Gaussian on its unconstrained space),
+continuous latent of such a factor to a Gaussian on its unconstrained space, unless the
+user asked for its native family: then Gamma, Beta and Dirichlet draws use implicit
+reparameterisation gradients and the family's Fisher solve),
 
     L = E_q[log f] ≈ (1/S) Σ_s log f(x_s),     x_s = m + chol(Σ) ε_s,
 
@@ -41,6 +43,10 @@ def sample_block(block, view, key, num_samples: int):
     if block.point:
         mean = view.mean if block.kind == "gaussian-diag" else block.to_site(view.mean)
         return jnp.broadcast_to(mean, (num_samples,) + mean.shape)
+    if block.kind not in ("gaussian", "gaussian-diag"):
+        # Gamma, Beta, Dirichlet: implicit reparameterisation (jax.random.gamma is
+        # differentiable in its shape); the family's Fisher solve turns ∇_view into ∇_μ
+        return block.family.sample(block.family.nat_from_view(view), key, (num_samples,))
     if block.kind == "gaussian-diag":
         eps = jax.random.normal(key, (num_samples,) + view.mean.shape, view.mean.dtype)
         return view.mean + jnp.sqrt(view.var) * eps

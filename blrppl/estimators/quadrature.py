@@ -57,9 +57,11 @@ def quadrature_elementwise(fns, factors, blocks, views, discrete_values, data):
         grid, weights = _standard_nodes(d)
         dtype = means[0].dtype
         grid = jnp.asarray(grid, dtype)
+        # the node axis leads; enough unit axes that it never meets a batch axis
+        nd = max([len(shape), jnp.ndim(site["value"])] + [jnp.ndim(x) for x in leaves])
         if d == 1:
             sd = jnp.sqrt(jnp.maximum(jnp.broadcast_to(proj[0].var(), shape), 0.0))
-            etas = [means[0] + sd * grid[:, 0].reshape((-1,) + (1,) * len(shape))]
+            etas = [means[0] + sd * grid[:, 0].reshape((-1,) + (1,) * nd)]
         else:
             v0 = jnp.maximum(jnp.broadcast_to(proj[0].var(), shape), 0.0)
             v1 = jnp.maximum(jnp.broadcast_to(proj[1].var(), shape), 0.0)
@@ -67,8 +69,8 @@ def quadrature_elementwise(fns, factors, blocks, views, discrete_values, data):
             l00 = jnp.sqrt(v0)
             l10 = jnp.where(l00 > 0, c01 / jnp.where(l00 > 0, l00, 1.0), 0.0)
             l11 = jnp.sqrt(jnp.maximum(v1 - l10**2, 0.0))
-            z0 = grid[:, 0].reshape((-1,) + (1,) * len(shape))
-            z1 = grid[:, 1].reshape((-1,) + (1,) * len(shape))
+            z0 = grid[:, 0].reshape((-1,) + (1,) * nd)
+            z1 = grid[:, 1].reshape((-1,) + (1,) * nd)
             etas = [means[0] + l00 * z0, means[1] + l10 * z0 + l11 * z1]
         new_leaves = list(leaves)
         value = site["value"]

@@ -138,7 +138,8 @@ def compile_model(model, records, data_spec, data, families=None, rng_key=None, 
     whose expected log-density has no closed form for its arguments gets the Monte Carlo
     estimator, and every non-Gaussian continuous latent it touches is moved to a Gaussian on
     its unconstrained space (then the other factors of that latent are classified again),
-    until nothing changes. A family override that would need such a move is an error.
+    until nothing changes. A latent whose family the user chose keeps it, and its factors
+    without closed forms use Monte Carlo messages.
 
     Args:
         model: the numpyro model.
@@ -197,12 +198,7 @@ def compile_model(model, records, data_spec, data, families=None, rng_key=None, 
                 if b.discrete or b.kind in _GAUSSIAN:
                     continue
                 if n in families:
-                    raise FamilyError(
-                        f"family '{families[n]}' cannot be fitted: factor '{f.name}' "
-                        f"({f.dist_name}) has no closed-form expectation under it; use "
-                        "'gaussian' (on the unconstrained space) or leave the family to the default",
-                        site=n,
-                    )
+                    continue  # the user's family is kept: Monte Carlo messages
                 to_move.add(n)
         if not to_move - moved:
             break
