@@ -13,7 +13,7 @@ import numpy as np
 
 from blrppl import families as fam
 from blrppl.engine.loop import CONVERGED, NONFINITE, make_chunk, run_loop
-from blrppl.engine.step import BLRState, make_step
+from blrppl.engine.step import BLRState, initial_state, make_step
 from blrppl.errors import BLRError, ModelTraceError
 from blrppl.graph.compile import _block_init_values, compile_model, init_nat
 from blrppl.graph.data import DataSpec
@@ -186,9 +186,7 @@ def _compile(model, records, data_spec, dyn_data, tracer, options, k_probe):
     chunk = make_chunk(step, chunk_size, tol, window)
     dtype = jnp.result_type(float)
     state = jax.eval_shape(
-        lambda v, p: BLRState(
-            nat=init_fn(v, p), step=jnp.zeros((), jnp.int32), elbo=jnp.zeros((), dtype), rng_key=jax.random.key(0)
-        ),
+        lambda v, p: initial_state(init_fn(v, p), jax.random.key(0)),
         init_values,
         {b.name: np.ones(b.value_shape + (len(b.support_values),)) for b in plan.blocks if b.discrete},
     )
@@ -300,9 +298,7 @@ def blr_fit(
     }
     nat0 = bundle.init_fn(init_values, probs0)
     dtype = jnp.result_type(float)
-    state = BLRState(
-        nat=nat0, step=jnp.zeros((), jnp.int32), elbo=jnp.asarray(jnp.nan, dtype), rng_key=k_loop
-    )
+    state = initial_state(nat0, k_loop)
     compiled = bundle.chunk
     if learning_rate is None:
         if bundle.conjugate is None:
@@ -328,9 +324,10 @@ def blr_fit(
         message = f"converged after {outcome.num_steps} steps (relative ELBO change below {tol:g})"
     elif outcome.stop == NONFINITE:
         message = (
-            f"stopped after {outcome.num_steps} steps: the next step made the ELBO or a natural "
-            "parameter non-finite (check the data for NaN or infinite values and the priors "
-            "for expectations that do not exist); the last valid state is returned"
+            f"stopped after {outcome.num_steps} steps: no step size found that keeps the ELBO "
+            "and the natural parameters finite (and, for exact ELBOs, does not lower it); check "
+            "the data for NaN or infinite values and the priors for expectations that do not "
+            "exist; the last valid state is returned"
         )
     else:
         message = f"reached num_steps={num_steps} without meeting the convergence test"

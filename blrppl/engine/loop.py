@@ -5,8 +5,10 @@ updates the progress bar. A run stops when
 
 * the relative ELBO change is at most ``tol`` and the largest relative change of a natural
   parameter is at most ``sqrt(tol)`` (converged), or
-* a step would make the ELBO or a natural parameter non-finite: that step is discarded and
-  the run ends with the last valid state, or
+* backtracking finds no acceptable step: a step that makes the ELBO or a natural parameter
+  non-finite, or lowers an exact ELBO, is undone and every ρ halved (doubled again, up to
+  1, after an accepted step); when the damping falls below ``MIN_DAMPING`` the run ends
+  with the last valid state, or
 * ``num_steps`` steps have run.
 """
 
@@ -22,6 +24,8 @@ import numpy as np
 from blrppl.engine.step import BLRState
 
 CONTINUE, CONVERGED, NONFINITE = 0, 1, 2
+#: backtracking gives up when the damping of ρ falls below this
+MIN_DAMPING = 2.0**-20
 
 
 class LoopOutcome(NamedTuple):
@@ -72,17 +76,26 @@ def make_chunk(step, chunk_size: int, tol: float, window: int = 0):
             st, i, buf, _, invalid, history = carry
             new, info = step(st, data, rho)
             finite = jnp.isfinite(info.elbo) & _all_finite(new.nat)
+            accept = finite
             if window:
                 history = jnp.where(finite, jnp.roll(history, -1).at[-1].set(info.elbo), history)
                 conv = finite & windowed_converged(history, new.step)
             else:
+                # backtracking: a step that lowers the (exact) ELBO is undone and ρ halved
+                drop = info.elbo < st.elbo - 1e-9 * jnp.maximum(1.0, jnp.abs(st.elbo))
+                accept = finite & ~((st.step > 0) & drop)
                 change = jnp.abs(info.elbo - st.elbo) <= tol * jnp.maximum(1.0, jnp.abs(info.elbo))
-                conv = finite & change & (info.max_delta <= param_tol) & (st.step > 0)
-            new = jax.tree.map(lambda a, b: jnp.where(finite, b, a), st, new)
-            buf = buf.at[i].set(jnp.where(finite, info.elbo, jnp.nan))
-            stop = jnp.where(~finite, NONFINITE, jnp.where(conv, CONVERGED, CONTINUE))
+                conv = accept & change & (info.max_delta <= param_tol) & (st.step > 0)
+            grown = jnp.minimum(1.0, 2.0 * st.damping)
+            rejected = st._replace(step=st.step + 1, rng_key=new.rng_key, damping=0.5 * st.damping)
+            new = jax.tree.map(
+                lambda a, b: jnp.where(accept, b, a), rejected, new._replace(damping=grown)
+            )
+            buf = buf.at[i].set(jnp.where(accept, info.elbo, st.elbo))
+            stuck = ~accept & (new.damping < MIN_DAMPING)
+            stop = jnp.where(stuck, NONFINITE, jnp.where(conv, CONVERGED, CONTINUE))
             invalid = invalid + jnp.where(info.valid, 0, 1).astype(jnp.int32)
-            i = i + jnp.where(finite, 1, 0).astype(jnp.int32)
+            i = i + jnp.where(stuck, 0, 1).astype(jnp.int32)
             return new, i, buf, stop.astype(jnp.int32), invalid, history
 
         zero = jnp.zeros((), jnp.int32)

@@ -22,12 +22,25 @@ from blrppl.estimators.enumeration import expected_log_factors
 
 class BLRState(NamedTuple):
     """Carried state: natural parameters per block, step count, last ELBO, PRNG key (for
-    Monte Carlo estimators)."""
+    Monte Carlo estimators), and the damping factor that backtracking applies to every ρ."""
 
     nat: dict
     step: jax.Array
     elbo: jax.Array
     rng_key: jax.Array
+    damping: jax.Array
+
+
+def initial_state(nat, rng_key) -> BLRState:
+    """The state a run starts from (ELBO unknown: NaN)."""
+    dtype = jnp.result_type(float)
+    return BLRState(
+        nat=nat,
+        step=jnp.zeros((), jnp.int32),
+        elbo=jnp.asarray(jnp.nan, dtype),
+        rng_key=rng_key,
+        damping=jnp.ones((), dtype),
+    )
 
 
 class BLRInfo(NamedTuple):
@@ -184,16 +197,16 @@ def make_step(
             names = tuple(plan.order)
             msgs = messages(nat, names, data, keys[0])
             for n in names:
-                nat[n], ok = _update_block(blocks[n].family, nat[n], msgs[n], rho[n] * block_rate(n, state.step), max_halvings)
+                nat[n], ok = _update_block(blocks[n].family, nat[n], msgs[n], rho[n] * block_rate(n, state.step) * state.damping, max_halvings)
                 valid = valid & ok
         else:
             for n, k in zip(plan.order, keys):
                 msg = messages(nat, (n,), data, k)[n]
-                nat[n], ok = _update_block(blocks[n].family, nat[n], msg, rho[n] * block_rate(n, state.step), max_halvings)
+                nat[n], ok = _update_block(blocks[n].family, nat[n], msg, rho[n] * block_rate(n, state.step) * state.damping, max_halvings)
                 valid = valid & ok
         elbo = elbo_fn(nat, data, key_elbo)
         delta = _relative_delta(state.nat, nat)
-        new_state = BLRState(nat=nat, step=state.step + 1, elbo=elbo, rng_key=key)
+        new_state = BLRState(nat=nat, step=state.step + 1, elbo=elbo, rng_key=key, damping=state.damping)
         return new_state, BLRInfo(elbo=elbo, max_delta=delta, valid=valid)
 
     return step, elbo_fn, messages
