@@ -28,6 +28,19 @@ DATA = pathlib.Path(__file__).parent / "data"
 NUM_DRAWS = 40_000
 _FITS: dict = {}
 
+# Library failures, measured at commit 38428a4 (float64, this file's keys).
+_GAMMA_SCALE = (
+    "library: the Gamma block of a Normal *scale* sigma (HalfNormal(10) prior, data sd 0.1) "
+    "collapses towards shape a -> 0 (a = 7e-9, sigma mean 6e-9), where E[sigma^-2] does not "
+    "exist (a <= 2); the ELBO climbs to 1.4e10 and convergence is claimed after 15 steps: "
+    "sigma mean err -13.9 sd (exact posterior: mean 0.0978, sd 0.0070)"
+)
+_JOINT_DRAWS = (
+    "library: result.sample draws each site from its marginal, so the sites of a joint block "
+    "come out independent: sd of w[0] + intercept 0.0631 vs reference 0.0489 (ratio 1.29; "
+    "reference corr -0.41, the fitted joint block has it)"
+)
+
 
 def reference(name: str) -> dict:
     """Parameter name → (mean, sd) of the stored NUTS reference."""
@@ -153,6 +166,31 @@ def test_student_t_vague_priors_means():
     assert_means("student_t_vague", 0.1)
 
 
+def _scale_model(y=None):
+    sigma = numpyro.sample("sigma", dist.HalfNormal(10.0))
+    with numpyro.plate("n", y.shape[0]):
+        numpyro.sample("y", dist.Normal(0.0, sigma), obs=y)
+
+
+@pytest.mark.xfail(strict=True, reason=_GAMMA_SCALE)
+def test_normal_scale_with_small_data():
+    """sigma ~ HalfNormal(10), y ~ Normal(0, sigma) with data of sd 0.1: σ's closed-form
+    Gamma block against the exact posterior (a 1-D grid)."""
+    y = 0.1 * np.random.default_rng(0).normal(size=100)
+    result = blr_fit(_scale_model, {"y": y}, rng_key=jax.random.key(0), progress_bar=False)
+    grid = np.linspace(1e-3, 0.5, 200_001)
+    logp = -0.5 * (grid / 10.0) ** 2 - y.size * np.log(grid) - 0.5 * np.sum(y**2) / grid**2
+    w = np.exp(logp - logp.max())
+    w /= w.sum()
+    mean = float(np.sum(w * grid))
+    sd = float(np.sqrt(np.sum(w * (grid - mean) ** 2)))
+    q = result.posterior["sigma"]
+    est_mean, est_sd = float(q.mean), float(np.sqrt(q.variance))
+    assert result.converged, result.message
+    assert abs(est_mean - mean) / sd <= 0.1, (est_mean, mean, sd, result.message)
+    assert abs(est_sd / sd - 1.0) <= 0.15, (est_sd, sd)
+
+
 # ------------------------------------------------------- draws across joint blocks
 
 
@@ -160,7 +198,9 @@ def _site(param: str) -> str:
     return param.split("[")[0]
 
 
-@pytest.mark.parametrize("name", ["logistic", "poisson", "student_t"])
+@pytest.mark.parametrize(
+    "name", ["logistic", pytest.param("poisson", marks=pytest.mark.xfail(strict=True, reason=_JOINT_DRAWS)), "student_t"]
+)
 def test_draws_keep_cross_site_correlation(name):
     """``result.sample`` draws the sites of a joint block together: the sd of x_i ± x_j for
     the most correlated pair of parameters of different sites matches the reference."""
@@ -240,15 +280,21 @@ def _finite(tree) -> bool:
     return all(bool(np.all(np.isfinite(np.asarray(x)))) for x in jax.tree.leaves(tree))
 
 
+def bad_fit(name: str, scale: float):
+    """ρ = 1 everywhere and a prior far from the data's scale (fitted once per session)."""
+    if (name, scale) not in _FITS:
+        model, data_fn = _BAD[name]
+        _FITS[name, scale] = blr_fit(
+            model, dict(data_fn(), prior_scale=scale), learning_rate=1.0, rng_key=jax.random.key(0), progress_bar=False
+        )
+    return _FITS[name, scale]
+
+
 @pytest.mark.parametrize("scale", [1e4, 1e-4], ids=["wide", "narrow"])
 @pytest.mark.parametrize("name", list(_BAD))
 def test_bad_initialisation_never_nan(name, scale):
-    """ρ = 1 everywhere and a prior far from the data's scale: the fit returns finite
-    parameters and either converges or says why it stopped."""
-    model, data_fn = _BAD[name]
-    result = blr_fit(
-        model, dict(data_fn(), prior_scale=scale), learning_rate=1.0, rng_key=jax.random.key(0), progress_bar=False
-    )
+    """The fit returns finite parameters and either converges or says why it stopped."""
+    result = bad_fit(name, scale)
     assert _finite(result.nat), result.nat
     assert np.all(np.isfinite(result.elbo)), result.elbo
     for site, d in result.posterior.items():
@@ -261,9 +307,6 @@ def test_bad_initialisation_never_nan(name, scale):
 def test_bad_initialisation_no_false_convergence(name, scale):
     """Where such a fit claims convergence, it did not get there by collapsing: its last ELBO
     is (up to 0.1 %) the best it reached."""
-    model, data_fn = _BAD[name]
-    result = blr_fit(
-        model, dict(data_fn(), prior_scale=scale), learning_rate=1.0, rng_key=jax.random.key(0), progress_bar=False
-    )
+    result = bad_fit(name, scale)
     if result.converged:
         assert_converged(result)
