@@ -21,8 +21,10 @@ from blrppl.graph.trace import trace_model
 from blrppl.result import BLRResult, site_distribution
 
 _SCHEDULES = ("sequential", "parallel")
-#: default ρ of blocks with a factor whose message depends on the block itself
-NONCONJUGATE_RHO = 0.5
+#: default initial ρ of blocks with Monte Carlo messages (then decaying); other blocks start
+#: at ρ = 1 (exact coordinate steps for conjugate blocks, Newton-like natural-gradient
+#: steps for the others), backtracking on the exact ELBO when a step does not improve it
+MONTE_CARLO_RHO = 0.5
 #: window of the windowed-mean convergence test when the ELBO is a Monte Carlo estimate
 MC_WINDOW = 25
 
@@ -229,9 +231,11 @@ def blr_fit(
         model: a NumPyro model.
         data: the model's arguments: a dict of keyword arguments or a tuple of positional ones.
         num_steps: the most steps to run (default 1000).
-        learning_rate: ρ, a float or a callable of the step number. By default ρ = 1 for
-            blocks whose messages do not depend on their own parameters (conjugate) and
-            0.5 for the others.
+        learning_rate: ρ, a float or a callable of the step number. By default ρ = 1 (for
+            conjugate blocks an exact coordinate step; for the others a natural-gradient
+            Newton-like step, halved by backtracking when it lowers the ELBO, with the improved
+            BLR retraction for Gaussians at ρ < 1), and ρ_t = 0.5 (1 + t/10)^−0.6 for blocks
+            with Monte Carlo messages.
         schedule: ``"sequential"`` (default; one block at a time with the newest
             neighbours, i.e. VMP) or ``"parallel"`` (all blocks from the same state).
         families: optional overrides, site → family name (``"gaussian"``,
@@ -304,12 +308,17 @@ def blr_fit(
         if bundle.conjugate is None:
             bundle.conjugate = _detect_conjugate(plan, compiled, state, dyn_data, rng, bundle.window)
         conj = bundle.conjugate
-        rho = {n: jnp.asarray(1.0 if conj[n] else NONCONJUGATE_RHO, dtype) for n in plan.order}
+        sampled = {n for f in plan.factors if f.estimator == "monte_carlo" for n in f.neighbours}
+        rho = {n: jnp.asarray(MONTE_CARLO_RHO if n in sampled else 1.0, dtype) for n in plan.order}
         plan = dataclasses.replace(plan, conjugate=tuple(conj.items()))
     elif callable(learning_rate):
         rho = {n: jnp.asarray(1.0, dtype) for n in plan.order}
     else:
         rho = {n: jnp.asarray(rate, dtype) for n in plan.order}
+    # the initial ELBO (one step with ρ = 0), so that backtracking also checks the first step
+    history = jnp.zeros((2 * max(bundle.window, 1),), dtype)
+    zero = {n: jnp.zeros((), dtype) for n in plan.order}
+    state = compiled(state, dyn_data, jnp.asarray(1, jnp.int32), zero, history)[0]
     t1 = time.perf_counter()
     outcome = run_loop(compiled, state, dyn_data, rho, num_steps, chunk_size, progress_bar, bundle.window)
     jax.block_until_ready(outcome.state)

@@ -246,12 +246,14 @@ class ArgumentClass:
         blocks: continuous blocks it depends on.
         full: Gaussian blocks whose plate elements mix in this argument.
         reason: why the argument is opaque (empty otherwise).
+        power: for ``power_gamma``, the exponent a when it is the same for every element.
     """
 
     kind: str
     blocks: tuple
     full: tuple = ()
     reason: str = ""
+    power: float | None = None
 
 
 @dataclasses.dataclass
@@ -405,7 +407,8 @@ def _gamma_probe(fn, name):
             u0 = {name: jnp.log(point[name])}
             val = fn(point, data)
             d2 = _second_derivative(log_fn, u0, {name: tangent[name]})
-            o = {"val": val, "d2": d2}
+            slope = jax.jvp(log_fn, (u0,), ({name: jnp.ones_like(u0[name])},))[1]
+            o = {"val": val, "d2": d2, "slope": slope}
             if name in signs:
                 log_point = {**point, name: u0[name]}
                 o["sq"] = _jvp_squares(lambda v, d: log_fn({name: v[name]}), log_point, name, signs[name], data)
@@ -436,7 +439,9 @@ def _gamma_probe(fn, name):
                 return ArgumentClass("opaque", (name,), reason="not a power of its Gamma block")
             if "sq" in o and not _gather_ok(o["sq"]):
                 return ArgumentClass("opaque", (name,), reason="mixes elements of its Gamma block")
-        return ArgumentClass("power_gamma", (name,))
+        slope = np.asarray(outputs[0]["slope"]).ravel()
+        power = float(slope[0]) if slope.size and np.allclose(slope, slope[0], rtol=1e-6, atol=1e-9) else None
+        return ArgumentClass("power_gamma", (name,), power=power)
 
     return compute, decide
 

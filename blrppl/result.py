@@ -122,11 +122,21 @@ class BLRResult:
     graph: Any = None
 
     def sample(self, rng_key, num_samples: int) -> dict:
-        """Draws from the posterior: site → array with a leading ``num_samples`` axis."""
-        keys = jax.random.split(rng_key, len(self.posterior))
-        return {
-            name: d.sample(k, (num_samples,)) for k, (name, d) in zip(keys, self.posterior.items())
-        }
+        """Draws from the posterior: site → array with a leading ``num_samples`` axis.
+
+        Sites fitted together in a joint block are drawn jointly (their correlations kept).
+        """
+        keys = jax.random.split(rng_key, max(len(self.plan.blocks), 1))
+        out = {}
+        for k, b in zip(keys, self.plan.blocks):
+            if b.members:
+                x = b.family.sample(self.nat[b.name], k, (num_samples,))
+                for name, u in b.split(x).items():
+                    member = next(m for m in b.members if m.name == name)
+                    out[name] = member.transform(u) if member.transform is not None else u
+            else:
+                out[b.name] = self.posterior[b.name].sample(k, (num_samples,))
+        return {name: out[name] for name in self.posterior}
 
     def summary(self, prob: float = 0.9, num_samples: int = 4000, rng_key=None, print_table=True) -> dict:
         """Mean, sd and central ``prob`` interval of every scalar of every site.

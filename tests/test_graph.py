@@ -403,7 +403,7 @@ def test_plan_describe_compiled_model():
 
     data = _regression_data()
     records, spec, dyn, _ = trace_model(regression, (), data, jax.random.key(0))
-    plan = compile_model(regression, records, spec, dyn, rng_key=jax.random.key(3))[0]
+    plan = compile_model(regression, records, spec, dyn, rng_key=jax.random.key(3), structure="mean-field")[0]
     text = plan.describe()
     assert {b.name for b in plan.blocks} == {"w", "tau", "a"}
     assert {f.name for f in plan.factors} == {"w", "tau", "a", "y"}

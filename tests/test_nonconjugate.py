@@ -29,17 +29,6 @@ NUM_DRAWS = 40_000
 _FITS: dict = {}
 
 # Library failures, measured at commit 38428a4 (float64, this file's keys).
-_GAMMA_SCALE = (
-    "library: the Gamma block of a Normal *scale* sigma (HalfNormal(10) prior, data sd 0.1) "
-    "collapses towards shape a -> 0 (a = 7e-9, sigma mean 6e-9), where E[sigma^-2] does not "
-    "exist (a <= 2); the ELBO climbs to 1.4e10 and convergence is claimed after 15 steps: "
-    "sigma mean err -13.9 sd (exact posterior: mean 0.0978, sd 0.0070)"
-)
-_JOINT_DRAWS = (
-    "library: result.sample draws each site from its marginal, so the sites of a joint block "
-    "come out independent: sd of w[0] + intercept 0.0631 vs reference 0.0489 (ratio 1.29; "
-    "reference corr -0.41, the fitted joint block has it)"
-)
 
 
 def reference(name: str) -> dict:
@@ -172,7 +161,6 @@ def _scale_model(y=None):
         numpyro.sample("y", dist.Normal(0.0, sigma), obs=y)
 
 
-@pytest.mark.xfail(strict=True, reason=_GAMMA_SCALE)
 def test_normal_scale_with_small_data():
     """sigma ~ HalfNormal(10), y ~ Normal(0, sigma) with data of sd 0.1: σ's closed-form
     Gamma block against the exact posterior (a 1-D grid)."""
@@ -199,7 +187,7 @@ def _site(param: str) -> str:
 
 
 @pytest.mark.parametrize(
-    "name", ["logistic", pytest.param("poisson", marks=pytest.mark.xfail(strict=True, reason=_JOINT_DRAWS)), "student_t"]
+    "name", ["logistic", "poisson", "student_t"]
 )
 def test_draws_keep_cross_site_correlation(name):
     """``result.sample`` draws the sites of a joint block together: the sd of x_i ± x_j for

@@ -32,25 +32,9 @@ REGRESSIONS = [
 EIGHT_SCHOOLS = "eight_schools-eight_schools_noncentered"
 _FITS: dict = {}
 
-# Library failures, measured at commit 38428a4 (float64, this file's keys; wall time of
-# blr_fit including compilation on a shared 2-core machine).
-_KILPISJARVI = (
-    "library: alpha and beta are separate mean-field Gaussian blocks (their factors are "
-    "closed-form, so no joint block) while their posterior correlation is ~ -1 (uncentred x): "
-    "not converged after 1000 steps (1.9 s), mean err 2.28 sd, sd ratio 0.005 (sigma 0.99)"
-)
-_EIGHT = (
-    "library: tau mean err 0.50 sd, theta up to 0.26 sd (sd ratio 0.74-0.98), 146 steps "
-    "(3.3 s); result.sample also draws the sites of the joint block independently"
-)
 
 
-def _xfail(name, reason):
-    return pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=reason))
-
-
-_FAILING = {"kilpisjarvi_mod-kilpisjarvi": _KILPISJARVI}
-REGRESSION_CASES = [_xfail(n, _FAILING[n]) if n in _FAILING else n for n in REGRESSIONS]
+REGRESSION_CASES = list(REGRESSIONS)
 
 
 def fit(name: str):
@@ -131,7 +115,6 @@ def test_regression_sds(name):
     assert not bad, f"{name}: sd ratio: {_fmt(acc['sd_ratio'])}; {result.message}"
 
 
-@pytest.mark.xfail(strict=True, reason=_EIGHT)
 def test_eight_schools_means():
     result, acc = fit(EIGHT_SCHOOLS)
     assert acc["max_mean_err_sd"] <= 0.3, f"|mean error|/sd: {_fmt(acc['mean_err_sd'])}; {result.message}"

@@ -118,10 +118,11 @@ def _relative_delta(old, new):
 
 
 def _update_block(family, nat_old, message, rho, max_halvings):
-    """(1−ρ)λ + ρ λ̃, halving ρ until the result is valid."""
+    """The family's step (1−ρ)λ + ρ λ̃ (improved BLR for Gaussians at ρ < 1), halving ρ
+    until the result is valid."""
 
     def candidate(r):
-        return jax.tree.map(lambda a, m: (1.0 - r) * a + r * m, nat_old, message)
+        return family.update(nat_old, message, r)
 
     def cond(carry):
         r, k = carry

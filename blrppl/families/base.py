@@ -98,6 +98,10 @@ class Family:
         """Gradient of L = Σ_i E_q[log f_i] with respect to the view → ∇_μ L (a ``nat``)."""
         raise NotImplementedError
 
+    def update(self, nat: Nat, message: Nat, rho) -> Nat:
+        """One learning-rule step λ ← (1 − ρ) λ + ρ λ̃ (families may retract, see Gaussian)."""
+        return jax.tree.map(lambda a, m: (1.0 - rho) * a + rho * m, nat, message)
+
     def is_valid(self, nat: Nat) -> jax.Array:
         """Scalar bool: every leaf finite and λ inside the natural-parameter domain."""
         raise NotImplementedError

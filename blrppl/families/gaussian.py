@@ -154,6 +154,31 @@ class GaussianDense(Family):
         g_cov = _sym(view_grad.cov)
         return GaussianNat(view_grad.mean - 2.0 * jnp.einsum("...ij,...j->...i", g_cov, mean), g_cov)
 
+    def update(self, nat: GaussianNat, message: GaussianNat, rho) -> GaussianNat:
+        """Learning-rule step; for ρ < 1 the improved BLR (Lin, Schmidt & Khan 2020).
+
+        With S the precision, P̂ = −2 λ̃₂ the message's precision, g = λ̃₁ − P̂ m and
+        Ĝ = P̂ − S:  S' = S + ρĜ + ½ρ² Ĝ S⁻¹ Ĝ = ½(S + UᵀU) with U = Lᵀ + ρ L⁻¹Ĝ (S = LLᵀ),
+        always positive definite, and m' = m + ρ S'⁻¹ g. At ρ = 1 the plain update
+        λ' = λ̃ is kept (exact for conjugate messages).
+        """
+        plain = jax.tree.map(lambda a, m: (1.0 - rho) * a + rho * m, nat, message)
+        prec = -2.0 * nat.eta2
+        prec = 0.5 * (prec + jnp.swapaxes(prec, -1, -2))
+        target = -2.0 * message.eta2
+        target = 0.5 * (target + jnp.swapaxes(target, -1, -2))
+        chol = jnp.linalg.cholesky(prec)
+        mean = jax.scipy.linalg.cho_solve((chol, True), nat.eta1[..., None])[..., 0]
+        grad = message.eta1 - jnp.einsum("...ij,...j->...i", target, mean)
+        diff = target - prec
+        u = jnp.swapaxes(chol, -1, -2) + rho * jax.scipy.linalg.solve_triangular(chol, diff, lower=True)
+        new_prec = 0.5 * (prec + jnp.swapaxes(u, -1, -2) @ u)
+        new_prec = 0.5 * (new_prec + jnp.swapaxes(new_prec, -1, -2))
+        step = jnp.linalg.solve(new_prec, grad[..., None])[..., 0]
+        new_mean = mean + rho * step
+        retracted = GaussianNat(jnp.einsum("...ij,...j->...i", new_prec, new_mean), -0.5 * new_prec)
+        return jax.tree.map(lambda a, b: jnp.where(rho < 1.0, b, a), plain, retracted)
+
     def is_valid(self, nat: GaussianNat) -> jax.Array:
         finite = jnp.all(jnp.isfinite(nat.eta1)) & jnp.all(jnp.isfinite(nat.eta2))
         return finite & jnp.all(jnp.isfinite(self._prec_chol(nat)))
@@ -223,6 +248,20 @@ class GaussianDiag(Family):
     def message_from_view_grad(self, nat: DiagGaussianNat, view_grad: DiagGaussianView) -> DiagGaussianNat:
         mean = -0.5 * nat.eta1 / nat.eta2
         return DiagGaussianNat(view_grad.mean - 2.0 * view_grad.var * mean, view_grad.var)
+
+    def update(self, nat: DiagGaussianNat, message: DiagGaussianNat, rho) -> DiagGaussianNat:
+        """Learning-rule step; for ρ < 1 the improved BLR: with s = −2η₂, p̂ = −2λ̃₂,
+        g = λ̃₁ − p̂ m and ĝ = p̂ − s:  s' = s + ρĝ + ½ρ²ĝ²/s > 0 and m' = m + ρ g / s'."""
+        plain = jax.tree.map(lambda a, m: (1.0 - rho) * a + rho * m, nat, message)
+        prec = -2.0 * nat.eta2
+        mean = nat.eta1 / prec
+        target = -2.0 * message.eta2
+        grad = message.eta1 - target * mean
+        diff = target - prec
+        new_prec = prec + rho * diff + 0.5 * rho**2 * diff**2 / prec
+        new_mean = mean + rho * grad / new_prec
+        retracted = DiagGaussianNat(new_prec * new_mean, -0.5 * new_prec)
+        return jax.tree.map(lambda a, b: jnp.where(rho < 1.0, b, a), plain, retracted)
 
     def is_valid(self, nat: DiagGaussianNat) -> jax.Array:
         finite = jnp.all(jnp.isfinite(nat.eta1)) & jnp.all(jnp.isfinite(nat.eta2))

@@ -126,8 +126,8 @@ def init_nat(block: Block, init_value, probs=None):
 _GAUSSIAN = ("gaussian", "gaussian-diag")
 #: the most scalar projections per element a quadrature factor may have
 MAX_PROJECTIONS = 2
-#: by default, Gaussian blocks with non-closed-form factors are merged into one joint
-#: dense Gaussian when their total dimension is at most this
+#: by default, the dense Gaussian blocks are merged into one joint dense Gaussian when
+#: their total dimension is at most this
 JOINT_MAX_DIM = 500
 
 
@@ -135,10 +135,12 @@ def compile_model(model, records, data_spec, data, families=None, rng_key=None, 
     """Build blocks, the factor graph and the plan of a traced model.
 
     Family policy ("auto"): every latent starts in the native family of its support; a factor
-    whose expected log-density has no closed form for its arguments gets the Monte Carlo
-    estimator, and every non-Gaussian continuous latent it touches is moved to a Gaussian on
-    its unconstrained space (then the other factors of that latent are classified again),
-    until nothing changes. A latent whose family the user chose keeps it, and its factors
+    whose expected log-density has no closed form for its arguments gets the quadrature or
+    Monte Carlo estimator, and every non-Gaussian continuous latent it touches is moved to a
+    Gaussian on its unconstrained space (then the other factors of that latent are classified
+    again), until nothing changes. A Gamma latent is also moved when a closed-form factor is
+    not conjugate to it (e.g. a Normal scale σ = τ, which needs E[τ^−2], finite only for
+    shapes above 2, where the Gamma family can wander while fitting). A latent whose family the user chose keeps it, and its factors
     without closed forms use Monte Carlo messages.
 
     Args:
@@ -147,11 +149,11 @@ def compile_model(model, records, data_spec, data, families=None, rng_key=None, 
         data_spec, data: the model's data (static part and array leaves).
         families: optional dict site → family name overriding the default.
         rng_key: key for the probes.
-        structure: ``"joint"`` merges the dense Gaussian blocks touched by non-closed-form
-            factors into one dense Gaussian (capturing their posterior correlations, like
-            AutoMultivariateNormal); ``"mean-field"`` keeps one block per site; by default
-            they are merged when there are several and their total dimension is at most
-            :data:`JOINT_MAX_DIM`.
+        structure: ``"joint"`` merges the dense Gaussian blocks (those without a family
+            override or ``point``) into one dense Gaussian, capturing their posterior
+            correlations like AutoMultivariateNormal; ``"mean-field"`` keeps one block per
+            site; by default they are merged when there are several and their total
+            dimension is at most :data:`JOINT_MAX_DIM`.
         point: sites fitted by the delta method (Gaussian on the unconstrained space seen
             at its mean; Newton updates; Laplace's method at convergence).
 
@@ -192,6 +194,13 @@ def compile_model(model, records, data_spec, data, families=None, rng_key=None, 
         to_move = set()
         for f in factors:
             if f.estimator == "exact":
+                # a Gamma block keeps its family only where the factor is conjugate to it:
+                # other powers need moments such as E[τ^-2] that exist only for some shapes
+                for arg, power in f.powers:
+                    (n,) = dict(f.arg_blocks)[arg]
+                    allowed = f.rule.conjugate_powers.get(arg, ())
+                    if n not in families and (power is None or not any(np.isclose(power, a) for a in allowed)):
+                        to_move.add(n)
                 continue
             for n in f.neighbours:
                 b = blocks[n]
@@ -204,11 +213,7 @@ def compile_model(model, records, data_spec, data, families=None, rng_key=None, 
             break
         moved |= to_move
 
-    members = [
-        n
-        for n, b in blocks.items()
-        if b.kind == "gaussian" and not b.point and n not in families and any(f.estimator != "exact" and n in f.neighbours for f in factors)
-    ]
+    members = [n for n, b in blocks.items() if b.kind == "gaussian" and not b.point and n not in families]
     size = sum(blocks[n].size for n in members)
     if structure == "joint" or (structure is None and len(members) > 1 and size <= JOINT_MAX_DIM):
         if len(members) > 1:
@@ -399,15 +404,18 @@ def _classify_factors(records, rules, deps, blocks, fns, data, rng_key) -> list:
         gauss = [n for n in neighbours if blocks[n].kind in _GAUSSIAN]
         if exact[name]:
             kinds, arg_blocks, full = [], [], set()
+            powers = []
             for arg in ("value",) + rule.arg_names:
                 cls = classes[(name, arg)]
                 kinds.append((arg, cls.kind))
                 arg_blocks.append((arg, cls.blocks))
                 full.update(cls.full)
+                if cls.kind == "power_gamma":
+                    powers.append((arg, cls.power))
             columns = tuple((n, "full" if n in full else "gather") for n in gauss)
             estimator, links = "exact", ()
         else:
-            links, kinds, arg_blocks, full = [], [], [], set()
+            links, kinds, arg_blocks, full, powers = [], [], [], set(), []
             for k, item in enumerate(candidates.get(name, ())):
                 index = "value" if item == "value" else int(item.split(":")[1])
                 found = next(
@@ -443,6 +451,7 @@ def _classify_factors(records, rules, deps, blocks, fns, data, rng_key) -> list:
                 columns=columns,
                 reinterpreted_ndim=r.reinterpreted_ndim,
                 links=tuple(links),
+                powers=tuple(powers),
             )
         )
     return factors

@@ -141,6 +141,8 @@ class Factor:
         reinterpreted_ndim: trailing batch dims summed as event dims.
         links: for ``quadrature`` factors, ``(name, leaf index or "value", link)`` of each
             scalar projection η = g⁻¹(leaf) integrated over.
+        powers: for exact factors, ``(argument, a)`` of every argument that is c·τ^a in a
+            Gamma block (a is None when it differs between elements).
     """
 
     name: str
@@ -155,6 +157,7 @@ class Factor:
     columns: tuple
     reinterpreted_ndim: int
     links: tuple = ()
+    powers: tuple = ()
 
     @property
     def kinds(self) -> dict:

@@ -11,6 +11,7 @@ from blrppl.rules.registry import register_rule
 @register_rule(
     dist.Exponential,
     kinds={"value": ("const", "power_gamma"), "rate": ("const", "power_gamma")},
+    conjugate_powers={"value": (1.0,), "rate": (1.0,)},
 )
 def exponential_expected_log_prob(value, rate):
     r"""E_q[log Exponential(x | r)], elementwise.

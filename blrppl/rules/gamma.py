@@ -16,6 +16,7 @@ from blrppl.rules.registry import register_rule
         "concentration": ("const",),
         "rate": ("const", "power_gamma"),
     },
+    conjugate_powers={"value": (1.0,), "rate": (1.0,)},
 )
 def gamma_expected_log_prob(value, concentration, rate):
     r"""E_q[log Gamma(x | a, b)] (shape a, rate b), elementwise.

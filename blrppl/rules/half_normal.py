@@ -13,6 +13,7 @@ from blrppl.rules.registry import register_rule
 @register_rule(
     dist.HalfNormal,
     kinds={"value": ("const", "power_gamma"), "scale": ("const", "power_gamma")},
+    conjugate_powers={"value": (0.5,), "scale": (-0.5,)},
 )
 def half_normal_expected_log_prob(value, scale):
     r"""E_q[log HalfNormal(x | σ)], elementwise (x ≥ 0).

@@ -15,6 +15,7 @@ from blrppl.rules.registry import register_rule
         "loc": ("const", "affine_gaussian"),
         "scale": ("const", "power_gamma"),
     },
+    conjugate_powers={"scale": (-0.5,)},
 )
 def normal_expected_log_prob(value, loc, scale):
     r"""E_q[log N(x | loc, σ²)], elementwise.

@@ -9,7 +9,11 @@ from blrppl.rules._common import batch_shape, broadcast_batch, const_value, x_ex
 from blrppl.rules.registry import register_rule
 
 
-@register_rule(dist.Poisson, kinds={"value": ("const",), "rate": ("const", "power_gamma")})
+@register_rule(
+    dist.Poisson,
+    kinds={"value": ("const",), "rate": ("const", "power_gamma")},
+    conjugate_powers={"rate": (1.0,)},
+)
 def poisson_expected_log_prob(value, rate):
     r"""E_q[log Poisson(y | r)], elementwise.
 

@@ -27,6 +27,9 @@ class Rule:
         kinds: for ``value`` and each argument, the moment kinds the rule accepts.
         expected_log_prob: ``f(value, **args) -> array`` of the distribution's batch shape.
         event_ndim: number of trailing value dims the rule sums over (MVN, Dirichlet: 1).
+        conjugate_powers: for arguments that may be a power c·τ^a of a Gamma block, the
+            exponents a for which L is linear in τ's expectation parameters (E log τ, E τ),
+            i.e. the factor is conjugate to the Gamma block (e.g. a Normal scale τ^−½).
     """
 
     dist_type: type
@@ -34,17 +37,25 @@ class Rule:
     kinds: Mapping[str, frozenset]
     expected_log_prob: Callable
     event_ndim: int = 0
+    conjugate_powers: Mapping[str, tuple] = dataclasses.field(default_factory=dict)
 
     def supports(self, kinds: Mapping[str, str]) -> bool:
         """Whether the rule has a closed form for arguments of these kinds."""
         return all(kinds[name] in self.kinds[name] for name in ("value",) + self.arg_names)
 
 
-def register_rule(dist_type: type, *, kinds: Mapping[str, tuple[str, ...]], event_ndim: int = 0):
+def register_rule(
+    dist_type: type,
+    *,
+    kinds: Mapping[str, tuple[str, ...]],
+    event_ndim: int = 0,
+    conjugate_powers: Mapping[str, tuple] | None = None,
+):
     """Decorator registering ``f(value, **args)`` as the rule of ``dist_type``.
 
     ``kinds`` maps ``"value"`` and every argument name to the moment kinds accepted; its
-    keys other than ``"value"`` are the argument names, in order.
+    keys other than ``"value"`` are the argument names, in order. ``conjugate_powers``
+    maps arguments to the Gamma-block exponents for which the rule is conjugate.
     """
 
     def decorate(fn):
@@ -55,6 +66,7 @@ def register_rule(dist_type: type, *, kinds: Mapping[str, tuple[str, ...]], even
             kinds={k: frozenset(v) for k, v in kinds.items()},
             expected_log_prob=fn,
             event_ndim=event_ndim,
+            conjugate_powers=dict(conjugate_powers or {}),
         )
         return fn
 
