@@ -14,6 +14,7 @@ import numpy as np
 from blrppl import families as fam
 from blrppl.engine.loop import CONVERGED, NONFINITE, make_chunk, run_loop
 from blrppl.engine.step import BLRState, initial_state, make_step
+from blrppl.estimators.monte_carlo import CURVATURES
 from blrppl.errors import BLRError, ModelTraceError
 from blrppl.graph.compile import _block_init_values, compile_model, init_nat
 from blrppl.graph.data import DataSpec
@@ -173,7 +174,7 @@ def _remember(key, bundle):
 
 def _compile(model, records, data_spec, dyn_data, tracer, options, k_probe):
     """Compile a model: plan, initialisation, the jitted chunk of steps, posterior export."""
-    families, schedule, rate_fn, tol, chunk_size, structure, point = options
+    families, schedule, rate_fn, tol, chunk_size, structure, point, curvature, default_rate = options
     plan, fns, dyn_data, init_values, graph = compile_model(
         model, records, data_spec, dyn_data, families=families, rng_key=k_probe, structure=structure, point=point
     )
@@ -182,9 +183,9 @@ def _compile(model, records, data_spec, dyn_data, tracer, options, k_probe):
         lambda values, probs: {n: init_nat(b, values[n], probs.get(n)) for n, b in blocks.items()}
     )
     sampled = [f for f in plan.factors if f.estimator == "monte_carlo"]
-    decay = {n for f in sampled for n in f.neighbours}
+    decay = {n for f in sampled for n in f.neighbours} if default_rate else set()
     window = MC_WINDOW if sampled else 0
-    step, _, _ = make_step(plan, fns, schedule, rate_fn, decay_blocks=decay)
+    step, _, _ = make_step(plan, fns, schedule, rate_fn, decay_blocks=decay, curvature=curvature)
     chunk = make_chunk(step, chunk_size, tol, window)
     dtype = jnp.result_type(float)
     state = jax.eval_shape(
@@ -213,6 +214,7 @@ def blr_fit(
     families: dict | None = None,
     structure: str | None = None,
     point: tuple | list | None = None,
+    mc_curvature: str = "reparam",
     rng_key=None,
     tol: float | None = None,
     progress_bar: bool = True,
@@ -248,6 +250,11 @@ def blr_fit(
         point: sites fitted by the delta method: a Gaussian seen at its mean by the other
             factors, updated by Newton steps (ρ = 1 gives Newton's method; the posterior is
             Laplace's approximation at convergence).
+        mc_curvature: how Monte Carlo factors estimate the curvature ½E[∇² log f] of their
+            messages to Gaussian blocks: ``"reparam"`` (autodiff of the sample average
+            through the Cholesky factor), ``"hessian"`` (exact Hessians at the draws; small
+            blocks), ``"diagonal"`` (Hutchinson's diagonal; large blocks) or ``"stein"``
+            (Σ⁻¹(x − m)∇ log fᵀ, no second derivatives).
         rng_key: a ``jax.random`` key (initialisation of discrete blocks, probes).
         tol: convergence tolerance on the relative ELBO change (default 1e-8 in float64,
             1e-5 in float32); natural parameters must also move less than ``sqrt(tol)``.
@@ -261,6 +268,8 @@ def blr_fit(
     schedule = schedule or "sequential"
     if schedule not in _SCHEDULES:
         raise BLRError(f"schedule must be one of {_SCHEDULES}, not {schedule!r}")
+    if mc_curvature not in CURVATURES:
+        raise BLRError(f"mc_curvature must be one of {CURVATURES}, not {mc_curvature!r}")
     if structure not in (None, "joint", "mean-field"):
         raise BLRError(f"structure must be 'joint' or 'mean-field', not {structure!r}")
     num_steps = 1000 if num_steps is None else int(num_steps)
@@ -278,7 +287,9 @@ def blr_fit(
         if not 0.0 < rate <= 1.0:
             raise BLRError(f"learning_rate must be in (0, 1], not {rate}")
     chunk_size = min(num_steps, 100)
-    options = (families, schedule, rate_fn, tol, chunk_size, structure, tuple(point or ()))
+    options = (
+        families, schedule, rate_fn, tol, chunk_size, structure, tuple(point or ()), mc_curvature, learning_rate is None
+    )
     key = _cache_key(model, args, kwargs, options)
     bundle = _CACHE.get(key) if key is not None else None
     records, data_spec, dyn_data, tracer = trace_model(

@@ -87,20 +87,20 @@ def newton_message(block, nat, objective_of_mean, mean):
     return type(nat)(eta1, 0.5 * hb)
 
 
-def make_objective(plan, fns):
+def make_objective(plan, fns, curvature="reparam"):
     """Σ_i E_q[log f_i] over a subset of factors, as a function of the views."""
     blocks = {b.name: b for b in plan.blocks}
 
     def objective(views, data, factor_names=None, key=None):
         factors = [f for f in plan.factors if factor_names is None or f.name in factor_names]
-        return expected_log_factors(fns, factors, blocks, views, data, key)
+        return expected_log_factors(fns, factors, blocks, views, data, key, curvature)
 
     return objective
 
 
 def make_elbo(plan, fns):
     """ELBO(λ) = Σ_i E_q[log f_i] + Σ_b H(q_b)."""
-    objective = make_objective(plan, fns)
+    objective = make_objective(plan, fns)  # values only: the curvature estimator is irrelevant
 
     def elbo(nat, data, key=None):
         views = views_of(plan, nat)
@@ -144,7 +144,13 @@ def decaying_rate(t, tau: float = 10.0, kappa: float = 0.6):
 
 
 def make_step(
-    plan, fns, schedule: str, rate_fn: Callable | None = None, max_halvings: int = 30, decay_blocks=()
+    plan,
+    fns,
+    schedule: str,
+    rate_fn: Callable | None = None,
+    max_halvings: int = 30,
+    decay_blocks=(),
+    curvature: str = "reparam",
 ):
     """Build ``step(state, data, rho) -> (state, info)``.
 
@@ -159,6 +165,8 @@ def make_step(
         schedule: ``"sequential"`` or ``"parallel"``.
         rate_fn: optional callable of the step number.
         decay_blocks: names of blocks whose default schedule decays.
+        curvature: estimator of Monte Carlo messages to Gaussian blocks (see
+            :data:`blrppl.estimators.monte_carlo.CURVATURES`).
     """
     user_rate = rate_fn
     decay_blocks = frozenset(decay_blocks)
@@ -167,7 +175,7 @@ def make_step(
         if user_rate is not None:
             return user_rate(t)
         return decaying_rate(t) if n in decay_blocks else 1.0
-    objective = make_objective(plan, fns)
+    objective = make_objective(plan, fns, curvature)
     elbo_fn = make_elbo(plan, fns)
     blocks = {b.name: b for b in plan.blocks}
     factors_of = {b.name: tuple(f.name for f in plan.factors_of(b.name)) for b in plan.blocks}

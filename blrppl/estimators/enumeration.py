@@ -29,8 +29,9 @@ def is_jacobian(factor) -> bool:
     return factor.rule is None and factor.name.endswith(":jacobian")
 
 
-def _elementwise(fns, group, blocks, views, dvals, data, wrappers, key):
-    """Per-element E_q[log f | discrete values] of a group of factors, and their scales."""
+def _elementwise(fns, group, blocks, views, dvals, data, wrappers, key, curvature="reparam"):
+    """Per-element E_q[log f | discrete values] of a group of factors, their scales, and a
+    scalar term to add (the explicit-curvature surrogate of Monte Carlo factors)."""
     exact = [f for f in group if f.estimator == "exact"]
     quad = [f for f in group if f.estimator == "quadrature"]
     sampled = [f for f in group if f.estimator == "monte_carlo"]
@@ -44,14 +45,15 @@ def _elementwise(fns, group, blocks, views, dvals, data, wrappers, key):
         for f in exact:
             els[f.name] = elementwise_expected_log_prob(f, moments[f.name], wrappers[f.name][0])
             scales[f.name] = wrappers[f.name][1]
+    extra = 0.0
     if sampled:
-        mc, sc = monte_carlo_elementwise(fns, sampled, blocks, views, dvals, data, key)
+        mc, sc, extra = monte_carlo_elementwise(fns, sampled, blocks, views, dvals, data, key, curvature=curvature)
         els.update(mc)
         scales.update(sc)
-    return els, scales
+    return els, scales, extra
 
 
-def expected_log_factors(fns, factors, blocks, views, data, key=None):
+def expected_log_factors(fns, factors, blocks, views, data, key=None, curvature="reparam"):
     """Σ_i E_q[log f_i] over ``factors``, each summed over its elements.
 
     Factors sharing the same discrete neighbours are evaluated together: one run of the
@@ -75,7 +77,8 @@ def expected_log_factors(fns, factors, blocks, views, data, key=None):
     for names, group in groups.items():
         key, sub = jax.random.split(key)
         if not names:
-            els, scales = _elementwise(fns, group, blocks, views, {}, data, wrappers, sub)
+            els, scales, extra = _elementwise(fns, group, blocks, views, {}, data, wrappers, sub, curvature)
+            total = total + extra
         else:
             sizes = [len(blocks[d].support_values) for d in names]
             combos = jnp.asarray(np.array(list(itertools.product(*[range(k) for k in sizes]))))
@@ -87,7 +90,7 @@ def expected_log_factors(fns, factors, blocks, views, data, key=None):
                     support = jnp.asarray(b.support_values)
                     dvals[d] = jnp.full(b.value_shape, support[combo[j]], dtype=support.dtype)
                     weight = weight * jnp.take(views[d].probs, combo[j], axis=-1)
-                els, scales = _elementwise(fns, group, blocks, views, dvals, data, wrappers, sub)
+                els, scales, _ = _elementwise(fns, group, blocks, views, dvals, data, wrappers, sub)
                 return {n: v * weight for n, v in els.items()}, scales
 
             els, scales = jax.vmap(one)(combos)
