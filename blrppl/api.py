@@ -253,7 +253,8 @@ def blr_fit(
         mc_curvature: how Monte Carlo factors estimate the curvature ½E[∇² log f] of their
             messages to Gaussian blocks: ``"reparam"`` (autodiff of the sample average
             through the Cholesky factor), ``"hessian"`` (exact Hessians at the draws; small
-            blocks), ``"diagonal"`` (Hutchinson's diagonal; large blocks) or ``"stein"``
+            blocks), ``"diagonal"`` (Hutchinson's diagonal; large blocks),
+            ``"gauss-newton"`` (empirical Fisher over the factors' elements) or ``"stein"``
             (Σ⁻¹(x − m)∇ log fᵀ, no second derivatives).
         rng_key: a ``jax.random`` key (initialisation of discrete blocks, probes).
         tol: convergence tolerance on the relative ELBO change (default 1e-8 in float64,

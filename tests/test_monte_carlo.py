@@ -72,3 +72,34 @@ def test_every_estimator_converges_on_a_non_gaussian_factor(curvature):
 def test_unknown_curvature_is_an_error():
     with pytest.raises(BLRError, match="mc_curvature"):
         blr_fit(quartic, mc_curvature="fisher", progress_bar=False)
+
+
+def logistic(x, y):
+    w = numpyro.sample("w", dist.Normal(0.0, 2.0).expand([2]).to_event(1))
+    with numpyro.plate("n", x.shape[0]):
+        # the same likelihood as Bernoulli(logits=x @ w), written as a factor: Monte Carlo
+        z = x @ w
+        numpyro.factor("loglik", y * z - jnp.logaddexp(0.0, z))
+
+
+def test_gauss_newton_estimator_on_per_element_factors():
+    """Gauss–Newton (empirical Fisher) curvature: negative semi-definite by construction and
+    biased; on logistic regression written as a factor it lands near the quadrature fit of the
+    same model (means within 0.25 sd, sds within 40 %: the empirical Fisher is not the
+    Hessian)."""
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(200, 2))
+    y = (rng.uniform(size=200) < 1 / (1 + np.exp(-x @ np.array([1.0, -0.5])))).astype(float)
+
+    def glm(x, y):
+        w = numpyro.sample("w", dist.Normal(0.0, 2.0).expand([2]).to_event(1))
+        with numpyro.plate("n", x.shape[0]):
+            numpyro.sample("y", dist.Bernoulli(logits=x @ w), obs=y)
+
+    ref = blr_fit(glm, (x, y), progress_bar=False).posterior["w"]
+    res = blr_fit(logistic, (x, y), mc_curvature="gauss-newton", progress_bar=False)
+    assert res.converged, res.message
+    post = res.posterior["w"]
+    sd = np.sqrt(np.asarray(ref.variance))
+    assert np.all(np.abs(np.asarray(post.mean) - np.asarray(ref.mean)) / sd < 0.25)
+    assert np.all(np.abs(np.sqrt(np.asarray(post.variance)) / sd - 1) < 0.4)

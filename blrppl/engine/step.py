@@ -67,7 +67,6 @@ def newton_message(block, nat, objective_of_mean, mean):
     """Delta-method message of a point block: with g = ∇L(m) and H = ∇²L(m) of the expected
     log factors at x = m, λ̃ = (g − H m, ½ H); at ρ = 1 the update is Newton's step
     m ← m − H⁻¹ g with precision −H (Laplace's method at convergence)."""
-    family = block.family
     shape = mean.shape
     flat = mean.reshape(-1)
 

@@ -65,7 +65,7 @@ def marginal_moments(block, view):
 
 
 #: curvature estimators of Monte Carlo messages to Gaussian blocks
-CURVATURES = ("reparam", "hessian", "diagonal", "stein")
+CURVATURES = ("reparam", "hessian", "diagonal", "gauss-newton", "stein")
 
 
 def monte_carlo_elementwise(
@@ -82,6 +82,8 @@ def monte_carlo_elementwise(
 
     * ``"hessian"``: the exact Hessian of F at each draw (per plate element; small blocks);
     * ``"diagonal"``: its diagonal by Hutchinson's estimator E_z[z ⊙ ∇²F z] (large blocks);
+    * ``"gauss-newton"``: −Σ_i ∇ log f_i ∇ log f_iᵀ over the elements i of the factors
+      (empirical Fisher, negative semi-definite by construction, biased);
     * ``"stein"``: Σ⁻¹(x − m)∇Fᵀ symmetrised (no second derivatives).
     """
     cont = []
@@ -108,9 +110,12 @@ def monte_carlo_elementwise(
         return els, scales, 0.0
     els = {n: jax.lax.stop_gradient(v) for n, v in els.items()}
 
-    def total(x):
+    def elements(x):
         out = fns.log_probs(names, {**discrete_values, **x}, data)
-        return sum(jnp.sum(lp if sc is None else sc * lp) for lp, sc in out.values())
+        return jnp.concatenate([jnp.ravel(lp if sc is None else sc * lp) for lp, sc in out.values()])
+
+    def total(x):
+        return jnp.sum(elements(x))
 
     correction = 0.0
     probe_key = keys[-1]
@@ -122,9 +127,15 @@ def monte_carlo_elementwise(
         def f_n(xn, rest):
             return total({**rest, n: xn})
 
+        def per_element(xn, rest):
+            return elements({**rest, n: xn})
+
         grads = jax.vmap(jax.grad(f_n))(xs, others)
         g = jnp.mean(jax.vmap(block.to_canonical)(grads) if block.kind == "gaussian" else grads, 0)
-        h = _curvature(curvature, block, view, f_n, xs, others, grads, probe_key)
+        if curvature == "gauss-newton":
+            h = _gauss_newton(block, per_element, xs, others)
+        else:
+            h = _curvature(curvature, block, view, f_n, xs, others, grads, probe_key)
         # control variate: E[x − m] = 0, so subtracting Ĥ·mean(x − m) removes the part of
         # the gradient's noise that is linear in the draws (exact for quadratic log f)
         if block.kind == "gaussian":
@@ -136,6 +147,15 @@ def monte_carlo_elementwise(
         spread = lv.cov - view.cov if block.kind == "gaussian" else lv.var - view.var
         correction = correction + jnp.sum(g * (lv.mean - view.mean)) + 0.5 * jnp.sum(h * spread)
     return els, scales, correction
+
+
+def _gauss_newton(block, per_element, xs, others):
+    """−mean over draws of Σ_i J_i J_iᵀ, J_i the gradient of element i (canonical layout)."""
+    jac = jax.vmap(jax.jacrev(per_element))(xs, others)  # (S, elements, *site shape)
+    if block.kind == "gaussian":
+        jc = jax.vmap(jax.vmap(block.to_canonical))(jac)  # (S, elements, *B, D)
+        return -jnp.einsum("se...i,se...j->...ij", jc, jc) / xs.shape[0]
+    return -jnp.mean(jnp.sum(jnp.square(jac), axis=1), 0)
 
 
 def _curvature(kind, block, view, f_n, xs, others, grads, key):
