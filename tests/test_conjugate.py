@@ -9,7 +9,6 @@ hand from the textbook closed form, never from the library.
 
 from __future__ import annotations
 
-import re
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +18,7 @@ import numpyro.distributions as dist
 import pytest
 
 from blrppl.api import blr_fit
+from describe_table import factor_rows
 
 ATOL = 1e-6
 
@@ -185,19 +185,6 @@ def assert_params(result, case):
         np.testing.assert_allclose(np.asarray(got[key]), want, rtol=0, atol=ATOL, err_msg=key)
         assert np.all(np.isfinite(np.asarray(got[key]))), key
 
-
-def factor_rows(describe: str) -> dict:
-    """Factor name → {column: cell} parsed from the factor table of ``plan.describe()``."""
-    lines = describe.splitlines()
-    start = next(i for i, line in enumerate(lines) if line.split()[:1] == ["factor"])
-    header = re.split(r"\s{2,}", lines[start].strip())
-    rows = {}
-    for line in lines[start + 2 :]:
-        if not line.strip():
-            break
-        cells = re.split(r"\s{2,}", line.strip())
-        rows[cells[0]] = dict(zip(header, cells))
-    return rows
 
 
 # ---------------------------------------------------------------------------------------

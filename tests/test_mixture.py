@@ -24,6 +24,7 @@ import numpyro.distributions as dist
 import pytest
 
 from blrppl.api import blr_fit
+from describe_table import factor_rows
 
 N = 300
 TRUE_MU = np.array([-5.0, 0.0, 6.0])
@@ -111,18 +112,6 @@ def assert_recovers(result, true_mu, true_w, weights):
     np.testing.assert_allclose(np.asarray(weights)[order], true_w, atol=0.07)
     return order
 
-
-def factor_rows(describe: str) -> dict:
-    lines = describe.splitlines()
-    start = next(i for i, line in enumerate(lines) if line.split()[:1] == ["factor"])
-    header = re.split(r"\s{2,}", lines[start].strip())
-    rows = {}
-    for line in lines[start + 2 :]:
-        if not line.strip():
-            break
-        cells = re.split(r"\s{2,}", line.strip())
-        rows[cells[0]] = dict(zip(header, cells))
-    return rows
 
 
 def block_rows(describe: str) -> dict:
