@@ -3,7 +3,10 @@
 Public names:
 
 * :func:`blr_fit` — fit a model; returns a :class:`BLRResult`.
-* :class:`BLRResult` — posteriors per site, draws, summary, ELBO trace, plan.
+* :class:`BLRResult` — posteriors per site, draws, summary, ELBO trace, plan, and a
+  guide with its params for ``Predictive``.
+* :class:`BLR` — a drop-in for ``numpyro.infer.SVI`` (``init``/``update``/``run``/
+  ``evaluate``/``get_params``), with the model's own autoguide or the guide BLR chooses.
 * :mod:`blrppl.families` — the candidate exponential families.
 * the :class:`BLRError` hierarchy.
 """
@@ -16,17 +19,22 @@ from blrppl.errors import (
     ModelTraceError,
     ObservedDataError,
     UnsupportedFactorError,
+    UnsupportedGuideError,
     UnsupportedLatentError,
 )
 from blrppl.result import BLRResult
+from blrppl.svi import BLR, BLRRunResult
 
 __all__ = [
+    "BLR",
     "BLRError",
     "BLRResult",
+    "BLRRunResult",
     "FamilyError",
     "ModelTraceError",
     "ObservedDataError",
     "UnsupportedFactorError",
+    "UnsupportedGuideError",
     "UnsupportedLatentError",
     "blr_fit",
     "families",

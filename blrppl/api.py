@@ -137,6 +137,8 @@ class _Compiled:
     posterior_fn: Callable
     window: int = 0
     conjugate: dict | None = None
+    chunk_fn: Callable | None = None  # the chunk before compilation (traceable inside a user's jit)
+    elbo_fn: Callable | None = None  # jitted ELBO(nat, data, key)
 
 
 #: compiled fits, most recent last
@@ -185,7 +187,7 @@ def _compile(model, records, data_spec, dyn_data, tracer, options, k_probe):
     sampled = [f for f in plan.factors if f.estimator == "monte_carlo"]
     decay = {n for f in sampled for n in f.neighbours} if default_rate else set()
     window = MC_WINDOW if sampled else 0
-    step, _, _ = make_step(plan, fns, schedule, rate_fn, decay_blocks=decay, curvature=curvature)
+    step, elbo_fn, _ = make_step(plan, fns, schedule, rate_fn, decay_blocks=decay, curvature=curvature)
     chunk = make_chunk(step, chunk_size, tol, window)
     dtype = jnp.result_type(float)
     state = jax.eval_shape(
@@ -201,7 +203,179 @@ def _compile(model, records, data_spec, dyn_data, tracer, options, k_probe):
         .lower(state, dyn_data, steps, rho, history)
         .compile(compiler_options=_compiler_options(dyn_data))
     )
-    return _Compiled(tracer, plan, graph, init_fn, compiled, _posterior_builder(plan, records), window)
+    return _Compiled(
+        tracer, plan, graph, init_fn, compiled, _posterior_builder(plan, records), window,
+        chunk_fn=chunk, elbo_fn=jax.jit(elbo_fn),
+    )
+
+
+@dataclasses.dataclass
+class _Prepared:
+    """A fit ready to run: the compiled bundle, the data it runs on and its first state."""
+
+    bundle: _Compiled
+    plan: Any
+    records: dict
+    data_spec: DataSpec
+    dyn_data: tuple
+    state: BLRState
+    rho: dict
+    tol: float
+    chunk_size: int
+    start_time: float
+
+    def history(self):
+        """An empty ring buffer of Monte Carlo ELBOs for the windowed convergence test."""
+        return jnp.zeros((2 * max(self.bundle.window, 1),), jnp.result_type(float))
+
+
+def _check_options(schedule, mc_curvature, structure, num_steps, tol, learning_rate):
+    """Validate blr_fit's keywords; returns (schedule, num_steps, tol)."""
+    schedule = schedule or "sequential"
+    if schedule not in _SCHEDULES:
+        raise BLRError(f"schedule must be one of {_SCHEDULES}, not {schedule!r}")
+    if mc_curvature not in CURVATURES:
+        raise BLRError(f"mc_curvature must be one of {CURVATURES}, not {mc_curvature!r}")
+    if structure not in (None, "joint", "mean-field"):
+        raise BLRError(f"structure must be 'joint' or 'mean-field', not {structure!r}")
+    num_steps = 1000 if num_steps is None else int(num_steps)
+    if num_steps < 1:
+        raise BLRError("num_steps must be at least 1")
+    if learning_rate is not None and not callable(learning_rate):
+        rate = float(learning_rate)
+        if not 0.0 < rate <= 1.0:
+            raise BLRError(f"learning_rate must be in (0, 1], not {rate}")
+    x64 = jnp.result_type(float) == jnp.float64
+    tol = (1e-8 if x64 else 1e-5) if tol is None else float(tol)
+    return schedule, num_steps, tol
+
+
+def _prepare(
+    model,
+    args,
+    kwargs,
+    *,
+    num_steps,
+    learning_rate=None,
+    schedule=None,
+    families=None,
+    structure=None,
+    point=None,
+    mc_curvature="reparam",
+    rng_key=None,
+    tol=None,
+    init_values=None,
+) -> _Prepared:
+    """Trace and compile (or fetch from the cache) a model and build its first state.
+
+    ``init_values`` optionally maps sites to starting values in their constrained space.
+    """
+    t0 = time.perf_counter()
+    schedule, num_steps, tol = _check_options(schedule, mc_curvature, structure, num_steps, tol, learning_rate)
+    rng_key = jax.random.key(0) if rng_key is None else rng_key
+    k_trace, k_probe, k_host, k_loop = jax.random.split(rng_key, 4)
+    rng = np.random.default_rng(np.asarray(jax.random.key_data(k_host)).ravel())
+
+    rate_fn = learning_rate if callable(learning_rate) else None
+    chunk_size = min(num_steps, 100)
+    options = (
+        families, schedule, rate_fn, tol, chunk_size, structure, tuple(point or ()), mc_curvature, learning_rate is None
+    )
+    key = _cache_key(model, args, kwargs, options)
+    bundle = _CACHE.get(key) if key is not None else None
+    records, data_spec, dyn_data, tracer = trace_model(
+        model, args, kwargs, k_trace, tracer=bundle.tracer if bundle else None
+    )
+    if any(isinstance(v, (np.ndarray, jax.Array)) for _, v in data_spec.static):
+        key = None  # the model needed concrete data: the compiled fit holds this data
+    if bundle is None:
+        bundle = _compile(model, records, data_spec, dyn_data, tracer, options, k_probe)
+        if key is not None:
+            _remember(key, bundle)
+    plan = bundle.plan
+    site_values = {n: jnp.asarray(records[n].init_value) for b in plan.blocks for n in b.sites}
+    for name, value in (init_values or {}).items():
+        if name not in site_values:
+            raise BLRError(f"init value given for '{name}', which is not a latent site", site=name)
+        site_values[name] = jnp.broadcast_to(jnp.asarray(value, jnp.result_type(float)), records[name].value_shape)
+    block_values = _block_init_values({b.name: b for b in plan.blocks}, site_values)
+    probs0 = {
+        b.name: rng.dirichlet(np.ones(len(b.support_values)), size=b.value_shape)
+        for b in plan.blocks
+        if b.discrete
+    }
+    nat0 = bundle.init_fn(block_values, probs0)
+    dtype = jnp.result_type(float)
+    state = initial_state(nat0, k_loop)
+    compiled = bundle.chunk
+    if learning_rate is None:
+        if bundle.conjugate is None:
+            bundle.conjugate = _detect_conjugate(plan, compiled, state, dyn_data, rng, bundle.window)
+        conj = bundle.conjugate
+        sampled = {n for f in plan.factors if f.estimator == "monte_carlo" for n in f.neighbours}
+        rho = {n: jnp.asarray(MONTE_CARLO_RHO if n in sampled else 1.0, dtype) for n in plan.order}
+        plan = dataclasses.replace(plan, conjugate=tuple(conj.items()))
+    elif callable(learning_rate):
+        rho = {n: jnp.asarray(1.0, dtype) for n in plan.order}
+    else:
+        rho = {n: jnp.asarray(float(learning_rate), dtype) for n in plan.order}
+    prepared = _Prepared(bundle, plan, records, data_spec, dyn_data, state, rho, tol, chunk_size, t0)
+    # the initial ELBO (one step with ρ = 0), so that backtracking also checks the first step
+    zero = {n: jnp.zeros((), dtype) for n in plan.order}
+    prepared.state = compiled(state, dyn_data, jnp.asarray(1, jnp.int32), zero, prepared.history())[0]
+    return prepared
+
+
+def _stop_message(outcome, window: int, tol: float, num_steps: int) -> str:
+    if outcome.stop == CONVERGED and window:
+        message = (
+            f"converged after {outcome.num_steps} steps (Monte Carlo ELBO: the mean over the "
+            f"last {window} steps no longer improves on the {window} before)"
+        )
+    elif outcome.stop == CONVERGED:
+        message = f"converged after {outcome.num_steps} steps (relative ELBO change below {tol:g})"
+    elif outcome.stop == NONFINITE:
+        message = (
+            f"stopped after {outcome.num_steps} steps: no step size found that keeps the ELBO "
+            "and the natural parameters finite (and, for exact ELBOs, does not lower it); check "
+            "the data for NaN or infinite values and the priors for expectations that do not "
+            "exist; the last valid state is returned"
+        )
+    else:
+        message = f"reached num_steps={num_steps} without meeting the convergence test"
+    if outcome.invalid_steps:
+        message += (
+            f"; in {outcome.invalid_steps} step(s) a block found no valid update and kept its "
+            "parameters"
+        )
+    return message
+
+
+def _run(prepared: _Prepared, state: BLRState, num_steps: int, progress_bar: bool) -> BLRResult:
+    """Run the jitted loop from ``state`` and package the result."""
+    bundle = prepared.bundle
+    t1 = time.perf_counter()
+    outcome = run_loop(
+        bundle.chunk, state, prepared.dyn_data, prepared.rho, num_steps, prepared.chunk_size, progress_bar,
+        bundle.window,
+    )
+    jax.block_until_ready(outcome.state)
+    t2 = time.perf_counter()
+    nat = outcome.state.nat
+    result = BLRResult(
+        posterior=bundle.posterior_fn(nat),
+        elbo=np.asarray(outcome.elbo),
+        num_steps=outcome.num_steps,
+        converged=outcome.converged,
+        message=_stop_message(outcome, bundle.window, prepared.tol, num_steps),
+        plan=prepared.plan,
+        nat=nat,
+        compile_time=t1 - prepared.start_time,
+        run_time=t2 - t1,
+        graph=bundle.graph,
+        state=outcome.state,
+    )
+    return result
 
 
 def blr_fit(
@@ -264,110 +438,20 @@ def blr_fit(
     Returns:
         :class:`blrppl.BLRResult`.
     """
-    t0 = time.perf_counter()
     args, kwargs = _split_data(data)
-    schedule = schedule or "sequential"
-    if schedule not in _SCHEDULES:
-        raise BLRError(f"schedule must be one of {_SCHEDULES}, not {schedule!r}")
-    if mc_curvature not in CURVATURES:
-        raise BLRError(f"mc_curvature must be one of {CURVATURES}, not {mc_curvature!r}")
-    if structure not in (None, "joint", "mean-field"):
-        raise BLRError(f"structure must be 'joint' or 'mean-field', not {structure!r}")
-    num_steps = 1000 if num_steps is None else int(num_steps)
-    if num_steps < 1:
-        raise BLRError("num_steps must be at least 1")
-    x64 = jnp.result_type(float) == jnp.float64
-    tol = (1e-8 if x64 else 1e-5) if tol is None else float(tol)
-    rng_key = jax.random.key(0) if rng_key is None else rng_key
-    k_trace, k_probe, k_host, k_loop = jax.random.split(rng_key, 4)
-    rng = np.random.default_rng(np.asarray(jax.random.key_data(k_host)).ravel())
-
-    rate_fn = learning_rate if callable(learning_rate) else None
-    if learning_rate is not None and not callable(learning_rate):
-        rate = float(learning_rate)
-        if not 0.0 < rate <= 1.0:
-            raise BLRError(f"learning_rate must be in (0, 1], not {rate}")
-    chunk_size = min(num_steps, 100)
-    options = (
-        families, schedule, rate_fn, tol, chunk_size, structure, tuple(point or ()), mc_curvature, learning_rate is None
+    num_steps = 1000 if num_steps is None else num_steps
+    prepared = _prepare(
+        model,
+        args,
+        kwargs,
+        num_steps=num_steps,
+        learning_rate=learning_rate,
+        schedule=schedule,
+        families=families,
+        structure=structure,
+        point=point,
+        mc_curvature=mc_curvature,
+        rng_key=rng_key,
+        tol=tol,
     )
-    key = _cache_key(model, args, kwargs, options)
-    bundle = _CACHE.get(key) if key is not None else None
-    records, data_spec, dyn_data, tracer = trace_model(
-        model, args, kwargs, k_trace, tracer=bundle.tracer if bundle else None
-    )
-    if any(isinstance(v, (np.ndarray, jax.Array)) for _, v in data_spec.static):
-        key = None  # the model needed concrete data: the compiled fit holds this data
-    if bundle is None:
-        bundle = _compile(model, records, data_spec, dyn_data, tracer, options, k_probe)
-        if key is not None:
-            _remember(key, bundle)
-    plan = bundle.plan
-    init_values = _block_init_values(
-        {b.name: b for b in plan.blocks},
-        {n: jnp.asarray(records[n].init_value) for b in plan.blocks for n in b.sites},
-    )
-    probs0 = {
-        b.name: rng.dirichlet(np.ones(len(b.support_values)), size=b.value_shape)
-        for b in plan.blocks
-        if b.discrete
-    }
-    nat0 = bundle.init_fn(init_values, probs0)
-    dtype = jnp.result_type(float)
-    state = initial_state(nat0, k_loop)
-    compiled = bundle.chunk
-    if learning_rate is None:
-        if bundle.conjugate is None:
-            bundle.conjugate = _detect_conjugate(plan, compiled, state, dyn_data, rng, bundle.window)
-        conj = bundle.conjugate
-        sampled = {n for f in plan.factors if f.estimator == "monte_carlo" for n in f.neighbours}
-        rho = {n: jnp.asarray(MONTE_CARLO_RHO if n in sampled else 1.0, dtype) for n in plan.order}
-        plan = dataclasses.replace(plan, conjugate=tuple(conj.items()))
-    elif callable(learning_rate):
-        rho = {n: jnp.asarray(1.0, dtype) for n in plan.order}
-    else:
-        rho = {n: jnp.asarray(rate, dtype) for n in plan.order}
-    # the initial ELBO (one step with ρ = 0), so that backtracking also checks the first step
-    history = jnp.zeros((2 * max(bundle.window, 1),), dtype)
-    zero = {n: jnp.zeros((), dtype) for n in plan.order}
-    state = compiled(state, dyn_data, jnp.asarray(1, jnp.int32), zero, history)[0]
-    t1 = time.perf_counter()
-    outcome = run_loop(compiled, state, dyn_data, rho, num_steps, chunk_size, progress_bar, bundle.window)
-    jax.block_until_ready(outcome.state)
-    t2 = time.perf_counter()
-
-    if outcome.stop == CONVERGED and bundle.window:
-        message = (
-            f"converged after {outcome.num_steps} steps (Monte Carlo ELBO: the mean over the "
-            f"last {bundle.window} steps no longer improves on the {bundle.window} before)"
-        )
-    elif outcome.stop == CONVERGED:
-        message = f"converged after {outcome.num_steps} steps (relative ELBO change below {tol:g})"
-    elif outcome.stop == NONFINITE:
-        message = (
-            f"stopped after {outcome.num_steps} steps: no step size found that keeps the ELBO "
-            "and the natural parameters finite (and, for exact ELBOs, does not lower it); check "
-            "the data for NaN or infinite values and the priors for expectations that do not "
-            "exist; the last valid state is returned"
-        )
-    else:
-        message = f"reached num_steps={num_steps} without meeting the convergence test"
-    if outcome.invalid_steps:
-        message += (
-            f"; in {outcome.invalid_steps} step(s) a block found no valid update and kept its "
-            "parameters"
-        )
-    nat = outcome.state.nat
-    posterior = bundle.posterior_fn(nat)
-    return BLRResult(
-        posterior=posterior,
-        elbo=np.asarray(outcome.elbo),
-        num_steps=outcome.num_steps,
-        converged=outcome.converged,
-        message=message,
-        plan=plan,
-        nat=nat,
-        compile_time=t1 - t0,
-        run_time=t2 - t1,
-        graph=bundle.graph,
-    )
+    return _run(prepared, prepared.state, int(num_steps), progress_bar)

@@ -40,3 +40,7 @@ class FamilyError(BLRError):
 
 class UnsupportedFactorError(BLRError):
     """No available estimator can compute the expected log-density of a factor."""
+
+
+class UnsupportedGuideError(BLRError):
+    """A guide BLR cannot fit (a custom guide, or an autoguide family it does not have)."""

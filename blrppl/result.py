@@ -108,6 +108,8 @@ class BLRResult:
         nat: natural parameters per block (the fitted state).
         compile_time: seconds spent tracing, probing and compiling.
         run_time: seconds spent in the jitted loop.
+        graph: the factor graph (networkx) the plan was compiled from.
+        state: the final :class:`blrppl.engine.step.BLRState` (a run can continue from it).
     """
 
     posterior: dict
@@ -120,6 +122,25 @@ class BLRResult:
     compile_time: float = 0.0
     run_time: float = 0.0
     graph: Any = None
+    state: Any = None
+
+    @property
+    def params(self) -> dict:
+        """The guide's parameters: the moments of every block's view, named
+        ``"{block}_blr_{field}"`` (see :mod:`blrppl.guide`)."""
+        from blrppl.guide import plan_params
+
+        return plan_params(self.plan, self.nat)
+
+    @property
+    def guide(self):
+        """A NumPyro guide drawing the latents from this posterior, for
+        ``Predictive(model, guide=result.guide, params=result.params)``,
+        ``Predictive(result.guide, params=result.params)`` and
+        ``numpyro.infer.util.psis_diagnostic``."""
+        from blrppl.guide import PlanGuide
+
+        return PlanGuide(self.plan, self.params)
 
     def sample(self, rng_key, num_samples: int) -> dict:
         """Draws from the posterior: site → array with a leading ``num_samples`` axis.

@@ -30,6 +30,13 @@ from blrppl.moments import covariance
 NODES = {1: 20, 2: 12}
 
 
+def _safe_sqrt(v):
+    """√max(v, 0) with a finite derivative at 0 (point blocks have zero variance, and
+    Newton steps differentiate through it)."""
+    pos = v > 0
+    return jnp.where(pos, jnp.sqrt(jnp.where(pos, v, 1.0)), 0.0)
+
+
 def _standard_nodes(d: int):
     t, w = np.polynomial.hermite_e.hermegauss(NODES[d])
     w = w / w.sum()
@@ -60,15 +67,15 @@ def quadrature_elementwise(fns, factors, blocks, views, discrete_values, data):
         # the node axis leads; enough unit axes that it never meets a batch axis
         nd = max([len(shape), jnp.ndim(site["value"])] + [jnp.ndim(x) for x in leaves])
         if d == 1:
-            sd = jnp.sqrt(jnp.maximum(jnp.broadcast_to(proj[0].var(), shape), 0.0))
+            sd = _safe_sqrt(jnp.broadcast_to(proj[0].var(), shape))
             etas = [means[0] + sd * grid[:, 0].reshape((-1,) + (1,) * nd)]
         else:
             v0 = jnp.maximum(jnp.broadcast_to(proj[0].var(), shape), 0.0)
             v1 = jnp.maximum(jnp.broadcast_to(proj[1].var(), shape), 0.0)
             c01 = jnp.broadcast_to(covariance(proj[0], proj[1]), shape)
-            l00 = jnp.sqrt(v0)
+            l00 = _safe_sqrt(v0)
             l10 = jnp.where(l00 > 0, c01 / jnp.where(l00 > 0, l00, 1.0), 0.0)
-            l11 = jnp.sqrt(jnp.maximum(v1 - l10**2, 0.0))
+            l11 = _safe_sqrt(v1 - l10**2)
             z0 = grid[:, 0].reshape((-1,) + (1,) * nd)
             z1 = grid[:, 1].reshape((-1,) + (1,) * nd)
             etas = [means[0] + l00 * z0, means[1] + l10 * z0 + l11 * z1]

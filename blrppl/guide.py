@@ -1,0 +1,129 @@
+"""A fitted plan as a NumPyro guide, with its parameters, for ``Predictive`` and friends.
+
+The guide draws every latent site from the fitted candidate posterior. Its parameters are
+the moments of each block's view, named ``"{block}_blr_{field}"`` (``mu_blr_mean``,
+``mu_blr_cov``, ``tau_blr_shape``, ``tau_blr_rate``, ``z_blr_probs``, ...); a point block
+has only its mean. Given those parameters, the guide rebuilds each block's natural
+parameters with the family's ``nat_from_view`` and draws:
+
+* a single-site block from the site's posterior (on the constrained space, with the
+  change-of-variables density for blocks fitted on an unconstrained space);
+* a joint block from one auxiliary multivariate normal site ``_blr_latent``, its members
+  then being ``Delta`` sites at the transformed values with density −log|det J|, so that
+  the guide's log density is exact (``psis_diagnostic`` needs it);
+* a point block as a ``Delta`` at its (transformed) mean.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpyro
+import numpyro.distributions as dist
+
+from blrppl.errors import BLRError
+from blrppl.families.gaussian import GaussianView
+from blrppl.result import site_distribution
+
+#: name of the auxiliary site of a joint block
+JOINT_SITE = "_blr_latent"
+
+
+def param_name(block_name: str, field: str) -> str:
+    """Name of the guide parameter holding ``field`` of a block's view."""
+    return f"{block_name}_blr_{field}"
+
+
+def _fields(block, view) -> tuple:
+    return view._fields[:1] if block.point else view._fields
+
+
+def plan_params(plan, nat: dict) -> dict:
+    """Guide parameters of fitted natural parameters: ``"{block}_blr_{field}"`` → array."""
+    out = {}
+    for b in plan.blocks:
+        view = b.family.view(nat[b.name])
+        for field in _fields(b, view):
+            out[param_name(b.name, field)] = getattr(view, field)
+    return out
+
+
+def _site_value(block, u):
+    """Block variable (value layout) → site value (constrained), with log|det J|."""
+    if block.transform is None:
+        return u, jnp.zeros(())
+    x = block.transform(u)
+    return x, jnp.sum(block.transform.log_abs_det_jacobian(u, x))
+
+
+def _delta(value, log_density=0.0):
+    return dist.Delta(value, log_density=log_density, event_dim=jnp.ndim(value))
+
+
+class PlanGuide:
+    """``guide(*args, **kwargs)``: a NumPyro guide sampling every latent of a fitted plan.
+
+    The model's arguments are accepted and ignored: the fitted posterior does not depend on
+    them. ``plan`` may be attached later (``BLR`` builds its guide before the model is
+    compiled).
+
+    Args:
+        plan: the compiled plan.
+        params: default parameter values (used when no ``params`` are substituted).
+    """
+
+    def __init__(self, plan=None, params: dict | None = None):
+        self.plan = plan
+        self.params = params or {}
+
+    def __call__(self, *args, **kwargs):
+        if self.plan is None:
+            raise BLRError("the guide is not fitted yet: call BLR.init or BLR.run first")
+        out = {}
+        for b in self.plan.blocks:
+            view = self._view(b)
+            if b.point:
+                u = b.to_site(view.mean) if b.kind == "gaussian" else view.mean
+                value, _ = _site_value(b, u)
+                out[b.name] = numpyro.sample(b.name, _delta(value))
+            elif b.members:
+                x = numpyro.sample(
+                    JOINT_SITE, dist.MultivariateNormal(view.mean, view.cov), infer={"is_auxiliary": True}
+                )
+                for m in b.members:
+                    value, ldj = _site_value(m, b.split(x)[m.name])
+                    out[m.name] = numpyro.sample(m.name, _delta(value, -ldj))
+            else:
+                nat = b.family.nat_from_view(view)
+                site_ndim = len(b.site_shape if b.site_shape is not None else b.value_shape)
+                out[b.name] = numpyro.sample(b.name, site_distribution(b, nat, site_ndim))
+        return out
+
+    def _view(self, block):
+        """The block's view from its parameters (``numpyro.param``, so that substituted
+        values are used)."""
+        view_type = _view_types()[block.kind]
+        fields = view_type._fields[:1] if block.point else view_type._fields
+        values = []
+        for field in fields:
+            name = param_name(block.name, field)
+            if name not in self.params:
+                raise BLRError(f"the guide's params have no '{name}'", site=block.name)
+            values.append(numpyro.param(name, self.params[name]))
+        if block.point:
+            return GaussianView(values[0], None)
+        return view_type(*values)
+
+
+def _view_types() -> dict:
+    """Family kind → view type (the fields of the guide's parameters)."""
+    from blrppl import families as fam
+
+    return {
+        "gaussian": fam.GaussianView,
+        "gaussian-diag": fam.DiagGaussianView,
+        "gamma": fam.GammaView,
+        "beta": fam.BetaView,
+        "dirichlet": fam.DirichletView,
+        "categorical": fam.CategoricalView,
+        "bernoulli": fam.CategoricalView,
+    }

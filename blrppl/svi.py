@@ -1,0 +1,250 @@
+"""``BLR``: a drop-in for ``numpyro.infer.SVI`` that fits by the Bayesian learning rule.
+
+``BLR(model)`` fits the candidate posterior :func:`blrppl.blr_fit` would choose and exposes
+it as a guide (``svi.guide``) with parameters (``svi.get_params(state)``);
+``BLR(model, guide=AutoNormal(model))`` fits the autoguide's own family and returns the
+autoguide's parameters (see :mod:`blrppl.autoguides`), so that the rest of a pipeline
+written for ``SVI`` (``Predictive``, ``guide.sample_posterior``, ``guide.median``,
+``guide.quantiles``, ``psis_diagnostic``) keeps working.
+
+The calls mirror ``SVI``: ``init``, ``update``, ``run``, ``evaluate``, ``get_params``;
+the loss is the negative ELBO. One ``update`` is one BLR step (every block updated once,
+with the step-size safeguards of :func:`blr_fit`); ``run`` stops early when the
+convergence test passes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from blrppl import autoguides
+from blrppl.api import _prepare, _run
+from blrppl.engine.step import BLRState
+from blrppl.errors import BLRError
+from blrppl.graph.data import DataSpec
+from blrppl.guide import PlanGuide, plan_params
+
+#: keywords of ``blr_fit`` that ``BLR`` accepts as options
+OPTIONS = (
+    "learning_rate",
+    "schedule",
+    "families",
+    "structure",
+    "point",
+    "mc_curvature",
+    "tol",
+)
+
+
+class BLRRunResult(NamedTuple):
+    """What :meth:`BLR.run` returns, like ``numpyro.infer.svi.SVIRunResult``.
+
+    Attributes:
+        params: the guide's parameters.
+        state: the final :class:`~blrppl.engine.step.BLRState`.
+        losses: negative ELBO after every step.
+    """
+
+    params: dict
+    state: BLRState
+    losses: jax.Array
+
+
+def _is_traced(tree) -> bool:
+    return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(tree))
+
+
+class BLR:
+    """Bayesian-learning-rule inference with the interface of ``numpyro.infer.SVI``.
+
+    Example::
+
+        svi = BLR(model)                  # instead of SVI(model, guide, optim, loss)
+        res = svi.run(key, 2000, X, y)    # params, state, losses
+        Predictive(model, guide=svi.guide, params=res.params, num_samples=500)(key, X)
+
+        guide = AutoNormal(model)
+        res = BLR(model, guide).run(key, 2000, X, y)   # res.params: 'w_auto_loc', ...
+
+    Args:
+        model: a NumPyro model.
+        guide: ``None`` (the candidate posterior blrppl chooses; ``self.guide`` is its
+            guide) or one of the autoguides in :data:`blrppl.autoguides.SUPPORTED`, whose
+            family is then fitted.
+        **options: keywords of :func:`blrppl.blr_fit` (``learning_rate``, ``schedule``,
+            ``families``, ``structure``, ``point``, ``mc_curvature``, ``tol``).
+
+    Attributes:
+        guide: the guide to pass to ``Predictive`` (the autoguide given, or a
+            :class:`blrppl.guide.PlanGuide` filled in by ``init``).
+        result: the :class:`blrppl.BLRResult` of the last ``run``.
+    """
+
+    def __init__(self, model: Callable, guide=None, **options):
+        unknown = sorted(set(options) - set(OPTIONS))
+        if unknown:
+            raise BLRError(
+                f"BLR does not take {unknown}: an optimiser and a loss are not needed (the BLR "
+                f"step is a natural-gradient step on the ELBO); options are {list(OPTIONS)}"
+            )
+        self.model = model
+        self.options = dict(options)
+        self._autoguide = None
+        if guide is not None:
+            autoguides.check_supported(guide)
+            overlap = sorted(set(options) & {"families", "structure", "point"})
+            if overlap:
+                raise BLRError(f"{overlap} cannot be combined with an autoguide, which fixes the family")
+            self._autoguide = guide
+            self.guide = guide
+        else:
+            self.guide = PlanGuide()
+        self._prepared = None
+        self.result = None
+
+    # -- setup ---------------------------------------------------------------------
+    def _setup(self, rng_key, args, kwargs, init_params, num_steps=1000):
+        options = dict(self.options)
+        init_values = None
+        if self._autoguide is not None:
+            records = autoguides.setup(self._autoguide, self.model, rng_key, args, kwargs)
+            options.update(autoguides.fit_options(self._autoguide, records))
+            if init_params:
+                init_values = autoguides.init_values(self._autoguide, init_params)
+        elif init_params:
+            init_values = dict(init_params)
+        self._prepared = _prepare(
+            self.model, args, kwargs, num_steps=num_steps, rng_key=rng_key, init_values=init_values, **options
+        )
+        if self._autoguide is None:
+            self.guide.plan = self._prepared.plan
+        return self._prepared
+
+    def init(self, rng_key, *args, init_params: dict | None = None, **kwargs) -> BLRState:
+        """Compile the model for these arguments and return the initial state.
+
+        Args:
+            rng_key: a ``jax.random`` key.
+            *args, **kwargs: the model's arguments (the data).
+            init_params: optional starting values: site → value for ``guide=None``, the
+                autoguide's location parameters (``'{site}_auto_loc'``, ``'auto_loc'``)
+                otherwise. Scales start at the defaults of :func:`blr_fit`.
+        """
+        prepared = self._setup(rng_key, args, kwargs, init_params)
+        if self._autoguide is None:
+            self.guide.params = plan_params(prepared.plan, prepared.state.nat)
+        return prepared.state
+
+    def _data(self, args, kwargs) -> tuple:
+        """The array arguments of a call, checked against those ``init`` compiled for."""
+        prepared = self._require()
+        if any(isinstance(v, (np.ndarray, jax.Array)) for _, v in prepared.data_spec.static):
+            # the model needed concrete data: the compiled fit holds the data of init
+            spec, _ = DataSpec.split(args, kwargs, all_static=True)
+            same = spec.treedef == prepared.data_spec.treedef and all(
+                i == j and np.array_equal(np.asarray(a), np.asarray(b))
+                for (i, a), (j, b) in zip(spec.static, prepared.data_spec.static)
+            )
+            if not same:
+                raise BLRError(
+                    "this model uses its data as concrete values (e.g. np.asarray or Python "
+                    "control flow on them), so the compiled fit holds the data of BLR.init; call "
+                    "init again for new data"
+                )
+            return ()
+        spec, dyn = DataSpec.split(args, kwargs)
+        same = spec.treedef == prepared.data_spec.treedef and len(dyn) == len(prepared.dyn_data)
+        same = same and all(jnp.shape(a) == jnp.shape(b) for a, b in zip(dyn, prepared.dyn_data))
+        if not same:
+            raise BLRError(
+                "the model's arguments differ in structure or shape from those BLR.init compiled "
+                "for; call init again with the new arguments"
+            )
+        return dyn
+
+    def _require(self):
+        if self._prepared is None:
+            raise BLRError("call BLR.init (or BLR.run) before update, evaluate or get_params")
+        return self._prepared
+
+    # -- SVI interface -------------------------------------------------------------
+    def update(self, state: BLRState, *args, forward_mode_differentiation: bool = False, **kwargs):
+        """One BLR step: ``(state, *model args) -> (new state, loss)``, loss = −ELBO.
+
+        Runs the compiled step; inside a user's ``jax.jit`` or ``lax.scan`` it is traced
+        like any JAX function. ``forward_mode_differentiation`` is accepted for
+        compatibility and ignored.
+        """
+        prepared = self._require()
+        data = self._data(args, kwargs)
+        one = jnp.asarray(1, jnp.int32)
+        history = prepared.history()
+        bundle = prepared.bundle
+        chunk = bundle.chunk_fn if _is_traced((state, data)) else bundle.chunk
+        new_state = chunk(state, data, one, prepared.rho, history)[0]
+        return new_state, -new_state.elbo
+
+    def stable_update(self, state: BLRState, *args, **kwargs):
+        """Like :meth:`update`; BLR steps never keep a non-finite state (backtracking)."""
+        return self.update(state, *args, **kwargs)
+
+    def evaluate(self, state: BLRState, *args, **kwargs) -> jax.Array:
+        """The loss (negative ELBO) at ``state`` for these arguments."""
+        prepared = self._require()
+        data = self._data(args, kwargs)
+        return -prepared.bundle.elbo_fn(state.nat, data, state.rng_key)
+
+    def get_params(self, state: BLRState) -> dict:
+        """The guide's parameters at ``state``."""
+        prepared = self._require()
+        if self._autoguide is not None:
+            return autoguides.params(self._autoguide, prepared.plan, state.nat)
+        return plan_params(prepared.plan, state.nat)
+
+    def run(
+        self,
+        rng_key,
+        num_steps: int,
+        *args,
+        progress_bar: bool = True,
+        stable_update: bool = False,
+        forward_mode_differentiation: bool = False,
+        init_state: BLRState | None = None,
+        init_params: dict | None = None,
+        **kwargs,
+    ) -> BLRRunResult:
+        """Fit for at most ``num_steps`` steps (stopping earlier at convergence).
+
+        Args:
+            rng_key: a ``jax.random`` key.
+            num_steps: the most steps to run.
+            *args, **kwargs: the model's arguments.
+            progress_bar: show a progress bar.
+            stable_update, forward_mode_differentiation: accepted for compatibility with
+                ``SVI.run`` and ignored.
+            init_state: continue from this state (of a previous ``run`` or ``init``).
+            init_params: starting values, as in :meth:`init`.
+
+        Returns:
+            :class:`BLRRunResult` ``(params, state, losses)``; the full
+            :class:`blrppl.BLRResult` is ``self.result``.
+        """
+        num_steps = int(num_steps)
+        if num_steps < 1:
+            raise BLRError("num_steps must be at least 1")
+        if init_state is None or self._prepared is None:
+            prepared = self._setup(rng_key, args, kwargs, init_params, num_steps)
+        else:
+            prepared = dataclasses.replace(self._require(), dyn_data=self._data(args, kwargs))
+        state = prepared.state if init_state is None else init_state
+        result = _run(prepared, state, num_steps, progress_bar)
+        self.result = result
+        params = self.get_params(result.state)
+        if self._autoguide is None:
+            self.guide.params = params
+        return BLRRunResult(params, result.state, jnp.asarray(-result.elbo))
