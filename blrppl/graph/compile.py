@@ -149,11 +149,11 @@ def compile_model(model, records, data_spec, data, families=None, rng_key=None, 
         data_spec, data: the model's data (static part and array leaves).
         families: optional dict site → family name overriding the default.
         rng_key: key for the probes.
-        structure: ``"joint"`` merges the dense Gaussian blocks (those without a family
-            override or ``point``) into one dense Gaussian, capturing their posterior
-            correlations like AutoMultivariateNormal; ``"mean-field"`` keeps one block per
-            site; by default they are merged when there are several and their total
-            dimension is at most :data:`JOINT_MAX_DIM`.
+        structure: ``"joint"`` merges every dense Gaussian block (except ``point`` ones)
+            into one dense Gaussian, capturing their posterior correlations like
+            AutoMultivariateNormal; ``"mean-field"`` keeps one block per site; by default
+            the dense Gaussian blocks without a family override are merged when there are
+            several and their total dimension is at most :data:`JOINT_MAX_DIM`.
         point: sites fitted by the delta method (Gaussian on the unconstrained space seen
             at its mean; Newton updates; Laplace's method at convergence).
 
@@ -213,7 +213,12 @@ def compile_model(model, records, data_spec, data, families=None, rng_key=None, 
             break
         moved |= to_move
 
-    members = [n for n, b in blocks.items() if b.kind == "gaussian" and not b.point and n not in families]
+    # a site the user gave a family keeps its own block, unless structure="joint" asks for
+    # every dense Gaussian in one
+    members = [
+        n for n, b in blocks.items()
+        if b.kind == "gaussian" and not b.point and (n not in families or structure == "joint")
+    ]
     size = sum(blocks[n].size for n in members)
     if structure == "joint" or (structure is None and len(members) > 1 and size <= JOINT_MAX_DIM):
         if len(members) > 1:
