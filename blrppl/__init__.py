@@ -13,8 +13,10 @@ from blrppl.api import blr_fit
 from blrppl.errors import (
     BLRError,
     FamilyError,
+    MissingDependencyError,
     ModelTraceError,
     ObservedDataError,
+    OnlinePriorError,
     UnsupportedFactorError,
     UnsupportedLatentError,
 )
@@ -24,8 +26,10 @@ __all__ = [
     "BLRError",
     "BLRResult",
     "FamilyError",
+    "MissingDependencyError",
     "ModelTraceError",
     "ObservedDataError",
+    "OnlinePriorError",
     "UnsupportedFactorError",
     "UnsupportedLatentError",
     "blr_fit",

@@ -40,3 +40,12 @@ class FamilyError(BLRError):
 
 class UnsupportedFactorError(BLRError):
     """No available estimator can compute the expected log-density of a factor."""
+
+
+class OnlinePriorError(BLRError):
+    """``prior=`` cannot be used: it is not a previous fit, or a site's previous posterior
+    does not fit the site's block in the new fit (family, shape, grouping)."""
+
+
+class MissingDependencyError(BLRError):
+    """An optional dependency a feature needs is not installed."""
