@@ -19,6 +19,7 @@ from blrppl.errors import BLRError, ModelTraceError
 from blrppl.graph.compile import _block_init_values, compile_model, init_nat
 from blrppl.graph.data import DataSpec
 from blrppl.graph.trace import trace_model
+from blrppl.online import OnlineData, online_plan, previous_nat, previous_spec
 from blrppl.result import BLRResult, site_distribution
 
 _SCHEDULES = ("sequential", "parallel")
@@ -139,6 +140,8 @@ class _Compiled:
     conjugate: dict | None = None
     chunk_fn: Callable | None = None  # the chunk before compilation (traceable inside a user's jit)
     elbo_fn: Callable | None = None  # jitted ELBO(nat, data, key)
+    #: online fits: the blocks whose prior is the previous posterior (run-time data)
+    online: tuple = ()
 
 
 #: compiled fits, most recent last
@@ -176,10 +179,13 @@ def _remember(key, bundle):
 
 def _compile(model, records, data_spec, dyn_data, tracer, options, k_probe):
     """Compile a model: plan, initialisation, the jitted chunk of steps, posterior export."""
-    families, schedule, rate_fn, tol, chunk_size, structure, point, curvature, default_rate = options
+    families, schedule, rate_fn, tol, chunk_size, structure, point, curvature, default_rate, prior_spec = options
     plan, fns, dyn_data, init_values, graph = compile_model(
         model, records, data_spec, dyn_data, families=families, rng_key=k_probe, structure=structure, point=point
     )
+    online = ()
+    if prior_spec is not None:
+        plan, graph, online = online_plan(plan, graph, records, prior_spec)
     blocks = {b.name: b for b in plan.blocks}
     init_fn = jax.jit(
         lambda values, probs: {n: init_nat(b, values[n], probs.get(n)) for n, b in blocks.items()}
@@ -198,14 +204,15 @@ def _compile(model, records, data_spec, dyn_data, tracer, options, k_probe):
     rho = {n: jax.ShapeDtypeStruct((), dtype) for n in plan.order}
     steps = jax.ShapeDtypeStruct((), jnp.int32)
     history = jax.ShapeDtypeStruct((2 * max(window, 1),), dtype)
+    run_data = OnlineData(dyn_data, {n: state.nat[n] for n in online}) if online else dyn_data
     compiled = (
         jax.jit(chunk)
-        .lower(state, dyn_data, steps, rho, history)
+        .lower(state, run_data, steps, rho, history)
         .compile(compiler_options=_compiler_options(dyn_data))
     )
     return _Compiled(
         tracer, plan, graph, init_fn, compiled, _posterior_builder(plan, records), window,
-        chunk_fn=chunk, elbo_fn=jax.jit(elbo_fn),
+        chunk_fn=chunk, elbo_fn=jax.jit(elbo_fn), online=online,
     )
 
 
@@ -264,6 +271,7 @@ def _prepare(
     mc_curvature="reparam",
     rng_key=None,
     tol=None,
+    prior=None,
     init_values=None,
 ) -> _Prepared:
     """Trace and compile (or fetch from the cache) a model and build its first state.
@@ -279,7 +287,8 @@ def _prepare(
     rate_fn = learning_rate if callable(learning_rate) else None
     chunk_size = min(num_steps, 100)
     options = (
-        families, schedule, rate_fn, tol, chunk_size, structure, tuple(point or ()), mc_curvature, learning_rate is None
+        families, schedule, rate_fn, tol, chunk_size, structure, tuple(point or ()), mc_curvature, learning_rate is None,
+        None if prior is None else previous_spec(prior),
     )
     key = _cache_key(model, args, kwargs, options)
     bundle = _CACHE.get(key) if key is not None else None
@@ -305,6 +314,10 @@ def _prepare(
         if b.discrete
     }
     nat0 = bundle.init_fn(block_values, probs0)
+    if bundle.online:  # the previous posterior is run-time data, and the starting point
+        prior_nat = previous_nat(prior, bundle.online, nat0)
+        nat0 = {**nat0, **prior_nat}
+        dyn_data = OnlineData(dyn_data, prior_nat)
     dtype = jnp.result_type(float)
     state = initial_state(nat0, k_loop)
     compiled = bundle.chunk
@@ -392,6 +405,7 @@ def blr_fit(
     rng_key=None,
     tol: float | None = None,
     progress_bar: bool = True,
+    prior: BLRResult | None = None,
 ) -> BLRResult:
     """Fit the latent variables of a NumPyro model by the Bayesian learning rule.
 
@@ -434,6 +448,17 @@ def blr_fit(
         tol: convergence tolerance on the relative ELBO change (default 1e-8 in float64,
             1e-5 in float32); natural parameters must also move less than ``sqrt(tol)``.
         progress_bar: show a progress bar.
+        prior: a previous fit's :class:`BLRResult`, whose posterior replaces the model's
+            prior (online / sequential Bayes: fit the new data only). Each *global* block
+            (no site in a plate that also holds an observed site) fitted before with the
+            same family and shape takes its previous posterior q_prev as its prior: its
+            sites' own prior factors and its ``"<block>:jacobian"`` term are replaced by the
+            exact constant message λ_prev, and the ELBO uses E_q[log q_prev]. *Local*
+            latents (per-datum, e.g. mixture assignments) belong to the old data and keep
+            the model's prior, as do blocks the previous fit does not have. The prior's
+            dependence on other latents is dropped (assumed-density filtering: q_prev is a
+            product over blocks). Successive updates with data of the same shapes reuse one
+            compiled fit. See :mod:`blrppl.online`.
 
     Returns:
         :class:`blrppl.BLRResult`.
@@ -453,5 +478,6 @@ def blr_fit(
         mc_curvature=mc_curvature,
         rng_key=rng_key,
         tol=tol,
+        prior=prior,
     )
     return _run(prepared, prepared.state, int(num_steps), progress_bar)

@@ -44,3 +44,12 @@ class UnsupportedFactorError(BLRError):
 
 class UnsupportedGuideError(BLRError):
     """A guide BLR cannot fit (a custom guide, or an autoguide family it does not have)."""
+
+
+class OnlinePriorError(BLRError):
+    """``prior=`` cannot be used: it is not a previous fit, or a site's previous posterior
+    does not fit the site's block in the new fit (family, shape, grouping)."""
+
+
+class MissingDependencyError(BLRError):
+    """An optional dependency a feature needs is not installed."""

@@ -182,6 +182,39 @@ class BLRResult:
             print(format_summary(out))
         return out
 
+    def to_arviz(self, num_samples: int = 1000, rng_key=None):
+        """The posterior as an ``arviz.InferenceData`` of independent draws.
+
+        Args:
+            num_samples: draws per site (one chain; the draws are independent, so arviz's
+                effective sample size is about ``num_samples``).
+            rng_key: a ``jax.random`` key (default ``jax.random.key(0)``).
+
+        Returns:
+            ``arviz.InferenceData`` with a ``posterior`` group: one variable per site, dims
+            ``("chain", "draw", "<site>_dim_0", ...)`` with the site's shape.
+
+        Raises:
+            MissingDependencyError: arviz is not installed (``pip install blrppl[arviz]``).
+        """
+        try:
+            import arviz
+        except ImportError as err:
+            from blrppl.errors import MissingDependencyError
+
+            raise MissingDependencyError(
+                "BLRResult.to_arviz needs arviz, which is not installed: pip install blrppl[arviz]"
+            ) from err
+        if int(num_samples) < 1:
+            from blrppl.errors import BLRError
+
+            raise BLRError(f"num_samples must be at least 1, not {num_samples}")
+        rng_key = jax.random.key(0) if rng_key is None else rng_key
+        draws = self.sample(rng_key, int(num_samples))
+        posterior = {name: np.asarray(x)[None] for name, x in draws.items()}
+        dims = {name: [f"{name}_dim_{i}" for i in range(x.ndim - 2)] for name, x in posterior.items()}
+        return arviz.from_dict(posterior=posterior, dims=dims, posterior_attrs={"inference_library": "blrppl"})
+
 
 def format_summary(stats: dict) -> str:
     cols = None

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from blrppl.estimators.enumeration import expected_log_factors
+from blrppl.online import expected_log_previous, is_previous_posterior, split_online_data
 
 
 class BLRState(NamedTuple):
@@ -87,12 +88,24 @@ def newton_message(block, nat, objective_of_mean, mean):
 
 
 def make_objective(plan, fns, curvature="reparam"):
-    """Σ_i E_q[log f_i] over a subset of factors, as a function of the views."""
+    """Σ_i E_q[log f_i] over a subset of factors, as a function of the views.
+
+    In an online fit ``data`` is an :class:`blrppl.online.OnlineData` carrying the previous
+    posterior's natural parameters, read by the ``"<block>:previous"`` pseudo-factors.
+    """
     blocks = {b.name: b for b in plan.blocks}
 
     def objective(views, data, factor_names=None, key=None):
+        data, previous = split_online_data(data)
         factors = [f for f in plan.factors if factor_names is None or f.name in factor_names]
-        return expected_log_factors(fns, factors, blocks, views, data, key, curvature)
+        total = expected_log_factors(
+            fns, [f for f in factors if not is_previous_posterior(f)], blocks, views, data, key, curvature
+        )
+        for f in factors:
+            if is_previous_posterior(f):
+                n = f.rule.block
+                total = total + expected_log_previous(blocks[n], views[n], previous[n])
+        return total
 
     return objective
 
