@@ -174,9 +174,10 @@ def _remember(key, bundle):
 
 def _compile(model, records, data_spec, dyn_data, tracer, options, k_probe):
     """Compile a model: plan, initialisation, the jitted chunk of steps, posterior export."""
-    families, schedule, rate_fn, tol, chunk_size, structure, point, curvature, default_rate = options
+    families, schedule, rate_fn, tol, chunk_size, structure, point, curvature, default_rate, point_space = options
     plan, fns, dyn_data, init_values, graph = compile_model(
-        model, records, data_spec, dyn_data, families=families, rng_key=k_probe, structure=structure, point=point
+        model, records, data_spec, dyn_data, families=families, rng_key=k_probe, structure=structure, point=point,
+        point_space=point_space,
     )
     blocks = {b.name: b for b in plan.blocks}
     init_fn = jax.jit(
@@ -218,6 +219,7 @@ def blr_fit(
     rng_key=None,
     tol: float | None = None,
     progress_bar: bool = True,
+    point_space: str = "unconstrained",
 ) -> BLRResult:
     """Fit the latent variables of a NumPyro model by the Bayesian learning rule.
 
@@ -260,6 +262,16 @@ def blr_fit(
         tol: convergence tolerance on the relative ELBO change (default 1e-8 in float64,
             1e-5 in float32); natural parameters must also move less than ``sqrt(tol)``.
         progress_bar: show a progress bar.
+        point_space: where the ``point`` latents are point estimates: ``"unconstrained"``
+            (default; their log|det J| term is kept, so the fit is the mode and Laplace's
+            approximation on the unconstrained space) or ``"constrained"`` (no log|det J|
+            term: the mode of the density in the site's own space, what numpyro's AutoDelta
+            fits). ``numpyro.param`` sites are always point estimates in their own
+            (constrained) space: the fit maximises the model's log density over them
+            (Newton's method to convergence in every sweep), with the other latents'
+            posteriors fitted as usual, so a model whose latents are enumerated and whose
+            continuous quantities are params is fitted by EM; ``result.point_estimates()``
+            returns their values.
 
     Returns:
         :class:`blrppl.BLRResult`.
@@ -271,6 +283,8 @@ def blr_fit(
         raise BLRError(f"schedule must be one of {_SCHEDULES}, not {schedule!r}")
     if mc_curvature not in CURVATURES:
         raise BLRError(f"mc_curvature must be one of {CURVATURES}, not {mc_curvature!r}")
+    if point_space not in ("unconstrained", "constrained"):
+        raise BLRError(f"point_space must be 'unconstrained' or 'constrained', not {point_space!r}")
     if structure not in (None, "joint", "mean-field"):
         raise BLRError(f"structure must be 'joint' or 'mean-field', not {structure!r}")
     num_steps = 1000 if num_steps is None else int(num_steps)
@@ -289,7 +303,8 @@ def blr_fit(
             raise BLRError(f"learning_rate must be in (0, 1], not {rate}")
     chunk_size = min(num_steps, 100)
     options = (
-        families, schedule, rate_fn, tol, chunk_size, structure, tuple(point or ()), mc_curvature, learning_rate is None
+        families, schedule, rate_fn, tol, chunk_size, structure, tuple(point or ()), mc_curvature, learning_rate is None,
+        point_space,
     )
     key = _cache_key(model, args, kwargs, options)
     bundle = _CACHE.get(key) if key is not None else None
