@@ -359,6 +359,40 @@ def test_a_param_with_a_latent_is_the_marginal_mle():
     np.testing.assert_allclose(res.point_estimates()["m"], Y_NORMAL.mean(), atol=1e-7)
 
 
+Y_CAUCHY = np.random.default_rng(6).standard_cauchy(25) + 1.0
+
+
+def cauchy_location(y):
+    # far from the data, where the log likelihood is convex in the location (−log(1 + r²) is
+    # convex for |r| > 1): plain Newton would step away; the safeguarded M-step climbs
+    loc = numpyro.param("loc", 40.0)
+    with numpyro.plate("n", y.shape[0]):
+        numpyro.sample("y", dist.Cauchy(loc, 1.0), obs=y)
+
+
+def test_m_step_on_a_non_concave_likelihood():
+    def loglik(a):
+        return -np.log1p((Y_CAUCHY[:, None] - a) ** 2).sum(0)
+
+    # at the initial value the curvature is positive: Newton's plain step would go downhill
+    r = Y_CAUCHY - 40.0
+    assert np.sum((2 * r**2 - 2) / (1 + r**2) ** 2) > 0
+    # the global maximum: a fine grid, then Newton's method from the best grid point
+    grid = np.linspace(-20, 20, 400_001)
+    a = grid[np.argmax(loglik(grid))]
+    for _ in range(50):
+        r = Y_CAUCHY - a
+        g = np.sum(2 * r / (1 + r**2))
+        h = np.sum((2 * r**2 - 2) / (1 + r**2) ** 2)
+        a -= g / h
+    res = fit(cauchy_location, (Y_CAUCHY,), tol=1e-14)
+    assert res.converged, res.message
+    assert [f.estimator for f in res.plan.factors] == ["delta"]  # no closed-form rule: log f at the point
+    est = float(res.point_estimates()["loc"])
+    # a local maximum of the likelihood, and here the global one
+    np.testing.assert_allclose(est, a, atol=1e-8)
+
+
 # -- point latents: unconstrained (Laplace) and constrained (MAP) modes ---------------------
 
 A0, B0 = 3.0, 2.0

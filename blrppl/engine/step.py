@@ -127,7 +127,7 @@ def newton_maximise(block, nat, objective_of_mean, mean, max_iter=NEWTON_MAX_ITE
 
     Each iteration takes the step d = P⁻¹ g, P = −∇²L made positive definite where it is not
     (:func:`_positive_curvature`), halving its length until L does not decrease (up to
-    rounding); it stops when the step moves m by at most √ε/100 · (1 + max|m|) (L is then
+    rounding); it stops when the Newton step is at most √ε/100 · (1 + max|m|) (L is then
     maximised to machine precision: Newton converges quadratically), when no halving
     helps, or after ``max_iter`` iterations (every accepted iterate raises L, so a capped
     M-step is still a generalised EM step). For a concave L (every exponential-family
@@ -172,7 +172,8 @@ def newton_maximise(block, nat, objective_of_mean, mean, max_iter=NEWTON_MAX_ITE
         accepted = acceptable(fc)
         moved = jnp.where(accepted, t, 0.0) * step
         new_m = m + moved
-        small = jnp.max(jnp.abs(moved)) <= xtol * (1.0 + jnp.max(jnp.abs(new_m)))
+        # converged when the full Newton step is tiny (not a step the line search shortened)
+        small = jnp.max(jnp.abs(step)) <= xtol * (1.0 + jnp.max(jnp.abs(new_m)))
         return new_m, prec, it + 1, ~accepted | small
 
     prec0 = _initial_curvature(block, mean)
