@@ -29,6 +29,9 @@ _SCHEDULES = ("sequential", "parallel")
 MONTE_CARLO_RHO = 0.5
 #: window of the windowed-mean convergence test when the ELBO is a Monte Carlo estimate
 MC_WINDOW = 25
+#: steps per compiled chunk (the progress bar updates between chunks); fixed, so that fits
+#: with different ``num_steps`` share one compiled chunk
+CHUNK_SIZE = 100
 
 
 def _split_data(data):
@@ -179,9 +182,12 @@ def _remember(key, bundle):
 
 def _compile(model, records, data_spec, dyn_data, tracer, options, k_probe):
     """Compile a model: plan, initialisation, the jitted chunk of steps, posterior export."""
-    families, schedule, rate_fn, tol, chunk_size, structure, point, curvature, default_rate, prior_spec = options
+    families, schedule, rate_fn, tol, chunk_size, structure, point, curvature, default_rate, prior_spec, point_space = (
+        options
+    )
     plan, fns, dyn_data, init_values, graph = compile_model(
-        model, records, data_spec, dyn_data, families=families, rng_key=k_probe, structure=structure, point=point
+        model, records, data_spec, dyn_data, families=families, rng_key=k_probe, structure=structure, point=point,
+        point_space=point_space,
     )
     online = ()
     if prior_spec is not None:
@@ -236,7 +242,7 @@ class _Prepared:
         return jnp.zeros((2 * max(self.bundle.window, 1),), jnp.result_type(float))
 
 
-def _check_options(schedule, mc_curvature, structure, num_steps, tol, learning_rate):
+def _check_options(schedule, mc_curvature, structure, num_steps, tol, learning_rate, point_space):
     """Validate blr_fit's keywords; returns (schedule, num_steps, tol)."""
     schedule = schedule or "sequential"
     if schedule not in _SCHEDULES:
@@ -245,6 +251,8 @@ def _check_options(schedule, mc_curvature, structure, num_steps, tol, learning_r
         raise BLRError(f"mc_curvature must be one of {CURVATURES}, not {mc_curvature!r}")
     if structure not in (None, "joint", "mean-field"):
         raise BLRError(f"structure must be 'joint' or 'mean-field', not {structure!r}")
+    if point_space not in ("unconstrained", "constrained"):
+        raise BLRError(f"point_space must be 'unconstrained' or 'constrained', not {point_space!r}")
     num_steps = 1000 if num_steps is None else int(num_steps)
     if num_steps < 1:
         raise BLRError("num_steps must be at least 1")
@@ -272,6 +280,7 @@ def _prepare(
     rng_key=None,
     tol=None,
     prior=None,
+    point_space="unconstrained",
     init_values=None,
 ) -> _Prepared:
     """Trace and compile (or fetch from the cache) a model and build its first state.
@@ -279,16 +288,18 @@ def _prepare(
     ``init_values`` optionally maps sites to starting values in their constrained space.
     """
     t0 = time.perf_counter()
-    schedule, num_steps, tol = _check_options(schedule, mc_curvature, structure, num_steps, tol, learning_rate)
+    schedule, num_steps, tol = _check_options(
+        schedule, mc_curvature, structure, num_steps, tol, learning_rate, point_space
+    )
     rng_key = jax.random.key(0) if rng_key is None else rng_key
     k_trace, k_probe, k_host, k_loop = jax.random.split(rng_key, 4)
     rng = np.random.default_rng(np.asarray(jax.random.key_data(k_host)).ravel())
 
     rate_fn = learning_rate if callable(learning_rate) else None
-    chunk_size = min(num_steps, 100)
+    chunk_size = CHUNK_SIZE
     options = (
         families, schedule, rate_fn, tol, chunk_size, structure, tuple(point or ()), mc_curvature, learning_rate is None,
-        None if prior is None else previous_spec(prior),
+        None if prior is None else previous_spec(prior), point_space,
     )
     key = _cache_key(model, args, kwargs, options)
     bundle = _CACHE.get(key) if key is not None else None
@@ -406,6 +417,7 @@ def blr_fit(
     tol: float | None = None,
     progress_bar: bool = True,
     prior: BLRResult | None = None,
+    point_space: str = "unconstrained",
 ) -> BLRResult:
     """Fit the latent variables of a NumPyro model by the Bayesian learning rule.
 
@@ -459,6 +471,16 @@ def blr_fit(
             dependence on other latents is dropped (assumed-density filtering: q_prev is a
             product over blocks). Successive updates with data of the same shapes reuse one
             compiled fit. See :mod:`blrppl.online`.
+        point_space: where the ``point`` latents are point estimates: ``"unconstrained"``
+            (default; their log|det J| term is kept, so the fit is the mode and Laplace's
+            approximation on the unconstrained space) or ``"constrained"`` (no log|det J|
+            term: the mode of the density in the site's own space, what numpyro's AutoDelta
+            fits). ``numpyro.param`` sites are always point estimates in their own
+            (constrained) space: the fit maximises the model's log density over them
+            (Newton's method to convergence in every sweep), with the other latents'
+            posteriors fitted as usual, so a model whose latents are enumerated and whose
+            continuous quantities are params is fitted by EM; ``result.point_estimates()``
+            returns their values.
 
     Returns:
         :class:`blrppl.BLRResult`.
@@ -479,5 +501,6 @@ def blr_fit(
         rng_key=rng_key,
         tol=tol,
         prior=prior,
+        point_space=point_space,
     )
     return _run(prepared, prepared.state, int(num_steps), progress_bar)

@@ -5,7 +5,8 @@ neighbouring blocks, obtained by re-running the model with substituted latent va
 At compile time :func:`classify_argument` probes that function by autodiff at random
 points:
 
-* ``const``           — depends on no continuous block;
+* ``const``           — depends on no continuous block, or only on point (delta-method)
+  blocks, which the factors see at their mean;
 * ``affine_gaussian`` — affine in Gaussian blocks (second directional derivative exactly
   zero, as forward-over-forward autodiff gives for linear maps such as ``X @ w + b`` or
   ``a[group]``);
@@ -284,6 +285,10 @@ def probe_argument(fn, deps: frozenset, blocks: dict, rng: np.random.Generator) 
     cont = tuple(n for n in deps if not blocks[n].discrete)
     disc = tuple(n for n in deps if blocks[n].discrete)
     if not cont:
+        return ArgumentProbe("const", (), {}, None, lambda out: ArgumentClass("const", ()))
+    if all(blocks[n].point for n in cont):
+        # point blocks are seen at their mean: the argument is a constant of the factor's
+        # expectation (its value, at the points, still depends on them for their updates)
         return ArgumentProbe("const", (), {}, None, lambda out: ArgumentClass("const", ()))
     kinds = {blocks[n].kind for n in cont}
     if kinds <= {"gaussian", "gaussian-diag"}:

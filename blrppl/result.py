@@ -66,11 +66,22 @@ class TransformedPosterior(dist.TransformedDistribution):
 
 
 def site_distribution(block: Block, nat, event_ndim: int) -> dist.Distribution:
-    """The posterior of a block as a numpyro distribution in the site's layout."""
+    """The posterior of a block as a numpyro distribution in the site's layout (a point
+    mass at the estimate for a ``numpyro.param`` site)."""
+    if block.param:
+        return dist.Delta(point_value(block, nat), event_dim=event_ndim)
     if block.transform is not None:
         base = _layout_distribution(block, nat, len(block.value_shape) - len(block.batch_shape) if block.kind == "gaussian" else 0)
         return TransformedPosterior(base, block.transform)
     return _layout_distribution(block, nat, event_ndim)
+
+
+def point_value(block: Block, nat):
+    """The constrained value, in the site's layout, of a point block's mean."""
+    mean = block.family.view(nat).mean
+    if block.kind == "gaussian":
+        mean = block.to_site(mean)
+    return block.transform(mean) if block.transform is not None else mean
 
 
 def _layout_distribution(block: Block, nat, event_ndim: int) -> dist.Distribution:
@@ -181,6 +192,13 @@ class BLRResult:
         if print_table:
             print(format_summary(out))
         return out
+
+    def point_estimates(self) -> dict:
+        """Site → constrained value of every point estimate: the ``numpyro.param`` sites
+        (their fitted values) and the ``point`` latents (the mode they converged to, in the
+        space ``point_space`` chose; their Gaussian in ``posterior`` is Laplace's
+        approximation around it)."""
+        return {b.name: point_value(b, self.nat[b.name]) for b in self.plan.blocks if b.point}
 
     def to_arviz(self, num_samples: int = 1000, rng_key=None):
         """The posterior as an ``arviz.InferenceData`` of independent draws.

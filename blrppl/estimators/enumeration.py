@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from blrppl.estimators.delta import delta_elementwise
 from blrppl.estimators.exact import elementwise_expected_log_prob, reduce_factor
 from blrppl.estimators.monte_carlo import expected_log_jacobian, monte_carlo_elementwise
 from blrppl.estimators.quadrature import quadrature_elementwise
@@ -35,7 +36,12 @@ def _elementwise(fns, group, blocks, views, dvals, data, wrappers, key, curvatur
     exact = [f for f in group if f.estimator == "exact"]
     quad = [f for f in group if f.estimator == "quadrature"]
     sampled = [f for f in group if f.estimator == "monte_carlo"]
+    delta = [f for f in group if f.estimator == "delta"]
     els, scales = {}, {}
+    if delta:
+        d, sc = delta_elementwise(fns, delta, blocks, views, dvals, data)
+        els.update(d)
+        scales.update(sc)
     if quad:
         q, sc = quadrature_elementwise(fns, quad, blocks, views, dvals, data)
         els.update(q)

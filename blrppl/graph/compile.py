@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 import jax
@@ -131,7 +132,9 @@ MAX_PROJECTIONS = 2
 JOINT_MAX_DIM = 500
 
 
-def compile_model(model, records, data_spec, data, families=None, rng_key=None, structure=None, point=()):
+def compile_model(
+    model, records, data_spec, data, families=None, rng_key=None, structure=None, point=(), point_space="unconstrained"
+):
     """Build blocks, the factor graph and the plan of a traced model.
 
     Family policy ("auto"): every latent starts in the native family of its support; a factor
@@ -156,6 +159,16 @@ def compile_model(model, records, data_spec, data, families=None, rng_key=None, 
             several and their total dimension is at most :data:`JOINT_MAX_DIM`.
         point: sites fitted by the delta method (Gaussian on the unconstrained space seen
             at its mean; Newton updates; Laplace's method at convergence).
+        point_space: ``"unconstrained"`` (the ``point`` sites keep the log|det J| term of
+            their bijection: the mode on the unconstrained space) or ``"constrained"`` (no
+            such term: the mode of the density in the site's own space).
+
+    ``numpyro.param`` sites become point blocks (``param=True``) on the unconstrained space
+    of their constraint, without a log|det J| term (a param is not random: its estimate is
+    the maximiser of the model's log density in its own space, as numpyro's SVI fits
+    params). In the sequential order a discrete block whose continuous neighbours are all
+    point blocks comes first (the E-step from the initial points, as EM starts); the other
+    discrete blocks come last, after the continuous blocks in model order.
 
     Returns:
         (plan, model functions, dynamic data leaves, init values dict (block space),
@@ -169,23 +182,44 @@ def compile_model(model, records, data_spec, data, families=None, rng_key=None, 
                 site=name,
             )
     point = tuple(point or ())
+    for name in families:
+        if records[name].is_param:
+            raise FamilyError(
+                "families= names a numpyro.param site; a param is a point estimate, not a "
+                "distribution: remove it from families=",
+                site=name,
+            )
     for name in point:
+        if name in records and records[name].is_param:
+            raise FamilyError(
+                "point= names a numpyro.param site; params are always point estimates (without "
+                "a log|det J| term): remove it from point=",
+                site=name,
+            )
         if name not in records or records[name].observed:
             raise FamilyError(f"point= names '{name}', which is not a latent sample site", site=name)
         if records[name].support.is_discrete:
             raise FamilyError("a discrete latent cannot be a point (delta-method) block", site=name)
         if families.get(name) not in (None, "gaussian", "gaussian-diag"):
             raise FamilyError(f"a point block is Gaussian, not '{families[name]}'", site=name)
+    if point_space not in ("unconstrained", "constrained"):
+        raise FamilyError(f"point_space must be 'unconstrained' or 'constrained', not {point_space!r}")
     rng_key = jax.random.key(1) if rng_key is None else rng_key
     latent = [r for r in records.values() if not r.observed]
+    params = {r.name for r in latent if r.is_param}
     site_init = {r.name: jnp.asarray(r.init_value) for r in latent}
+    # params are not sites with a density: they are inputs of the factors, never factors
+    records = collections.OrderedDict((n, r) for n, r in records.items() if not r.is_param)
     rules = {r.name: (None if r.is_factor else find_rule(r.dist_type)) for r in records.values()}
     deps = _dependencies(model, data_spec, data, records, rules, site_init)
+    param_blocks = {r.name: _param_block(r) for r in latent if r.is_param}
 
     moved: set = set()
     while True:
         blocks = {
-            r.name: _as_point(choose_family(r, families.get(r.name), r.name in moved or r.name in point), r.name in point)
+            r.name: param_blocks[r.name]
+            if r.is_param
+            else _as_point(choose_family(r, families.get(r.name), r.name in moved or r.name in point), r.name in point)
             for r in latent
         }
         init_values = _block_init_values(blocks, site_init)
@@ -233,7 +267,11 @@ def compile_model(model, records, data_spec, data, families=None, rng_key=None, 
             }
             factors = _classify_factors(records, rules, deps, blocks, fns, data, rng_key)
 
-    factors += [_jacobian_factor(b) for b in blocks.values() if _transformed(b)]
+    factors += [
+        _jacobian_factor(b)
+        for b in blocks.values()
+        if _transformed(b) and not b.param and not (b.point and point_space == "constrained")
+    ]
     graph = nx.Graph()
     for name, b in blocks.items():
         graph.add_node(("block", name), kind=b.kind, shape=b.value_shape)
@@ -241,11 +279,52 @@ def compile_model(model, records, data_spec, data, families=None, rng_key=None, 
         graph.add_node(("factor", f.name), dist=f.dist_name, estimator=f.estimator)
         for n in f.neighbours:
             graph.add_edge(("factor", f.name), ("block", n))
-    order = tuple(n for n in blocks if not blocks[n].discrete) + tuple(
-        n for n in blocks if blocks[n].discrete
-    )
+    order = _sweep_order(blocks, factors)
     plan = Plan(blocks=tuple(blocks.values()), factors=tuple(factors), order=order)
     return plan, fns, data, init_values, graph
+
+
+def _param_block(record: SiteRecord) -> Block:
+    """The point block of a ``numpyro.param`` site: a Gaussian on the unconstrained space of
+    its constraint (``biject_to``), seen by the factors at its mean."""
+    try:
+        block = choose_family(record, None, unconstrained=True)
+    except NotImplementedError as exc:
+        raise FamilyError(
+            f"numpyro.param has the constraint {record.support}, which has no bijection from "
+            "an unconstrained space (numpyro's biject_to); use a constraint such as real, "
+            "positive, interval, simplex, or declare the quantity with numpyro.sample",
+            site=record.name,
+        ) from exc
+    return dataclasses.replace(block, point=True, param=True)
+
+
+def _sweep_order(blocks: dict, factors) -> tuple:
+    """The order of the sequential schedule.
+
+    Continuous blocks in model order, then discrete blocks, except that a discrete block
+    whose continuous neighbours (through its factors) are all point blocks comes first:
+    its update is then the E-step from the points' initial values, so that a model whose
+    continuous quantities are params (or ``point`` latents) is classical EM from the user's
+    initial values (E-step, then M-steps in model order) rather than starting from the
+    random responsibilities discrete blocks are initialised with (right for variational
+    Bayes, where the continuous blocks' broad initial posteriors carry no information).
+    Param blocks no factor depends on are left out: they keep their initial value.
+    """
+    neighbours = {n: set() for n in blocks}
+    for f in factors:
+        for n in f.neighbours:
+            neighbours[n].update(f.neighbours)
+    first, cont, last = [], [], []
+    for n, b in blocks.items():
+        if b.param and len(neighbours[n]) == 0:
+            continue
+        if not b.discrete:
+            cont.append(n)
+            continue
+        others = [blocks[m] for m in neighbours[n] if m != n and not blocks[m].discrete]
+        (first if others and all(m.point for m in others) else last).append(n)
+    return tuple(first + cont + last)
 
 
 def _as_point(block: Block, point: bool) -> Block:
@@ -383,7 +462,13 @@ def _classify_factors(records, rules, deps, blocks, fns, data, rng_key) -> list:
     for name, r in records.items():
         neighbours, discrete = nbrs[name]
         cont = [n for n in neighbours if not blocks[n].discrete]
-        if exact[name] or r.is_factor or not cont or any(blocks[n].kind not in _GAUSSIAN for n in cont):
+        if (
+            exact[name]
+            or r.is_factor
+            or not cont
+            or any(blocks[n].kind not in _GAUSSIAN for n in cont)
+            or all(blocks[n].point for n in cont)
+        ):
             continue
         items = [k for k in deps[name] if k.startswith("leaf:") and deps[name][k] & set(cont)]
         if deps[name]["value"] & set(cont):
@@ -419,6 +504,11 @@ def _classify_factors(records, rules, deps, blocks, fns, data, rng_key) -> list:
                     powers.append((arg, cls.power))
             columns = tuple((n, "full" if n in full else "gather") for n in gauss)
             estimator, links = "exact", ()
+        elif neighbours != discrete and all(blocks[n].point for n in neighbours if n not in discrete):
+            # no closed form, but every continuous neighbour is a point block: log f at the
+            # points (enumerated over the discrete neighbours) is exact
+            estimator, links, columns, powers, rule = "delta", (), (), [], None
+            kinds, arg_blocks = [("log_prob", "delta")], []
         else:
             links, kinds, arg_blocks, full, powers = [], [], [], set(), []
             for k, item in enumerate(candidates.get(name, ())):

@@ -39,6 +39,10 @@ class Block:
         members: for a joint block, the blocks of the sites it holds.
         point: a delta-method block: factors see it at its mean and its update is a
             Newton step (its precision is the negative Hessian: Laplace's method).
+        param: a ``numpyro.param`` site (always also ``point``): not random, no prior, no
+            log|det J| term; its update maximises the expected log factors over its value
+            (Newton's method on the unconstrained space iterated to convergence: the
+            M-step of EM) and its posterior is a point mass.
     """
 
     name: str
@@ -51,6 +55,7 @@ class Block:
     site_shape: tuple | None = None
     members: tuple = ()
     point: bool = False
+    param: bool = False
 
     @property
     def sites(self) -> tuple:
@@ -132,7 +137,9 @@ class Factor:
         observed: whether the site is observed (else it is the prior of its own block).
         neighbours: blocks the factor touches, in model order.
         discrete: the discrete neighbours (enumerated).
-        estimator: ``"exact"`` (closed-form rule) — the only estimator of this plan.
+        estimator: ``"exact"`` (closed-form rule), ``"quadrature"``, ``"monte_carlo"`` or
+            ``"delta"`` (no closed form, but every continuous neighbour is a point block:
+            log f at the points, exact).
         rule: the rule computing the expected log-density.
         arg_kinds: kind of each argument and of the value (see :mod:`blrppl.moments`).
         arg_blocks: blocks each argument depends on.
@@ -190,19 +197,38 @@ class Plan:
     def factors_of(self, name: str) -> tuple:
         return tuple(f for f in self.factors if name in f.neighbours)
 
+    def role(self, name: str) -> str:
+        """What a block's fit is: ``"posterior"`` (a candidate posterior), ``"param (M-step)"``
+        (a ``numpyro.param`` point estimate), ``"point (unconstrained)"`` (delta method with
+        the log|det J| term: Laplace on the unconstrained space) or ``"point (constrained)"``
+        (delta method without it: the mode in the site's own space)."""
+        b = self.block(name)
+        if b.param:
+            return "param (M-step)"
+        if b.point:
+            jacobian = any(f.name == f"{name}:jacobian" for f in self.factors)
+            return "point (unconstrained)" if jacobian or b.transform is None else "point (constrained)"
+        return "posterior"
+
     def describe(self) -> str:
-        """A readable table of blocks (site, family, shape) and factors (site, distribution,
-        neighbours, estimator)."""
+        """A readable table of blocks (site, family, shape, role) and factors (site,
+        distribution, neighbours, estimator), then the order of the sequential sweep."""
         conj = dict(self.conjugate)
-        rows = [("block", "family", "shape", "size", "conjugate")]
+        rows = [("block", "family", "shape", "size", "conjugate", "role")]
         for b in self.blocks:
-            rows.append((b.name, b.kind, str(b.value_shape), str(b.size), str(conj.get(b.name, "-"))))
+            rows.append(
+                (b.name, b.kind, str(b.value_shape), str(b.size), str(conj.get(b.name, "-")), self.role(b.name))
+            )
         out = _table(rows)
         rows = [("factor", "distribution", "neighbours", "estimator", "arguments")]
         for f in self.factors:
             args = ", ".join(f"{k}:{v}" for k, v in f.arg_kinds)
             rows.append((f.name, f.dist_name, ", ".join(f.neighbours) or "-", f.estimator, args))
-        return out + "\n\n" + _table(rows)
+        fixed = [b.name for b in self.blocks if b.name not in self.order]
+        tail = "sequential order: " + (", ".join(self.order) or "-")
+        if fixed:
+            tail += "\nkept at their initial value (no factor uses them): " + ", ".join(fixed)
+        return out + "\n\n" + _table(rows) + "\n\n" + tail
 
     def __str__(self) -> str:
         return self.describe()

@@ -54,7 +54,12 @@ class SiteRecord:
         plates: plates the site is in, outermost first.
         has_scale: whether the site carries a ``scale`` (subsampling, ``handlers.scale``).
         infer: the site's ``infer`` dict.
-        init_value: the value the trace used (data for observed sites).
+        init_value: the value the trace used (data for observed sites; the user's initial
+            value for ``numpyro.param`` sites).
+        is_param: a ``numpyro.param`` site: not random, fitted as a point estimate of the
+            model's log density in its own (constrained) space; ``support`` is its
+            constraint, ``event_ndim`` its ``event_dim`` (all its dims when unspecified) and
+            ``plates`` the plates that index its batch dims.
     """
 
     name: str
@@ -70,6 +75,7 @@ class SiteRecord:
     has_scale: bool
     infer: dict
     init_value: Any
+    is_param: bool = False
 
     @property
     def dist_name(self) -> str:
@@ -85,6 +91,10 @@ class SiteRecord:
         for plate in self.plates:
             axes.append(self.batch_ndim + plate.dim)
         return tuple(axes)
+
+
+class Param:
+    """Marker ``dist_type`` of ``numpyro.param`` sites (they have no distribution)."""
 
 
 def unwrap(fn):
@@ -235,11 +245,8 @@ def trace_model(
     for info in tracer.meta["sites"]:
         name = info["name"]
         if info["type"] == "param":
-            raise ModelTraceError(
-                "numpyro.param sites are not fitted by blr_fit; declare the quantity with "
-                "numpyro.sample and a prior instead",
-                site=name,
-            )
+            records[name] = _param_record(info, outputs)
+            continue
         value = np.asarray(outputs["values"][name])
         support = info["support"]
         if name in outputs["bounds"]:
@@ -295,14 +302,83 @@ def trace_model(
             init_value=value,
         )
     if not any(not r.observed for r in records.values()):
-        raise ModelTraceError("the model has no latent sample site to infer")
+        raise ModelTraceError("the model has no latent sample site or param to infer")
     return records, spec, dyn, tracer
+
+
+def _param_record(info, outputs) -> SiteRecord:
+    """The record of a ``numpyro.param`` site, after checking that it can be fitted."""
+    name = info["name"]
+    value = np.array(outputs["values"][name])  # a copy: the user's init is never touched
+    constraint = info["support"]
+    if constraint.is_discrete:
+        raise ModelTraceError(
+            f"numpyro.param has the discrete constraint {constraint}; params are fitted by "
+            "Newton's method on a continuous space: declare the quantity with numpyro.sample "
+            "(a finite discrete latent is enumerated) instead",
+            site=name,
+        )
+    if not np.all(np.isfinite(value)):
+        raise ModelTraceError("numpyro.param has a NaN or infinite initial value", site=name)
+    if not bool(outputs["in_support"][name]):
+        raise ModelTraceError(
+            f"the initial value of numpyro.param lies outside its constraint {constraint}; "
+            "give an initial value inside it (it is the starting point of the fit)",
+            site=name,
+        )
+    event_dim = info["event_dim"]
+    shape = tuple(value.shape)
+    if event_dim is None:  # numpyro: every dim is an event dim, nothing is batched
+        event_ndim, plates = len(shape), ()
+    else:
+        event_ndim = int(event_dim)
+        batch_ndim = len(shape) - event_ndim
+        plates = []
+        for p in info["plates"]:
+            axis = batch_ndim + p.dim
+            if axis < 0 or shape[axis] == 1:
+                continue  # the param broadcasts along this plate
+            if p.subsample_size != p.size:
+                raise ModelTraceError(
+                    f"numpyro.param(..., event_dim={event_dim}) sits in the subsampled plate "
+                    f"'{p.name}' (subsample_size={p.subsample_size} of {p.size}); blr_fit "
+                    "does not subsample params: drop subsample_size, or move the param "
+                    "outside the plate",
+                    site=name,
+                )
+            plates.append(p)
+        plates = tuple(plates)
+    return SiteRecord(
+        name=name,
+        observed=False,
+        is_factor=False,
+        dist_type=Param,
+        reinterpreted_ndim=0,
+        has_mask=False,
+        value_shape=shape,
+        event_ndim=event_ndim,
+        support=constraint,
+        plates=plates,
+        has_scale=False,
+        infer={},
+        init_value=value,
+        is_param=True,
+    )
+
+
+def _initial(init_strategy, site):
+    """Initial values: ``init_strategy`` for latent sites; a param's own initial value as a
+    JAX array (as numpyro's SVI hands params to the model: a NumPy initial value would
+    otherwise reach the model as NumPy and fail to index with traced arrays)."""
+    if site["type"] == "param":
+        return jnp.asarray(site["args"][0]) if site["args"] else None
+    return init_strategy(site)
 
 
 def _run_once(model, spec, init_strategy, meta, dyn, rng_key):
     """Trace the model; static facts go to ``meta``, arrays are returned."""
     args, kwargs = spec.merge(dyn)
-    last = _LastSite(handlers.substitute(handlers.seed(model, rng_key), substitute_fn=init_strategy))
+    last = _LastSite(handlers.substitute(handlers.seed(model, rng_key), substitute_fn=partial(_initial, init_strategy)))
     meta["last"] = last
     tr = handlers.trace(last).get_trace(*args, **kwargs)
     sites, values, bounds, checks = [], {}, {}, {}
@@ -311,7 +387,25 @@ def _run_once(model, spec, init_strategy, meta, dyn, rng_key):
     }
     for name, site in tr.items():
         if site["type"] == "param":
-            sites.append({"name": name, "type": "param"})
+            kwargs = site.get("kwargs") or {}
+            constraint = kwargs.get("constraint", constraints.real)
+            value = jnp.asarray(site["value"])
+            if not jnp.issubdtype(value.dtype, jnp.floating):
+                value = value.astype(jnp.result_type(float))  # e.g. numpyro.param("s", 1)
+            values[name] = value
+            checks[name] = jnp.all(constraint(value))
+            sites.append(
+                {
+                    "name": name,
+                    "type": "param",
+                    "support": constraint,
+                    "event_dim": kwargs.get("event_dim"),
+                    "plates": tuple(
+                        Plate(f.name, plate_sizes.get(f.name, int(f.size)), int(f.dim), int(f.size))
+                        for f in reversed(site["cond_indep_stack"])
+                    ),
+                }
+            )
             continue
         if site["type"] != "sample":
             continue

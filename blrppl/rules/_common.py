@@ -19,17 +19,25 @@ def const_value(arg):
     return arg.value
 
 
+def _floating(x):
+    """``x`` as a float array: integer counts would give ``xlogy``'s derivative rule a float0
+    tangent when the other argument is differentiated (a constant that depends on a point
+    block)."""
+    x = jnp.asarray(x)
+    return x if jnp.issubdtype(x.dtype, jnp.inexact) else x.astype(jnp.result_type(float))
+
+
 def x_expect_log(x, arg):
     """x · E[log arg], with 0 · log 0 = 0 for a constant ``arg`` (as numpyro's ``xlogy``)."""
     if arg.kind == "const":
-        return xlogy(x, arg.value)
+        return xlogy(_floating(x), arg.value)
     return x * arg.expect_log()
 
 
 def x_expect_log1m(x, arg):
     """x · E[log(1 − arg)], with 0 · log 0 = 0 for a constant ``arg``."""
     if arg.kind == "const":
-        return xlog1py(x, -arg.value)
+        return xlog1py(_floating(x), -arg.value)
     return x * arg.expect_log1m()
 
 
