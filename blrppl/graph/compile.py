@@ -14,7 +14,7 @@ from blrppl import families as fam
 from blrppl.errors import FamilyError, UnsupportedFactorError, UnsupportedLatentError
 from blrppl.expressions import LINKS, ModelFunctions, distribution_leaves, probe_argument, projection_args, run_probes
 from blrppl.graph.deps import output_dependencies
-from blrppl.graph.plan import Block, Factor, Plan
+from blrppl.graph.plan import Block, Factor, LocalAxis, Plan
 from blrppl.graph.trace import SiteRecord, finite_support_values
 from blrppl.rules import find_rule
 
@@ -131,7 +131,9 @@ MAX_PROJECTIONS = 2
 JOINT_MAX_DIM = 500
 
 
-def compile_model(model, records, data_spec, data, families=None, rng_key=None, structure=None, point=()):
+def compile_model(
+    model, records, data_spec, data, families=None, rng_key=None, structure=None, point=(), subsampled=()
+):
     """Build blocks, the factor graph and the plan of a traced model.
 
     Family policy ("auto"): every latent starts in the native family of its support; a factor
@@ -156,6 +158,11 @@ def compile_model(model, records, data_spec, data, families=None, rng_key=None, 
             dimension is at most :data:`JOINT_MAX_DIM`.
         point: sites fitted by the delta method (Gaussian on the unconstrained space seen
             at its mean; Newton updates; Laplace's method at convergence).
+        subsampled: the model's :class:`blrppl.graph.plan.SubsampledPlate` s (from
+            :func:`blrppl.graph.trace.subsampled_plates`); ``records`` then hold minibatch
+            shapes. Latents inside such a plate become *local* blocks (never merged into a
+            joint block, updated first in each step); the model functions use the first M
+            elements of each plate unless the data carry a minibatch.
 
     Returns:
         (plan, model functions, dynamic data leaves, init values dict (block space),
@@ -177,19 +184,27 @@ def compile_model(model, records, data_spec, data, families=None, rng_key=None, 
         if families.get(name) not in (None, "gaussian", "gaussian-diag"):
             raise FamilyError(f"a point block is Gaussian, not '{families[name]}'", site=name)
     rng_key = jax.random.key(1) if rng_key is None else rng_key
+    subsampled = tuple(subsampled)
+    plate_indices = {p.name: np.arange(p.subsample_size) for p in subsampled}
     latent = [r for r in records.values() if not r.observed]
     site_init = {r.name: jnp.asarray(r.init_value) for r in latent}
     rules = {r.name: (None if r.is_factor else find_rule(r.dist_type)) for r in records.values()}
-    deps = _dependencies(model, data_spec, data, records, rules, site_init)
+    deps = _dependencies(model, data_spec, data, records, rules, site_init, plate_indices)
 
     moved: set = set()
     while True:
         blocks = {
-            r.name: _as_point(choose_family(r, families.get(r.name), r.name in moved or r.name in point), r.name in point)
+            r.name: _localise(
+                _as_point(choose_family(r, families.get(r.name), r.name in moved or r.name in point), r.name in point),
+                r,
+                subsampled,
+            )
             for r in latent
         }
         init_values = _block_init_values(blocks, site_init)
-        fns = ModelFunctions(model, data_spec, _site_fill(blocks, site_init), _transforms(blocks))
+        fns = ModelFunctions(
+            model, data_spec, _site_fill(blocks, site_init), _transforms(blocks), plate_indices=plate_indices
+        )
         factors = _classify_factors(records, rules, deps, blocks, fns, data, rng_key)
         to_move = set()
         for f in factors:
@@ -213,14 +228,18 @@ def compile_model(model, records, data_spec, data, families=None, rng_key=None, 
             break
         moved |= to_move
 
-    members = [n for n, b in blocks.items() if b.kind == "gaussian" and not b.point and n not in families]
+    members = [
+        n for n, b in blocks.items() if b.kind == "gaussian" and not b.point and n not in families and b.local is None
+    ]
     size = sum(blocks[n].size for n in members)
     if structure == "joint" or (structure is None and len(members) > 1 and size <= JOINT_MAX_DIM):
         if len(members) > 1:
             blocks = _merge_joint(blocks, members)
             init_values = _block_init_values(blocks, site_init)
             joints = {n: b for n, b in blocks.items() if b.members}
-            fns = ModelFunctions(model, data_spec, _site_fill(blocks, site_init), _transforms(blocks), joints)
+            fns = ModelFunctions(
+                model, data_spec, _site_fill(blocks, site_init), _transforms(blocks), joints, plate_indices
+            )
             site_block = {s: n for n, b in blocks.items() for s in b.sites}
             deps = {
                 name: {arg: frozenset(site_block[x] for x in d) for arg, d in args.items()}
@@ -229,6 +248,8 @@ def compile_model(model, records, data_spec, data, families=None, rng_key=None, 
             factors = _classify_factors(records, rules, deps, blocks, fns, data, rng_key)
 
     factors += [_jacobian_factor(b) for b in blocks.values() if _transformed(b)]
+    if subsampled:
+        factors = _check_subsampled(factors, records, blocks, {p.name for p in subsampled})
     graph = nx.Graph()
     for name, b in blocks.items():
         graph.add_node(("block", name), kind=b.kind, shape=b.value_shape)
@@ -239,8 +260,63 @@ def compile_model(model, records, data_spec, data, families=None, rng_key=None, 
     order = tuple(n for n in blocks if not blocks[n].discrete) + tuple(
         n for n in blocks if blocks[n].discrete
     )
-    plan = Plan(blocks=tuple(blocks.values()), factors=tuple(factors), order=order)
+    if subsampled:
+        # the local step (each minibatch element given the global blocks) comes first, then
+        # the global blocks see the fresh local statistics (Hoffman et al. 2013)
+        order = tuple(n for n in order if blocks[n].local is not None) + tuple(
+            n for n in order if blocks[n].local is None
+        )
+    plan = Plan(blocks=tuple(blocks.values()), factors=tuple(factors), order=order, subsampled=subsampled)
     return plan, fns, data, init_values, graph
+
+
+def _localise(block: Block, record: SiteRecord, subsampled) -> Block:
+    """Mark a block inside a subsampled plate as local (its :class:`LocalAxis`)."""
+    names = {p.name: p for p in subsampled}
+    for plate, axis in zip(record.plates, record.plate_axes()):
+        if plate.name in names:
+            if block.value_shape[axis] != names[plate.name].subsample_size:
+                raise UnsupportedFactorError(
+                    f"the latent's axis {axis} should hold the {names[plate.name].subsample_size} "
+                    f"minibatch elements of the subsampled plate '{plate.name}' but has size "
+                    f"{block.value_shape[axis]}",
+                    site=record.name,
+                )
+            return dataclasses.replace(block, local=LocalAxis(plate.name, axis, plate.size))
+    return block
+
+
+def _check_subsampled(factors, records, blocks, plates) -> list:
+    """Record each factor's subsampled plates; a local block may only meet factors inside
+    its own plate, element by element."""
+    out = []
+    for f in factors:
+        if f.name.endswith(":jacobian") and f.rule is None and f.name not in records:
+            b = blocks[f.neighbours[0]]
+            inside = (b.local.plate,) if b.local is not None else ()
+        else:
+            inside = tuple(p.name for p in records[f.name].plates if p.name in plates)
+        for n in f.neighbours:
+            b = blocks[n]
+            if b.local is None:
+                continue
+            if b.local.plate not in inside:
+                raise UnsupportedFactorError(
+                    f"the factor depends on the local latent '{n}' of the subsampled plate "
+                    f"'{b.local.plate}' but is not inside that plate; only factors inside the "
+                    "plate may use its latents (move the site into the plate, or drop "
+                    "subsample_size)",
+                    site=f.name,
+                )
+            if dict(f.columns).get(n) == "full":
+                raise UnsupportedFactorError(
+                    f"the factor mixes several elements of the local latent '{n}' of the "
+                    f"subsampled plate '{b.local.plate}'; under subsampling each element may "
+                    "only use its own latent (drop subsample_size to fit it in full batch)",
+                    site=f.name,
+                )
+        out.append(dataclasses.replace(f, subsampled=inside))
+    return out
 
 
 def _as_point(block: Block, point: bool) -> Block:
@@ -302,9 +378,9 @@ def _merge_joint(blocks: dict, members: list) -> dict:
     return out
 
 
-def _dependencies(model, data_spec, data, records, rules, site_init) -> dict:
+def _dependencies(model, data_spec, data, records, rules, site_init, plate_indices=None) -> dict:
     """Per site: the latent sites its rule arguments and its log-density depend on."""
-    fns = ModelFunctions(model, data_spec, site_init)
+    fns = ModelFunctions(model, data_spec, site_init, plate_indices=plate_indices)
 
     def all_args(values, data):
         sites = fns.sites(tuple(records), values, data)
