@@ -14,11 +14,12 @@ import numpy as np
 from blrppl import families as fam
 from blrppl.engine.loop import CONVERGED, NONFINITE, make_chunk, run_loop
 from blrppl.engine.step import BLRState, initial_state, make_step
+from blrppl.engine.subsample import averaged_nat, svi_rate
 from blrppl.estimators.monte_carlo import CURVATURES
 from blrppl.errors import BLRError, ModelTraceError
 from blrppl.graph.compile import _block_init_values, compile_model, init_nat
 from blrppl.graph.data import DataSpec
-from blrppl.graph.trace import trace_model
+from blrppl.graph.trace import check_plate_sizes, full_size_model, subsampled_plates, trace_model
 from blrppl.result import BLRResult, site_distribution
 
 _SCHEDULES = ("sequential", "parallel")
@@ -101,8 +102,9 @@ def _compiler_options(data) -> dict | None:
 
 
 def _posterior_builder(plan, records):
-    """nat → posterior distributions of every site, compiled once where possible."""
-    blocks = {b.name: b for b in plan.blocks}
+    """nat → posterior distributions of every site, compiled once where possible (local
+    blocks of subsampled plates at their full size)."""
+    blocks = {b.name: b.full for b in plan.blocks}
 
     def build(nat):
         out = {}
@@ -137,6 +139,8 @@ class _Compiled:
     posterior_fn: Callable
     window: int = 0
     conjugate: dict | None = None
+    #: for models with subsampled plates: the tracer of the model at full plate sizes
+    full_tracer: Any = None
 
 
 #: compiled fits, most recent last
@@ -174,24 +178,49 @@ def _remember(key, bundle):
 
 def _compile(model, records, data_spec, dyn_data, tracer, options, k_probe):
     """Compile a model: plan, initialisation, the jitted chunk of steps, posterior export."""
-    families, schedule, rate_fn, tol, chunk_size, structure, point, curvature, default_rate = options
+    families, schedule, rate_fn, tol, chunk_size, structure, point, curvature, default_rate, *_ = options
     plan, fns, dyn_data, init_values, graph = compile_model(
-        model, records, data_spec, dyn_data, families=families, rng_key=k_probe, structure=structure, point=point
+        model,
+        records,
+        data_spec,
+        dyn_data,
+        families=families,
+        rng_key=k_probe,
+        structure=structure,
+        point=point,
+        subsampled=subsampled_plates(records),
     )
-    blocks = {b.name: b for b in plan.blocks}
+    blocks = {b.name: b.full for b in plan.blocks}
     init_fn = jax.jit(
         lambda values, probs: {n: init_nat(b, values[n], probs.get(n)) for n, b in blocks.items()}
     )
     sampled = [f for f in plan.factors if f.estimator == "monte_carlo"]
     decay = {n for f in sampled for n in f.neighbours} if default_rate else set()
     window = MC_WINDOW if sampled else 0
-    step, _, _ = make_step(plan, fns, schedule, rate_fn, decay_blocks=decay, curvature=curvature)
-    chunk = make_chunk(step, chunk_size, tol, window)
+    epoch = 0
+    if plan.subsampled:
+        # windows of whole epochs (the longest plate's), at least MC_WINDOW steps
+        epoch = max(p.steps_per_epoch for p in plan.subsampled)
+        window = epoch * -(-MC_WINDOW // epoch)
+    step, _, _ = make_step(
+        plan,
+        fns,
+        schedule,
+        rate_fn,
+        decay_blocks=decay,
+        curvature=curvature,
+        global_rate=svi_rate if default_rate else None,
+    )
+    chunk = make_chunk(step, chunk_size, tol, window, epoch)
     dtype = jnp.result_type(float)
+    init_shapes = {
+        n: jax.ShapeDtypeStruct(blocks[n].value_shape, jnp.result_type(v)) if blocks[n].local else v
+        for n, v in init_values.items()
+    }
     state = jax.eval_shape(
-        lambda v, p: initial_state(init_fn(v, p), jax.random.key(0)),
-        init_values,
-        {b.name: np.ones(b.value_shape + (len(b.support_values),)) for b in plan.blocks if b.discrete},
+        lambda v, p: initial_state(init_fn(v, p), jax.random.key(0), plan),
+        init_shapes,
+        {b.name: np.ones(b.value_shape + (len(b.support_values),)) for b in blocks.values() if b.discrete},
     )
     rho = {n: jax.ShapeDtypeStruct((), dtype) for n in plan.order}
     steps = jax.ShapeDtypeStruct((), jnp.int32)
@@ -218,6 +247,7 @@ def blr_fit(
     rng_key=None,
     tol: float | None = None,
     progress_bar: bool = True,
+    iterate_average: bool = True,
 ) -> BLRResult:
     """Fit the latent variables of a NumPyro model by the Bayesian learning rule.
 
@@ -229,6 +259,14 @@ def blr_fit(
     in one jitted loop. For conjugate models one step with ρ = 1 is the exact posterior; for
     conditionally conjugate models the sequential schedule is variational message passing.
 
+    Models with subsampled plates (``numpyro.plate(name, N, subsample_size=M)``) are fitted
+    by stochastic BLR (SVI, Hoffman et al. 2013): each step draws a minibatch of every such
+    plate by random reshuffling (each element once per epoch of ⌊N/M⌋ steps), updates the
+    *local* latents inside the plate with ρ = 1 at the minibatch elements (the others keep
+    their parameters), then the *global* latents with ρ_t = (t + 10)^−0.7 from messages in
+    which the minibatch's likelihood terms carry N/M. The ELBO is a minibatch estimate
+    (convergence: windowed means, no backtracking).
+
     Args:
         model: a NumPyro model.
         data: the model's arguments: a dict of keyword arguments or a tuple of positional ones.
@@ -237,7 +275,9 @@ def blr_fit(
             conjugate blocks an exact coordinate step; for the others a natural-gradient
             Newton-like step, halved by backtracking when it lowers the ELBO, with the improved
             BLR retraction for Gaussians at ρ < 1), and ρ_t = 0.5 (1 + t/10)^−0.6 for blocks
-            with Monte Carlo messages.
+            with Monte Carlo messages. Under subsampling it is the step size of the global
+            blocks (default ρ_t = (t + 10)^−0.7; e.g. ``lambda t: (t + 1.0) ** -0.9`` for
+            other κ, τ); local blocks always take ρ = 1.
         schedule: ``"sequential"`` (default; one block at a time with the newest
             neighbours, i.e. VMP) or ``"parallel"`` (all blocks from the same state).
         families: optional overrides, site → family name (``"gaussian"``,
@@ -260,6 +300,11 @@ def blr_fit(
         tol: convergence tolerance on the relative ELBO change (default 1e-8 in float64,
             1e-5 in float32); natural parameters must also move less than ``sqrt(tol)``.
         progress_bar: show a progress bar.
+        iterate_average: under subsampling, report for the global latents the average of
+            their natural parameters over the last half to three quarters of the run with
+            weights ∝ t + 1 (Polyak–Ruppert tail averaging: several times closer to the
+            full-batch fit than the last iterate, whose minibatch noise decays only like
+            ρ_t); ``False`` reports the last iterate. No effect without subsampled plates.
 
     Returns:
         :class:`blrppl.BLRResult`.
@@ -289,7 +334,16 @@ def blr_fit(
             raise BLRError(f"learning_rate must be in (0, 1], not {rate}")
     chunk_size = min(num_steps, 100)
     options = (
-        families, schedule, rate_fn, tol, chunk_size, structure, tuple(point or ()), mc_curvature, learning_rate is None
+        families,
+        schedule,
+        rate_fn,
+        tol,
+        chunk_size,
+        structure,
+        tuple(point or ()),
+        mc_curvature,
+        learning_rate is None,
+        bool(iterate_average),
     )
     key = _cache_key(model, args, kwargs, options)
     bundle = _CACHE.get(key) if key is not None else None
@@ -298,25 +352,42 @@ def blr_fit(
     )
     if any(isinstance(v, (np.ndarray, jax.Array)) for _, v in data_spec.static):
         key = None  # the model needed concrete data: the compiled fit holds this data
+    plates = subsampled_plates(records)
+    init_records = records
+    if plates:
+        # every observed value is checked and every element of a local latent initialised
+        # from one run of the model at the full plate sizes
+        check_plate_sizes(plates, args, kwargs, records)
+        full_tracer = bundle.full_tracer if bundle else None
+        init_records, _, _, full_tracer = trace_model(
+            full_size_model(model, plates), args, kwargs, k_trace, tracer=full_tracer
+        )
     if bundle is None:
         bundle = _compile(model, records, data_spec, dyn_data, tracer, options, k_probe)
         if key is not None:
             _remember(key, bundle)
+    if plates:
+        bundle.full_tracer = full_tracer
     plan = bundle.plan
     init_values = _block_init_values(
-        {b.name: b for b in plan.blocks},
-        {n: jnp.asarray(records[n].init_value) for b in plan.blocks for n in b.sites},
+        {b.name: b.full for b in plan.blocks},
+        {n: jnp.asarray(init_records[n].init_value) for b in plan.blocks for n in b.sites},
     )
     probs0 = {
-        b.name: rng.dirichlet(np.ones(len(b.support_values)), size=b.value_shape)
+        b.name: rng.dirichlet(np.ones(len(b.support_values)), size=b.full.value_shape)
         for b in plan.blocks
         if b.discrete
     }
     nat0 = bundle.init_fn(init_values, probs0)
     dtype = jnp.result_type(float)
-    state = initial_state(nat0, k_loop)
+    state = initial_state(nat0, k_loop, plan)
     compiled = bundle.chunk
-    if learning_rate is None:
+    if plan.subsampled:
+        # local blocks take ρ = 1 and global ones the schedule inside the step (times a
+        # constant user ρ); conjugacy detection would need exact ρ = 1 steps: not run
+        base = 1.0 if learning_rate is None or callable(learning_rate) else rate
+        rho = {n: jnp.asarray(base, dtype) for n in plan.order}
+    elif learning_rate is None:
         if bundle.conjugate is None:
             bundle.conjugate = _detect_conjugate(plan, compiled, state, dyn_data, rng, bundle.window)
         conj = bundle.conjugate
@@ -327,16 +398,24 @@ def blr_fit(
         rho = {n: jnp.asarray(1.0, dtype) for n in plan.order}
     else:
         rho = {n: jnp.asarray(rate, dtype) for n in plan.order}
-    # the initial ELBO (one step with ρ = 0), so that backtracking also checks the first step
-    history = jnp.zeros((2 * max(bundle.window, 1),), dtype)
-    zero = {n: jnp.zeros((), dtype) for n in plan.order}
-    state = compiled(state, dyn_data, jnp.asarray(1, jnp.int32), zero, history)[0]
+    if not plan.subsampled:
+        # the initial ELBO (one step with ρ = 0), so that backtracking also checks the first
+        # step (a minibatch ELBO is never backtracked on: the first step is a real one)
+        history = jnp.zeros((2 * max(bundle.window, 1),), dtype)
+        zero = {n: jnp.zeros((), dtype) for n in plan.order}
+        state = compiled(state, dyn_data, jnp.asarray(1, jnp.int32), zero, history)[0]
     t1 = time.perf_counter()
     outcome = run_loop(compiled, state, dyn_data, rho, num_steps, chunk_size, progress_bar, bundle.window)
     jax.block_until_ready(outcome.state)
     t2 = time.perf_counter()
 
-    if outcome.stop == CONVERGED and bundle.window:
+    if outcome.stop == CONVERGED and plan.subsampled:
+        message = (
+            f"converged after {outcome.num_steps} steps (minibatch ELBO: the mean over the last "
+            f"{bundle.window} steps, whole epochs, changed by less than {tol:g} relative to the "
+            f"{bundle.window} before)"
+        )
+    elif outcome.stop == CONVERGED and bundle.window:
         message = (
             f"converged after {outcome.num_steps} steps (Monte Carlo ELBO: the mean over the "
             f"last {bundle.window} steps no longer improves on the {bundle.window} before)"
@@ -352,12 +431,18 @@ def blr_fit(
         )
     else:
         message = f"reached num_steps={num_steps} without meeting the convergence test"
+        if plan.subsampled:
+            epochs = outcome.num_steps / max(p.steps_per_epoch for p in plan.subsampled)
+            message += (
+                f" ({epochs:g} epochs of minibatches; the minibatch noise of the global "
+                "blocks shrinks with more steps)"
+            )
     if outcome.invalid_steps:
         message += (
             f"; in {outcome.invalid_steps} step(s) a block found no valid update and kept its "
             "parameters"
         )
-    nat = outcome.state.nat
+    nat = averaged_nat(plan, outcome.state) if iterate_average else outcome.state.nat
     posterior = bundle.posterior_fn(nat)
     return BLRResult(
         posterior=posterior,
