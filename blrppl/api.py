@@ -18,7 +18,8 @@ from blrppl.estimators.monte_carlo import CURVATURES
 from blrppl.errors import BLRError, ModelTraceError
 from blrppl.graph.compile import _block_init_values, compile_model, init_nat
 from blrppl.graph.data import DataSpec
-from blrppl.graph.trace import trace_model
+from blrppl.engine.subsample import averaged_nat, svi_rate
+from blrppl.graph.trace import check_plate_sizes, full_size_model, subsampled_plates, trace_model
 from blrppl.online import OnlineData, online_plan, previous_nat, previous_spec
 from blrppl.result import BLRResult, site_distribution
 
@@ -105,8 +106,9 @@ def _compiler_options(data) -> dict | None:
 
 
 def _posterior_builder(plan, records):
-    """nat → posterior distributions of every site, compiled once where possible."""
-    blocks = {b.name: b for b in plan.blocks}
+    """nat → posterior distributions of every site, compiled once where possible (local
+    blocks of subsampled plates at their full size)."""
+    blocks = {b.name: b.full for b in plan.blocks}
 
     def build(nat):
         out = {}
@@ -145,6 +147,8 @@ class _Compiled:
     elbo_fn: Callable | None = None  # jitted ELBO(nat, data, key)
     #: online fits: the blocks whose prior is the previous posterior (run-time data)
     online: tuple = ()
+    #: for models with subsampled plates: the tracer of the model at full plate sizes
+    full_tracer: Any = None
 
 
 #: compiled fits, most recent last
@@ -182,30 +186,55 @@ def _remember(key, bundle):
 
 def _compile(model, records, data_spec, dyn_data, tracer, options, k_probe):
     """Compile a model: plan, initialisation, the jitted chunk of steps, posterior export."""
-    families, schedule, rate_fn, tol, chunk_size, structure, point, curvature, default_rate, prior_spec, point_space = (
+    families, schedule, rate_fn, tol, chunk_size, structure, point, curvature, default_rate, prior_spec, point_space, _ = (
         options
     )
     plan, fns, dyn_data, init_values, graph = compile_model(
-        model, records, data_spec, dyn_data, families=families, rng_key=k_probe, structure=structure, point=point,
+        model,
+        records,
+        data_spec,
+        dyn_data,
+        families=families,
+        rng_key=k_probe,
+        structure=structure,
+        point=point,
         point_space=point_space,
+        subsampled=subsampled_plates(records),
     )
     online = ()
     if prior_spec is not None:
         plan, graph, online = online_plan(plan, graph, records, prior_spec)
-    blocks = {b.name: b for b in plan.blocks}
+    blocks = {b.name: b.full for b in plan.blocks}
     init_fn = jax.jit(
         lambda values, probs: {n: init_nat(b, values[n], probs.get(n)) for n, b in blocks.items()}
     )
     sampled = [f for f in plan.factors if f.estimator == "monte_carlo"]
     decay = {n for f in sampled for n in f.neighbours} if default_rate else set()
     window = MC_WINDOW if sampled else 0
-    step, elbo_fn, _ = make_step(plan, fns, schedule, rate_fn, decay_blocks=decay, curvature=curvature)
-    chunk = make_chunk(step, chunk_size, tol, window)
+    epoch = 0
+    if plan.subsampled:
+        # windows of whole epochs (the longest plate's), at least MC_WINDOW steps
+        epoch = max(p.steps_per_epoch for p in plan.subsampled)
+        window = epoch * -(-MC_WINDOW // epoch)
+    step, elbo_fn, _ = make_step(
+        plan,
+        fns,
+        schedule,
+        rate_fn,
+        decay_blocks=decay,
+        curvature=curvature,
+        global_rate=svi_rate if default_rate else None,
+    )
+    chunk = make_chunk(step, chunk_size, tol, window, epoch)
+    init_shapes = {
+        n: jax.ShapeDtypeStruct(blocks[n].value_shape, jnp.result_type(v)) if blocks[n].local else v
+        for n, v in init_values.items()
+    }
     dtype = jnp.result_type(float)
     state = jax.eval_shape(
-        lambda v, p: initial_state(init_fn(v, p), jax.random.key(0)),
-        init_values,
-        {b.name: np.ones(b.value_shape + (len(b.support_values),)) for b in plan.blocks if b.discrete},
+        lambda v, p: initial_state(init_fn(v, p), jax.random.key(0), plan),
+        init_shapes,
+        {b.name: np.ones(b.value_shape + (len(b.support_values),)) for b in blocks.values() if b.discrete},
     )
     rho = {n: jax.ShapeDtypeStruct((), dtype) for n in plan.order}
     steps = jax.ShapeDtypeStruct((), jnp.int32)
@@ -236,6 +265,7 @@ class _Prepared:
     tol: float
     chunk_size: int
     start_time: float
+    iterate_average: bool = True
 
     def history(self):
         """An empty ring buffer of Monte Carlo ELBOs for the windowed convergence test."""
@@ -281,6 +311,7 @@ def _prepare(
     tol=None,
     prior=None,
     point_space="unconstrained",
+    iterate_average=True,
     init_values=None,
 ) -> _Prepared:
     """Trace and compile (or fetch from the cache) a model and build its first state.
@@ -299,7 +330,7 @@ def _prepare(
     chunk_size = CHUNK_SIZE
     options = (
         families, schedule, rate_fn, tol, chunk_size, structure, tuple(point or ()), mc_curvature, learning_rate is None,
-        None if prior is None else previous_spec(prior), point_space,
+        None if prior is None else previous_spec(prior), point_space, bool(iterate_average),
     )
     key = _cache_key(model, args, kwargs, options)
     bundle = _CACHE.get(key) if key is not None else None
@@ -308,19 +339,33 @@ def _prepare(
     )
     if any(isinstance(v, (np.ndarray, jax.Array)) for _, v in data_spec.static):
         key = None  # the model needed concrete data: the compiled fit holds this data
+    plates = subsampled_plates(records)
+    init_records = records
+    if plates:
+        # every observed value is checked and every element of a local latent initialised
+        # from one run of the model at the full plate sizes
+        check_plate_sizes(plates, args, kwargs, records)
+        full_tracer = bundle.full_tracer if bundle else None
+        init_records, _, _, full_tracer = trace_model(
+            full_size_model(model, plates), args, kwargs, k_trace, tracer=full_tracer
+        )
     if bundle is None:
         bundle = _compile(model, records, data_spec, dyn_data, tracer, options, k_probe)
         if key is not None:
             _remember(key, bundle)
+    if plates:
+        bundle.full_tracer = full_tracer
     plan = bundle.plan
-    site_values = {n: jnp.asarray(records[n].init_value) for b in plan.blocks for n in b.sites}
+    site_values = {n: jnp.asarray(init_records[n].init_value) for b in plan.blocks for n in b.sites}
     for name, value in (init_values or {}).items():
         if name not in site_values:
             raise BLRError(f"init value given for '{name}', which is not a latent site", site=name)
-        site_values[name] = jnp.broadcast_to(jnp.asarray(value, jnp.result_type(float)), records[name].value_shape)
-    block_values = _block_init_values({b.name: b for b in plan.blocks}, site_values)
+        site_values[name] = jnp.broadcast_to(
+            jnp.asarray(value, jnp.result_type(float)), init_records[name].value_shape
+        )
+    block_values = _block_init_values({b.name: b.full for b in plan.blocks}, site_values)
     probs0 = {
-        b.name: rng.dirichlet(np.ones(len(b.support_values)), size=b.value_shape)
+        b.name: rng.dirichlet(np.ones(len(b.support_values)), size=b.full.value_shape)
         for b in plan.blocks
         if b.discrete
     }
@@ -330,9 +375,14 @@ def _prepare(
         nat0 = {**nat0, **prior_nat}
         dyn_data = OnlineData(dyn_data, prior_nat)
     dtype = jnp.result_type(float)
-    state = initial_state(nat0, k_loop)
+    state = initial_state(nat0, k_loop, plan)
     compiled = bundle.chunk
-    if learning_rate is None:
+    if plan.subsampled:
+        # local blocks take ρ = 1 and global ones the schedule inside the step (times a
+        # constant user ρ); conjugacy detection would need exact ρ = 1 steps: not run
+        base = 1.0 if learning_rate is None or callable(learning_rate) else float(learning_rate)
+        rho = {n: jnp.asarray(base, dtype) for n in plan.order}
+    elif learning_rate is None:
         if bundle.conjugate is None:
             bundle.conjugate = _detect_conjugate(plan, compiled, state, dyn_data, rng, bundle.window)
         conj = bundle.conjugate
@@ -343,15 +393,25 @@ def _prepare(
         rho = {n: jnp.asarray(1.0, dtype) for n in plan.order}
     else:
         rho = {n: jnp.asarray(float(learning_rate), dtype) for n in plan.order}
-    prepared = _Prepared(bundle, plan, records, data_spec, dyn_data, state, rho, tol, chunk_size, t0)
-    # the initial ELBO (one step with ρ = 0), so that backtracking also checks the first step
-    zero = {n: jnp.zeros((), dtype) for n in plan.order}
-    prepared.state = compiled(state, dyn_data, jnp.asarray(1, jnp.int32), zero, prepared.history())[0]
+    prepared = _Prepared(
+        bundle, plan, records, data_spec, dyn_data, state, rho, tol, chunk_size, t0, bool(iterate_average)
+    )
+    if not plan.subsampled:
+        # the initial ELBO (one step with ρ = 0), so that backtracking also checks the first
+        # step (a minibatch ELBO is never backtracked on: the first step is a real one)
+        zero = {n: jnp.zeros((), dtype) for n in plan.order}
+        prepared.state = compiled(state, dyn_data, jnp.asarray(1, jnp.int32), zero, prepared.history())[0]
     return prepared
 
 
-def _stop_message(outcome, window: int, tol: float, num_steps: int) -> str:
-    if outcome.stop == CONVERGED and window:
+def _stop_message(outcome, plan, window: int, tol: float, num_steps: int) -> str:
+    if outcome.stop == CONVERGED and plan.subsampled:
+        message = (
+            f"converged after {outcome.num_steps} steps (minibatch ELBO: the mean over the last "
+            f"{window} steps, whole epochs, changed by less than {tol:g} relative to the "
+            f"{window} before)"
+        )
+    elif outcome.stop == CONVERGED and window:
         message = (
             f"converged after {outcome.num_steps} steps (Monte Carlo ELBO: the mean over the "
             f"last {window} steps no longer improves on the {window} before)"
@@ -367,6 +427,12 @@ def _stop_message(outcome, window: int, tol: float, num_steps: int) -> str:
         )
     else:
         message = f"reached num_steps={num_steps} without meeting the convergence test"
+        if plan.subsampled:
+            epochs = outcome.num_steps / max(p.steps_per_epoch for p in plan.subsampled)
+            message += (
+                f" ({epochs:g} epochs of minibatches; the minibatch noise of the global "
+                "blocks shrinks with more steps)"
+            )
     if outcome.invalid_steps:
         message += (
             f"; in {outcome.invalid_steps} step(s) a block found no valid update and kept its "
@@ -385,13 +451,14 @@ def _run(prepared: _Prepared, state: BLRState, num_steps: int, progress_bar: boo
     )
     jax.block_until_ready(outcome.state)
     t2 = time.perf_counter()
-    nat = outcome.state.nat
+    plan = prepared.plan
+    nat = averaged_nat(plan, outcome.state) if prepared.iterate_average and plan.subsampled else outcome.state.nat
     result = BLRResult(
         posterior=bundle.posterior_fn(nat),
         elbo=np.asarray(outcome.elbo),
         num_steps=outcome.num_steps,
         converged=outcome.converged,
-        message=_stop_message(outcome, bundle.window, prepared.tol, num_steps),
+        message=_stop_message(outcome, plan, bundle.window, prepared.tol, num_steps),
         plan=prepared.plan,
         nat=nat,
         compile_time=t1 - prepared.start_time,
@@ -418,6 +485,7 @@ def blr_fit(
     progress_bar: bool = True,
     prior: BLRResult | None = None,
     point_space: str = "unconstrained",
+    iterate_average: bool = True,
 ) -> BLRResult:
     """Fit the latent variables of a NumPyro model by the Bayesian learning rule.
 
@@ -429,6 +497,14 @@ def blr_fit(
     in one jitted loop. For conjugate models one step with ρ = 1 is the exact posterior; for
     conditionally conjugate models the sequential schedule is variational message passing.
 
+    Models with subsampled plates (``numpyro.plate(name, N, subsample_size=M)``) are fitted
+    by stochastic BLR (SVI, Hoffman et al. 2013): each step draws a minibatch of every such
+    plate by random reshuffling (each element once per epoch of ⌊N/M⌋ steps), updates the
+    *local* latents inside the plate with ρ = 1 at the minibatch elements (the others keep
+    their parameters), then the *global* latents with ρ_t = (t + 10)^−0.7 from messages in
+    which the minibatch's likelihood terms carry N/M. The ELBO is a minibatch estimate
+    (convergence: windowed means, no backtracking).
+
     Args:
         model: a NumPyro model.
         data: the model's arguments: a dict of keyword arguments or a tuple of positional ones.
@@ -437,7 +513,9 @@ def blr_fit(
             conjugate blocks an exact coordinate step; for the others a natural-gradient
             Newton-like step, halved by backtracking when it lowers the ELBO, with the improved
             BLR retraction for Gaussians at ρ < 1), and ρ_t = 0.5 (1 + t/10)^−0.6 for blocks
-            with Monte Carlo messages.
+            with Monte Carlo messages. Under subsampling it is the step size of the global
+            blocks (default ρ_t = (t + 10)^−0.7; e.g. ``lambda t: (t + 1.0) ** -0.9`` for
+            other κ, τ); local blocks always take ρ = 1.
         schedule: ``"sequential"`` (default; one block at a time with the newest
             neighbours, i.e. VMP) or ``"parallel"`` (all blocks from the same state).
         families: optional overrides, site → family name (``"gaussian"``,
@@ -481,6 +559,11 @@ def blr_fit(
             posteriors fitted as usual, so a model whose latents are enumerated and whose
             continuous quantities are params is fitted by EM; ``result.point_estimates()``
             returns their values.
+        iterate_average: under subsampling, report for the global latents the average of
+            their natural parameters over the last half to three quarters of the run with
+            weights ∝ t + 1 (Polyak–Ruppert tail averaging: several times closer to the
+            full-batch fit than the last iterate, whose minibatch noise decays only like
+            ρ_t); ``False`` reports the last iterate. No effect without subsampled plates.
 
     Returns:
         :class:`blrppl.BLRResult`.
@@ -502,5 +585,6 @@ def blr_fit(
         tol=tol,
         prior=prior,
         point_space=point_space,
+        iterate_average=iterate_average,
     )
     return _run(prepared, prepared.state, int(num_steps), progress_bar)

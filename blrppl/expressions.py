@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -43,7 +43,7 @@ from numpyro.primitives import Messenger
 from blrppl import moments as mom
 from blrppl.graph.data import DataSpec
 from blrppl.graph.plan import Block
-from blrppl.graph.trace import unwrap
+from blrppl.graph.trace import PlateIndices, unwrap
 
 #: dense Gaussian blocks whose elements mix in an argument get one column per scalar,
 #: up to this many scalars; beyond it the argument is opaque
@@ -72,6 +72,19 @@ class _StopAfter(Messenger):
                 raise _Collected
 
 
+class MinibatchData(NamedTuple):
+    """The model's data together with the minibatch of every subsampled plate: what the
+    engine passes as ``data`` to :class:`ModelFunctions` under subsampling.
+
+    Attributes:
+        leaves: the model's dynamic data leaves.
+        indices: plate name → integer indices of the minibatch (length M).
+    """
+
+    leaves: tuple
+    indices: dict
+
+
 class ModelFunctions:
     """Evaluates factors' arguments as a function of the latent values.
 
@@ -83,20 +96,34 @@ class ModelFunctions:
         data_spec: how to rebuild the model's arguments from the dynamic data leaves.
         fill_values: a valid value for every latent site (used for sites a factor does not
             depend on; their values never reach the factor's arguments).
+        plate_indices: plate name → minibatch indices used for subsampled plates when the
+            data carry none (:class:`MinibatchData`), e.g. while compiling.
     """
 
     def __init__(
-        self, model, data_spec: DataSpec, fill_values: dict, transforms: dict | None = None, joints: dict | None = None
+        self,
+        model,
+        data_spec: DataSpec,
+        fill_values: dict,
+        transforms: dict | None = None,
+        joints: dict | None = None,
+        plate_indices: dict | None = None,
     ):
         self.model = model
         self.data_spec = data_spec
         self.fill_values = fill_values
         self.transforms = dict(transforms or {})
         self.joints = dict(joints or {})
+        self.plate_indices = dict(plate_indices or {})
 
     def sites(self, names, values: dict, data) -> dict:
         """Run the model with ``values`` (block space: unconstrained for transformed blocks)
-        substituted; the messages of the sites ``names``."""
+        substituted; the messages of the sites ``names``. ``data`` may be a
+        :class:`MinibatchData` (the minibatch of each subsampled plate)."""
+        indices = self.plate_indices
+        if isinstance(data, MinibatchData):
+            indices = {**indices, **data.indices}
+            data = data.leaves
         args, kwargs = self.data_spec.merge(data)
         full = dict(self.fill_values)
         for n, v in values.items():
@@ -107,6 +134,8 @@ class ModelFunctions:
         for n, t in self.transforms.items():
             full[n] = t(full[n])
         model = handlers.substitute(self.model, data=full)
+        if indices:
+            model = PlateIndices(model, indices)
         stopper = _StopAfter(model, names)
         try:
             stopper(*args, **kwargs)

@@ -42,7 +42,7 @@ def _all_finite(tree) -> jax.Array:
     return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
 
 
-def make_chunk(step, chunk_size: int, tol: float, window: int = 0):
+def make_chunk(step, chunk_size: int, tol: float, window: int = 0, epoch: int = 0):
     """``chunk(state, data, steps_left, rho, history) -> (state, elbo buffer, steps run, stop
     code, invalid steps, history)``; ``rho`` is the per-block step-size dict passed to
     ``step``.
@@ -53,6 +53,13 @@ def make_chunk(step, chunk_size: int, tol: float, window: int = 0):
     less than ``tol`` relative or by less than half the standard error of the difference
     (no progress the noise lets one detect). ``history`` is the ring buffer of the last
     2·window ELBOs carried across chunks.
+
+    With ``epoch`` > 0 the ELBO is a minibatch estimate under random reshuffling with
+    ``epoch`` steps per pass over the data and ``window`` a multiple of it: the test runs at
+    epoch ends only, where each window mean covers every data element once (the noise of
+    which minibatch was drawn cancels), and only on the relative change ``tol``: the spread
+    within a window is dominated by that cancelled noise, so half its standard error would
+    declare convergence while the global parameters are still several posterior sd away.
     """
     param_tol = math.sqrt(tol)
 
@@ -61,6 +68,8 @@ def make_chunk(step, chunk_size: int, tol: float, window: int = 0):
         diff = jnp.abs(recent.mean() - previous.mean())
         se = jnp.sqrt((recent.var() + previous.var()) / window)
         scale = jnp.maximum(1.0, jnp.abs(recent.mean()))
+        if epoch:
+            return (count >= 4 * window) & (jnp.mod(count, epoch) == 0) & (diff <= tol * scale)
         return (count >= 4 * window) & ((diff <= tol * scale) | (diff <= 0.5 * se))
 
     def chunk(state, data, steps_left, rho, history):

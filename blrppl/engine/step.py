@@ -12,7 +12,7 @@ valid parameters is valid), and after ``max_halvings`` the block keeps its λ.
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -23,24 +23,34 @@ from blrppl.online import expected_log_previous, is_previous_posterior, split_on
 
 class BLRState(NamedTuple):
     """Carried state: natural parameters per block, step count, last ELBO, PRNG key (for
-    Monte Carlo estimators), and the damping factor that backtracking applies to every ρ."""
+    Monte Carlo estimators and minibatches), the damping factor that backtracking applies
+    to every ρ, and, for models with subsampled plates, the
+    :class:`blrppl.engine.subsample.MinibatchState` (None otherwise)."""
 
     nat: dict
     step: jax.Array
     elbo: jax.Array
     rng_key: jax.Array
     damping: jax.Array
+    minibatch: Any = None
 
 
-def initial_state(nat, rng_key) -> BLRState:
-    """The state a run starts from (ELBO unknown: NaN)."""
+def initial_state(nat, rng_key, plan=None) -> BLRState:
+    """The state a run starts from (ELBO unknown: NaN); with a ``plan`` that has subsampled
+    plates, also the minibatch state (``nat`` then holds every element of local blocks)."""
     dtype = jnp.result_type(float)
+    minibatch = None
+    if plan is not None and plan.subsampled:
+        from blrppl.engine.subsample import initial_minibatch_state
+
+        minibatch = initial_minibatch_state(plan, nat)
     return BLRState(
         nat=nat,
         step=jnp.zeros((), jnp.int32),
         elbo=jnp.asarray(jnp.nan, dtype),
         rng_key=rng_key,
         damping=jnp.ones((), dtype),
+        minibatch=minibatch,
     )
 
 
@@ -277,6 +287,7 @@ def make_step(
     max_halvings: int = 30,
     decay_blocks=(),
     curvature: str = "reparam",
+    global_rate: Callable | None = None,
 ):
     """Build ``step(state, data, rho) -> (state, info)``.
 
@@ -293,6 +304,11 @@ def make_step(
         decay_blocks: names of blocks whose default schedule decays.
         curvature: estimator of Monte Carlo messages to Gaussian blocks (see
             :data:`blrppl.estimators.monte_carlo.CURVATURES`).
+        global_rate: for plans with subsampled plates (stochastic BLR, see
+            :mod:`blrppl.engine.subsample`), the step-size schedule of the global blocks
+            when ``rate_fn`` is None (e.g. :func:`blrppl.engine.subsample.svi_rate`); None
+            means a constant 1 (ρ then comes from ``rho`` alone). Local blocks always take
+            ρ = 1 on their minibatch elements.
     """
     user_rate = rate_fn
     decay_blocks = frozenset(decay_blocks)
@@ -322,6 +338,28 @@ def make_step(
                 solve = newton_maximise if blocks[n].param else newton_message
                 out[n] = solve(blocks[n], nat[n], lambda m, n=n, view=view: obj({n: view._replace(mean=m)}), view.mean)
         return out
+
+    if plan.subsampled:
+        from blrppl.engine import subsample
+
+        def rate_of_global(t):
+            if user_rate is not None:
+                return user_rate(t)
+            return global_rate(t) if global_rate is not None else 1.0
+
+        elbo_fn = subsample.minibatch_elbo(plan, objective, views_of)
+        step = subsample.make_minibatch_step(
+            plan,
+            messages,
+            elbo_fn,
+            lambda family, nat, msg, rho: _update_block(family, nat, msg, rho, max_halvings),
+            _relative_delta,
+            BLRState,
+            BLRInfo,
+            schedule,
+            rate_of_global,
+        )
+        return step, elbo_fn, messages
 
     def step(state, data, rho):
         nat = dict(state.nat)

@@ -72,7 +72,11 @@ def expected_log_factors(fns, factors, blocks, views, data, key=None, curvature=
     for f in factors:
         if is_jacobian(f):
             key, sub = jax.random.split(key)
-            total = total + expected_log_jacobian(blocks[f.neighbours[0]], views[f.neighbours[0]], sub)
+            block = blocks[f.neighbours[0]]
+            # a local block's minibatch stands for all N elements, as its sites' scale says
+            scale = block.subsample_scale
+            term = expected_log_jacobian(block, views[f.neighbours[0]], sub)
+            total = total + (term if scale == 1.0 else scale * term)
     factors = [f for f in factors if not is_jacobian(f)]
     if not factors:
         return total

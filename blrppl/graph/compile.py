@@ -15,7 +15,7 @@ from blrppl import families as fam
 from blrppl.errors import FamilyError, UnsupportedFactorError, UnsupportedLatentError
 from blrppl.expressions import LINKS, ModelFunctions, distribution_leaves, probe_argument, projection_args, run_probes
 from blrppl.graph.deps import output_dependencies
-from blrppl.graph.plan import Block, Factor, Plan
+from blrppl.graph.plan import Block, Factor, LocalAxis, Plan
 from blrppl.graph.trace import SiteRecord, finite_support_values
 from blrppl.rules import find_rule
 
@@ -133,7 +133,8 @@ JOINT_MAX_DIM = 500
 
 
 def compile_model(
-    model, records, data_spec, data, families=None, rng_key=None, structure=None, point=(), point_space="unconstrained"
+    model, records, data_spec, data, families=None, rng_key=None, structure=None, point=(),
+    point_space="unconstrained", subsampled=(),
 ):
     """Build blocks, the factor graph and the plan of a traced model.
 
@@ -169,6 +170,11 @@ def compile_model(
     params). In the sequential order a discrete block whose continuous neighbours are all
     point blocks comes first (the E-step from the initial points, as EM starts); the other
     discrete blocks come last, after the continuous blocks in model order.
+        subsampled: the model's :class:`blrppl.graph.plan.SubsampledPlate` s (from
+            :func:`blrppl.graph.trace.subsampled_plates`); ``records`` then hold minibatch
+            shapes. Latents inside such a plate become *local* blocks (never merged into a
+            joint block, updated first in each step); the model functions use the first M
+            elements of each plate unless the data carry a minibatch.
 
     Returns:
         (plan, model functions, dynamic data leaves, init values dict (block space),
@@ -205,13 +211,15 @@ def compile_model(
     if point_space not in ("unconstrained", "constrained"):
         raise FamilyError(f"point_space must be 'unconstrained' or 'constrained', not {point_space!r}")
     rng_key = jax.random.key(1) if rng_key is None else rng_key
+    subsampled = tuple(subsampled)
+    plate_indices = {p.name: np.arange(p.subsample_size) for p in subsampled}
     latent = [r for r in records.values() if not r.observed]
     params = {r.name for r in latent if r.is_param}
     site_init = {r.name: jnp.asarray(r.init_value) for r in latent}
     # params are not sites with a density: they are inputs of the factors, never factors
     records = collections.OrderedDict((n, r) for n, r in records.items() if not r.is_param)
     rules = {r.name: (None if r.is_factor else find_rule(r.dist_type)) for r in records.values()}
-    deps = _dependencies(model, data_spec, data, records, rules, site_init)
+    deps = _dependencies(model, data_spec, data, records, rules, site_init, plate_indices)
     param_blocks = {r.name: _param_block(r) for r in latent if r.is_param}
 
     moved: set = set()
@@ -219,11 +227,17 @@ def compile_model(
         blocks = {
             r.name: param_blocks[r.name]
             if r.is_param
-            else _as_point(choose_family(r, families.get(r.name), r.name in moved or r.name in point), r.name in point)
+            else _localise(
+                _as_point(choose_family(r, families.get(r.name), r.name in moved or r.name in point), r.name in point),
+                r,
+                subsampled,
+            )
             for r in latent
         }
         init_values = _block_init_values(blocks, site_init)
-        fns = ModelFunctions(model, data_spec, _site_fill(blocks, site_init), _transforms(blocks))
+        fns = ModelFunctions(
+            model, data_spec, _site_fill(blocks, site_init), _transforms(blocks), plate_indices=plate_indices
+        )
         factors = _classify_factors(records, rules, deps, blocks, fns, data, rng_key)
         to_move = set()
         for f in factors:
@@ -248,10 +262,10 @@ def compile_model(
         moved |= to_move
 
     # a site the user gave a family keeps its own block, unless structure="joint" asks for
-    # every dense Gaussian in one
+    # every dense Gaussian in one; local blocks of a subsampled plate are never merged
     members = [
         n for n, b in blocks.items()
-        if b.kind == "gaussian" and not b.point and (n not in families or structure == "joint")
+        if b.kind == "gaussian" and not b.point and b.local is None and (n not in families or structure == "joint")
     ]
     size = sum(blocks[n].size for n in members)
     if structure == "joint" or (structure is None and len(members) > 1 and size <= JOINT_MAX_DIM):
@@ -259,7 +273,9 @@ def compile_model(
             blocks = _merge_joint(blocks, members)
             init_values = _block_init_values(blocks, site_init)
             joints = {n: b for n, b in blocks.items() if b.members}
-            fns = ModelFunctions(model, data_spec, _site_fill(blocks, site_init), _transforms(blocks), joints)
+            fns = ModelFunctions(
+                model, data_spec, _site_fill(blocks, site_init), _transforms(blocks), joints, plate_indices
+            )
             site_block = {s: n for n, b in blocks.items() for s in b.sites}
             deps = {
                 name: {arg: frozenset(site_block[x] for x in d) for arg, d in args.items()}
@@ -272,6 +288,8 @@ def compile_model(
         for b in blocks.values()
         if _transformed(b) and not b.param and not (b.point and point_space == "constrained")
     ]
+    if subsampled:
+        factors = _check_subsampled(factors, records, blocks, {p.name for p in subsampled})
     graph = nx.Graph()
     for name, b in blocks.items():
         graph.add_node(("block", name), kind=b.kind, shape=b.value_shape)
@@ -280,7 +298,13 @@ def compile_model(
         for n in f.neighbours:
             graph.add_edge(("factor", f.name), ("block", n))
     order = _sweep_order(blocks, factors)
-    plan = Plan(blocks=tuple(blocks.values()), factors=tuple(factors), order=order)
+    if subsampled:
+        # the local step (each minibatch element given the global blocks) comes first, then
+        # the global blocks see the fresh local statistics (Hoffman et al. 2013)
+        order = tuple(n for n in order if blocks[n].local is not None) + tuple(
+            n for n in order if blocks[n].local is None
+        )
+    plan = Plan(blocks=tuple(blocks.values()), factors=tuple(factors), order=order, subsampled=subsampled)
     return plan, fns, data, init_values, graph
 
 
@@ -325,6 +349,55 @@ def _sweep_order(blocks: dict, factors) -> tuple:
         others = [blocks[m] for m in neighbours[n] if m != n and not blocks[m].discrete]
         (first if others and all(m.point for m in others) else last).append(n)
     return tuple(first + cont + last)
+
+
+def _localise(block: Block, record: SiteRecord, subsampled) -> Block:
+    """Mark a block inside a subsampled plate as local (its :class:`LocalAxis`)."""
+    names = {p.name: p for p in subsampled}
+    for plate, axis in zip(record.plates, record.plate_axes()):
+        if plate.name in names:
+            if block.value_shape[axis] != names[plate.name].subsample_size:
+                raise UnsupportedFactorError(
+                    f"the latent's axis {axis} should hold the {names[plate.name].subsample_size} "
+                    f"minibatch elements of the subsampled plate '{plate.name}' but has size "
+                    f"{block.value_shape[axis]}",
+                    site=record.name,
+                )
+            return dataclasses.replace(block, local=LocalAxis(plate.name, axis, plate.size))
+    return block
+
+
+def _check_subsampled(factors, records, blocks, plates) -> list:
+    """Record each factor's subsampled plates; a local block may only meet factors inside
+    its own plate, element by element."""
+    out = []
+    for f in factors:
+        if f.name.endswith(":jacobian") and f.rule is None and f.name not in records:
+            b = blocks[f.neighbours[0]]
+            inside = (b.local.plate,) if b.local is not None else ()
+        else:
+            inside = tuple(p.name for p in records[f.name].plates if p.name in plates)
+        for n in f.neighbours:
+            b = blocks[n]
+            if b.local is None:
+                continue
+            if b.local.plate not in inside:
+                raise UnsupportedFactorError(
+                    f"the factor depends on the local latent '{n}' of the subsampled plate "
+                    f"'{b.local.plate}' but is not inside that plate; only factors inside the "
+                    "plate may use its latents (move the site into the plate, or drop "
+                    "subsample_size)",
+                    site=f.name,
+                )
+            if dict(f.columns).get(n) == "full":
+                raise UnsupportedFactorError(
+                    f"the factor mixes several elements of the local latent '{n}' of the "
+                    f"subsampled plate '{b.local.plate}'; under subsampling each element may "
+                    "only use its own latent (drop subsample_size to fit it in full batch)",
+                    site=f.name,
+                )
+        out.append(dataclasses.replace(f, subsampled=inside))
+    return out
 
 
 def _as_point(block: Block, point: bool) -> Block:
@@ -386,9 +459,9 @@ def _merge_joint(blocks: dict, members: list) -> dict:
     return out
 
 
-def _dependencies(model, data_spec, data, records, rules, site_init) -> dict:
+def _dependencies(model, data_spec, data, records, rules, site_init, plate_indices=None) -> dict:
     """Per site: the latent sites its rule arguments and its log-density depend on."""
-    fns = ModelFunctions(model, data_spec, site_init)
+    fns = ModelFunctions(model, data_spec, site_init, plate_indices=plate_indices)
 
     def all_args(values, data):
         sites = fns.sites(tuple(records), values, data)

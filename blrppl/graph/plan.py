@@ -19,6 +19,50 @@ from blrppl.families.base import Family
 
 
 @dataclasses.dataclass(frozen=True)
+class SubsampledPlate:
+    """A plate declared with ``subsample_size``: each step sees ``subsample_size`` of its
+    ``size`` elements (a minibatch drawn by random reshuffling).
+
+    Attributes:
+        name: plate name.
+        size: N, the number of elements.
+        subsample_size: M, the minibatch size.
+        dim: the plate's dim (counted from the right of the batch dims).
+    """
+
+    name: str
+    size: int
+    subsample_size: int
+    dim: int
+
+    @property
+    def scale(self) -> float:
+        """N/M: the weight of a minibatch term in the full-data objective."""
+        return self.size / self.subsample_size
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Minibatches per pass over the data (the last N mod M elements of a reshuffled
+        order wait for the next epoch)."""
+        return self.size // self.subsample_size
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalAxis:
+    """Where a local block meets its subsampled plate.
+
+    Attributes:
+        plate: name of the subsampled plate.
+        axis: position of the plate in the block's value shape.
+        size: N, the plate's full size.
+    """
+
+    plate: str
+    axis: int
+    size: int
+
+
+@dataclasses.dataclass(frozen=True)
 class Block:
     """One latent site and its candidate family.
 
@@ -43,6 +87,10 @@ class Block:
             log|det J| term; its update maximises the expected log factors over its value
             (Newton's method on the unconstrained space iterated to convergence: the
             M-step of EM) and its posterior is a point mass.
+        local: for a *local* block (a latent inside a subsampled plate), the
+            :class:`LocalAxis` of that plate: ``value_shape`` is then the minibatch shape
+            (the plate axis has the subsample size M) and the fitted state holds λ for all
+            N elements (:attr:`full`).
     """
 
     name: str
@@ -56,6 +104,7 @@ class Block:
     members: tuple = ()
     point: bool = False
     param: bool = False
+    local: "LocalAxis | None" = None
 
     @property
     def sites(self) -> tuple:
@@ -85,6 +134,37 @@ class Block:
     @property
     def discrete(self) -> bool:
         return self.family.discrete
+
+    @property
+    def subsample_scale(self) -> float:
+        """N/M for a local block (its minibatch terms stand for all N elements), else 1."""
+        if self.local is None:
+            return 1.0
+        return self.local.size / self.value_shape[self.local.axis]
+
+    @property
+    def nat_axis(self) -> int:
+        """Axis of the subsampled plate in the leaves of the natural parameters (canonical
+        layout: a dense Gaussian's plate axes lead in ``plate_axes`` order; the other
+        families keep the value layout, with event dims last)."""
+        if self.local is None:
+            raise ValueError(f"block '{self.name}' is not local")
+        if self.kind == "gaussian":
+            return self.plate_axes.index(self.local.axis)
+        return self.local.axis
+
+    @property
+    def full(self) -> "Block":
+        """A local block at its full size (N elements along the subsampled plate): the layout
+        of its fitted state and posterior. A global block is returned as it is."""
+        if self.local is None:
+            return self
+        axis, size = self.local.axis, self.local.size
+
+        def widen(shape):
+            return None if shape is None else tuple(size if a == axis else s for a, s in enumerate(shape))
+
+        return dataclasses.replace(self, value_shape=widen(self.value_shape), site_shape=widen(self.site_shape))
 
     @property
     def _perm(self):
@@ -150,6 +230,8 @@ class Factor:
             scalar projection η = g⁻¹(leaf) integrated over.
         powers: for exact factors, ``(argument, a)`` of every argument that is c·τ^a in a
             Gamma block (a is None when it differs between elements).
+        subsampled: names of the subsampled plates the factor sits in (its minibatch
+            terms carry the weight N/M, applied by numpyro's plate as the site's scale).
     """
 
     name: str
@@ -165,6 +247,7 @@ class Factor:
     reinterpreted_ndim: int
     links: tuple = ()
     powers: tuple = ()
+    subsampled: tuple = ()
 
     @property
     def kinds(self) -> dict:
@@ -181,12 +264,27 @@ class Plan:
         order: the order in which the sequential schedule updates blocks.
         conjugate: per block, whether every factor's message to it is independent of its
             own parameters (then ρ = 1 is an exact coordinate step).
+        subsampled: the :class:`SubsampledPlate` s of the model (empty: every step sees
+            all the data). With subsampled plates the blocks inside them are *local*
+            (``Block.local``) and the others *global*.
     """
 
     blocks: tuple
     factors: tuple
     order: tuple
     conjugate: tuple = ()
+    subsampled: tuple = ()
+
+    @property
+    def local_blocks(self) -> tuple:
+        """Names of the local blocks (latents inside a subsampled plate)."""
+        return tuple(b.name for b in self.blocks if b.local is not None)
+
+    def plate(self, name: str) -> SubsampledPlate:
+        for p in self.subsampled:
+            if p.name == name:
+                return p
+        raise KeyError(name)
 
     def block(self, name: str) -> Block:
         for b in self.blocks:
@@ -214,21 +312,41 @@ class Plan:
         """A readable table of blocks (site, family, shape, role) and factors (site,
         distribution, neighbours, estimator), then the order of the sequential sweep."""
         conj = dict(self.conjugate)
-        rows = [("block", "family", "shape", "size", "conjugate", "role")]
+        sub = bool(self.subsampled)
+        rows = [("block", "family", "shape", "size", "conjugate", "role") + (("scope",) if sub else ())]
         for b in self.blocks:
-            rows.append(
-                (b.name, b.kind, str(b.value_shape), str(b.size), str(conj.get(b.name, "-")), self.role(b.name))
-            )
+            full = b.full
+            row = (b.name, b.kind, str(full.value_shape), str(full.size), str(conj.get(b.name, "-")), self.role(b.name))
+            if sub:
+                if b.local is None:
+                    scope = "global"
+                else:
+                    p = self.plate(b.local.plate)
+                    scope = f"local ({p.name}: {p.subsample_size} of {p.size} per step)"
+                row += (scope,)
+            rows.append(row)
         out = _table(rows)
-        rows = [("factor", "distribution", "neighbours", "estimator", "arguments")]
+        rows = [("factor", "distribution", "neighbours", "estimator", "arguments") + (("scale",) if sub else ())]
         for f in self.factors:
             args = ", ".join(f"{k}:{v}" for k, v in f.arg_kinds)
-            rows.append((f.name, f.dist_name, ", ".join(f.neighbours) or "-", f.estimator, args))
+            row = (f.name, f.dist_name, ", ".join(f.neighbours) or "-", f.estimator, args)
+            if sub:
+                scale = math.prod(self.plate(p).scale for p in f.subsampled)
+                row += (f"N/M = {scale:g}" if f.subsampled else "1",)
+            rows.append(row)
         fixed = [b.name for b in self.blocks if b.name not in self.order]
         tail = "sequential order: " + (", ".join(self.order) or "-")
         if fixed:
             tail += "\nkept at their initial value (no factor uses them): " + ", ".join(fixed)
-        return out + "\n\n" + _table(rows) + "\n\n" + tail
+        out = out + "\n\n" + _table(rows) + "\n\n" + tail
+        if sub:
+            plates = ", ".join(
+                f"'{p.name}' ({p.subsample_size} of {p.size} elements per step, reshuffled every "
+                f"{p.steps_per_epoch} steps)"
+                for p in self.subsampled
+            )
+            out = f"subsampled plates: {plates}\n\n" + out
+        return out
 
     def __str__(self) -> str:
         return self.describe()

@@ -24,7 +24,8 @@ from numpyro.primitives import Messenger
 from numpyro.infer.initialization import init_to_uniform
 
 from blrppl.graph.data import DataSpec
-from blrppl.errors import ModelTraceError, ObservedDataError, UnsupportedLatentError
+from blrppl.graph.plan import SubsampledPlate
+from blrppl.errors import ModelTraceError, ObservedDataError, UnsupportedFactorError, UnsupportedLatentError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,6 +236,13 @@ def trace_model(
         last = tracer.meta.get("last")
         name = last.name if last is not None else None
         where = f"after site '{name}'" if name is not None else "before its first site"
+        if isinstance(exc, ValueError) and "numpyro.subsample" in str(exc):
+            raise ObservedDataError(
+                f"the model's data do not match its subsampled plate ({exc}); the plate's size "
+                "must be the length of the data along the plate's dim: declare it as "
+                "numpyro.plate(name, len(data), subsample_size=M)",
+                site=name,
+            ) from exc
         raise ModelTraceError(
             f"the model could not be run with the data given: it raised {where} "
             f"({type(exc).__name__}: {exc}); check that `data` holds the model's arguments "
@@ -439,6 +447,95 @@ def _run_once(model, spec, init_strategy, meta, dyn, rng_key):
         )
     meta["sites"] = sites
     return {"values": values, "bounds": bounds, "in_support": checks}
+
+
+class PlateIndices(Messenger):
+    """Chooses the elements subsampled plates use: ``indices`` maps a plate name to the
+    integer indices of its minibatch (length M ≤ N), which the model then sees as the
+    plate's subsample (``with numpyro.plate(...) as idx``, ``numpyro.subsample``); numpyro's
+    plate scales the sites inside it by N/M. With ``arange(N)`` the plate is not subsampled.
+
+    The engine passes indices explicitly because its re-runs of the model carry no seed
+    handler (numpyro would otherwise draw them from a PRNG key).
+    """
+
+    def __init__(self, fn=None, indices=None):
+        super().__init__(fn)
+        self.indices = dict(indices or {})
+
+    def process_message(self, msg):
+        if msg["type"] == "plate" and msg.get("name") in self.indices:
+            idx = self.indices[msg["name"]]
+            msg["value"] = jnp.asarray(idx)
+            msg["args"] = (msg["args"][0], int(jnp.shape(idx)[0]))
+
+
+def subsampled_plates(records) -> tuple:
+    """The plates declared with a ``subsample_size`` below their size, outermost first.
+
+    Raises:
+        UnsupportedFactorError: a site sits in two subsampled plates (nested subsampling),
+            or a plate name is used with different sizes.
+    """
+    found: dict = {}
+    for r in records.values():
+        inside = [p for p in r.plates if p.subsample_size != p.size]
+        if len(inside) > 1:
+            names = ", ".join(f"'{p.name}'" for p in inside)
+            raise UnsupportedFactorError(
+                f"the site is inside the nested subsampled plates {names}; blr_fit subsamples "
+                "one plate per site: give the other plate(s) no subsample_size",
+                site=r.name,
+            )
+        for p in inside:
+            known = found.setdefault(p.name, SubsampledPlate(p.name, p.size, p.subsample_size, p.dim))
+            if (known.size, known.subsample_size) != (p.size, p.subsample_size):
+                raise UnsupportedFactorError(
+                    f"plate '{p.name}' is declared with size {known.size} / subsample_size "
+                    f"{known.subsample_size} and again with {p.size} / {p.subsample_size}; "
+                    "declare it once and reuse the plate object",
+                    site=r.name,
+                )
+    return tuple(found.values())
+
+
+def check_plate_sizes(plates, args, kwargs, records) -> None:
+    """A subsampled plate's size must be the number of data elements it indexes: some data
+    array must have an axis of that length (a size that matches no array would make the
+    minibatches index past the data or never reach part of it).
+
+    Raises:
+        ObservedDataError: no data array has an axis of the plate's size.
+    """
+    arrays = [
+        np.shape(x)
+        for x in jax.tree.leaves((tuple(args), dict(kwargs)))
+        if isinstance(x, (np.ndarray, jax.Array)) and np.ndim(x) > 0
+    ]
+    if not arrays:
+        return
+    for p in plates:
+        if any(p.size in shape for shape in arrays):
+            continue
+        sites = [r.name for r in records.values() if r.observed and any(q.name == p.name for q in r.plates)]
+        shapes = ", ".join(str(tuple(s)) for s in arrays)
+        raise ObservedDataError(
+            f"the subsampled plate '{p.name}' has size {p.size} but no data array has an axis "
+            f"of that length (data shapes: {shapes}); declare the plate with the number of data "
+            f"elements, e.g. numpyro.plate('{p.name}', len(y), subsample_size={p.subsample_size})",
+            site=sites[0] if sites else None,
+        )
+
+
+def full_size_model(model, plates):
+    """``model`` with every subsampled plate in ``plates`` using all its elements (for
+    validating all observed data and initialising every element of the local latents)."""
+    indices = {p.name: np.arange(p.size) for p in plates}
+
+    def full(*args, **kwargs):
+        return PlateIndices(model, indices)(*args, **kwargs)
+
+    return full
 
 
 _NEEDS_CONCRETE = (

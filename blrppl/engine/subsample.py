@@ -1,0 +1,271 @@
+"""Stochastic (minibatch) BLR for models with subsampled plates: SVI (Hoffman et al. 2013).
+
+A plate declared ``numpyro.plate(name, N, subsample_size=M)`` makes every latent inside it
+*local* (one candidate factor per element, λ kept for all N elements) and every other latent
+*global*. Each step
+
+1. takes the next minibatch B of M indices of every subsampled plate from a random
+   reshuffling of its N elements (a fresh permutation every ⌊N/M⌋ steps: each element is
+   visited once per epoch, no index twice within a step or an epoch);
+2. re-runs the model with B substituted for the plate's subsample (:class:`MinibatchData`),
+   so numpyro scales every site inside the plate by N/M;
+3. **local step**: gathers λ_b[B] of each local block and sets it, with ρ = 1, to the sum of
+   its messages on the minibatch (the scale N/M of the plate is divided out: element n's
+   posterior depends on its own factors only),
+
+       λ_b[n] ← Σ_{i ∋ b} λ̃_ib[n],      n ∈ B,
+
+   then scatters it back; elements outside B keep their λ;
+4. **global step**, with the fresh local parameters,
+
+       λ_g ← (1 − ρ_t) λ_g + ρ_t (λ̃_prior + (N/M) Σ_{n ∈ B} λ̃_{n→g}),   ρ_t = (t + τ)^−κ,
+
+   (κ = 0.7, τ = 10 by default): the bracket is an unbiased estimate of the full-batch
+   message, since the likelihood terms carry the site scale N/M and the priors of global
+   blocks carry none;
+5. keeps a tail average of every global block, reported as its posterior: λ̄_g =
+   Σ_s (s + 1) λ_g(s) / Σ_s (s + 1) over the steps s since the last-but-one power of two
+   (the last half to three quarters of the run: a doubling trick), i.e. Polyak–Ruppert
+   averaging with weights growing linearly in the step over a suffix of the run, which
+   forgets the transient from the initial state however far it started.
+
+The first step (t = 0) skips the local step: the global blocks move first from the random
+initial local parameters of the minibatch, which breaks the symmetry of mixture components
+that all start at the same prior mean (the full-batch sequential schedule breaks it the same
+way by updating continuous blocks first).
+
+The ELBO of a step is its minibatch estimate: the global factors and entropies plus N/M times
+the minibatch's factors and local entropies. It is never used for backtracking; the loop
+tests convergence on windowed means of it.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from blrppl.expressions import MinibatchData
+
+#: forgetting rate κ and delay τ of the default global step size ρ_t = (t + τ)^−κ
+SVI_KAPPA = 0.7
+SVI_TAU = 10.0
+
+
+def svi_rate(t, kappa: float = SVI_KAPPA, tau: float = SVI_TAU):
+    """ρ_t = (t + τ)^−κ: the default step size of global blocks under subsampling (Robbins–
+    Monro for κ ∈ (0.5, 1])."""
+    return (t + tau) ** (-kappa)
+
+
+class MinibatchState(NamedTuple):
+    """What subsampling adds to the carried state.
+
+    Attributes:
+        order: plate → the current epoch's permutation of ``arange(N)`` (int32).
+        indices: plate → the minibatch of the last step (int32, length M).
+        average: global block → average of its natural parameters, weights ∝ t + 1, over
+            the current segment of steps [2^k − 1, t].
+        weight: Σ (t + 1) over the current segment.
+        previous: the same average over the previous segment [2^(k−1) − 1, 2^k − 1).
+        previous_weight: its Σ (t + 1).
+    """
+
+    order: dict
+    indices: dict
+    average: dict
+    weight: jax.Array
+    previous: dict
+    previous_weight: jax.Array
+
+
+def initial_minibatch_state(plan, nat) -> MinibatchState:
+    """Identity orders (reshuffled at the first step), empty average."""
+    dtype = jnp.result_type(float)
+    glob = {b.name: nat[b.name] for b in plan.blocks if b.local is None}
+    return MinibatchState(
+        order={p.name: jnp.arange(p.size, dtype=jnp.int32) for p in plan.subsampled},
+        indices={p.name: jnp.arange(p.subsample_size, dtype=jnp.int32) for p in plan.subsampled},
+        average=glob,
+        weight=jnp.zeros((), dtype),
+        previous=glob,
+        previous_weight=jnp.zeros((), dtype),
+    )
+
+
+def tail_average(mb: MinibatchState, t, nat: dict) -> MinibatchState:
+    """Add λ_g(t) with weight t + 1 to the current segment's average; a segment starts at
+    every t = 2^k − 1, when the current one becomes the previous one."""
+    dtype = mb.weight.dtype
+    start = jnp.bitwise_and(t + 1, t) == 0
+
+    def pick(new, old):
+        return jax.tree.map(lambda a, b: jnp.where(start, a, b), new, old)
+
+    previous = pick(mb.average, mb.previous)
+    previous_weight = jnp.where(start, mb.weight, mb.previous_weight)
+    weight = jnp.where(start, 0.0, mb.weight).astype(dtype)
+    weight = weight + (t + 1).astype(dtype)
+    gamma = (t + 1).astype(dtype) / weight
+    average = {n: jax.tree.map(lambda a, x: a + gamma * (x - a), mb.average[n], nat[n]) for n in mb.average}
+    return mb._replace(average=average, weight=weight, previous=previous, previous_weight=previous_weight)
+
+
+def draw_minibatch(plan, order: dict, step, key):
+    """Random reshuffling: at the start of each epoch (every ⌊N/M⌋ steps) a fresh permutation;
+    the minibatch is its next M entries. Returns (orders, indices)."""
+    keys = jax.random.split(key, max(len(plan.subsampled), 1))
+    new_order, indices = {}, {}
+    for p, k in zip(plan.subsampled, keys):
+        pos = jnp.mod(step, p.steps_per_epoch)
+        perm = jax.lax.cond(
+            pos == 0,
+            lambda k=k, p=p: jax.random.permutation(k, p.size).astype(jnp.int32),
+            lambda p=p: order[p.name],
+        )
+        new_order[p.name] = perm
+        indices[p.name] = jax.lax.dynamic_slice(perm, (pos * p.subsample_size,), (p.subsample_size,))
+    return new_order, indices
+
+
+def gather_local(block, nat, indices):
+    """λ of a local block at the minibatch elements (the plate axis of every leaf)."""
+    idx = indices[block.local.plate]
+    return jax.tree.map(lambda x: jnp.take(x, idx, axis=block.nat_axis), nat)
+
+
+def scatter_local(block, nat_full, nat_batch, indices):
+    """Write the minibatch elements of a local block back into its full λ."""
+    idx = indices[block.local.plate]
+    where = (slice(None),) * block.nat_axis + (idx,)
+    return jax.tree.map(lambda x, v: x.at[where].set(v, unique_indices=True), nat_full, nat_batch)
+
+
+def minibatch_elbo(plan, objective, views_of):
+    """ELBO estimate on a minibatch: Σ_i E_q[log f_i] (sites inside subsampled plates scaled
+    N/M by numpyro) + Σ_b w_b H(q_b) with w_b = N/M for local blocks (their minibatch
+    elements) and 1 for global ones."""
+
+    def elbo(nat, data, key=None):
+        views = views_of(plan, nat)
+        entropy = 0.0
+        for b in plan.blocks:
+            h = jnp.sum(b.family.entropy(nat[b.name]))
+            entropy = entropy + (h if b.local is None else b.subsample_scale * h)
+        return objective(views, data, None, key) + entropy
+
+    return elbo
+
+
+def global_update(update_block, family, nat, message, rho):
+    """The step of a global block: Hoffman's convex combination (1 − ρ) λ + ρ λ̂ whenever
+    the message λ̂ is itself a valid natural parameter (as for conjugate factors, where it
+    is the posterior given the minibatch scaled to N: the combination is then valid too),
+    else the family's update (improved BLR retraction for Gaussians, ρ halved until valid).
+
+    The retraction would add ½ρ² Ĝ S⁻¹ Ĝ (Ĝ = λ̂'s precision − S) to the precision: far from
+    the optimum, with Ĝ of the order of N, that is orders of magnitude too confident, and
+    the slow decay of ρ_t would keep the run far from the optimum for hundreds of steps.
+    """
+    plain = jax.tree.map(lambda a, m: (1.0 - rho) * a + rho * m, nat, message)
+    usable = family.is_valid(message)
+    kept, ok = update_block(family, nat, message, rho)
+    return jax.tree.map(lambda p, k: jnp.where(usable, p, k), plain, kept), ok | usable
+
+
+def make_minibatch_step(
+    plan,
+    messages: Callable,
+    elbo_fn: Callable,
+    update_block: Callable,
+    relative_delta: Callable,
+    state_type,
+    info_type,
+    schedule: str,
+    global_rate: Callable,
+):
+    """Build the SVI ``step(state, data, rho) -> (state, info)`` (see the module docstring).
+
+    Args:
+        plan: a plan with subsampled plates.
+        messages: ``messages(nat, names, data, key)`` → summed messages of the blocks
+            ``names`` (minibatch natural parameters, :class:`MinibatchData`).
+        elbo_fn: :func:`minibatch_elbo`.
+        update_block: ``(family, nat, message, rho) -> (nat, ok)``.
+        relative_delta: largest relative change between two nat pytrees.
+        state_type, info_type: the engine's BLRState and BLRInfo.
+        schedule: ``"sequential"`` (one block after another, local blocks first) or
+            ``"parallel"`` (all local blocks at once, then all global blocks at once).
+        global_rate: t → the step-size factor of global blocks (multiplied by ``rho[b]``
+            and the loop's damping).
+    """
+    blocks = {b.name: b for b in plan.blocks}
+    local = tuple(n for n in plan.order if blocks[n].local is not None)
+    glob = tuple(n for n in plan.order if blocks[n].local is None)
+
+    def step(state, data, rho):
+        t = state.step
+        mb = state.minibatch
+        key, key_elbo, key_batch, *keys = jax.random.split(state.rng_key, len(plan.order) + 3)
+        order, indices = draw_minibatch(plan, mb.order, t, key_batch)
+        batch = MinibatchData(tuple(data), indices)
+        old = {n: gather_local(blocks[n], state.nat[n], indices) if n in local else state.nat[n] for n in plan.order}
+        nat = dict(old)
+        dtype = jnp.result_type(float)
+        # the first step leaves the local blocks to the global ones (symmetry breaking)
+        local_rho = jnp.where(t > 0, 1.0, 0.0).astype(dtype) * state.damping
+        global_rho = {n: rho[n] * global_rate(t) * state.damping for n in glob}
+        valid = jnp.array(True)
+
+        def local_message(n, msg):
+            # numpyro scaled the minibatch's sites by N/M; element n's own factors are unscaled
+            return jax.tree.map(lambda m: m / blocks[n].subsample_scale, msg)
+
+        def apply(n, msg):
+            if n in local:
+                return update_block(blocks[n].family, nat[n], local_message(n, msg), local_rho)
+            return global_update(update_block, blocks[n].family, nat[n], msg, global_rho[n])
+
+        if schedule == "parallel":
+            groups = [g for g in (local, glob) if g]
+            for group, k in zip(groups, keys):
+                msgs = messages(nat, group, batch, k)
+                for n in group:
+                    nat[n], ok = apply(n, msgs[n])
+                    valid = valid & ok
+        else:
+            for n, k in zip(plan.order, keys):
+                nat[n], ok = apply(n, messages(nat, (n,), batch, k)[n])
+                valid = valid & ok
+        elbo = elbo_fn(nat, batch, key_elbo)
+        delta = relative_delta(old, nat)
+        full = {n: nat[n] for n in glob}
+        for n in local:
+            full[n] = scatter_local(blocks[n], state.nat[n], nat[n], indices)
+        averaged = tail_average(mb._replace(order=order, indices=indices), t, nat)
+        new_state = state_type(
+            nat=full,
+            step=t + 1,
+            elbo=elbo,
+            rng_key=key,
+            damping=state.damping,
+            minibatch=averaged,
+        )
+        return new_state, info_type(elbo=elbo, max_delta=delta, valid=valid)
+
+    return step
+
+
+def averaged_nat(plan, state) -> dict:
+    """The fitted natural parameters with the global blocks replaced by their tail averages
+    (the local blocks as they are)."""
+    mb = state.minibatch
+    if mb is None:
+        return state.nat
+    total = mb.weight + mb.previous_weight
+    if not float(total) > 0:
+        return state.nat
+    wc, wp = mb.weight / total, mb.previous_weight / total
+    avg = {n: jax.tree.map(lambda c, p: wc * c + wp * p, mb.average[n], mb.previous[n]) for n in mb.average}
+    return {**state.nat, **avg}
