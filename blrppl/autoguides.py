@@ -31,6 +31,7 @@ from numpyro.distributions import biject_to
 from numpyro.infer import autoguide as ag
 
 from blrppl.errors import UnsupportedGuideError
+from blrppl.result import point_value
 
 #: autoguides whose family BLR fits (most specific first)
 SUPPORTED = (
@@ -98,7 +99,7 @@ def fit_options(guide, sites) -> dict:
 
 
 #: options of AutoDelta's point blocks (MAP in the constrained space, like AutoDelta)
-POINT_SPACE: dict = {}
+POINT_SPACE: dict = {"point_space": "constrained"}
 
 
 def _site_support(guide, name):
@@ -129,6 +130,8 @@ def _groups(plan, nat, full: bool):
     the flat layout being each site's unconstrained value flattened, sites in order."""
     out = []
     for b in plan.blocks:
+        if b.param:
+            continue  # the model's own params are not the autoguide's
         view = b.family.view(nat[b.name])
         if b.members:
             var = view.cov if full else jnp.diagonal(view.cov)
@@ -209,7 +212,13 @@ def low_rank(cov, rank: int):
 
 
 def params(guide, plan, nat) -> dict:
-    """The autoguide's parameters (constrained values, as ``SVI.get_params`` gives them)."""
+    """The autoguide's parameters (constrained values, as ``SVI.get_params`` gives them),
+    with the model's own ``numpyro.param`` values under their names."""
+    model_params = {b.name: point_value(b, nat[b.name]) for b in plan.blocks if b.param}
+    return {**_guide_params(guide, plan, nat), **model_params}
+
+
+def _guide_params(guide, plan, nat) -> dict:
     kind = _kind(guide)
     prefix = guide.prefix
     if kind in (ag.AutoNormal, ag.AutoDelta):

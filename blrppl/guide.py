@@ -12,6 +12,9 @@ parameters with the family's ``nat_from_view`` and draws:
   then being ``Delta`` sites at the transformed values with density −log|det J|, so that
   the guide's log density is exact (``psis_diagnostic`` needs it);
 * a point block as a ``Delta`` at its (transformed) mean.
+
+``numpyro.param`` sites of the model are not guide sites: their fitted values are in the
+parameters under their own names, which ``Predictive`` substitutes into the model.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import numpyro.distributions as dist
 
 from blrppl.errors import BLRError
 from blrppl.families.gaussian import GaussianView
-from blrppl.result import site_distribution
+from blrppl.result import point_value, site_distribution
 
 #: name of the auxiliary site of a joint block
 JOINT_SITE = "_blr_latent"
@@ -38,9 +41,14 @@ def _fields(block, view) -> tuple:
 
 
 def plan_params(plan, nat: dict) -> dict:
-    """Guide parameters of fitted natural parameters: ``"{block}_blr_{field}"`` → array."""
+    """Guide parameters of fitted natural parameters: ``"{block}_blr_{field}"`` → array,
+    and every ``numpyro.param`` site's fitted (constrained) value under its own name, so
+    that ``Predictive`` substitutes it into the model."""
     out = {}
     for b in plan.blocks:
+        if b.param:
+            out[b.name] = point_value(b, nat[b.name])
+            continue
         view = b.family.view(nat[b.name])
         for field in _fields(b, view):
             out[param_name(b.name, field)] = getattr(view, field)
@@ -80,6 +88,8 @@ class PlanGuide:
             raise BLRError("the guide is not fitted yet: call BLR.init or BLR.run first")
         out = {}
         for b in self.plan.blocks:
+            if b.param:
+                continue  # a model param, not a latent: params= carries its value
             view = self._view(b)
             if b.point:
                 u = b.to_site(view.mean) if b.kind == "gaussian" else view.mean

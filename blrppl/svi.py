@@ -38,6 +38,8 @@ OPTIONS = (
     "point",
     "mc_curvature",
     "tol",
+    "point_space",
+    "iterate_average",
 )
 
 
@@ -77,7 +79,8 @@ class BLR:
             guide) or one of the autoguides in :data:`blrppl.autoguides.SUPPORTED`, whose
             family is then fitted.
         **options: keywords of :func:`blrppl.blr_fit` (``learning_rate``, ``schedule``,
-            ``families``, ``structure``, ``point``, ``mc_curvature``, ``tol``).
+            ``families``, ``structure``, ``point``, ``mc_curvature``, ``tol``,
+            ``point_space``, ``iterate_average``).
 
     Attributes:
         guide: the guide to pass to ``Predictive`` (the autoguide given, or a
@@ -97,7 +100,7 @@ class BLR:
         self._autoguide = None
         if guide is not None:
             autoguides.check_supported(guide)
-            overlap = sorted(set(options) & {"families", "structure", "point"})
+            overlap = sorted(set(options) & {"families", "structure", "point", "point_space"})
             if overlap:
                 raise BLRError(f"{overlap} cannot be combined with an autoguide, which fixes the family")
             self._autoguide = guide
