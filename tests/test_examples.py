@@ -28,3 +28,40 @@ def test_svi_pipeline_example():
     assert lo < 0.5 < hi
     lo, _, hi = np.asarray(blr["quantiles"]["sigma"])
     assert lo < 0.7 < hi
+
+
+def test_quickstart_example():
+    result, stats, draws, y_rep = load("quickstart").main()
+    assert result.converged
+    assert set(draws) == {"mu", "tau"} and draws["mu"].shape == (1000,)
+    assert y_rep.shape == (200, 100)
+    # data: N(1.5, 0.5²), 100 points: the posterior mean of mu is within 4 sd (0.05) of 1.5
+    assert abs(float(stats["mu"]["mean"]) - 1.5) < 0.2
+
+
+def test_gaussian_mixture_example():
+    result, means = load("gaussian_mixture").main()
+    # 600 points, unit noise, separated components: means within 0.3 of the simulated ones
+    np.testing.assert_allclose(means, [-4.0, 0.0, 5.0], atol=0.3)
+    assert np.all(np.diff(result.elbo) >= -1e-6 * np.abs(result.elbo[1:]))
+
+
+def test_logistic_vs_nuts_example():
+    rows, blr_seconds, nuts_seconds = load("logistic_vs_nuts").main(num_warmup=300, num_samples=1000)
+    # 1000 NUTS draws: the Monte Carlo error of a NUTS mean is ~sd/sqrt(ESS) <= 0.06 sd; the
+    # Gaussian approximation of a 1000-point logistic regression is within a few hundredths
+    for name, blr_mean, nuts_mean, err, ratio in rows:
+        assert abs(err) < 0.2, name
+        assert 0.8 < ratio < 1.2, name
+
+
+def test_minibatch_example():
+    err, ratio = load("minibatch").main(n=2000, batch=100, num_steps=2000)
+    assert np.max(np.abs(err)) < 0.1
+    np.testing.assert_allclose(ratio, 1.0, rtol=0.1)
+
+
+def test_online_example():
+    online, batch = load("online").main(num_batches=3, batch_size=40)
+    np.testing.assert_allclose(online.concentration, batch.concentration, rtol=1e-6)
+    np.testing.assert_allclose(online.rate, batch.rate, rtol=1e-6)
