@@ -352,7 +352,7 @@ def load(name: str) -> BenchModel:
     if name in posteriordb.POSTERIORS:
         model, data, reference = posteriordb.load(name)
         representable = True
-        note = "linear regression: exact Gaussian × log-normal-ish σ"
+        note = "linear regression: Gaussian β, σ Gaussian on log σ (conjugate-like, nearly exact)"
         if name.startswith("eight_schools"):
             note = "non-centred: θ̃, μ Gaussian, τ log-normal; its skewed τ is approximated"
         return BenchModel(name, model, data, reference, representable=representable, note=note, source="posteriordb")

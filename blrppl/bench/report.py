@@ -13,7 +13,7 @@ MEAN_TOL_SD = 0.1
 TIME_FRACTION = 0.1
 
 COLUMNS = (
-    "model", "method", "compile s", "run s", "total s", "ELBO", "max |mean err| / ref sd",
+    "model", "method", "compile s", "run s", "total s", "ELBO", "max mean err / ref sd",
     "sd ratio (min–max)", "iterations", "grad evals",
 )
 
