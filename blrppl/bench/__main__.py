@@ -29,6 +29,18 @@ def all_models() -> list:
     return posteriordb.names() + models.names()
 
 
+def _clear_compiled():
+    import gc
+
+    import jax
+
+    from blrppl import api
+
+    api._CACHE.clear()
+    jax.clear_caches()
+    gc.collect()
+
+
 def parse(argv=None):
     p = argparse.ArgumentParser(prog="python -m blrppl.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", action="append", help="run only this model (repeatable); see --list")
@@ -93,6 +105,9 @@ def main(argv=None) -> int:
                 use_reference=not args.no_reference, log=lambda s: print(s, flush=True),
             )
         )
+        # free the compiled executables of this model (the process would otherwise hold
+        # hundreds of them; LLVM then runs out of memory for new ones)
+        _clear_compiled()
         acc = runs[-1].accuracy
         print("  max |mean err| / ref sd: " + ", ".join(
             f"{m} {a['max_mean_err_sd']:.3g}" for m, a in acc.items()), flush=True)
