@@ -227,7 +227,7 @@ def logistic_earnings():
     X = np.stack([np.ones_like(height), z(height), z(log_earn)], axis=1)
     return BenchModel(
         "logistic_earnings", logistic_model, {"X": X, "y": np.asarray(d["male"], float)},
-        note="real data (earnings survey, N=1192): P(male | height, log earnings); joint Gaussian fits",
+        note="real data (earnings survey, N=1192): P(male) from height and log earnings; joint Gaussian fits",
         source="real (posteriordb earnings, BSD-3)",
     )
 
