@@ -17,7 +17,9 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest tests
 
+# the benchmark also installs the optional `plot` extra (matplotlib) for its PNGs
 bench: $(STAMP)
+	$(PY) -m pip install --quiet -e ".[test,plot]"
 	$(PY) -m blrppl.bench
 
 clean:

@@ -1,0 +1,321 @@
+"""Fit a benchmark model by BLR, numpyro SVI (AutoNormal, AutoMultivariateNormal) and NUTS.
+
+Compile and run time are measured separately for every method:
+
+* BLR: ``BLRResult.compile_time`` (tracing, probing, XLA compilation, conjugacy probe) and
+  ``run_time`` (the jitted loop).
+* SVI: ``svi.init`` plus the ahead-of-time lowering and compilation of a ``lax.scan`` chunk of
+  ``svi.update`` steps (data passed as arguments, not baked in; the XLA options ``blr_fit``
+  uses, i.e. backend optimisation off below 200,000 data elements); the run is the compiled
+  chunks, timed chunk by chunk (the ELBO-against-wall-time curve).
+* NUTS: numpyro compiles inside ``MCMC.warmup``/``run``; a first tiny run (5 warm-up, 5 draws)
+  is timed as the compile time, and the run time is the full run's time less that (a full
+  run compiles again: every ``MCMC`` object jits its own sampler, so the full run's wall time
+  is the total).
+
+Accuracy is measured per reference parameter (Stan-style names, ``beta[1]``): the error of the
+posterior mean in reference sds, and the ratio of posterior sd to reference sd.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import pathlib
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpyro
+from numpyro.infer import MCMC, NUTS, SVI, Trace_ELBO
+from numpyro.infer.autoguide import AutoMultivariateNormal, AutoNormal
+
+from blrppl.api import _compiler_options, blr_fit
+from blrppl.bench import posteriordb
+from blrppl.bench.models import BenchModel
+
+#: numpyro's documented SVI recipe (Adam; the examples use 1e3–1e4 steps; ``--svi-steps``)
+SVI_STEPS = 10_000
+SVI_LR = 0.005
+SVI_CHUNK = 100
+#: NUTS as asked: 1 chain, 1000 warm-up, 1000 draws
+NUTS_WARMUP = 1000
+NUTS_SAMPLES = 1000
+#: the long reference run (cached): chains × (warm-up + draws)
+REF_CHAINS = 4
+REF_WARMUP = 500
+REF_SAMPLES = 1000
+#: draws taken from variational posteriors for the summaries
+NUM_DRAWS = 4000
+METHODS = ("blr", "svi_normal", "svi_mvn", "nuts")
+
+
+@dataclasses.dataclass
+class MethodResult:
+    """One method on one model."""
+
+    method: str
+    compile_time: float = float("nan")
+    run_time: float = float("nan")
+    elbo: float = float("nan")
+    #: BLR: iterations; SVI: steps (one gradient each); NUTS: leapfrog steps (gradients)
+    iterations: int = 0
+    grad_evals: int | None = None
+    #: (wall seconds since the run started, ELBO) pairs
+    trace: list = dataclasses.field(default_factory=list)
+    #: reference parameter → (mean, sd)
+    summary: dict = dataclasses.field(default_factory=dict)
+    #: parameter → a few hundred draws (for the marginal plots)
+    draws: dict = dataclasses.field(default_factory=dict)
+    error: str = ""
+    converged: bool | None = None
+
+    @property
+    def total_time(self) -> float:
+        return self.compile_time + self.run_time
+
+
+# ------------------------------------------------------------------------- metrics
+
+
+def accuracy(estimate: dict, reference: dict) -> dict:
+    """Largest |mean − ref mean| / ref sd and the range of sd / ref sd over ``reference``'s
+    parameters (NaN when a parameter is missing)."""
+    if not reference:
+        return {"max_mean_err_sd": float("nan"), "sd_ratio_min": float("nan"), "sd_ratio_max": float("nan")}
+    errs, ratios = [], []
+    for k, (m, s) in reference.items():
+        if k not in estimate:
+            errs.append(float("nan"))
+            ratios.append(float("nan"))
+            continue
+        errs.append(abs(estimate[k][0] - m) / s)
+        ratios.append(estimate[k][1] / s)
+    errs, ratios = np.asarray(errs), np.asarray(ratios)
+    return {
+        "max_mean_err_sd": float(np.max(errs)),
+        "sd_ratio_min": float(np.min(ratios)),
+        "sd_ratio_max": float(np.max(ratios)),
+    }
+
+
+def _summaries(bm: BenchModel, draws: dict, model) -> tuple[dict, dict]:
+    """(parameter → (mean, sd), parameter → up to 1000 draws) of site draws."""
+    draws = {k: np.asarray(v) for k, v in draws.items()}
+    if bm.canonical is not None:
+        draws = bm.canonical(draws)
+    flat = posteriordb.flatten_draws(draws, model, bm.data)
+    summary = {k: (float(np.mean(v)), float(np.std(v))) for k, v in flat.items()}
+    return summary, {k: v[:1000] for k, v in flat.items()}
+
+
+# ------------------------------------------------------------------------- methods
+
+
+def fit_blr(bm: BenchModel, num_steps: int | None = None) -> MethodResult:
+    kwargs = dict(bm.blr_kwargs)
+    if num_steps is not None:
+        kwargs["num_steps"] = num_steps
+    t0 = time.perf_counter()
+    r = blr_fit(bm.model, bm.data, progress_bar=False, **kwargs)
+    wall = time.perf_counter() - t0
+    draws = r.sample(jax.random.key(1), NUM_DRAWS)
+    summary, kept = _summaries(bm, draws, bm.model)
+    elbo = np.asarray(r.elbo, float)
+    times = r.run_time * np.arange(1, len(elbo) + 1) / max(len(elbo), 1)
+    # compile_time covers tracing to the first state; what blr_fit spends after its loop
+    # (building the posterior distributions) is counted as run time
+    run_time = max(wall - r.compile_time, r.run_time)
+    return MethodResult(
+        "blr", r.compile_time, run_time, float(elbo[-1]) if len(elbo) else float("nan"), int(r.num_steps),
+        None, list(zip(times.tolist(), elbo.tolist())), summary, kept, converged=bool(r.converged),
+    )
+
+
+def fit_svi(bm: BenchModel, guide_kind: str, num_steps: int = SVI_STEPS, lr: float = SVI_LR) -> MethodResult:
+    model = bm.sampler_model or bm.model
+    guide = {"svi_normal": AutoNormal, "svi_mvn": AutoMultivariateNormal}[guide_kind](model)
+    svi = SVI(model, guide, numpyro.optim.Adam(lr), Trace_ELBO())
+    data = {k: v for k, v in bm.data.items() if not isinstance(v, (int, float))}
+    static = {k: v for k, v in bm.data.items() if isinstance(v, (int, float))}
+    chunk_len = min(SVI_CHUNK, num_steps)
+
+    t0 = time.perf_counter()
+    state = svi.init(jax.random.key(0), **bm.data)
+
+    def chunk(state, data):
+        def body(s, _):
+            s, loss = svi.update(s, **data, **static)
+            return s, loss
+
+        return jax.lax.scan(body, state, None, length=chunk_len)
+
+    # the same XLA options blr_fit uses (backend optimisation off for small data)
+    compiled = jax.jit(chunk).lower(state, data).compile(compiler_options=_compiler_options(bm.data))
+    compile_time = time.perf_counter() - t0
+
+    trace, losses, t1 = [], [], time.perf_counter()
+    done = 0
+    while done < num_steps:
+        state, loss = compiled(state, data)
+        loss = np.asarray(jax.block_until_ready(loss))
+        done += chunk_len
+        losses.append(loss)
+        trace.append((time.perf_counter() - t1, -float(np.mean(loss))))
+    params = svi.get_params(state)
+    run_time = time.perf_counter() - t1
+    # the final ELBO with 200 particles (standard error ≈ sd(loss)/√200)
+    final = Trace_ELBO(num_particles=200).loss(jax.random.key(2), params, model, guide, **bm.data)
+    draws = guide.sample_posterior(jax.random.key(1), params, sample_shape=(NUM_DRAWS,))
+    summary, kept = _summaries(bm, draws, model)
+    return MethodResult(
+        guide_kind, compile_time, run_time, -float(final), done, done, trace, summary, kept,
+    )
+
+
+def _mcmc(model, warmup, samples, chains, key, data):
+    mcmc = MCMC(
+        NUTS(model), num_warmup=warmup, num_samples=samples, num_chains=chains,
+        chain_method="sequential", progress_bar=False,
+    )
+    mcmc.warmup(key, **data, extra_fields=("num_steps",), collect_warmup=True)
+    steps = int(np.sum(mcmc.get_extra_fields()["num_steps"]))
+    mcmc.run(mcmc.post_warmup_state.rng_key, **data, extra_fields=("num_steps",))
+    steps += int(np.sum(mcmc.get_extra_fields()["num_steps"]))
+    return mcmc, steps
+
+
+def fit_nuts(bm: BenchModel, warmup: int = NUTS_WARMUP, samples: int = NUTS_SAMPLES) -> MethodResult:
+    model = bm.sampler_model or bm.model
+    t0 = time.perf_counter()
+    _mcmc(model, min(5, warmup), min(5, samples), 1, jax.random.key(3), bm.data)
+    compile_time = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    mcmc, steps = _mcmc(model, warmup, samples, 1, jax.random.key(4), bm.data)
+    wall = time.perf_counter() - t1
+    summary, kept = _summaries(bm, mcmc.get_samples(), model)
+    # the full run compiles again (a fresh MCMC object): its wall time is the total, of which
+    # the tiny run's time is the compile estimate (capped, on a noisy machine, at the total)
+    compile_time = min(compile_time, wall)
+    return MethodResult(
+        "nuts", compile_time, wall - compile_time, float("nan"), warmup + samples, steps,
+        [], summary, kept,
+    )
+
+
+# ------------------------------------------------------------------------ reference
+
+
+def cache_dir() -> pathlib.Path:
+    """``$BLRPPL_CACHE`` or ``~/.cache/blrppl/bench``."""
+    root = os.environ.get("BLRPPL_CACHE")
+    return pathlib.Path(root) if root else pathlib.Path.home() / ".cache" / "blrppl" / "bench"
+
+
+def data_hash(bm: BenchModel) -> str:
+    h = hashlib.sha256()
+    h.update(bm.name.encode())
+    h.update(f"{REF_CHAINS}x{REF_WARMUP}+{REF_SAMPLES}".encode())
+    for k in sorted(bm.data):
+        h.update(k.encode())
+        h.update(np.ascontiguousarray(np.asarray(bm.data[k], dtype=float)).tobytes())
+    return h.hexdigest()[:16]
+
+
+def reference(bm: BenchModel, log=print) -> tuple[dict, str]:
+    """(parameter → (mean, sd), its source) for ``bm``: its exact/posteriordb reference, else a
+    long NUTS run (``REF_CHAINS`` × ``REF_SAMPLES`` after ``REF_WARMUP``) cached on disk."""
+    if bm.reference is not None:
+        return bm.reference, "exact" if bm.source != "posteriordb" else "posteriordb draws"
+    path = cache_dir() / f"{bm.name}-{data_hash(bm)}.json"
+    if path.exists():
+        return {k: tuple(v) for k, v in json.loads(path.read_text()).items()}, f"NUTS {REF_CHAINS}×{REF_SAMPLES} (cached)"
+    log(f"  reference: NUTS {REF_CHAINS} chains × ({REF_WARMUP} + {REF_SAMPLES}) for {bm.name} ...")
+    t0 = time.perf_counter()
+    mcmc, _ = _mcmc(bm.sampler_model or bm.model, REF_WARMUP, REF_SAMPLES, REF_CHAINS, jax.random.key(5), bm.data)
+    summary, _ = _summaries(bm, mcmc.get_samples(), bm.sampler_model or bm.model)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(summary))
+    log(f"  reference done in {time.perf_counter() - t0:.0f} s, cached at {path}")
+    return summary, f"NUTS {REF_CHAINS}×{REF_SAMPLES} (computed)"
+
+
+@dataclasses.dataclass
+class ModelRun:
+    """All methods on one model, with the reference they are judged against."""
+
+    name: str
+    bench: BenchModel
+    reference: dict
+    reference_source: str
+    results: dict  # method → MethodResult
+    accuracy: dict  # method → accuracy dict
+
+
+def run_model(
+    bm: BenchModel,
+    methods=METHODS,
+    blr_steps: int | None = None,
+    svi_steps: int = SVI_STEPS,
+    nuts_warmup: int = NUTS_WARMUP,
+    nuts_samples: int = NUTS_SAMPLES,
+    use_reference: bool = True,
+    log=print,
+) -> ModelRun:
+    results = {}
+    for method in methods:
+        try:
+            if method == "blr":
+                res = fit_blr(bm, blr_steps)
+            elif method.startswith("svi"):
+                res = fit_svi(bm, method, svi_steps)
+            elif method == "nuts":
+                res = fit_nuts(bm, nuts_warmup, nuts_samples)
+            else:
+                raise ValueError(f"unknown method {method!r}")
+        except Exception as err:  # a method failing on a model is a result, not a crash
+            res = MethodResult(method, error=f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]}")
+        results[method] = res
+        log(
+            f"  {bm.name:<40} {method:<10} compile {res.compile_time:7.2f} s  run {res.run_time:7.2f} s  "
+            f"ELBO {res.elbo:12.3f}  iters {res.iterations}" + (f"  ERROR {res.error}" if res.error else "")
+        )
+    if use_reference:
+        ref, source = reference(bm, log)
+    elif "nuts" in results and not results["nuts"].error:
+        ref, source = results["nuts"].summary, "this run's NUTS"
+    else:
+        ref, source = {}, "none"
+    names = bm.params or list(ref)
+    ref = {k: ref[k] for k in names if k in ref}
+    acc = {m: accuracy(r.summary, ref) for m, r in results.items()}
+    return ModelRun(bm.name, bm, ref, source, results, acc)
+
+
+# -------------------------------------------------------------------------- scaling
+
+
+def scaling(sizes=(1_000, 10_000, 100_000, 1_000_000), d: int = 10, log=print) -> list:
+    """BLR on logistic regression of growing N: compile, run, steps, time per step."""
+    from blrppl.bench.models import logistic_data, logistic_model
+
+    rows = []
+    for n in sizes:
+        data = logistic_data(int(n), d)
+        r = blr_fit(logistic_model, data, progress_bar=False)
+        row = {
+            "N": int(n),
+            "compile_time": r.compile_time,
+            "run_time": r.run_time,
+            "steps": int(r.num_steps),
+            "per_step": r.run_time / max(int(r.num_steps), 1),
+        }
+        rows.append(row)
+        log(
+            f"  scaling N={n:>9,}  compile {row['compile_time']:6.2f} s  run {row['run_time']:7.3f} s  "
+            f"steps {row['steps']}  {1e3 * row['per_step']:.2f} ms/step"
+        )
+    return rows

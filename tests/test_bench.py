@@ -1,0 +1,144 @@
+"""The benchmark suite: its metrics, its models, and its CLI on one tiny model.
+
+The full benchmark is not run here (``make bench``); these tests check that the pieces work:
+the accuracy metrics on hand-made inputs (exact arithmetic), every bench model fitting with
+``blr_fit`` for a few steps (finite ELBO, draws of every latent), and the CLI writing a report
+with the expected columns.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from blrppl.api import blr_fit
+from blrppl.bench import __main__ as cli
+from blrppl.bench import models, report, runner
+
+
+# ------------------------------------------------------------------------ metrics
+
+
+def test_accuracy_on_hand_made_inputs():
+    reference = {"a": (1.0, 0.5), "b": (0.2, 2.0), "c": (-3.0, 1.0)}
+    estimate = {"a": (1.05, 2.0), "b": (0.0, 1.0), "c": (-3.0, 1.0), "unused": (9.0, 9.0)}
+    acc = runner.accuracy(estimate, reference)
+    # |1.05 − 1| / 0.5 = 0.1, |0 − 0.2| / 2 = 0.1, 0 → max 0.1; sd ratios 4, 0.5, 1
+    assert acc["max_mean_err_sd"] == pytest.approx(0.1)
+    assert acc["sd_ratio_min"] == pytest.approx(0.5)
+    assert acc["sd_ratio_max"] == pytest.approx(4.0)
+
+
+def test_accuracy_worst_parameter_dominates_and_missing_is_nan():
+    reference = {"a": (0.0, 1.0), "b": (10.0, 0.1)}
+    acc = runner.accuracy({"a": (0.05, 1.0), "b": (10.3, 0.1)}, reference)
+    assert acc["max_mean_err_sd"] == pytest.approx(3.0)  # |10.3 − 10| / 0.1
+    assert acc["sd_ratio_min"] == pytest.approx(1.0) and acc["sd_ratio_max"] == pytest.approx(1.0)
+    missing = runner.accuracy({"a": (0.0, 1.0)}, reference)
+    assert math.isnan(missing["max_mean_err_sd"]) and math.isnan(missing["sd_ratio_max"])
+    assert math.isnan(runner.accuracy({"a": (0.0, 1.0)}, {})["max_mean_err_sd"])
+
+
+def _run(err, blr_total, nuts_total):
+    blr = runner.MethodResult("blr", compile_time=blr_total / 2, run_time=blr_total / 2)
+    nuts = runner.MethodResult("nuts", compile_time=1.0, run_time=nuts_total - 1.0)
+    bm = models.BenchModel("m", None, {}, note="why")
+    acc = {"blr": {"max_mean_err_sd": err, "sd_ratio_min": 1.0, "sd_ratio_max": 1.0}}
+    return runner.ModelRun("m", bm, {}, "exact", {"blr": blr, "nuts": nuts}, acc)
+
+
+@pytest.mark.parametrize(
+    "err, blr_total, nuts_total, expected",
+    [
+        (0.05, 1.0, 20.0, (True, True)),
+        (0.1, 1.0, 10.0, (True, False)),  # the time limit is strict: 1.0 is not < 0.1 × 10
+        (0.11, 0.5, 10.0, (False, True)),
+        (float("nan"), 0.5, 10.0, (None, True)),
+    ],
+)
+def test_verdict_flags(err, blr_total, nuts_total, expected):
+    assert report.verdict(_run(err, blr_total, nuts_total)) == expected
+
+
+def test_shortfalls_name_the_model_and_reason():
+    lines = report._shortfalls([_run(0.5, 5.0, 10.0)])
+    assert len(lines) == 2
+    assert lines[0].startswith("m: BLR means off by up to 0.5") and lines[0].endswith("why.")
+    assert lines[1].startswith("m: BLR total 5 s vs NUTS 10 s")
+
+
+# ------------------------------------------------------------------------- models
+
+
+def test_reference_cache_key_depends_on_data(monkeypatch, tmp_path):
+    monkeypatch.setenv("BLRPPL_CACHE", str(tmp_path))
+    assert runner.cache_dir() == tmp_path
+    a = models.load("linear_regression")
+    b = models.load("linear_regression")
+    assert runner.data_hash(a) == runner.data_hash(b)  # deterministic data
+    b.data = {**b.data, "y": b.data["y"] + 1e-9}
+    assert runner.data_hash(a) != runner.data_hash(b)
+
+
+def test_exact_references():
+    bb = models.load("beta_bernoulli")
+    y = bb.data["y"]
+    a, b = 2.0 + y.sum(), 2.0 + len(y) - y.sum()
+    assert bb.reference["p"][0] == pytest.approx(a / (a + b))
+    ng = models.load("normal_gamma")
+    # μ's marginal is Student-t centred at the conjugate posterior mean
+    n, ybar = len(ng.data["y"]), ng.data["y"].mean()
+    assert ng.reference["mu"][0] == pytest.approx(n * ybar / (models.NG_K0 + n))
+
+
+def test_sort_components_relabels_jointly():
+    draws = {"mu": np.array([[3.0, -1.0, 0.0]]), "w": np.array([[0.5, 0.2, 0.3]]), "z": np.zeros((1, 4))}
+    out = models._sort_components(draws)
+    np.testing.assert_array_equal(out["mu"], [[-1.0, 0.0, 3.0]])
+    np.testing.assert_array_equal(out["w"], [[0.2, 0.3, 0.5]])
+    assert "z" not in out
+
+
+@pytest.mark.parametrize("name", models.names())
+def test_every_bench_model_fits_with_blr(name):
+    bm = models.load(name)
+    result = blr_fit(bm.model, bm.data, num_steps=3, progress_bar=False, **bm.blr_kwargs)
+    assert np.all(np.isfinite(result.elbo))
+    draws = result.sample(__import__("jax").random.key(0), 10)
+    summary, _ = runner._summaries(bm, draws, bm.model)
+    names = bm.params or list((bm.reference or summary))
+    for k in names:
+        assert k in summary and np.isfinite(summary[k][0]), k
+
+
+# ---------------------------------------------------------------------------- CLI
+
+
+def test_cli_writes_report_with_expected_columns(tmp_path, monkeypatch):
+    monkeypatch.setenv("BLRPPL_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "out"
+    rc = cli.main([
+        "--model", "beta_bernoulli", "--out", str(out), "--blr-steps", "5", "--svi-steps", "20",
+        "--nuts-warmup", "10", "--nuts-samples", "10", "--methods", "blr,svi_normal,nuts",
+    ])
+    assert rc == 0
+    text = (out / "benchmarks.md").read_text()
+    header = "| " + " | ".join(report.COLUMNS) + " |"
+    assert header in text
+    for method in ("blr", "svi_normal", "nuts"):
+        assert f"| beta_bernoulli | {method} |" in text
+    assert "| beta_bernoulli | exact | yes |" in text  # summary row: the exact Beta reference
+    assert "## Scaling" not in text  # a single-model run skips the scaling study
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return
+    assert (out / "benchmarks" / "elbo_vs_time.png").stat().st_size > 0
+    assert (out / "benchmarks" / "marginals.png").stat().st_size > 0
+    assert "](benchmarks/elbo_vs_time.png)" in text
+
+
+def test_cli_rejects_unknown_model(tmp_path):
+    assert cli.main(["--model", "nope", "--out", str(tmp_path)]) == 2
