@@ -1,8 +1,9 @@
 """The benchmark suite: its metrics, its models, and its CLI on one tiny model.
 
 The full benchmark is not run here (``make bench``); these tests check that the pieces work:
-the accuracy metrics on hand-made inputs (exact arithmetic), every bench model fitting with
-``blr_fit`` for a few steps (finite ELBO, draws of every latent), and the CLI writing a report
+the accuracy metrics on hand-made inputs (exact arithmetic), every bench model tracing with its
+data and the kinds not fitted elsewhere fitting with ``blr_fit`` for a few steps (finite ELBO,
+draws of every latent), and the CLI writing a report
 with the expected columns.
 """
 
@@ -16,6 +17,7 @@ import pytest
 from blrppl.api import blr_fit
 from blrppl.bench import __main__ as cli
 from blrppl.bench import models, report, runner
+from blrppl.graph.trace import trace_model
 
 
 # ------------------------------------------------------------------------ metrics
@@ -101,8 +103,22 @@ def test_sort_components_relabels_jointly():
     assert "z" not in out
 
 
-@pytest.mark.parametrize("name", models.names())
-def test_every_bench_model_fits_with_blr(name):
+#: bench models fitted here (a few steps); the others are the same kinds of model as the
+#: fits tested elsewhere, and are only traced (compiling each costs several seconds)
+FITTED = ("bnn", "random_intercepts", "logistic_earnings")
+
+
+@pytest.mark.parametrize("name", [n for n in models.names() if n not in FITTED])
+def test_every_bench_model_traces(name):
+    bm = models.load(name)
+    args, kwargs = (bm.data, {}) if isinstance(bm.data, tuple) else ((), bm.data)
+    records = trace_model(bm.model, args, kwargs, __import__("jax").random.key(0))[0]
+    assert any(not r.observed for r in records.values())
+    assert any(r.observed for r in records.values())
+
+
+@pytest.mark.parametrize("name", FITTED)
+def test_bench_models_fit_with_blr(name):
     bm = models.load(name)
     result = blr_fit(bm.model, bm.data, num_steps=3, progress_bar=False, **bm.blr_kwargs)
     assert np.all(np.isfinite(result.elbo))
