@@ -10,6 +10,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+import numpyro
 
 from blrppl import families as fam
 from blrppl.engine.loop import CONVERGED, NONFINITE, make_chunk, run_loop
@@ -18,6 +19,9 @@ from blrppl.estimators.monte_carlo import CURVATURES
 from blrppl.errors import BLRError, ModelTraceError
 from blrppl.graph.compile import _block_init_values, compile_model, init_nat
 from blrppl.graph.data import DataSpec
+from blrppl.graph.data import compiler_options as _compiler_options
+
+_FAST_COMPILE = {"xla_backend_optimization_level": 0}
 from blrppl.engine.subsample import averaged_nat, svi_rate
 from blrppl.graph.trace import check_plate_sizes, full_size_model, subsampled_plates, trace_model
 from blrppl.online import OnlineData, online_plan, previous_nat, previous_spec
@@ -95,14 +99,6 @@ def _detect_conjugate(plan, chunk, state, data, rng: np.random.Generator, window
     return out
 
 
-#: below this many data elements, compile time dominates run time and XLA's backend
-#: optimisations are turned off (several times faster to compile)
-SMALL_DATA = 200_000
-
-
-def _compiler_options(data) -> dict | None:
-    size = sum(int(np.prod(jnp.shape(x))) for x in jax.tree.leaves(data))
-    return {"xla_backend_optimization_level": 0} if size < SMALL_DATA else None
 
 
 def _posterior_builder(plan, records):
@@ -120,11 +116,17 @@ def _posterior_builder(plan, records):
                 out[n] = site_distribution(b, nat[n], records[n].event_ndim)
         return {name: out[name] for name in records if name in out}
 
-    jitted = jax.jit(build)
+    compiled = []
 
     def posteriors(nat):
+        # one small compiled call (backend optimisations off: it runs once per fit); op by
+        # op, every jnp operation would compile on its own
         try:
-            return jitted(nat)
+            if not compiled:
+                with numpyro.validation_enabled(False):  # the families' parameters are valid
+                    lowered = jax.jit(build).lower(nat)
+                compiled.append(lowered.compile(compiler_options=_FAST_COMPILE))
+            return compiled[0](nat)
         except TypeError:  # a distribution that is not a pytree
             return build(nat)
 
@@ -350,7 +352,10 @@ def _prepare(
             full_size_model(model, plates), args, kwargs, k_trace, tracer=full_tracer
         )
     if bundle is None:
-        bundle = _compile(model, records, data_spec, dyn_data, tracer, options, k_probe)
+        # the model was run with validation above; its many internal re-runs skip it (each
+        # check of a constant argument would otherwise compile on its own)
+        with numpyro.validation_enabled(False):
+            bundle = _compile(model, records, data_spec, dyn_data, tracer, options, k_probe)
         if key is not None:
             _remember(key, bundle)
     if plates:

@@ -42,6 +42,7 @@ from numpyro.primitives import Messenger
 
 from blrppl import moments as mom
 from blrppl.graph.data import DataSpec
+from blrppl.graph.data import compiler_options
 from blrppl.graph.plan import Block
 from blrppl.graph.trace import PlateIndices, unwrap
 
@@ -528,7 +529,9 @@ def run_probes(probes: dict, data) -> dict:
 
     outputs = {}
     if active:
-        outputs = jax.jit(compute_all)({k: p.inputs for k, p in active.items()}, data)
+        inputs = {k: p.inputs for k, p in active.items()}
+        compiled = jax.jit(compute_all).lower(inputs, data).compile(compiler_options=compiler_options(data))
+        outputs = compiled(inputs, data)
     return {k: p.decide(outputs.get(k)) for k, p in probes.items()}
 
 

@@ -40,3 +40,15 @@ class DataSpec:
             leaves[i] = static[i] if i in static else next(it)
         args, kwargs = jax.tree.unflatten(self.treedef, leaves)
         return args, kwargs
+
+
+#: below this many data elements, compile time dominates run time and XLA's backend
+#: optimisations are turned off (several times faster to compile)
+SMALL_DATA = 200_000
+
+
+def compiler_options(data) -> dict | None:
+    """XLA options for compiling a function of ``data``: backend optimisations off for small
+    data, where compiling dominates running."""
+    size = sum(int(np.prod(jnp.shape(x))) for x in jax.tree.leaves(data))
+    return {"xla_backend_optimization_level": 0} if size < SMALL_DATA else None
