@@ -597,12 +597,21 @@ def _tangent_sets(block: Block, view, full: bool) -> dict:
         return {"left": left, "right": right}
     if block.kind == "gamma":
         ones = jnp.ones(block.value_shape, view.shape.dtype)
-        return {"gamma": jnp.stack([ones, view.shape, view.rate])}
+        rows = [ones, view.shape, view.rate]
+        if getattr(view, "mean_log", None) is not None:  # GammaRuleView: E[log τ], E[τ] leaves
+            rows += [jnp.broadcast_to(view.mean_log, ones.shape), jnp.broadcast_to(view.mean, ones.shape)]
+        return {"gamma": jnp.stack(rows)}
     if block.kind == "beta":
-        return {"beta": jnp.stack([view.alpha, view.beta])}
+        rows = [view.alpha, view.beta]
+        if getattr(view, "mean_log", None) is not None:  # BetaRuleView: E[log p], E[log(1 − p)]
+            rows += [view.mean_log, view.mean_log1m]
+        return {"beta": jnp.stack(jnp.broadcast_arrays(*rows))}
     a = view.concentration
     total = jnp.broadcast_to(a.sum(-1, keepdims=True), a.shape)
-    return {"dirichlet": jnp.stack([a, total])}
+    rows = [a, total]
+    if getattr(view, "mean_log", None) is not None:  # DirichletRuleView: E[log π]
+        rows.append(view.mean_log)
+    return {"dirichlet": jnp.stack(rows)}
 
 
 def group_moments(fns: ModelFunctions, factors, blocks: dict, views: dict, discrete_values: dict, data) -> dict:
@@ -676,14 +685,16 @@ def group_moments(fns: ModelFunctions, factors, blocks: dict, views: dict, discr
                 right = tuple(rows_of(n, "right", f.name, arg) if n in used else None for n in fgauss)
                 moments[arg] = mom.AffineGaussian(value, left, right)
             elif kind == "power_gamma":
-                slope, shape_t, rate_t = rows_of(used[0], "gamma", f.name, arg)
-                moments[arg] = mom.PowerGamma(value, slope / value, shape_t / slope, rate_t / slope)
+                # each row pushed through x = c τ^a at τ = 1 is multiplied by the slope c a
+                slope, shape_t, rate_t, *mean_t = rows_of(used[0], "gamma", f.name, arg)
+                mean_params = [m / slope for m in mean_t] if mean_t else [None, None]
+                moments[arg] = mom.PowerGamma(value, slope / value, shape_t / slope, rate_t / slope, *mean_params)
             elif kind == "beta":
-                alpha, beta = rows_of(used[0], "beta", f.name, arg)
-                moments[arg] = mom.BetaIdentity(alpha, beta)
+                alpha, beta, *mean_params = rows_of(used[0], "beta", f.name, arg)
+                moments[arg] = mom.BetaIdentity(alpha, beta, *mean_params)
             elif kind == "dirichlet":
-                conc, tot = rows_of(used[0], "dirichlet", f.name, arg)
-                moments[arg] = mom.DirichletIdentity(conc, tot)
+                conc, tot, *mean_params = rows_of(used[0], "dirichlet", f.name, arg)
+                moments[arg] = mom.DirichletIdentity(conc, tot, *mean_params)
             else:
                 raise ValueError(f"factor '{f.name}': argument '{arg}' is {kind}")
         result[f.name] = moments

@@ -227,12 +227,21 @@ class PowerGamma(NamedTuple):
         power: a (≠ 0), shape of x.
         shape_param: Gamma shape α of the τ each element of x uses.
         rate: Gamma rate β of that τ.
+        tau_mean_log: E[log τ] = ψ(α) − log β of that τ, or None (then computed from α, β).
+        tau_mean: E[τ] = α / β of that τ, or None (then computed from α, β).
+
+    Inside a fit the two mean parameters are the block's own leaves
+    (:class:`blrppl.families.GammaRuleView`), and the expectations below are written so that
+    conjugate ones (E[log x], and E[x^k] with a k = 1) depend on them alone: their gradient
+    then reaches the block's message without the Fisher solve (exact in float32 too).
     """
 
     coef: jax.Array
     power: jax.Array
     shape_param: jax.Array
     rate: jax.Array
+    tau_mean_log: jax.Array | None = None
+    tau_mean: jax.Array | None = None
     kind = "power_gamma"
 
     @property
@@ -240,11 +249,21 @@ class PowerGamma(NamedTuple):
         return jnp.shape(self.coef)
 
     def expect_pow(self, k):
-        """E[x^k] = c^k Γ(α + a k) / Γ(α) · β^(−a k); needs α + a k > 0."""
+        """E[x^k] = c^k Γ(α + a k) / Γ(α) · β^(−a k); needs α + a k > 0.
+
+        With the mean parameter E[τ] = α/β at hand it is evaluated as
+        c^k E[τ] · Γ(α + a k) / Γ(α + 1) · β^(1 − a k), whose second factor is exactly 1,
+        with exactly zero derivatives in (α, β), when a k = 1.
+        """
         ak = self.power * k
-        return jnp.power(self.coef, k) * jnp.exp(
-            gammaln(self.shape_param + ak) - gammaln(self.shape_param) - ak * jnp.log(self.rate)
+        if self.tau_mean is None:
+            return jnp.power(self.coef, k) * jnp.exp(
+                gammaln(self.shape_param + ak) - gammaln(self.shape_param) - ak * jnp.log(self.rate)
+            )
+        ratio = jnp.exp(
+            gammaln(self.shape_param + ak) - gammaln(self.shape_param + 1.0) - (ak - 1.0) * jnp.log(self.rate)
         )
+        return jnp.power(self.coef, k) * self.tau_mean * ratio
 
     def mean(self):
         return self.expect_pow(1.0)
@@ -256,18 +275,28 @@ class PowerGamma(NamedTuple):
         return self.mean_square() - jnp.square(self.mean())
 
     def expect_log(self):
-        """E[log x] = log c + a (ψ(α) − log β)."""
-        return jnp.log(self.coef) + self.power * (digamma(self.shape_param) - jnp.log(self.rate))
+        """E[log x] = log c + a (ψ(α) − log β) = log c + a E[log τ]."""
+        if self.tau_mean_log is None:
+            return jnp.log(self.coef) + self.power * (digamma(self.shape_param) - jnp.log(self.rate))
+        return jnp.log(self.coef) + self.power * self.tau_mean_log
 
     def expect_log1m(self):
         raise NotImplementedError
 
 
 class BetaIdentity(NamedTuple):
-    """x = p elementwise, p ~ Beta(alpha, beta) a Beta block gathered to x's shape."""
+    """x = p elementwise, p ~ Beta(alpha, beta) a Beta block gathered to x's shape.
+
+    ``mean_log`` and ``mean_log1m`` are E[log p] and E[log(1 − p)], or None (then computed
+    from α, β); inside a fit they are the block's own mean-parameter leaves
+    (:class:`blrppl.families.BetaRuleView`), so that conjugate expectations reach the
+    message without the Fisher solve.
+    """
 
     alpha: jax.Array
     beta: jax.Array
+    mean_log: jax.Array | None = None
+    mean_log1m: jax.Array | None = None
     kind = "beta"
 
     @property
@@ -286,10 +315,14 @@ class BetaIdentity(NamedTuple):
 
     def expect_log(self):
         """E[log p] = ψ(α) − ψ(α + β)."""
+        if self.mean_log is not None:
+            return self.mean_log
         return digamma(self.alpha) - digamma(self.alpha + self.beta)
 
     def expect_log1m(self):
         """E[log(1 − p)] = ψ(β) − ψ(α + β)."""
+        if self.mean_log1m is not None:
+            return self.mean_log1m
         return digamma(self.beta) - digamma(self.alpha + self.beta)
 
     def expect_pow(self, k):
@@ -306,10 +339,15 @@ class DirichletIdentity(NamedTuple):
     Each element of x is one component π_k of one Dirichlet draw; ``concentration`` is
     α_k and ``total`` is α_0 = Σ_k α_k of that draw, both with x's shape. When x is a whole
     probability vector (e.g. ``Categorical(probs=pi)``) its last dim runs over k.
+
+    ``mean_log`` is E[log π_k], or None (then computed from α); inside a fit it is the
+    block's own mean-parameter leaf (:class:`blrppl.families.DirichletRuleView`), so that
+    conjugate expectations reach the message without the Fisher solve.
     """
 
     concentration: jax.Array
     total: jax.Array
+    mean_log: jax.Array | None = None
     kind = "dirichlet"
 
     @property
@@ -328,6 +366,8 @@ class DirichletIdentity(NamedTuple):
 
     def expect_log(self):
         """E[log π_k] = ψ(α_k) − ψ(α_0)."""
+        if self.mean_log is not None:
+            return self.mean_log
         return digamma(self.concentration) - digamma(self.total)
 
     def expect_log1m(self):

@@ -63,11 +63,11 @@ class BLRInfo(NamedTuple):
 
 
 def views_of(plan, nat: dict) -> dict:
-    """The view of every block; point (delta-method) blocks are seen at their mean, with
-    zero covariance."""
+    """The view the rules read (``family.rule_view``) of every block; point (delta-method)
+    blocks are seen at their mean, with zero covariance."""
     out = {}
     for b in plan.blocks:
-        view = b.family.view(nat[b.name])
+        view = b.family.rule_view(nat[b.name])
         if b.point:
             view = view._replace(**{view._fields[1]: jnp.zeros_like(view[1])})
         out[b.name] = view

@@ -1,10 +1,10 @@
 """Candidate families: exponential families in natural parameters."""
 
 from blrppl.families.base import Family
-from blrppl.families.beta import Beta, BetaNat, BetaView
+from blrppl.families.beta import Beta, BetaNat, BetaRuleView, BetaView
 from blrppl.families.categorical import Bernoulli, BernoulliNat, Categorical, CategoricalNat, CategoricalView
-from blrppl.families.dirichlet import Dirichlet, DirichletNat, DirichletView
-from blrppl.families.gamma import Gamma, GammaNat, GammaView
+from blrppl.families.dirichlet import Dirichlet, DirichletNat, DirichletRuleView, DirichletView
+from blrppl.families.gamma import Gamma, GammaNat, GammaRuleView, GammaView
 from blrppl.families.gaussian import (
     DiagGaussianNat,
     DiagGaussianView,
@@ -32,6 +32,7 @@ __all__ = [
     "BernoulliNat",
     "Beta",
     "BetaNat",
+    "BetaRuleView",
     "BetaView",
     "Categorical",
     "CategoricalNat",
@@ -40,10 +41,12 @@ __all__ = [
     "DiagGaussianView",
     "Dirichlet",
     "DirichletNat",
+    "DirichletRuleView",
     "DirichletView",
     "Family",
     "Gamma",
     "GammaNat",
+    "GammaRuleView",
     "GammaView",
     "GaussianDense",
     "GaussianDiag",

@@ -51,6 +51,12 @@ class Family:
         """Natural parameters → the human parameters the rules read."""
         raise NotImplementedError
 
+    def rule_view(self, nat: Nat) -> View:
+        """The parameters the expected-log-density rules read inside the fit: the
+        :meth:`view` by default; a family may add redundant leaves (e.g. mean parameters) so
+        that :meth:`message_from_view_grad` receives the gradient with respect to them."""
+        return self.view(nat)
+
     def nat_from_view(self, view: View) -> Nat:
         """Human parameters → natural parameters (inverse of :meth:`view`)."""
         raise NotImplementedError
@@ -95,7 +101,8 @@ class Family:
 
     # -- the learning rule ------------------------------------------------------------
     def message_from_view_grad(self, nat: Nat, view_grad: View) -> Nat:
-        """Gradient of L = Σ_i E_q[log f_i] with respect to the view → ∇_μ L (a ``nat``)."""
+        """Gradient of L = Σ_i E_q[log f_i] with respect to the view (or the
+        :meth:`rule_view`) → ∇_μ L (a ``nat``)."""
         raise NotImplementedError
 
     def update(self, nat: Nat, message: Nat, rho) -> Nat:

@@ -33,6 +33,17 @@ class BetaView(NamedTuple):
     beta: jax.Array
 
 
+class BetaRuleView(NamedTuple):
+    """What the expected-log-density rules read of a Beta block (internal): α, β and the
+    mean parameters E[log x] = ψ(α) − ψ(α₀), E[log(1 − x)] = ψ(β) − ψ(α₀) as separate,
+    redundant leaves (see :class:`Beta`). Each field is ``(*B,)``."""
+
+    alpha: jax.Array
+    beta: jax.Array
+    mean_log: jax.Array
+    mean_log1m: jax.Array
+
+
 @dataclasses.dataclass(frozen=True)
 class Beta(Family):
     """Independent Beta(α, β) distributions on (0, 1), one per batch element.
@@ -44,21 +55,33 @@ class Beta(Family):
     * view: :class:`BetaView` (α, β).
     * Fisher F(λ) = [[ψ′(α) − ψ′(α₀), −ψ′(α₀)], [−ψ′(α₀), ψ′(β) − ψ′(α₀)]].
 
-    BLR update, with L = Σ_i E_q[log f_i] as a function of (α, β): ∇_λ L = (∂L/∂α, ∂L/∂β)
-    and the message is the closed-form 2×2 solve
+    BLR update. The rules see the block through :class:`BetaRuleView` (:meth:`rule_view`):
+    L = Σ_i E_q[log f_i] is a function of (α, β) and of μ held as separate leaves, and its
+    total derivative in μ is
 
-        λ̃ = ∇_μ L = F(λ)⁻¹ ∇_λ L,    λ ← (1 − ρ) λ + ρ λ̃,
+        λ̃ = ∇_μ L = ∂L/∂μ + F(λ)⁻¹ ∇_λ L,   ∇_λ L = (∂L/∂α, ∂L/∂β),
+        λ ← (1 − ρ) λ + ρ λ̃,
 
-    written as Sherman–Morrison on F = diag(ψ′(α), ψ′(β)) − ψ′(α₀) 11ᵀ with the
+    the solve written as Sherman–Morrison on F = diag(ψ′(α), ψ′(β)) − ψ′(α₀) 11ᵀ with the
     cancellation-free 1/ψ′(α₀) − 1/ψ′(α) − 1/ψ′(β), so it stays accurate for large α, β.
 
-    A conjugate factor x^{c₁} (1 − x)^{c₂} (e.g. a Bernoulli observation) sends (c₁, c₂).
+    A conjugate factor x^{c₁} (1 − x)^{c₂} (e.g. a Bernoulli observation) reads only μ and
+    sends exactly (c₁, c₂), also in float32 (through (α, β) its ψ(α₀) terms would cancel
+    only up to rounding, amplified by F⁻¹ at large α₀). Non-conjugate expectations (E[x],
+    Var[x], E[x^k]) go through (α, β) and the solve; a gradient with respect to a plain
+    :class:`BetaView` is the solve alone.
     """
 
     name: ClassVar[str] = "beta"
 
     def view(self, nat: BetaNat) -> BetaView:
         return BetaView(nat.eta1 + 1.0, nat.eta2 + 1.0)
+
+    def rule_view(self, nat: BetaNat) -> BetaRuleView:
+        """(α, β, ψ(α) − ψ(α₀), ψ(β) − ψ(α₀)): the view with the mean parameters as extra leaves."""
+        alpha, beta = self.view(nat)
+        mean_params = self.mean_params(nat)
+        return BetaRuleView(alpha, beta, mean_params.eta1, mean_params.eta2)
 
     def nat_from_view(self, view: BetaView) -> BetaNat:
         return BetaNat(view.alpha - 1.0, view.beta - 1.0)
@@ -80,7 +103,7 @@ class Beta(Family):
     def sufficient_stats(self, x: jax.Array) -> BetaNat:
         return BetaNat(jnp.log(x), jnp.log1p(-x))
 
-    def message_from_view_grad(self, nat: BetaNat, view_grad: BetaView) -> BetaNat:
+    def message_from_view_grad(self, nat: BetaNat, view_grad: BetaView | BetaRuleView) -> BetaNat:
         alpha, beta = self.view(nat)
         # F = diag(ψ′(α), ψ′(β)) − ψ′(α₀) 11ᵀ, inverted by Sherman–Morrison with
         # s = 1/ψ′(α₀) − 1/ψ′(α) − 1/ψ′(β) > 0 (det F = ψ′(α) ψ′(β) ψ′(α₀) s)
@@ -88,7 +111,10 @@ class Beta(Family):
         s = sherman_morrison_denominator(jnp.stack(jnp.broadcast_arrays(alpha, beta), -1))[..., 0]
         g1, g2 = view_grad.alpha / t1, view_grad.beta / t2  # D⁻¹ g
         shift = (g1 + g2) / s
-        return BetaNat(g1 + shift / t1, g2 + shift / t2)
+        eta1, eta2 = g1 + shift / t1, g2 + shift / t2
+        if isinstance(view_grad, BetaRuleView):  # direct part ∂L/∂μ
+            eta1, eta2 = eta1 + view_grad.mean_log, eta2 + view_grad.mean_log1m
+        return BetaNat(eta1, eta2)
 
     def is_valid(self, nat: BetaNat) -> jax.Array:
         finite = jnp.all(jnp.isfinite(nat.eta1)) & jnp.all(jnp.isfinite(nat.eta2))

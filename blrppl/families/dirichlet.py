@@ -30,6 +30,15 @@ class DirichletView(NamedTuple):
     concentration: jax.Array
 
 
+class DirichletRuleView(NamedTuple):
+    """What the expected-log-density rules read of a Dirichlet block (internal): α and the
+    mean parameters E[log x_k] = ψ(α_k) − ψ(α₀) as a separate, redundant leaf (see
+    :class:`Dirichlet`). Both ``(*B, K)``."""
+
+    concentration: jax.Array
+    mean_log: jax.Array
+
+
 @dataclasses.dataclass(frozen=True)
 class Dirichlet(Family):
     """Dirichlet(α) on the (K − 1)-simplex, event shape ``(K,)``.
@@ -41,12 +50,18 @@ class Dirichlet(Family):
     * view: :class:`DirichletView` (concentration α).
     * Fisher F(λ) = diag ψ′(α) − ψ′(α₀) 11ᵀ.
 
-    BLR update, with L = Σ_i E_q[log f_i] as a function of α (∇_λ L = ∂L/∂α): the message is
-    solved in O(K) by Sherman–Morrison,
+    BLR update. The rules see the block through :class:`DirichletRuleView`
+    (:meth:`rule_view`): L = Σ_i E_q[log f_i] is a function of α and of μ held as a separate
+    leaf, and its total derivative in μ is, with the solve in O(K) by Sherman–Morrison,
 
-        λ̃ = ∇_μ L = F(λ)⁻¹ ∇_λ L,    λ ← (1 − ρ) λ + ρ λ̃.
+        λ̃ = ∇_μ L = ∂L/∂μ + F(λ)⁻¹ ∇_λ L,   ∇_λ L = ∂L/∂α,
+        λ ← (1 − ρ) λ + ρ λ̃.
 
-    A conjugate factor Π_k x_k^{c_k} (e.g. a Categorical observation, c = onehot) sends c.
+    A conjugate factor Π_k x_k^{c_k} (e.g. a Categorical observation, c = onehot) reads
+    only μ and sends exactly c, also in float32 (through α its ψ(α₀) terms would cancel only
+    up to rounding, amplified by F⁻¹ at large α₀). Other expectations (E[x_k],
+    E[log(1 − x_k)], ...) go through α and the solve; a gradient with respect to a plain
+    :class:`DirichletView` is the solve alone.
 
     Attributes:
         dim: K, the number of categories.
@@ -61,6 +76,10 @@ class Dirichlet(Family):
 
     def view(self, nat: DirichletNat) -> DirichletView:
         return DirichletView(nat.eta + 1.0)
+
+    def rule_view(self, nat: DirichletNat) -> DirichletRuleView:
+        """(α, ψ(α) − ψ(α₀)): the view with the mean parameters as an extra leaf."""
+        return DirichletRuleView(nat.eta + 1.0, self.mean_params(nat).eta)
 
     def nat_from_view(self, view: DirichletView) -> DirichletNat:
         return DirichletNat(view.concentration - 1.0)
@@ -79,8 +98,11 @@ class Dirichlet(Family):
     def sufficient_stats(self, x: jax.Array) -> DirichletNat:
         return DirichletNat(jnp.log(x))
 
-    def message_from_view_grad(self, nat: DirichletNat, view_grad: DirichletView) -> DirichletNat:
-        return DirichletNat(dirichlet_fisher_solve(nat.eta + 1.0, view_grad.concentration))
+    def message_from_view_grad(self, nat: DirichletNat, view_grad: DirichletView | DirichletRuleView) -> DirichletNat:
+        eta = dirichlet_fisher_solve(nat.eta + 1.0, view_grad.concentration)
+        if isinstance(view_grad, DirichletRuleView):  # direct part ∂L/∂μ
+            eta = eta + view_grad.mean_log
+        return DirichletNat(eta)
 
     def is_valid(self, nat: DirichletNat) -> jax.Array:
         return jnp.all(jnp.isfinite(nat.eta)) & jnp.all(nat.eta > -1.0)

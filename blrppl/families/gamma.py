@@ -33,6 +33,22 @@ class GammaView(NamedTuple):
     rate: jax.Array
 
 
+class GammaRuleView(NamedTuple):
+    """What the expected-log-density rules read of a Gamma block (internal).
+
+    Shape a and rate b, and the mean parameters μ₁ = E[log x] = ψ(a) − log b and
+    μ₂ = E[x] = a / b as separate, redundant leaves (equal to their values from (a, b)).
+    Rules read E[log x] and E[x] from the μ leaves, so a conjugate factor's gradient lands
+    on them directly and its message needs no Fisher solve (see
+    :meth:`Gamma.message_from_view_grad`). Each field is ``(*B,)``.
+    """
+
+    shape: jax.Array
+    rate: jax.Array
+    mean_log: jax.Array
+    mean: jax.Array
+
+
 @dataclasses.dataclass(frozen=True)
 class Gamma(Family):
     """Independent Gamma(a, rate b) distributions on (0, ∞), one per batch element.
@@ -44,20 +60,33 @@ class Gamma(Family):
     * view: :class:`GammaView` (shape a, rate b).
     * Fisher F(λ) = ∇²A = [[ψ′(a), 1/b], [1/b, a/b²]], det F = (a ψ′(a) − 1)/b² > 0.
 
-    BLR update, with L = Σ_i E_q[log f_i] as a function of (a, b): the chain rule gives
-    ∇_λ L = (∂L/∂a, −∂L/∂b), and the message is the closed-form 2×2 solve
+    BLR update. The rules see the block through :class:`GammaRuleView` (:meth:`rule_view`):
+    L = Σ_i E_q[log f_i] is a function of (a, b) and of μ = (μ₁, μ₂) held as separate
+    leaves, and its total derivative in μ is
 
-        λ̃ = ∇_μ L = F(λ)⁻¹ ∇_λ L
-          = ((a ∇₁ − b ∇₂), b (b ψ′(a) ∇₂ − ∇₁)) / (a ψ′(a) − 1),
+        λ̃ = ∇_μ L = ∂L/∂μ + F(λ)⁻¹ ∇_λ L,
+        ∇_λ L = (∂L/∂a, −∂L/∂b)  (chain rule through a = η₁ + 1, b = −η₂),
+        F⁻¹ ∇_λ L = ((a ∇₁ − b ∇₂), b (b ψ′(a) ∇₂ − ∇₁)) / (a ψ′(a) − 1),
         λ ← (1 − ρ) λ + ρ λ̃.
 
-    A conjugate factor x^{c₁} e^{c₂ x} sends exactly (c₁, c₂).
+    A conjugate factor x^{c₁} e^{c₂ x} reads only E[log x] = μ₁ and E[x] = μ₂, so its
+    gradient in (a, b) is zero and it sends exactly (c₁, c₂), in float32 too: computing
+    E[x] = a/b from (a, b) would make the c₂ terms of ∂L/∂a and ∂L/∂b cancel only up to
+    rounding, an error that 1/(a ψ′(a) − 1) ≈ 2a amplifies at large shape. Non-conjugate
+    expectations (E[x^k] with k ≠ 1) go through (a, b) and the Fisher solve.
+    A gradient with respect to a plain :class:`GammaView` (no μ leaves) is the Fisher
+    solve alone.
     """
 
     name: ClassVar[str] = "gamma"
 
     def view(self, nat: GammaNat) -> GammaView:
         return GammaView(nat.eta1 + 1.0, -nat.eta2)
+
+    def rule_view(self, nat: GammaNat) -> GammaRuleView:
+        """(a, b, ψ(a) − log b, a / b): the view with the mean parameters as extra leaves."""
+        a, b = self.view(nat)
+        return GammaRuleView(a, b, digamma(a) - jnp.log(b), a / b)
 
     def nat_from_view(self, view: GammaView) -> GammaNat:
         return GammaNat(view.shape - 1.0, -view.rate)
@@ -77,11 +106,16 @@ class Gamma(Family):
     def sufficient_stats(self, x: jax.Array) -> GammaNat:
         return GammaNat(jnp.log(x), x)
 
-    def message_from_view_grad(self, nat: GammaNat, view_grad: GammaView) -> GammaNat:
+    def message_from_view_grad(self, nat: GammaNat, view_grad: GammaView | GammaRuleView) -> GammaNat:
         a, b = self.view(nat)
         g1, g2 = view_grad.shape, -view_grad.rate  # ∇_λ L
         h = x_trigamma_minus_one(a)  # b² det F
-        return GammaNat((a * g1 - b * g2) / h, b * (b * trigamma(a) * g2 - g1) / h)
+        eta1 = (a * g1 - b * g2) / h
+        eta2 = b * (b * trigamma(a) * g2 - g1) / h
+        if isinstance(view_grad, GammaRuleView):  # direct part ∂L/∂μ
+            eta1 = eta1 + view_grad.mean_log
+            eta2 = eta2 + view_grad.mean
+        return GammaNat(eta1, eta2)
 
     def is_valid(self, nat: GammaNat) -> jax.Array:
         finite = jnp.all(jnp.isfinite(nat.eta1)) & jnp.all(jnp.isfinite(nat.eta2))
