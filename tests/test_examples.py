@@ -47,8 +47,8 @@ def test_gaussian_mixture_example():
 
 
 def test_logistic_vs_nuts_example():
-    rows, blr_seconds, nuts_seconds = load("logistic_vs_nuts").main(num_warmup=300, num_samples=1000)
-    # 1000 NUTS draws: the Monte Carlo error of a NUTS mean is ~sd/sqrt(ESS) <= 0.06 sd; the
+    rows, blr_seconds, nuts_seconds = load("logistic_vs_nuts").main(num_warmup=200, num_samples=600)
+    # 600 NUTS draws: the Monte Carlo error of a NUTS mean is ~sd/sqrt(ESS) <= 0.06 sd; the
     # Gaussian approximation of a 1000-point logistic regression is within a few hundredths
     for name, blr_mean, nuts_mean, err, ratio in rows:
         assert abs(err) < 0.2, name

@@ -84,17 +84,33 @@ GUIDES = [
 ]
 
 
-@pytest.mark.parametrize("guide_cls", GUIDES, ids=lambda c: c.__name__)
-def test_pipeline_runs_unchanged_with_identical_params(guide_cls, data):
+def svi_params(guide_cls, model, x, y):
+    """The params numpyro's SVI gives the same autoguide (names, shapes, constraints)."""
+    svi = SVI(model, guide_cls(model), numpyro.optim.Adam(0.05), Trace_ELBO())
+    return svi.get_params(svi.init(jax.random.key(0), x, y))
+
+
+def test_pipeline_runs_with_svi_and_with_blr(data):
+    """The same pipeline code, run once with SVI and once with BLR: same outputs' structure."""
     x, y = data
     with_svi = pipeline(
-        lambda m, g: SVI(m, g, numpyro.optim.Adam(0.05), Trace_ELBO()), guide_cls, scaled_linreg, x, y, 500
+        lambda m, g: SVI(m, g, numpyro.optim.Adam(0.05), Trace_ELBO()), ag.AutoNormal, scaled_linreg, x, y, 300
     )
-    with_blr = pipeline(lambda m, g: BLR(m, g), guide_cls, scaled_linreg, x, y, 1000)
+    with_blr = pipeline(lambda m, g: BLR(m, g), ag.AutoNormal, scaled_linreg, x, y, 1000)
     assert with_blr["shapes"] == with_svi["shapes"]
     assert with_blr["y_pred"].shape == with_svi["y_pred"].shape == (50, len(y))
     for key in ("median", "quantiles", "summary"):
         assert jax.tree.structure(with_blr[key]) == jax.tree.structure(with_svi[key])
+
+
+@pytest.mark.parametrize("guide_cls", GUIDES, ids=lambda c: c.__name__)
+def test_pipeline_runs_unchanged_with_identical_params(guide_cls, data):
+    x, y = data
+    with_blr = pipeline(lambda m, g: BLR(m, g), guide_cls, scaled_linreg, x, y, 1000)
+    reference = svi_params(guide_cls, scaled_linreg, x, y)
+    assert with_blr["shapes"] == {k: jnp.shape(v) for k, v in reference.items()}
+    assert with_blr["y_pred"].shape == (50, len(y))
+    assert set(with_blr["median"]) == {"w", "b", "s"}
     # the BLR fit is converged: the posterior median of b is near the least-squares intercept
     assert abs(float(with_blr["median"]["b"]) - 0.3) < 0.3
     assert np.all(np.isfinite(with_blr["losses"]))
