@@ -15,7 +15,7 @@ demo: $(STAMP)
 	$(PY) examples/demo.py
 
 test: $(STAMP)
-	$(PY) -m pytest tests
+	$(PY) -m pytest -n 2 tests
 
 # the benchmark also installs the optional `plot` extra (matplotlib) for its PNGs
 bench: $(STAMP)
