@@ -161,6 +161,13 @@ def plots(runs, scaling_rows, out_dir: pathlib.Path, doc_dir: pathlib.Path | Non
         except ValueError:
             return str(p)
 
+    def save(fig, file_name, dpi, title):
+        fig.tight_layout()
+        path = out_dir / file_name
+        fig.savefig(path, dpi=dpi)
+        plt.close(fig)
+        written[title] = rel(path)
+
     # ELBO against wall time, BLR vs SVI
     with_trace = [r for r in runs if any(m.trace for m in r.results.values())]
     if with_trace:
@@ -184,11 +191,7 @@ def plots(runs, scaling_rows, out_dir: pathlib.Path, doc_dir: pathlib.Path | Non
             ax.legend(fontsize=6)
         for ax in axes.ravel()[len(with_trace):]:
             ax.axis("off")
-        fig.tight_layout()
-        path = out_dir / "elbo_vs_time.png"
-        fig.savefig(path, dpi=90)
-        plt.close(fig)
-        written["ELBO against wall time (BLR vs SVI)"] = rel(path)
+        save(fig, "elbo_vs_time.png", 90, "ELBO against wall time (BLR vs SVI)")
 
     # posterior marginals, BLR vs NUTS: up to 4 parameters per model, one row per model
     pairs = [r for r in runs if "blr" in r.results and "nuts" in r.results and r.results["nuts"].draws]
@@ -207,11 +210,7 @@ def plots(runs, scaling_rows, out_dir: pathlib.Path, doc_dir: pathlib.Path | Non
                 ax.legend(fontsize=6)
             for ax in row[len(names):]:
                 ax.axis("off")
-        fig.tight_layout()
-        path = out_dir / "marginals.png"
-        fig.savefig(path, dpi=80)
-        plt.close(fig)
-        written["Posterior marginals (BLR vs NUTS, 1000 draws each)"] = rel(path)
+        save(fig, "marginals.png", 80, "Posterior marginals (BLR vs NUTS, 1000 draws each)")
 
     if scaling_rows:
         n = np.array([r["N"] for r in scaling_rows], float)
@@ -225,9 +224,5 @@ def plots(runs, scaling_rows, out_dir: pathlib.Path, doc_dir: pathlib.Path | Non
         ax[1].set_ylabel("seconds")
         ax[1].legend()
         fig.suptitle("BLR, logistic regression (D = 10)")
-        fig.tight_layout()
-        path = out_dir / "scaling.png"
-        fig.savefig(path, dpi=90)
-        plt.close(fig)
-        written["Scaling with N (logistic regression)"] = rel(path)
+        save(fig, "scaling.png", 90, "Scaling with N (logistic regression)")
     return written
