@@ -413,3 +413,50 @@ def test_plan_describe_compiled_model():
         assert f.estimator in text
     assert plan.block("w").kind == "gaussian" and plan.block("tau").kind == "gamma"
     assert set(plan.factors_of("tau")[-1].neighbours) == {"w", "tau", "a"}
+
+
+def _scale_model(X, y=None):
+    beta = numpyro.sample("beta", dist.Normal(0.0, 5.0).expand([X.shape[1]]).to_event(1))
+    sigma = numpyro.sample("sigma", dist.HalfCauchy(2.5))
+    with numpyro.plate("N", X.shape[0]):
+        numpyro.sample("y", dist.Normal(X @ beta, sigma), obs=y)
+
+
+@pytest.mark.parametrize("structure", ["mean-field", None])
+def test_compile_probes_each_argument_once_per_family(monkeypatch, structure):
+    """σ starts as a Gamma block and moves to a log-normal one (HalfCauchy has no closed
+    form): only the arguments that depend on σ are probed again, quadrature projections only
+    for the final blocks, and with the joint merge in the same compiled call as its
+    argument probes."""
+    import blrppl.graph.compile as gc
+
+    calls = []
+    real = gc.run_probes
+
+    def spy(probes, data):  # the calls that compile something
+        active = sorted(k for k, p in probes.items() if p.compute is not None)
+        if active:
+            calls.append(active)
+        return real(probes, data)
+
+    monkeypatch.setattr(gc, "run_probes", spy)
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(40, 3))
+    data = {"X": X, "y": X @ np.array([1.0, -1.0, 0.5]) + 0.3 * rng.normal(size=40)}
+    records, spec, dyn, _ = trace_model(_scale_model, (), data, jax.random.key(0))
+    plan = gc.compile_model(_scale_model, records, spec, dyn, rng_key=jax.random.key(1), structure=structure)[0]
+    quadrature = [[k for k in c if k[0] == "quadrature" or len(k) == 3] for c in calls]
+    # 1: every argument with σ a Gamma block; 2: only y's scale, with σ log-normal
+    assert calls[0] == [("beta", "value"), ("y", "loc"), ("y", "scale")] and not quadrature[0]
+    assert calls[1] == [("y", "scale")]
+    if structure == "mean-field":
+        # 3: the quadrature projections of the final blocks (no argument probed again)
+        assert len(calls) == 3 and quadrature[2] == calls[2] and calls[2]
+        assert {b.kind for b in plan.blocks} == {"gaussian"} and len(plan.blocks) == 2
+    else:
+        # 3: the joint block's arguments and its quadrature projections together
+        assert len(calls) == 3 and ("beta", "value") in calls[2] and quadrature[2]
+        assert len(plan.blocks) == 1 and plan.blocks[0].members
+    assert {f.name: f.estimator for f in plan.factors if f.rule is not None or f.links} == {
+        "beta": "exact", "sigma": "quadrature", "y": "quadrature"
+    }

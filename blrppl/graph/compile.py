@@ -223,6 +223,10 @@ def compile_model(
     param_blocks = {r.name: _param_block(r) for r in latent if r.is_param}
 
     moved: set = set()
+    # an argument's class depends on the blocks it depends on: while the policy iterates,
+    # those are known again unless one of them was moved (quadrature probes wait for the
+    # final blocks)
+    probe_cache = (lambda name, arg: (name, arg, tuple(sorted((n, n in moved) for n in deps[name][arg]))), {})
     while True:
         blocks = {
             r.name: param_blocks[r.name]
@@ -238,7 +242,9 @@ def compile_model(
         fns = ModelFunctions(
             model, data_spec, _site_fill(blocks, site_init), _transforms(blocks), plate_indices=plate_indices
         )
-        factors = _classify_factors(records, rules, deps, blocks, fns, data, rng_key)
+        factors = _classify_factors(
+            records, rules, deps, blocks, fns, data, rng_key, quadrature=False, cache=probe_cache
+        )
         to_move = set()
         for f in factors:
             if f.estimator == "exact":
@@ -268,20 +274,23 @@ def compile_model(
         if b.kind == "gaussian" and not b.point and b.local is None and (n not in families or structure == "joint")
     ]
     size = sum(blocks[n].size for n in members)
-    if structure == "joint" or (structure is None and len(members) > 1 and size <= JOINT_MAX_DIM):
-        if len(members) > 1:
-            blocks = _merge_joint(blocks, members)
-            init_values = _block_init_values(blocks, site_init)
-            joints = {n: b for n, b in blocks.items() if b.members}
-            fns = ModelFunctions(
-                model, data_spec, _site_fill(blocks, site_init), _transforms(blocks), joints, plate_indices
-            )
-            site_block = {s: n for n, b in blocks.items() for s in b.sites}
-            deps = {
-                name: {arg: frozenset(site_block[x] for x in d) for arg, d in args.items()}
-                for name, args in deps.items()
-            }
-            factors = _classify_factors(records, rules, deps, blocks, fns, data, rng_key)
+    merge = len(members) > 1 and (structure == "joint" or (structure is None and size <= JOINT_MAX_DIM))
+    if not merge:
+        factors = _classify_factors(records, rules, deps, blocks, fns, data, rng_key, cache=probe_cache)
+    else:
+        blocks = _merge_joint(blocks, members)
+        init_values = _block_init_values(blocks, site_init)
+        joints = {n: b for n, b in blocks.items() if b.members}
+        fns = ModelFunctions(
+            model, data_spec, _site_fill(blocks, site_init), _transforms(blocks), joints, plate_indices
+        )
+        site_block = {s: n for n, b in blocks.items() for s in b.sites}
+        deps = {
+            name: {arg: frozenset(site_block[x] for x in d) for arg, d in args.items()}
+            for name, args in deps.items()
+        }
+        guess = {f.name: f.estimator == "exact" for f in factors}
+        factors = _classify_factors(records, rules, deps, blocks, fns, data, rng_key, guess=guess)
 
     factors += [
         _jacobian_factor(b)
@@ -499,10 +508,24 @@ def _jacobian_factor(block: Block) -> Factor:
     )
 
 
-def _classify_factors(records, rules, deps, blocks, fns, data, rng_key) -> list:
-    """Classify every factor's arguments and choose its estimator."""
+def _classify_factors(records, rules, deps, blocks, fns, data, rng_key, *, quadrature=True, cache=None, guess=None):
+    """Classify every factor's arguments and choose its estimator.
+
+    Args:
+        records, rules, deps, blocks, fns, data: the model, its blocks and its data.
+        rng_key: key of the probe points.
+        quadrature: probe the quadrature projections of the factors without a closed form
+            (``False`` while the family policy iterates: only exactness is needed there, and
+            such factors get a provisional ``"monte_carlo"`` estimator).
+        cache: ``(key function, dict)``: argument classes found earlier, under the key the
+            function gives a (factor, argument); a cached argument is not probed again.
+        guess: factor → whether it was exact before (e.g. before a joint merge): the
+            quadrature probes of the others run in the same compiled call as the argument
+            probes; any factor the guess got wrong is probed in a second call.
+    """
     rng = np.random.default_rng(np.asarray(jax.random.key_data(rng_key)).ravel())
-    probes, nbrs = {}, {}
+    key_of, known = cache if cache is not None else (None, {})
+    probes, nbrs, keys = {}, {}, {}
     for name, r in records.items():
         rule = rules[name]
         neighbours = tuple(n for n in blocks if any(n in d for d in deps[name].values()))
@@ -513,30 +536,52 @@ def _classify_factors(records, rules, deps, blocks, fns, data, rng_key) -> list:
         if rule is None:
             continue
         for arg in ("value",) + rule.arg_names:
+            keys[(name, arg)] = key_of(name, arg) if key_of is not None else None
+            if keys[(name, arg)] in known:
+                continue
 
             def fn(values, data, arg=arg, name=name, rule=rule):
                 return fns.factor_args(name, rule.arg_names, values, data)[arg]
 
             probes[(name, arg)] = probe_argument(fn, deps[name][arg], blocks, rng)
-    classes = run_probes(probes, data)
+    candidates, quad_probes = {}, {}
+    if quadrature and guess is not None:
+        not_exact = {n for n in records if not guess.get(n, False)}
+        candidates, quad_probes = _quadrature_probes(records, deps, blocks, fns, rng, nbrs, not_exact)
+    found = run_probes({**probes, **{("quadrature",) + k: p for k, p in quad_probes.items()}}, data)
+    classes = {k: (known[keys[k]] if k not in probes else found[k]) for k in keys}
+    if key_of is not None:
+        known.update({keys[k]: found[k] for k in probes})
+    quad_classes = {k[1:]: v for k, v in found.items() if k[0] == "quadrature"}
 
     exact = {}
-    for name, r in records.items():
+    for name in records:
         rule = rules[name]
         if rule is None:
             exact[name] = None
             continue
         kinds = {arg: classes[(name, arg)].kind for arg in ("value",) + rule.arg_names}
         exact[name] = rule.supports(kinds)
+    if quadrature:
+        probed = {n for n in records if not guess.get(n, False)} if guess is not None else set()
+        missing = {n for n in records if not exact[n]} - probed
+        more, more_probes = _quadrature_probes(records, deps, blocks, fns, rng, nbrs, missing)
+        if more_probes:
+            quad_classes.update(run_probes(more_probes, data))
+        candidates.update(more)
+    return _factors(records, rules, blocks, nbrs, classes, exact, candidates, quad_classes, quadrature)
 
-    # quadrature candidates: no closed form, continuous neighbours all Gaussian, a few
-    # distribution leaves (or the value) depending on them
-    quad_probes, candidates = {}, {}
+
+def _quadrature_probes(records, deps, blocks, fns, rng, nbrs, names) -> tuple:
+    """Quadrature candidates among ``names`` (no closed form, continuous neighbours all
+    Gaussian, a few distribution leaves or the value depending on them) and the probes of
+    each candidate projection under each link."""
+    candidates, probes = {}, {}
     for name, r in records.items():
         neighbours, discrete = nbrs[name]
         cont = [n for n in neighbours if not blocks[n].discrete]
         if (
-            exact[name]
+            name not in names
             or r.is_factor
             or not cont
             or any(blocks[n].kind not in _GAUSSIAN for n in cont)
@@ -557,9 +602,12 @@ def _classify_factors(records, rules, deps, blocks, fns, data, rng_key) -> list:
                 def fn(values, data, name=name, extract=extract):
                     return fns.args_of({name: extract}, values, data)[name]["eta"]
 
-                quad_probes[(name, index, link)] = probe_argument(fn, deps[name][item], blocks, rng)
-    quad_classes = run_probes(quad_probes, data) if quad_probes else {}
+                probes[(name, index, link)] = probe_argument(fn, deps[name][item], blocks, rng)
+    return candidates, probes
 
+
+def _factors(records, rules, blocks, nbrs, classes, exact, candidates, quad_classes, quadrature) -> list:
+    """The :class:`Factor` s from the argument classes and the quadrature projections."""
     factors = []
     for name, r in records.items():
         rule = rules[name]
@@ -584,7 +632,7 @@ def _classify_factors(records, rules, deps, blocks, fns, data, rng_key) -> list:
             kinds, arg_blocks = [("log_prob", "delta")], []
         else:
             links, kinds, arg_blocks, full, powers = [], [], [], set(), []
-            for k, item in enumerate(candidates.get(name, ())):
+            for k, item in enumerate(candidates.get(name, ()) if quadrature else ()):
                 index = "value" if item == "value" else int(item.split(":")[1])
                 found = next(
                     (link for link in LINKS if quad_classes[(name, index, link)].kind == "affine_gaussian"),
