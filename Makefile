@@ -17,9 +17,10 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -n 2 tests
 
-# the benchmark also installs the optional `plot` extra (matplotlib) for its PNGs
+# the benchmark also installs the optional `bench` extra (scikit-learn for its real data set,
+# matplotlib for its PNGs)
 bench: $(STAMP)
-	$(PY) -m pip install --quiet -e ".[test,plot]"
+	$(PY) -m pip install --quiet -e ".[test,bench]"
 	$(PY) -m blrppl.bench
 
 clean:

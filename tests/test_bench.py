@@ -103,9 +103,28 @@ def test_sort_components_relabels_jointly():
     assert "z" not in out
 
 
+def test_breast_cancer_without_scikit_learn_names_the_extra(monkeypatch):
+    import sys
+
+    from blrppl.errors import MissingDependencyError
+
+    monkeypatch.setitem(sys.modules, "sklearn.datasets", None)  # import fails
+    with pytest.raises(MissingDependencyError, match=r"blrppl\[bench\]"):
+        models.load("logistic_breast_cancer")
+
+
+def test_breast_cancer_data_is_standardised():
+    data = models.breast_cancer_data()
+    X, y = data["X"], data["y"]
+    assert X.shape == (569, 31) and set(np.unique(y)) == {0.0, 1.0}
+    np.testing.assert_allclose(X[:, 0], 1.0)
+    np.testing.assert_allclose(X[:, 1:].mean(0), 0.0, atol=1e-12)
+    np.testing.assert_allclose(X[:, 1:].std(0), 1.0, rtol=1e-12)
+
+
 #: bench models fitted here (a few steps); the others are the same kinds of model as the
 #: fits tested elsewhere, and are only traced (compiling each costs several seconds)
-FITTED = ("bnn", "random_intercepts", "logistic_earnings")
+FITTED = ("bnn", "random_intercepts", "logistic_breast_cancer")
 
 
 @pytest.mark.parametrize("name", [n for n in models.names() if n not in FITTED])

@@ -20,7 +20,7 @@ import time
 
 import numpyro
 
-QUICK_MODELS = ("beta_bernoulli", "linear_regression", "logistic_earnings", "kidiq-kidscore_interaction")
+QUICK_MODELS = ("beta_bernoulli", "linear_regression", "logistic_breast_cancer", "kidiq-kidscore_interaction")
 
 
 def all_models() -> list:

@@ -3,9 +3,9 @@
 Every entry of :data:`MODELS` builds a :class:`BenchModel` (model, data, exact reference or
 ``None``). Data are generated with fixed numpy seeds, so every run fits the same data.
 
-Real data: ``logistic_earnings`` is a logistic regression of sex on height and log earnings
-on the earnings survey shipped with the posteriordb subset (``data/posteriordb/earnings.json.zip``,
-BSD-3-Clause, see ``data/posteriordb/LICENCE.md``): no download and no extra dependency.
+Real data: ``logistic_breast_cancer`` is a logistic regression on the Wisconsin breast cancer
+data set (569 tumours, 30 features) that ships inside scikit-learn (``sklearn.datasets``,
+no download): install the ``bench`` extra (``pip install blrppl[bench]``; ``make bench`` does).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import numpyro.distributions as dist
 from scipy import stats
 
 from blrppl.bench import posteriordb
+from blrppl.errors import MissingDependencyError
 
 
 @dataclasses.dataclass
@@ -218,17 +219,28 @@ def logistic_data(n: int, d: int = 10, seed: int = 2):
     return {"X": X, "y": y}
 
 
+def breast_cancer_data() -> dict:
+    """The Wisconsin breast cancer data from scikit-learn: an intercept column and the 30
+    standardised features, and y = 1 for a benign tumour."""
+    try:
+        from sklearn.datasets import load_breast_cancer
+    except ImportError as err:
+        raise MissingDependencyError(
+            "the logistic_breast_cancer benchmark loads its data from scikit-learn, which is not "
+            "installed: pip install blrppl[bench]"
+        ) from err
+    d = load_breast_cancer()
+    x = (d.data - d.data.mean(0)) / d.data.std(0)
+    return {"X": np.concatenate([np.ones((len(x), 1)), x], axis=1), "y": d.target.astype(float)}
+
+
 @_bench
-def logistic_earnings():
-    d = posteriordb._raw_data("earnings")
-    height = np.asarray(d["height"], float)
-    log_earn = np.log1p(np.asarray(d["earn"], float) / 1000.0)
-    z = lambda v: (v - v.mean()) / v.std()
-    X = np.stack([np.ones_like(height), z(height), z(log_earn)], axis=1)
+def logistic_breast_cancer():
     return BenchModel(
-        "logistic_earnings", logistic_model, {"X": X, "y": np.asarray(d["male"], float)},
-        note="real data (earnings survey, N=1192): P(male) from height and log earnings; joint Gaussian fits",
-        source="real (posteriordb earnings, BSD-3)",
+        "logistic_breast_cancer", logistic_model, breast_cancer_data(),
+        note="real data (scikit-learn's breast cancer, N=569, D=31, strongly correlated features): "
+        "joint Gaussian fits",
+        source="real (scikit-learn breast cancer)",
     )
 
 
