@@ -460,3 +460,16 @@ def test_compile_probes_each_argument_once_per_family(monkeypatch, structure):
     assert {f.name: f.estimator for f in plan.factors if f.rule is not None or f.links} == {
         "beta": "exact", "sigma": "quadrature", "y": "quadrature"
     }
+
+
+def test_compiler_options_skip_options_this_jaxlib_lacks(monkeypatch):
+    import blrppl.graph.data as gd
+
+    assert gd._accepted("xla_backend_optimization_level", 0)
+    assert not gd._accepted("xla_no_such_option_here", True)
+    monkeypatch.setattr(gd, "_FAST_COMPILE", {"xla_no_such_option_here": True})
+    small = gd.compiler_options((np.zeros(10),))
+    assert small == {"xla_backend_optimization_level": 0}
+    assert gd.compiler_options((np.zeros(gd.SMALL_DATA),)) is None
+    # whatever it returns compiles
+    jax.jit(lambda x: x * 2).lower(np.zeros(3)).compile(compiler_options=small)
