@@ -69,6 +69,13 @@ def test_shortfalls_name_the_model_and_reason():
     assert len(lines) == 2
     assert lines[0].startswith("m: BLR means off by up to 0.5") and lines[0].endswith("why.")
     assert lines[1].startswith("m: BLR total 5 s vs NUTS 10 s")
+    # compile times 2.5 s (BLR) and 1 s (NUTS); 2.5 > 0.1 × 10; no refit time measured
+    assert "compilation is 2.5 s of BLR's and 1 s of NUTS's (BLR's compilation alone" in lines[1]
+    assert "refits" not in lines[1]
+    run = _run(0.05, 5.0, 30.0)
+    run.results["blr"].refit_time = 0.25
+    (line,) = report._shortfalls([run])
+    assert "over 0.1" not in line and line.endswith("without compilation BLR refits in 0.25 s, NUTS runs 29 s.")
 
 
 # ------------------------------------------------------------------------- models
