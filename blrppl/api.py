@@ -68,21 +68,17 @@ def _perturbed_nat(block, nat, noise):
     return family.nat_from_view(type(view)(*[leaf * scale for leaf in view]))
 
 
-def _detect_conjugate(plan, chunk, state, data, rng: np.random.Generator, window: int = 0) -> dict:
+def _detect_conjugate(plan, chunk, state, data, moved: dict, window: int = 0) -> dict:
     """A block is conjugate when its incoming messages do not change with its own λ.
 
     One step with ρ = 1 for block b only (ρ = 0 for the others) sets λ_b to the sum of its
-    messages; it is run from the initial state and from the initial state with λ_b moved,
-    with the compiled chunk itself (no extra compilation of the model).
+    messages; it is run from the initial state and from the initial state with λ_b replaced
+    by ``moved[b]`` (a perturbed initial λ_b, see :func:`_perturbed_nat`), with the compiled
+    chunk itself (no extra compilation of the model).
     """
     blocks = {b.name: b for b in plan.blocks}
     names = tuple(n for n in plan.order if not blocks[n].discrete)
     nat = state.nat
-    shapes = jax.eval_shape(lambda nat: {n: blocks[n].family.view(nat[n]) for n in names}, nat)
-    noise = {n: rng.normal(size=jax.tree.leaves(shapes[n])[0].shape) for n in names}
-    moved = jax.jit(lambda nat, noise: {n: _perturbed_nat(blocks[n], nat[n], noise[n]) for n in names})(
-        nat, noise
-    )
     dtype = jnp.result_type(float)
     one = jnp.asarray(1, jnp.int32)
     tol = 1e-6 if dtype == jnp.float64 else 1e-3
@@ -151,6 +147,8 @@ class _Compiled:
     online: tuple = ()
     #: for models with subsampled plates: the tracer of the model at full plate sizes
     full_tracer: Any = None
+    #: block → shape of the noise that perturbs its λ for conjugacy detection
+    noise_shapes: dict = dataclasses.field(default_factory=dict)
 
 
 #: compiled fits, most recent last
@@ -207,9 +205,14 @@ def _compile(model, records, data_spec, dyn_data, tracer, options, k_probe):
     if prior_spec is not None:
         plan, graph, online = online_plan(plan, graph, records, prior_spec)
     blocks = {b.name: b.full for b in plan.blocks}
-    init_fn = jax.jit(
-        lambda values, probs: {n: init_nat(b, values[n], probs.get(n)) for n, b in blocks.items()}
-    )
+
+    def init(values, probs, noise):
+        # the initial λ of every block and, for conjugacy detection, a perturbed λ of each
+        # block in ``noise`` (one compiled call for both)
+        nat = {n: init_nat(b, values[n], probs.get(n)) for n, b in blocks.items()}
+        return nat, {n: _perturbed_nat(blocks[n], nat[n], noise[n]) for n in noise}
+
+    init_fn = jax.jit(init)
     sampled = [f for f in plan.factors if f.estimator == "monte_carlo"]
     decay = {n for f in sampled for n in f.neighbours} if default_rate else set()
     window = MC_WINDOW if sampled else 0
@@ -234,7 +237,7 @@ def _compile(model, records, data_spec, dyn_data, tracer, options, k_probe):
     }
     dtype = jnp.result_type(float)
     state = jax.eval_shape(
-        lambda v, p: initial_state(init_fn(v, p), jax.random.key(0), plan),
+        lambda v, p: initial_state(init_fn(v, p, {})[0], jax.random.key(0), plan),
         init_shapes,
         {b.name: np.ones(b.value_shape + (len(b.support_values),)) for b in blocks.values() if b.discrete},
     )
@@ -242,6 +245,10 @@ def _compile(model, records, data_spec, dyn_data, tracer, options, k_probe):
     steps = jax.ShapeDtypeStruct((), jnp.int32)
     history = jax.ShapeDtypeStruct((2 * max(window, 1),), dtype)
     run_data = OnlineData(dyn_data, {n: state.nat[n] for n in online}) if online else dyn_data
+    # noise for the perturbed λ of conjugacy detection (not run for subsampled plates)
+    detected = () if plan.subsampled else tuple(n for n in plan.order if not blocks[n].discrete)
+    views = jax.eval_shape(lambda nat: {n: blocks[n].family.view(nat[n]) for n in detected}, state.nat)
+    noise_shapes = {n: jax.tree.leaves(views[n])[0].shape for n in detected}
     compiled = (
         jax.jit(chunk)
         .lower(state, run_data, steps, rho, history)
@@ -249,7 +256,7 @@ def _compile(model, records, data_spec, dyn_data, tracer, options, k_probe):
     )
     return _Compiled(
         tracer, plan, graph, init_fn, compiled, _posterior_builder(plan, records), window,
-        chunk_fn=chunk, elbo_fn=jax.jit(elbo_fn), online=online,
+        chunk_fn=chunk, elbo_fn=jax.jit(elbo_fn), online=online, noise_shapes=noise_shapes,
     )
 
 
@@ -374,7 +381,8 @@ def _prepare(
         for b in plan.blocks
         if b.discrete
     }
-    nat0 = bundle.init_fn(block_values, probs0)
+    noise = {n: rng.normal(size=shape) for n, shape in bundle.noise_shapes.items()}
+    nat0, moved = bundle.init_fn(block_values, probs0, noise)
     if bundle.online:  # the previous posterior is run-time data, and the starting point
         prior_nat = previous_nat(prior, bundle.online, nat0)
         nat0 = {**nat0, **prior_nat}
@@ -389,7 +397,7 @@ def _prepare(
         rho = {n: jnp.asarray(base, dtype) for n in plan.order}
     elif learning_rate is None:
         if bundle.conjugate is None:
-            bundle.conjugate = _detect_conjugate(plan, compiled, state, dyn_data, rng, bundle.window)
+            bundle.conjugate = _detect_conjugate(plan, compiled, state, dyn_data, moved, bundle.window)
         conj = bundle.conjugate
         sampled = {n for f in plan.factors if f.estimator == "monte_carlo" for n in f.neighbours}
         rho = {n: jnp.asarray(MONTE_CARLO_RHO if n in sampled else 1.0, dtype) for n in plan.order}
