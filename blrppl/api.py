@@ -20,8 +20,6 @@ from blrppl.errors import BLRError, ModelTraceError
 from blrppl.graph.compile import _block_init_values, compile_model, init_nat
 from blrppl.graph.data import DataSpec
 from blrppl.graph.data import compiler_options as _compiler_options
-
-_FAST_COMPILE = {"xla_backend_optimization_level": 0}
 from blrppl.engine.subsample import averaged_nat, svi_rate
 from blrppl.graph.trace import check_plate_sizes, full_size_model, subsampled_plates, trace_model
 from blrppl.online import OnlineData, online_plan, previous_nat, previous_spec
@@ -121,7 +119,7 @@ def _posterior_builder(plan, records):
             if not compiled:
                 with numpyro.validation_enabled(False):  # the families' parameters are valid
                     lowered = jax.jit(build).lower(nat)
-                compiled.append(lowered.compile(compiler_options=_FAST_COMPILE))
+                compiled.append(lowered.compile(compiler_options=_compiler_options(())))
             return compiled[0](nat)
         except TypeError:  # a distribution that is not a pytree
             return build(nat)
