@@ -552,7 +552,7 @@ def _classify_factors(records, rules, deps, blocks, fns, data, rng_key, *, quadr
     classes = {k: (known[keys[k]] if k not in probes else found[k]) for k in keys}
     if key_of is not None:
         known.update({keys[k]: found[k] for k in probes})
-    quad_classes = {k[1:]: v for k, v in found.items() if k[0] == "quadrature"}
+    quad_classes = {k[1:]: v for k, v in found.items() if len(k) == 4}  # ("quadrature", name, index, link)
 
     exact = {}
     for name in records:
