@@ -247,7 +247,12 @@ def _sites_with_deterministic(model, data, draws: dict) -> dict:
 
     if n == 0:
         return dict(draws)
-    det = jax.vmap(one)({k: jnp.asarray(v) for k, v in draws.items()})
+    first = jax.eval_shape(one, {k: jnp.asarray(v[0]) for k, v in draws.items()})
+    if not first:
+        return dict(draws)  # no deterministic sites: the model is not run on every draw
+    # ready before returning: JAX dispatches asynchronously, and the timing of whatever
+    # runs next must not include this work
+    det = jax.block_until_ready(jax.vmap(one)({k: jnp.asarray(v) for k, v in draws.items()}))
     return {**draws, **det}
 
 
