@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import threading
 import time
+import warnings
 from typing import Any, Callable
 
 import jax
@@ -13,19 +15,18 @@ import numpy as np
 import numpyro
 
 from blrppl import families as fam
-from blrppl.engine.loop import CONVERGED, NONFINITE, make_chunk, run_loop
+from blrppl.engine.loop import BAD_RATE, CONVERGED, NONFINITE, make_chunk, run_loop
 from blrppl.engine.step import BLRState, initial_state, make_step
-from blrppl.estimators.monte_carlo import CURVATURES
-from blrppl.errors import BLRError, ModelTraceError
+from blrppl.errors import BLRError
 from blrppl.graph.compile import _block_init_values, compile_model, init_nat
 from blrppl.graph.data import DataSpec
 from blrppl.graph.data import compiler_options as _compiler_options
 from blrppl.engine.subsample import averaged_nat, svi_rate
-from blrppl.graph.trace import check_plate_sizes, full_size_model, subsampled_plates, trace_model
+from blrppl.graph.trace import check_plate_sizes, full_size_model, subsampled_plates, trace_model, trace_program
+from blrppl.inputs import FitOptions, as_key, fit_options, model_arguments
 from blrppl.online import OnlineData, online_plan, previous_nat, previous_spec
 from blrppl.result import BLRResult, site_distribution
 
-_SCHEDULES = ("sequential", "parallel")
 #: default initial ρ of blocks with Monte Carlo messages (then decaying); other blocks start
 #: at ρ = 1 (exact coordinate steps for conjugate blocks, Newton-like natural-gradient
 #: steps for the others), backtracking on the exact ELBO when a step does not improve it
@@ -35,19 +36,6 @@ MC_WINDOW = 25
 #: steps per compiled chunk (the progress bar updates between chunks); fixed, so that fits
 #: with different ``num_steps`` share one compiled chunk
 CHUNK_SIZE = 100
-
-
-def _split_data(data):
-    if data is None:
-        return (), {}
-    if isinstance(data, dict):
-        return (), dict(data)
-    if isinstance(data, (tuple, list)):
-        return tuple(data), {}
-    raise ModelTraceError(
-        f"data must be a dict of model keyword arguments or a tuple of positional ones, "
-        f"not {type(data).__name__}"
-    )
 
 
 def _perturbed_nat(block, nat, noise):
@@ -149,24 +137,32 @@ class _Compiled:
     noise_shapes: dict = dataclasses.field(default_factory=dict)
 
 
+#: held while a model is traced and compiled, and while posteriors are exported (numpyro's
+#: effect handlers live on one process-wide stack: two threads must not run models at once)
+COMPILE_LOCK = threading.RLock()
+
 #: compiled fits, most recent last
 _CACHE: "collections.OrderedDict" = collections.OrderedDict()
 CACHE_SIZE = 16
 
 
-def _cache_key(model, args, kwargs, options):
+def _cache_key(model, tracer, dyn, options, prior_spec):
     """Hashable key of what the compiled fit depends on, or None if something is unhashable
-    (then nothing is cached)."""
-    spec, dyn = DataSpec.split(args, kwargs)
+    (then nothing is cached): the model, the fingerprint of its traced program (its code
+    path and every value it closes over), the data's structure, static values and array
+    shapes, the options and the previous fit's block layout (online fits)."""
+    spec = tracer.spec
+    if spec.all_static:
+        return None  # the model needed concrete data: the compiled fit holds this data
     shapes = tuple((jnp.shape(x), jnp.result_type(x)) for x in dyn)
-    families, *rest = options
     key = (
         model,
+        tracer.fingerprint,
         spec.treedef,
         spec.static,
         shapes,
-        tuple(sorted((families or {}).items())),
-        *rest,
+        options.compiled(),
+        prior_spec,
         jnp.result_type(float),
     )
     try:
@@ -182,21 +178,20 @@ def _remember(key, bundle):
         _CACHE.popitem(last=False)
 
 
-def _compile(model, records, data_spec, dyn_data, tracer, options, k_probe):
+def _compile(model, records, data_spec, dyn_data, tracer, options, prior_spec, k_probe):
     """Compile a model: plan, initialisation, the jitted chunk of steps, posterior export."""
-    families, schedule, rate_fn, tol, chunk_size, structure, point, curvature, default_rate, prior_spec, point_space, _ = (
-        options
-    )
+    rate_fn, tol, chunk_size, curvature = options.rate_fn, options.tol, CHUNK_SIZE, options.mc_curvature
+    default_rate = options.learning_rate is None
     plan, fns, dyn_data, init_values, graph = compile_model(
         model,
         records,
         data_spec,
         dyn_data,
-        families=families,
+        families=options.families_dict,
         rng_key=k_probe,
-        structure=structure,
-        point=point,
-        point_space=point_space,
+        structure=options.structure,
+        point=options.point,
+        point_space=options.point_space,
         subsampled=subsampled_plates(records),
     )
     online = ()
@@ -222,13 +217,13 @@ def _compile(model, records, data_spec, dyn_data, tracer, options, k_probe):
     step, elbo_fn, _ = make_step(
         plan,
         fns,
-        schedule,
+        options.schedule,
         rate_fn,
         decay_blocks=decay,
         curvature=curvature,
         global_rate=svi_rate if default_rate else None,
     )
-    chunk = make_chunk(step, chunk_size, tol, window, epoch)
+    chunk = make_chunk(step, chunk_size, tol, window, epoch, rate_fn, () if plan.subsampled else tuple(plan.order))
     init_shapes = {
         n: jax.ShapeDtypeStruct(blocks[n].value_shape, jnp.result_type(v)) if blocks[n].local else v
         for n, v in init_values.items()
@@ -279,73 +274,35 @@ class _Prepared:
         return jnp.zeros((2 * max(self.bundle.window, 1),), jnp.result_type(float))
 
 
-def _check_options(schedule, mc_curvature, structure, num_steps, tol, learning_rate, point_space):
-    """Validate blr_fit's keywords; returns (schedule, num_steps, tol)."""
-    schedule = schedule or "sequential"
-    if schedule not in _SCHEDULES:
-        raise BLRError(f"schedule must be one of {_SCHEDULES}, not {schedule!r}")
-    if mc_curvature not in CURVATURES:
-        raise BLRError(f"mc_curvature must be one of {CURVATURES}, not {mc_curvature!r}")
-    if structure not in (None, "joint", "mean-field"):
-        raise BLRError(f"structure must be 'joint' or 'mean-field', not {structure!r}")
-    if point_space not in ("unconstrained", "constrained"):
-        raise BLRError(f"point_space must be 'unconstrained' or 'constrained', not {point_space!r}")
-    num_steps = 1000 if num_steps is None else int(num_steps)
-    if num_steps < 1:
-        raise BLRError("num_steps must be at least 1")
-    if learning_rate is not None and not callable(learning_rate):
-        rate = float(learning_rate)
-        if not 0.0 < rate <= 1.0:
-            raise BLRError(f"learning_rate must be in (0, 1], not {rate}")
-    x64 = jnp.result_type(float) == jnp.float64
-    tol = (1e-8 if x64 else 1e-5) if tol is None else float(tol)
-    return schedule, num_steps, tol
-
-
-def _prepare(
-    model,
-    args,
-    kwargs,
-    *,
-    num_steps,
-    learning_rate=None,
-    schedule=None,
-    families=None,
-    structure=None,
-    point=None,
-    mc_curvature="reparam",
-    rng_key=None,
-    tol=None,
-    prior=None,
-    point_space="unconstrained",
-    iterate_average=True,
-    init_values=None,
-) -> _Prepared:
+def _prepare(model, args, kwargs, options: FitOptions, rng_key, prior=None, init_values=None) -> _Prepared:
     """Trace and compile (or fetch from the cache) a model and build its first state.
 
+    ``args``/``kwargs`` are the model's arguments after :func:`blrppl.inputs.model_arguments`,
+    ``options`` the checked :class:`blrppl.inputs.FitOptions` and ``rng_key`` a typed key;
     ``init_values`` optionally maps sites to starting values in their constrained space.
+    Tracing and compilation hold :data:`COMPILE_LOCK` (numpyro's effect handlers keep a
+    process-wide stack, so two models cannot be traced at once).
     """
+    with COMPILE_LOCK:
+        return _prepare_locked(model, args, kwargs, options, rng_key, prior, init_values)
+
+
+def _prepare_locked(model, args, kwargs, options, rng_key, prior, init_values) -> _Prepared:
     t0 = time.perf_counter()
-    schedule, num_steps, tol = _check_options(
-        schedule, mc_curvature, structure, num_steps, tol, learning_rate, point_space
-    )
-    rng_key = jax.random.key(0) if rng_key is None else rng_key
     k_trace, k_probe, k_host, k_loop = jax.random.split(rng_key, 4)
     rng = np.random.default_rng(np.asarray(jax.random.key_data(k_host)).ravel())
+    learning_rate, tol = options.learning_rate, options.tol
+    prior_spec = None if prior is None else previous_spec(prior)
 
-    rate_fn = learning_rate if callable(learning_rate) else None
-    chunk_size = CHUNK_SIZE
-    options = (
-        families, schedule, rate_fn, tol, chunk_size, structure, tuple(point or ()), mc_curvature, learning_rate is None,
-        None if prior is None else previous_spec(prior), point_space, bool(iterate_average),
-    )
-    key = _cache_key(model, args, kwargs, options)
+    # one trace of the model's program (cheap: no compilation) gives its fingerprint; a
+    # compiled fit is reused only for the same program, data layout and options
+    tracer = trace_program(model, args, kwargs, k_trace)
+    dyn_now = DataSpec.split(args, kwargs, all_static=tracer.spec.all_static)[1]
+    key = _cache_key(model, tracer, dyn_now, options, prior_spec)
     bundle = _CACHE.get(key) if key is not None else None
     records, data_spec, dyn_data, tracer = trace_model(
-        model, args, kwargs, k_trace, tracer=bundle.tracer if bundle else None
+        model, args, kwargs, k_trace, tracer=bundle.tracer if bundle else tracer
     )
-    if any(isinstance(v, (np.ndarray, jax.Array)) for _, v in data_spec.static):
-        key = None  # the model needed concrete data: the compiled fit holds this data
     plates = subsampled_plates(records)
     init_records = records
     if plates:
@@ -360,7 +317,7 @@ def _prepare(
         # the model was run with validation above; its many internal re-runs skip it (each
         # check of a constant argument would otherwise compile on its own)
         with numpyro.validation_enabled(False):
-            bundle = _compile(model, records, data_spec, dyn_data, tracer, options, k_probe)
+            bundle = _compile(model, records, data_spec, dyn_data, tracer, options, prior_spec, k_probe)
         if key is not None:
             _remember(key, bundle)
     if plates:
@@ -405,7 +362,7 @@ def _prepare(
     else:
         rho = {n: jnp.asarray(float(learning_rate), dtype) for n in plan.order}
     prepared = _Prepared(
-        bundle, plan, records, data_spec, dyn_data, state, rho, tol, chunk_size, t0, bool(iterate_average)
+        bundle, plan, records, data_spec, dyn_data, state, rho, tol, CHUNK_SIZE, t0, options.iterate_average
     )
     if not plan.subsampled:
         # the initial ELBO (one step with ρ = 0), so that backtracking also checks the first
@@ -436,6 +393,11 @@ def _stop_message(outcome, plan, window: int, tol: float, num_steps: int) -> str
             "the data for NaN or infinite values and the priors for expectations that do not "
             "exist; the last valid state is returned"
         )
+    elif outcome.stop == BAD_RATE:
+        message = (
+            f"stopped after {outcome.num_steps} steps: learning_rate(step) gave a step size that "
+            "is not a finite number ≥ 0 for the next step; the last valid state is returned"
+        )
     else:
         message = f"reached num_steps={num_steps} without meeting the convergence test"
         if plan.subsampled:
@@ -444,12 +406,52 @@ def _stop_message(outcome, plan, window: int, tol: float, num_steps: int) -> str
                 f" ({epochs:g} epochs of minibatches; the minibatch noise of the global "
                 "blocks shrinks with more steps)"
             )
+    improper = _improper_blocks(outcome, plan)
+    if improper:
+        message += "; " + _improper_note(plan, outcome.state.nat, improper)
     if outcome.invalid_steps:
         message += (
             f"; in {outcome.invalid_steps} step(s) a block found no valid update and kept its "
             "parameters"
         )
     return message
+
+
+def _improper_blocks(outcome, plan) -> tuple:
+    """Blocks whose exact posterior is improper: every factor of the block has a closed form
+    (so its messages do not depend on its own q: they sum to the exact conditional
+    posterior's natural parameter) and at the last step that sum was not a valid natural
+    parameter. (Other blocks with invalid messages were merely not at a fixed point.)"""
+    if outcome.converged:
+        return ()
+    return tuple(
+        n for n in outcome.improper if all(f.estimator == "exact" for f in plan.factors_of(n))
+    )
+
+
+def _improper_note(plan, nat, names) -> str:
+    """Which latents an improper (or not yet valid) posterior is about: for a Gaussian block,
+    the sites that the direction of its smallest precision eigenvalue moves."""
+    sites = []
+    for n in names:
+        b = plan.block(n)
+        if b.kind == "gaussian" and b.members:
+            prec = -2.0 * np.asarray(nat[n].eta2)
+            _, vecs = np.linalg.eigh(0.5 * (prec + prec.T))
+            v = np.abs(vecs[:, 0])
+            offset = 0
+            for m in b.members:
+                if v[offset : offset + m.size].max() > 0.1:
+                    sites.append(m.name)
+                offset += m.size
+        else:
+            sites.extend(b.sites)
+    listed = ", ".join(f"'{x}'" for x in sites)
+    return (
+        f"the posterior of {listed} is improper: the closed-form messages to it do not form a "
+        "valid distribution (a singular precision), e.g. flat (ImproperUniform) priors the data "
+        "do not identify (only a sum or difference of them is); give them proper priors"
+    )
 
 
 def _run(prepared: _Prepared, state: BLRState, num_steps: int, progress_bar: bool) -> BLRResult:
@@ -464,8 +466,13 @@ def _run(prepared: _Prepared, state: BLRState, num_steps: int, progress_bar: boo
     t2 = time.perf_counter()
     plan = prepared.plan
     nat = averaged_nat(plan, outcome.state) if prepared.iterate_average and plan.subsampled else outcome.state.nat
+    with COMPILE_LOCK:
+        posterior = bundle.posterior_fn(nat)
+    improper = _improper_blocks(outcome, plan)
+    if improper:
+        warnings.warn("blr_fit: " + _improper_note(plan, outcome.state.nat, improper), UserWarning, stacklevel=3)
     result = BLRResult(
-        posterior=bundle.posterior_fn(nat),
+        posterior=posterior,
         elbo=np.asarray(outcome.elbo),
         num_steps=outcome.num_steps,
         converged=outcome.converged,
@@ -579,12 +586,8 @@ def blr_fit(
     Returns:
         :class:`blrppl.BLRResult`.
     """
-    args, kwargs = _split_data(data)
-    num_steps = 1000 if num_steps is None else num_steps
-    prepared = _prepare(
-        model,
-        args,
-        kwargs,
+    args, kwargs = model_arguments(data)
+    options = fit_options(
         num_steps=num_steps,
         learning_rate=learning_rate,
         schedule=schedule,
@@ -592,10 +595,10 @@ def blr_fit(
         structure=structure,
         point=point,
         mc_curvature=mc_curvature,
-        rng_key=rng_key,
         tol=tol,
-        prior=prior,
+        progress_bar=progress_bar,
         point_space=point_space,
         iterate_average=iterate_average,
     )
-    return _run(prepared, prepared.state, int(num_steps), progress_bar)
+    prepared = _prepare(model, args, kwargs, options, as_key(rng_key), prior)
+    return _run(prepared, prepared.state, options.num_steps, options.progress_bar)

@@ -37,6 +37,7 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+import numpyro.distributions as dist
 from numpyro import handlers
 from numpyro.primitives import Messenger
 
@@ -44,7 +45,7 @@ from blrppl import moments as mom
 from blrppl.graph.data import DataSpec
 from blrppl.graph.data import compiler_options
 from blrppl.graph.plan import Block
-from blrppl.graph.trace import PlateIndices, unwrap
+from blrppl.graph.trace import PlateIndices, unwrap, value_mask
 
 #: dense Gaussian blocks whose elements mix in an argument get one column per scalar,
 #: up to this many scalars; beyond it the argument is opaque
@@ -67,10 +68,48 @@ class _StopAfter(Messenger):
 
     def postprocess_message(self, msg):
         if msg.get("name") in self.remaining:
-            self.sites[msg["name"]] = {k: msg[k] for k in ("fn", "value", "scale")}
+            site = {k: msg[k] for k in ("fn", "value", "scale")}
+            if msg["type"] == "sample" and msg.get("is_observed"):
+                site["value"] = feasible_where_masked(msg["fn"], msg["value"])
+            elif msg["type"] == "sample":
+                site["fn"] = without_mask(msg["fn"])
+            self.sites[msg["name"]] = site
             self.remaining.discard(msg["name"])
             if not self.remaining:
                 raise _Collected
+
+
+def feasible_where_masked(fn, value):
+    """An observed value with its masked-out elements replaced by a point of the support
+    (as numpyro's ``MaskedDistribution.log_prob`` does): a NaN observation under a mask then
+    contributes nothing, not even a NaN gradient through the rules."""
+    base, _, mask = unwrap(fn)
+    if mask is None:
+        return value
+    value = jnp.asarray(value)
+    try:
+        feasible = base.support.feasible_like(value)
+    except NotImplementedError:
+        feasible = jnp.zeros_like(value)
+    keep = value_mask(fn, mask, value)
+    return jnp.where(keep, value, feasible)
+
+
+def without_mask(fn):
+    """A latent's distribution with its masks removed: masked-out elements of a latent's own
+    prior keep that prior. (numpyro gives them a flat improper density; they are padding,
+    e.g. the observed positions of ``obs_mask``'s ``<site>_unobserved`` latent or the steps
+    past a sequence's end, which no other factor reads, and the prior keeps their posterior
+    proper.)"""
+    if isinstance(fn, dist.MaskedDistribution):
+        return without_mask(fn.base_dist)
+    if isinstance(fn, dist.Independent):
+        inner = without_mask(fn.base_dist)
+        return fn if inner is fn.base_dist else dist.Independent(inner, fn.reinterpreted_batch_ndims)
+    if isinstance(fn, dist.ExpandedDistribution):
+        inner = without_mask(fn.base_dist)
+        return fn if inner is fn.base_dist else inner.expand(fn.batch_shape)
+    return fn
 
 
 class MinibatchData(NamedTuple):

@@ -17,6 +17,10 @@ from blrppl.graph.plan import Block, Plan
 class _SiteLayout(dist.Distribution):
     """A canonical-layout posterior seen in a site's value layout (reshape / transpose)."""
 
+    # a pytree like every numpyro distribution (posteriors come out of a jitted export)
+    pytree_data_fields = ("inner",)
+    pytree_aux_fields = ("block",)
+
     def __init__(self, inner: dist.Distribution, block: Block):
         self.inner = inner
         self.block = block
@@ -158,7 +162,9 @@ class BLRResult:
 
         Sites fitted together in a joint block are drawn jointly (their correlations kept).
         """
-        keys = jax.random.split(rng_key, max(len(self.plan.blocks), 1))
+        from blrppl.inputs import as_key
+
+        keys = jax.random.split(as_key(rng_key), max(len(self.plan.blocks), 1))
         out = {}
         for k, b in zip(keys, self.plan.blocks):
             if b.members:
@@ -176,7 +182,6 @@ class BLRResult:
         Returns:
             site → dict with ``mean``, ``sd``, ``median``, lower and upper quantiles.
         """
-        rng_key = jax.random.key(0) if rng_key is None else rng_key
         draws = self.sample(rng_key, num_samples)
         lo_q, hi_q = 50 * (1 - prob), 50 * (1 + prob)
         out = {}
@@ -227,7 +232,6 @@ class BLRResult:
             from blrppl.errors import BLRError
 
             raise BLRError(f"num_samples must be at least 1, not {num_samples}")
-        rng_key = jax.random.key(0) if rng_key is None else rng_key
         draws = self.sample(rng_key, int(num_samples))
         posterior = {name: np.asarray(x)[None] for name, x in draws.items()}
         dims = {name: [f"{name}_dim_{i}" for i in range(x.ndim - 2)] for name, x in posterior.items()}

@@ -16,6 +16,7 @@ convergence test passes.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Callable, NamedTuple
 
 import jax
@@ -25,9 +26,11 @@ import numpy as np
 from blrppl import autoguides
 from blrppl.api import _prepare, _run
 from blrppl.engine.step import BLRState
-from blrppl.errors import BLRError
+from blrppl.errors import BLRError, UnsupportedGuideError
 from blrppl.graph.data import DataSpec
+from blrppl.graph.trace import trace_model
 from blrppl.guide import PlanGuide, plan_params
+from blrppl.inputs import DEFAULT_NUM_STEPS, as_key, call_arguments, fit_options
 
 #: keywords of ``blr_fit`` that ``BLR`` accepts as options
 OPTIONS = (
@@ -61,6 +64,12 @@ def _is_traced(tree) -> bool:
     return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(tree))
 
 
+def _identities(args, kwargs) -> tuple:
+    """The identities of a call's array arguments (to skip validating the same arrays twice)."""
+    leaves = jax.tree.leaves((tuple(args), dict(kwargs)))
+    return tuple(id(x) for x in leaves if isinstance(x, (np.ndarray, jax.Array)))
+
+
 class BLR:
     """Bayesian-learning-rule inference with the interface of ``numpyro.infer.SVI``.
 
@@ -88,15 +97,23 @@ class BLR:
         result: the :class:`blrppl.BLRResult` of the last ``run``.
     """
 
-    def __init__(self, model: Callable, guide=None, **options):
+    def __init__(self, model: Callable, guide=None, optim=None, loss=None, **options):
         unknown = sorted(set(options) - set(OPTIONS))
         if unknown:
             raise BLRError(
-                f"BLR does not take {unknown}: an optimiser and a loss are not needed (the BLR "
-                f"step is a natural-gradient step on the ELBO); options are {list(OPTIONS)}"
+                f"BLR does not take {unknown}; its options are {list(OPTIONS)} (an optimiser and "
+                "a loss, SVI's third and fourth arguments, are accepted and not used)"
+            )
+        if optim is not None or loss is not None:
+            warnings.warn(
+                "BLR does not use an optimiser or a loss: every step is a natural-gradient step on "
+                "the ELBO (no learning rate to tune); the ones given are ignored",
+                UserWarning,
+                stacklevel=2,
             )
         self.model = model
         self.options = dict(options)
+        self._fit_options = fit_options(**self.options)  # checked now, not at the first call
         self._autoguide = None
         if guide is not None:
             autoguides.check_supported(guide)
@@ -108,22 +125,32 @@ class BLR:
         else:
             self.guide = PlanGuide()
         self._prepared = None
+        self._checked: tuple = ()
         self.result = None
 
     # -- setup ---------------------------------------------------------------------
-    def _setup(self, rng_key, args, kwargs, init_params, num_steps=1000):
+    def _setup(self, rng_key, args, kwargs, init_params, num_steps=DEFAULT_NUM_STEPS):
         options = dict(self.options)
         init_values = None
         if self._autoguide is not None:
-            records = autoguides.setup(self._autoguide, self.model, rng_key, args, kwargs)
+            try:
+                records = autoguides.setup(self._autoguide, self.model, rng_key, args, kwargs)
+            except Exception as exc:  # the autoguide's own initialisation failed
+                # bad data (NaN, out of support) make numpyro's autoguide fail without saying
+                # why: check the data the way every fit does, then report what failed
+                trace_model(self.model, args, kwargs, rng_key)
+                raise UnsupportedGuideError(
+                    f"the autoguide could not be initialised on this model and data "
+                    f"({type(exc).__name__}: {exc})"
+                ) from exc
             options.update(autoguides.fit_options(self._autoguide, records))
             if init_params:
                 init_values = autoguides.init_values(self._autoguide, init_params)
         elif init_params:
             init_values = dict(init_params)
-        self._prepared = _prepare(
-            self.model, args, kwargs, num_steps=num_steps, rng_key=rng_key, init_values=init_values, **options
-        )
+        checked = fit_options(num_steps=num_steps, **options)
+        self._prepared = _prepare(self.model, args, kwargs, checked, rng_key, init_values=init_values)
+        self._checked = _identities(args, kwargs)
         if self._autoguide is None:
             self.guide.plan = self._prepared.plan
         return self._prepared
@@ -138,15 +165,30 @@ class BLR:
                 autoguide's location parameters (``'{site}_auto_loc'``, ``'auto_loc'``)
                 otherwise. Scales start at the defaults of :func:`blr_fit`.
         """
-        prepared = self._setup(rng_key, args, kwargs, init_params)
+        args, kwargs = call_arguments(args, kwargs)
+        prepared = self._setup(as_key(rng_key), args, kwargs, init_params)
         if self._autoguide is None:
             self.guide.params = plan_params(prepared.plan, prepared.state.nat)
         return prepared.state
 
     def _data(self, args, kwargs) -> tuple:
-        """The array arguments of a call, checked against those ``init`` compiled for."""
+        """The array arguments of a call, converted like ``blr_fit``'s data, checked against
+        those ``init`` compiled for, and validated as every fit validates its data (finite
+        observations inside their support, no NaN reaching a distribution's parameters).
+        Arrays already validated (the same objects as at the last check) are not checked
+        again; traced arrays (a call inside the user's ``jit``) cannot be."""
         prepared = self._require()
-        if any(isinstance(v, (np.ndarray, jax.Array)) for _, v in prepared.data_spec.static):
+        args, kwargs = call_arguments(args, kwargs)
+        dyn = self._arrays(prepared, args, kwargs)
+        seen = _identities(args, kwargs)
+        if seen != self._checked and not _is_traced(dyn):
+            bundle = prepared.bundle
+            trace_model(self.model, args, kwargs, jax.random.key(0), tracer=bundle.tracer)
+            self._checked = seen
+        return dyn
+
+    def _arrays(self, prepared, args, kwargs) -> tuple:
+        if prepared.data_spec.all_static:
             # the model needed concrete data: the compiled fit holds the data of init
             spec, _ = DataSpec.split(args, kwargs, all_static=True)
             same = spec.treedef == prepared.data_spec.treedef and all(
@@ -237,11 +279,10 @@ class BLR:
             :class:`BLRRunResult` ``(params, state, losses)``; the full
             :class:`blrppl.BLRResult` is ``self.result``.
         """
-        num_steps = int(num_steps)
-        if num_steps < 1:
-            raise BLRError("num_steps must be at least 1")
+        num_steps = fit_options(num_steps=num_steps).num_steps
         if init_state is None or self._prepared is None:
-            prepared = self._setup(rng_key, args, kwargs, init_params, num_steps)
+            args, kwargs = call_arguments(args, kwargs)
+            prepared = self._setup(as_key(rng_key), args, kwargs, init_params, num_steps)
         else:
             prepared = dataclasses.replace(self._require(), dyn_data=self._data(args, kwargs))
         state = prepared.state if init_state is None else init_state

@@ -253,8 +253,14 @@ def test_guide_log_density_of_a_joint_block_with_a_transformed_member(data):
 
 def test_errors(data):
     x, y = data
-    with pytest.raises(BLRError, match="optimiser"):
-        BLR(linreg, None, optim="adam")
+    # SVI's positional form BLR(model, guide, optim, loss) works: the optimiser and loss are
+    # ignored with a warning (no learning rate to tune)
+    with pytest.warns(UserWarning, match="optimiser"):
+        BLR(linreg, None, numpyro.optim.Adam(0.01), Trace_ELBO())
+    with pytest.raises(BLRError, match="options"):
+        BLR(linreg, None, optimizer="adam")
+    with pytest.raises(BLRError, match="learning_rate"):
+        BLR(linreg, learning_rate="fast")
     with pytest.raises(UnsupportedGuideError, match="AutoNormal"):
         BLR(linreg, ag.AutoIAFNormal(linreg))
     with pytest.raises(UnsupportedGuideError, match="supported"):

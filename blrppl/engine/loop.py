@@ -23,7 +23,7 @@ import numpy as np
 
 from blrppl.engine.step import BLRState
 
-CONTINUE, CONVERGED, NONFINITE = 0, 1, 2
+CONTINUE, CONVERGED, NONFINITE, BAD_RATE = 0, 1, 2, 3
 #: backtracking gives up when the damping of ρ falls below this
 MIN_DAMPING = 2.0**-20
 
@@ -35,6 +35,8 @@ class LoopOutcome(NamedTuple):
     converged: bool
     stop: int
     invalid_steps: int
+    #: blocks whose messages did not form a valid natural parameter at the last step
+    improper: tuple = ()
 
 
 def _all_finite(tree) -> jax.Array:
@@ -42,7 +44,7 @@ def _all_finite(tree) -> jax.Array:
     return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
 
 
-def make_chunk(step, chunk_size: int, tol: float, window: int = 0, epoch: int = 0):
+def make_chunk(step, chunk_size: int, tol: float, window: int = 0, epoch: int = 0, rate_fn=None, blocks=()):
     """``chunk(state, data, steps_left, rho, history) -> (state, elbo buffer, steps run, stop
     code, invalid steps, history)``; ``rho`` is the per-block step-size dict passed to
     ``step``.
@@ -60,6 +62,12 @@ def make_chunk(step, chunk_size: int, tol: float, window: int = 0, epoch: int = 
     which minibatch was drawn cancels), and only on the relative change ``tol``: the spread
     within a window is dominated by that cancelled noise, so half its standard error would
     declare convergence while the global parameters are still several posterior sd away.
+
+    A step in which some block found no valid update (it kept its parameters, so the ELBO
+    may not move) never counts as converged, nor does a step after which the messages to a
+    block in ``blocks`` (the names the step reports in ``info.proper``) were not a valid
+    natural parameter. With a user schedule ``rate_fn`` the run stops
+    (code ``BAD_RATE``) before a step whose ρ is not a finite number ≥ 0.
     """
     param_tol = math.sqrt(tol)
 
@@ -76,25 +84,33 @@ def make_chunk(step, chunk_size: int, tol: float, window: int = 0, epoch: int = 
         dtype = jnp.result_type(float)
         buf = jnp.full((chunk_size,), jnp.nan, dtype)
         limit = jnp.minimum(steps_left, chunk_size)
+        proper0 = {n: jnp.array(True) for n in blocks}
 
         def cond(carry):
-            _, i, _, stop, _, _ = carry
+            _, i, _, stop, _, _, _ = carry
             return (i < limit) & (stop == CONTINUE)
 
         def body(carry):
-            st, i, buf, _, invalid, history = carry
+            st, i, buf, _, invalid, history, _ = carry
+            if rate_fn is not None:
+                rate = jnp.asarray(rate_fn(st.step))
+                bad_rate = ~(jnp.isfinite(rate) & (rate >= 0))
+            else:
+                bad_rate = jnp.array(False)
             new, info = step(st, data, rho)
             finite = jnp.isfinite(info.elbo) & _all_finite(new.nat)
             accept = finite
             if window:
                 history = jnp.where(finite, jnp.roll(history, -1).at[-1].set(info.elbo), history)
-                conv = finite & windowed_converged(history, new.step)
+                conv = finite & info.valid & windowed_converged(history, new.step)
             else:
                 # backtracking: a step that lowers the (exact) ELBO is undone and ρ halved
                 drop = info.elbo < st.elbo - 1e-9 * jnp.maximum(1.0, jnp.abs(st.elbo))
                 accept = finite & ~((st.step > 0) & drop)
                 change = jnp.abs(info.elbo - st.elbo) <= tol * jnp.maximum(1.0, jnp.abs(info.elbo))
-                conv = accept & change & (info.max_delta <= param_tol) & (st.step > 0)
+                proper = jnp.all(jnp.stack([jnp.array(True)] + list(jax.tree.leaves(info.proper))))
+                conv = accept & info.valid & proper & change & (info.max_delta <= param_tol) & (st.step > 0)
+            accept = accept & ~bad_rate
             grown = jnp.minimum(1.0, 2.0 * st.damping)
             rejected = st._replace(step=st.step + 1, rng_key=new.rng_key, damping=0.5 * st.damping)
             new = jax.tree.map(
@@ -102,15 +118,18 @@ def make_chunk(step, chunk_size: int, tol: float, window: int = 0, epoch: int = 
             )
             buf = buf.at[i].set(jnp.where(accept, info.elbo, st.elbo))
             stuck = ~accept & (new.damping < MIN_DAMPING)
-            stop = jnp.where(stuck, NONFINITE, jnp.where(conv, CONVERGED, CONTINUE))
-            invalid = invalid + jnp.where(info.valid, 0, 1).astype(jnp.int32)
-            i = i + jnp.where(stuck, 0, 1).astype(jnp.int32)
-            return new, i, buf, stop.astype(jnp.int32), invalid, history
+            stop = jnp.where(stuck, NONFINITE, jnp.where(conv & ~bad_rate, CONVERGED, CONTINUE))
+            stop = jnp.where(bad_rate, BAD_RATE, stop)
+            new = jax.tree.map(lambda a, b: jnp.where(bad_rate, a, b), st, new)
+            invalid = invalid + jnp.where(info.valid | bad_rate, 0, 1).astype(jnp.int32)
+            i = i + jnp.where(stuck | bad_rate, 0, 1).astype(jnp.int32)
+            last_proper = info.proper if info.proper is not None else {}
+            return new, i, buf, stop.astype(jnp.int32), invalid, history, last_proper
 
         zero = jnp.zeros((), jnp.int32)
-        init = (state, zero, buf, zero, zero, history)
-        state, n, buf, stop, invalid, history = jax.lax.while_loop(cond, body, init)
-        return state, buf, n, stop, invalid, history
+        init = (state, zero, buf, zero, zero, history, proper0)
+        state, n, buf, stop, invalid, history, proper = jax.lax.while_loop(cond, body, init)
+        return state, buf, n, stop, invalid, history, proper
 
     return chunk
 
@@ -118,7 +137,7 @@ def make_chunk(step, chunk_size: int, tol: float, window: int = 0, epoch: int = 
 def run_loop(chunk_fn, state: BLRState, data, rho, num_steps: int, chunk_size: int, progress_bar: bool, window: int = 0):
     """Run chunks until convergence, a stop, or ``num_steps``."""
     history = jnp.zeros((2 * max(window, 1),), jnp.result_type(float))
-    elbos, total, stop, invalid = [], 0, CONTINUE, 0
+    elbos, total, stop, invalid, proper = [], 0, CONTINUE, 0, {}
     bar = None
     if progress_bar:
         try:
@@ -128,10 +147,12 @@ def run_loop(chunk_fn, state: BLRState, data, rho, num_steps: int, chunk_size: i
         except ImportError:  # pragma: no cover
             bar = None
     while total < num_steps and stop == CONTINUE:
-        state, buf, n, stop_arr, inv, history = chunk_fn(
+        state, buf, n, stop_arr, inv, history, last_proper = chunk_fn(
             state, data, jnp.asarray(num_steps - total, jnp.int32), rho, history
         )
         n = int(n)
+        if n:
+            proper = last_proper
         elbos.append(np.asarray(buf)[:n])
         total += n
         stop = int(stop_arr)
@@ -145,4 +166,5 @@ def run_loop(chunk_fn, state: BLRState, data, rho, num_steps: int, chunk_size: i
     if bar is not None:
         bar.close()
     elbo = np.concatenate(elbos) if elbos else np.zeros((0,))
-    return LoopOutcome(state, elbo, total, stop == CONVERGED, stop, invalid)
+    improper = tuple(k for k, v in proper.items() if not bool(v))
+    return LoopOutcome(state, elbo, total, stop == CONVERGED, stop, invalid, improper)

@@ -55,11 +55,23 @@ def initial_state(nat, rng_key, plan=None) -> BLRState:
 
 
 class BLRInfo(NamedTuple):
-    """Per-step information."""
+    """Per-step information.
+
+    Attributes:
+        elbo: the ELBO after the step.
+        max_delta: the largest relative change of a natural parameter.
+        valid: every block found a valid update.
+        proper: block → whether the sum of its messages was itself a valid natural
+            parameter (at a fixed point of the rule it equals λ, so a fit whose messages
+            are invalid is not converged; for a conjugate block it means the exact
+            posterior is improper, e.g. a flat prior the data do not identify). None under
+            subsampling.
+    """
 
     elbo: jax.Array
     max_delta: jax.Array
     valid: jax.Array
+    proper: Any = None
 
 
 def views_of(plan, nat: dict) -> dict:
@@ -364,21 +376,27 @@ def make_step(
     def step(state, data, rho):
         nat = dict(state.nat)
         valid = jnp.array(True)
+        proper = {}
         key, key_elbo, *keys = jax.random.split(state.rng_key, len(plan.order) + 2)
+
+        def update(n, msg):
+            family = blocks[n].family
+            proper[n] = family.is_valid(msg)
+            rate = rho[n] * block_rate(n, state.step) * state.damping
+            nat[n], ok = _update_block(family, nat[n], msg, rate, max_halvings)
+            return ok
+
         if schedule == "parallel":
             names = tuple(plan.order)
             msgs = messages(nat, names, data, keys[0])
             for n in names:
-                nat[n], ok = _update_block(blocks[n].family, nat[n], msgs[n], rho[n] * block_rate(n, state.step) * state.damping, max_halvings)
-                valid = valid & ok
+                valid = valid & update(n, msgs[n])
         else:
             for n, k in zip(plan.order, keys):
-                msg = messages(nat, (n,), data, k)[n]
-                nat[n], ok = _update_block(blocks[n].family, nat[n], msg, rho[n] * block_rate(n, state.step) * state.damping, max_halvings)
-                valid = valid & ok
+                valid = valid & update(n, messages(nat, (n,), data, k)[n])
         elbo = elbo_fn(nat, data, key_elbo)
         delta = _relative_delta(state.nat, nat)
         new_state = BLRState(nat=nat, step=state.step + 1, elbo=elbo, rng_key=key, damping=state.damping)
-        return new_state, BLRInfo(elbo=elbo, max_delta=delta, valid=valid)
+        return new_state, BLRInfo(elbo=elbo, max_delta=delta, valid=valid, proper=proper)
 
     return step, elbo_fn, messages

@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from blrppl.inputs import is_numeric_array
+
 
 @dataclasses.dataclass(frozen=True)
 class DataSpec:
@@ -17,6 +19,7 @@ class DataSpec:
 
     treedef: Any
     static: tuple  # (index, value) of non-array leaves
+    all_static: bool = False  # every leaf static (a model that needs concrete data)
 
     @staticmethod
     def split(args, kwargs, all_static: bool = False):
@@ -25,12 +28,11 @@ class DataSpec:
         leaves, treedef = jax.tree.flatten((tuple(args), dict(kwargs)), is_leaf=lambda x: x is None)
         dynamic, static = [], []
         for i, leaf in enumerate(leaves):
-            is_array = isinstance(leaf, (jax.Array, np.ndarray)) and not isinstance(leaf, np.generic)
-            if is_array and not all_static:
+            if is_numeric_array(leaf) and not all_static:
                 dynamic.append(jnp.asarray(leaf))
             else:
                 static.append((i, leaf))
-        return DataSpec(treedef, tuple(static)), tuple(dynamic)
+        return DataSpec(treedef, tuple(static), all_static), tuple(dynamic)
 
     def merge(self, dynamic):
         n = len(dynamic) + len(self.static)

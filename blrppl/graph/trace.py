@@ -10,6 +10,7 @@ mask.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from functools import partial
 from collections import OrderedDict
 from typing import Any
@@ -22,8 +23,9 @@ from numpyro import handlers
 from numpyro.distributions import constraints
 from numpyro.primitives import Messenger
 from numpyro.infer.initialization import init_to_uniform
+from jax.extend import core as jex_core
 
-from blrppl.graph.data import DataSpec
+from blrppl.graph.data import DataSpec, compiler_options
 from blrppl.graph.plan import SubsampledPlate
 from blrppl.errors import ModelTraceError, ObservedDataError, UnsupportedFactorError, UnsupportedLatentError
 
@@ -181,19 +183,113 @@ def _split_data(args, kwargs):  # noqa: D103
 
 
 class ModelTracer:
-    """A jitted run of the model from its initialisation strategy.
+    """A jitted run of the model from its initialisation strategy, traced once.
 
-    Static facts about the sites are collected in ``meta`` the first time the function is
-    traced; later calls with data of the same shapes reuse the compiled run.
+    Tracing fills ``meta`` with static facts about the sites and gives the program's
+    :attr:`fingerprint`; the run is compiled at its first call. A tracer serves every later
+    call with data of the same shapes.
+
+    Attributes:
+        spec: how the model's arguments split into array leaves and static values.
+        meta: static facts about the sites, filled while tracing.
+        fingerprint: a hash of the traced program (its equations, the constants it closes
+            over, literal values): two models with the same fingerprint compute the same
+            densities from the same data, so a compiled fit may be reused only between
+            them (a model that reads a global array or a prior scale from its module gets a
+            new fingerprint when that value changes).
     """
 
-    def __init__(self, model, spec: DataSpec, init_strategy):
+    def __init__(self, model, spec: DataSpec, init_strategy, dyn, rng_key, meta=None):
         self.spec = spec
-        self.meta: dict = {}
-        self.fn = jax.jit(partial(_run_once, model, spec, init_strategy, self.meta))
+        self.meta: dict = {} if meta is None else meta
+        jitted = jax.jit(partial(_run_once, model, spec, init_strategy, self.meta))
+        self._traced = jitted.trace(dyn, rng_key)
+        self.fingerprint = program_fingerprint(self._traced.jaxpr)
+        self._compiled = None
 
     def __call__(self, dyn, rng_key):
-        return self.fn(dyn, rng_key)
+        if self._compiled is None:
+            self._compiled = self._traced.lower().compile(compiler_options=compiler_options(dyn))
+            self._traced = None
+        return self._compiled(dyn, rng_key)
+
+
+def program_fingerprint(closed_jaxpr) -> str:
+    """A hash of a traced program: its printed equations, and the bytes of every constant
+    and literal it holds (sub-programs included)."""
+    digest = hashlib.blake2b(digest_size=20)
+    digest.update(str(closed_jaxpr.jaxpr).encode())
+
+    def add(value):
+        arr = np.asarray(value)
+        digest.update(f"{arr.dtype}{arr.shape}".encode())
+        digest.update(arr.tobytes() if arr.dtype != object else repr(value).encode())
+
+    for c in closed_jaxpr.consts:
+        if jax.dtypes.issubdtype(getattr(c, "dtype", np.float64), jax.dtypes.prng_key):
+            c = jax.random.key_data(c)
+        add(c)
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            for v in eqn.invars:
+                if isinstance(v, jex_core.Literal):
+                    add(v.val)
+            for param in eqn.params.values():
+                for sub in param if isinstance(param, (tuple, list)) else (param,):
+                    inner = getattr(sub, "jaxpr", sub)
+                    if hasattr(inner, "eqns"):
+                        walk(inner)
+                    for c in getattr(sub, "consts", ()):
+                        add(c)
+
+    walk(closed_jaxpr.jaxpr)
+    return digest.hexdigest()
+
+
+def trace_program(model, args=(), kwargs=None, rng_key=None, init_strategy=None) -> ModelTracer:
+    """Trace (not yet compile) the run of ``model`` with this data: the :class:`ModelTracer`
+    with the program's fingerprint. A model that needs concrete data (e.g. calls
+    ``np.asarray`` on an argument) is traced with the data as constants.
+
+    Raises:
+        ModelTraceError: the model raised while running with the data given.
+    """
+    args, kwargs = _split_data(args, kwargs)
+    rng_key = jax.random.key(0) if rng_key is None else rng_key
+    init_strategy = init_to_prior_mean if init_strategy is None else init_strategy
+    spec, dyn = DataSpec.split(args, kwargs)
+    meta: dict = {}
+    try:
+        try:
+            return ModelTracer(model, spec, init_strategy, dyn, rng_key, meta)
+        except _NEEDS_CONCRETE:
+            spec, dyn = DataSpec.split(args, kwargs, all_static=True)
+            meta.clear()
+            return ModelTracer(model, spec, init_strategy, dyn, rng_key, meta)
+    except Exception as exc:  # any failure of the user's model
+        last = meta.get("last")
+        _raise_trace_error(exc, last.name if last is not None else None, args, kwargs)
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _raise_trace_error(exc, name, args, kwargs):
+    from blrppl.inputs import data_hint
+
+    where = f"after site '{name}'" if name is not None else "before its first site"
+    if isinstance(exc, ValueError) and "numpyro.subsample" in str(exc):
+        raise ObservedDataError(
+            f"the model's data do not match its subsampled plate ({exc}); the plate's size "
+            "must be the length of the data along the plate's dim: declare it as "
+            "numpyro.plate(name, len(data), subsample_size=M)",
+            site=name,
+        ) from exc
+    raise ModelTraceError(
+        f"the model could not be run with the data given: it raised {where} "
+        f"({type(exc).__name__}: {exc}); check that `data` holds the model's arguments "
+        f"(a dict of keyword arguments or a tuple of positional ones){data_hint(args, kwargs)}",
+        site=name,
+    ) from exc
 
 
 def trace_model(
@@ -202,53 +298,35 @@ def trace_model(
     """Run ``model`` once and record its sample sites.
 
     Latent values come from ``init_strategy`` (:func:`init_to_prior_mean` by default; any
-    numpyro init strategy works); discrete latents are drawn from their prior. The run is jitted with the data's arrays as
-    arguments; a model that needs concrete data (e.g. calls ``np.asarray`` on an argument)
-    is run again with the data as constants, and the engine then does the same.
+    numpyro init strategy works); discrete latents are drawn from their prior. The run is
+    jitted with the data's arrays as arguments; a model that needs concrete data (e.g.
+    calls ``np.asarray`` on an argument) is run with the data as constants, and the engine
+    then does the same.
 
     Args:
-        tracer: a :class:`ModelTracer` from an earlier call with data of the same shapes.
+        tracer: a :class:`ModelTracer` of this model for data of the same shapes (from
+            :func:`trace_program`, or from an earlier call with the same fingerprint).
 
     Returns:
         (OrderedDict site name → :class:`SiteRecord` in the order the model runs them,
         the :class:`DataSpec`, the dynamic data leaves, the :class:`ModelTracer`)
 
     Raises:
-        ModelTraceError: the model raised while running with the data given.
-        ObservedDataError: observed values are non-finite.
+        ModelTraceError: the model raised while running with the data given, or a
+            distribution's parameters are NaN at the starting point.
+        ObservedDataError: observed values are non-finite (outside a mask).
         UnsupportedLatentError: a latent has unbounded discrete support.
     """
     args, kwargs = _split_data(args, kwargs)
     rng_key = jax.random.key(0) if rng_key is None else rng_key
     if tracer is None:
-        spec, dyn = DataSpec.split(args, kwargs)
-        tracer = ModelTracer(model, spec, init_strategy)
-    else:
-        spec, dyn = tracer.spec, DataSpec.split(args, kwargs)[1]
+        tracer = trace_program(model, args, kwargs, rng_key, init_strategy)
+    spec = tracer.spec
+    dyn = DataSpec.split(args, kwargs, all_static=spec.all_static)[1]
     try:
-        try:
-            outputs = tracer(dyn, rng_key)
-        except _NEEDS_CONCRETE:
-            spec, dyn = DataSpec.split(args, kwargs, all_static=True)
-            tracer = ModelTracer(model, spec, init_strategy)
-            outputs = tracer(dyn, rng_key)
-    except Exception as exc:  # any failure of the user's model
-        last = tracer.meta.get("last")
-        name = last.name if last is not None else None
-        where = f"after site '{name}'" if name is not None else "before its first site"
-        if isinstance(exc, ValueError) and "numpyro.subsample" in str(exc):
-            raise ObservedDataError(
-                f"the model's data do not match its subsampled plate ({exc}); the plate's size "
-                "must be the length of the data along the plate's dim: declare it as "
-                "numpyro.plate(name, len(data), subsample_size=M)",
-                site=name,
-            ) from exc
-        raise ModelTraceError(
-            f"the model could not be run with the data given: it raised {where} "
-            f"({type(exc).__name__}: {exc}); check that `data` holds the model's arguments "
-            "(a dict of keyword arguments or a tuple of positional ones)",
-            site=name,
-        ) from exc
+        outputs = tracer(dyn, rng_key)
+    except Exception as exc:  # pragma: no cover - a failure traced fine but failed to run
+        _raise_trace_error(exc, None, args, kwargs)
     records: OrderedDict[str, SiteRecord] = OrderedDict()
     for info in tracer.meta["sites"]:
         name = info["name"]
@@ -261,14 +339,20 @@ def trace_model(
             lo, hi = outputs["bounds"][name]
             support = constraints.integer_interval(np.asarray(lo), np.asarray(hi))
         observed = info["observed"]
+        mask = outputs["masks"].get(name)
+        mask = None if mask is None else np.asarray(mask)
         if observed and not info["is_factor"]:
-            if np.issubdtype(value.dtype, np.number) and not np.all(np.isfinite(value)):
-                bad = int(np.size(value) - np.isfinite(value).sum())
+            finite = np.isfinite(value) if np.issubdtype(value.dtype, np.number) else np.ones(value.shape, bool)
+            if mask is not None:
+                finite = finite | ~mask
+            if not np.all(finite):
+                bad = int(np.size(finite) - finite.sum())
                 raise ObservedDataError(
                     f"{bad} observed value(s) are NaN or infinite; drop them or mask them "
                     "with numpyro.handlers.mask / obs_mask",
                     site=name,
                 )
+        _check_nan_arguments(name, info, outputs["nan_counts"][name])
         if observed and not info["is_factor"]:
             try:
                 shape = np.broadcast_shapes(value.shape, info["dist_shape"])
@@ -312,6 +396,31 @@ def trace_model(
     if not any(not r.observed for r in records.values()):
         raise ModelTraceError("the model has no latent sample site or param to infer")
     return records, spec, dyn, tracer
+
+
+def _check_nan_arguments(name, info, counts) -> None:
+    """Refuse NaN distribution parameters, and NaN log-densities outside the mask, at the
+    starting point: they come from NaN in the data the model computes them from."""
+    dist_name = info["dist_type"].__name__
+    for arg, count in counts.items():
+        count = int(count)
+        if not count or arg == "log_prob":
+            continue
+        raise ModelTraceError(
+            f"argument '{arg}' of {dist_name} has {count} NaN element(s) at the starting point: "
+            "it is computed from data with NaN in them (a covariate?); replace or drop the NaN "
+            "rows (a mask does not help here: the gradients through a NaN covariate are NaN "
+            "even where the log-density is masked; masked NaN observations are fine)",
+            site=name,
+        )
+    count = int(counts.get("log_prob", 0))
+    if count:
+        what = "numpyro.factor term" if info["is_factor"] else f"log-density of {dist_name}"
+        raise ModelTraceError(
+            f"the {what} is NaN at {count} element(s) at the starting point (outside any mask); "
+            "check the data the model computes it from for NaN",
+            site=name,
+        )
 
 
 def _param_record(info, outputs) -> SiteRecord:
@@ -389,7 +498,7 @@ def _run_once(model, spec, init_strategy, meta, dyn, rng_key):
     last = _LastSite(handlers.substitute(handlers.seed(model, rng_key), substitute_fn=partial(_initial, init_strategy)))
     meta["last"] = last
     tr = handlers.trace(last).get_trace(*args, **kwargs)
-    sites, values, bounds, checks = [], {}, {}, {}
+    sites, values, bounds, checks, masks, nan_counts = [], {}, {}, {}, {}, {}
     plate_sizes = {
         name: int(site["args"][0]) for name, site in tr.items() if site["type"] == "plate"
     }
@@ -423,8 +532,28 @@ def _run_once(model, spec, init_strategy, meta, dyn, rng_key):
         if isinstance(support, constraints._IntegerInterval):
             bounds[name] = (jnp.asarray(support.lower_bound), jnp.asarray(support.upper_bound))
         values[name] = site["value"]
-        if site["is_observed"] and not isinstance(base, dist.Unit):
-            checks[name] = jnp.all(fn.support(site["value"]))
+        dist_shape = tuple(fn.batch_shape) + tuple(fn.event_shape)
+        try:
+            shape_ok = np.broadcast_shapes(np.shape(site["value"]), dist_shape) == np.shape(site["value"])
+        except ValueError:
+            shape_ok = False
+        value_mask_ = value_mask(fn, mask, site["value"]) if shape_ok else None
+        if value_mask_ is not None:
+            masks[name] = value_mask_
+        if site["is_observed"] and not isinstance(base, dist.Unit) and shape_ok:
+            value = site["value"]
+            if value_mask_ is not None:
+                # masked-out observations may be anything (NaN): test a feasible point there
+                value = jnp.where(value_mask_, value, base.support.feasible_like(value))
+            inside = fn.support(value)
+            checks[name] = jnp.all(inside)
+        # NaN anywhere in a distribution's parameters, or in a log-density outside its mask
+        # (a NaN covariate, or a prior scale computed from NaN data): counted here, refused
+        # by trace_model naming the site and the argument
+        counts = {a: jnp.sum(jnp.isnan(v)) for a, v in _float_args(base).items()}
+        if shape_ok:
+            counts["log_prob"] = jnp.sum(jnp.isnan(fn.log_prob(site["value"])))
+        nan_counts[name] = counts
         sites.append(
             {
                 "name": name,
@@ -435,7 +564,7 @@ def _run_once(model, spec, init_strategy, meta, dyn, rng_key):
                 "reinterpreted_ndim": reinterpreted,
                 "has_mask": mask is not None,
                 "event_ndim": fn.event_dim,
-                "dist_shape": tuple(fn.batch_shape) + tuple(fn.event_shape),
+                "dist_shape": dist_shape,
                 "support": support,
                 "plates": tuple(
                     Plate(f.name, plate_sizes.get(f.name, int(f.size)), int(f.dim), int(f.size))
@@ -446,7 +575,33 @@ def _run_once(model, spec, init_strategy, meta, dyn, rng_key):
             }
         )
     meta["sites"] = sites
-    return {"values": values, "bounds": bounds, "in_support": checks}
+    return {"values": values, "bounds": bounds, "in_support": checks, "masks": masks, "nan_counts": nan_counts}
+
+
+def value_mask(fn, mask, value):
+    """Which elements of a site's value its masks keep, with the value's shape (None
+    without a mask). Each ``MaskedDistribution`` level masks its own batch dims, so its
+    mask is aligned with the value through that level's event dims."""
+    if mask is None:
+        return None
+    keep = jnp.ones(jnp.shape(value), bool)
+    while isinstance(fn, (dist.Independent, dist.ExpandedDistribution, dist.MaskedDistribution)):
+        if isinstance(fn, dist.MaskedDistribution) and fn._mask is not True:
+            m = jnp.broadcast_to(fn._mask, tuple(fn.batch_shape))
+            m = jnp.reshape(m, jnp.shape(m) + (1,) * fn.event_dim)
+            keep = keep & jnp.broadcast_to(m, jnp.shape(value))
+        fn = fn.base_dist
+    return keep
+
+
+def _float_args(base) -> dict:
+    """The floating-point arguments of an unwrapped distribution, by name."""
+    out = {}
+    for a in getattr(base, "arg_constraints", {}):
+        v = getattr(base, a, None)
+        if isinstance(v, (jax.Array, np.ndarray, float)) and jnp.issubdtype(jnp.result_type(v), jnp.floating):
+            out[a] = v
+    return out
 
 
 class PlateIndices(Messenger):

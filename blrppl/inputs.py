@@ -1,0 +1,399 @@
+"""The API boundary: what users pass, normalised or refused by name.
+
+Every public entry point (:func:`blrppl.blr_fit`, every method of :class:`blrppl.BLR`,
+:meth:`blrppl.BLRResult.sample` and friends) sends what the user passed through this
+module before anything else sees it:
+
+* **keys** (:func:`as_key`): a typed key (``jax.random.key(0)``), a raw ``uint32`` key
+  (``jax.random.PRNGKey(0)``, the spelling of NumPyro's docs) or an int seed all become a
+  typed key;
+* **options** (:func:`fit_options`): the keywords of :func:`blrppl.blr_fit` are checked
+  and frozen into a hashable :class:`FitOptions` (which is also part of the key of the
+  compiled-fit cache);
+* **data** (:func:`model_arguments`): a dict of keyword arguments or a tuple of positional
+  ones; pandas Series/Index and numeric object arrays become NumPy arrays, lists of
+  numbers with a float among them become float arrays, complex arrays are refused naming
+  the argument, and nothing the user passed is modified.
+
+Anything refused raises a :class:`blrppl.BLRError` that names the option or argument and
+the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from collections.abc import Mapping
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from blrppl.errors import BLRError, ModelTraceError, ObservedDataError
+
+#: schedules of the natural-parameter updates
+SCHEDULES = ("sequential", "parallel")
+#: values of ``structure=``
+STRUCTURES = (None, "joint", "mean-field")
+#: values of ``point_space=``
+POINT_SPACES = ("unconstrained", "constrained")
+#: the most steps of a fit when ``num_steps`` is not given
+DEFAULT_NUM_STEPS = 1000
+
+
+# -- keys ----------------------------------------------------------------------------
+
+
+def as_key(key, name: str = "rng_key"):
+    """A typed ``jax.random`` key from any spelling NumPyro users write.
+
+    Args:
+        key: ``None`` (the key of seed 0), a typed key (``jax.random.key(0)``), raw key data
+            (``jax.random.PRNGKey(0)``, a ``uint32`` array) or an int seed.
+        name: what the key is called in error messages.
+
+    Raises:
+        BLRError: anything else (a string, a float, a batch of keys...).
+    """
+    if key is None:
+        return jax.random.key(0)
+    if isinstance(key, (bool, np.bool_)):
+        raise BLRError(_key_message(name, key))
+    if isinstance(key, (numbers.Integral, np.integer)):
+        if not 0 <= int(key) < 2**63:
+            raise BLRError(f"{name}: an int seed must be non-negative and below 2**63, not {key}")
+        return jax.random.key(int(key))
+    if isinstance(key, (jax.Array, np.ndarray)) and not isinstance(key, jax.core.Tracer):
+        dtype = key.dtype
+        if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+            if key.shape != ():
+                raise BLRError(f"{name} must be one key, not a batch of keys of shape {key.shape}")
+            return key
+        if dtype == np.uint32:
+            try:
+                wrapped = jax.random.wrap_key_data(jnp.asarray(key))
+            except (TypeError, ValueError):
+                wrapped = None
+            if wrapped is not None and wrapped.shape == ():
+                return wrapped
+    if isinstance(key, jax.core.Tracer):
+        if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+            return key
+        return jax.random.wrap_key_data(key)
+    raise BLRError(_key_message(name, key))
+
+
+def _key_message(name, key) -> str:
+    shape = f" of shape {np.shape(key)} and dtype {getattr(key, 'dtype', type(key).__name__)}" if hasattr(key, "shape") else ""
+    return (
+        f"{name} must be a jax.random key (jax.random.key(0) or jax.random.PRNGKey(0)) or an int "
+        f"seed, not {type(key).__name__}{shape}"
+    )
+
+
+# -- options -------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class FitOptions:
+    """The checked options of a fit (hashable).
+
+    Attributes:
+        num_steps: the most steps to run.
+        learning_rate: ρ: None (the defaults of :func:`blrppl.blr_fit`), a float in (0, 1]
+            or a callable of the step number.
+        schedule: ``"sequential"`` or ``"parallel"``.
+        families: ``(site, family name)`` pairs, sorted.
+        structure: ``None``, ``"joint"`` or ``"mean-field"``.
+        point: sites fitted by the delta method.
+        mc_curvature: curvature estimator of Monte Carlo messages.
+        tol: relative ELBO tolerance of the convergence test.
+        progress_bar: show a progress bar.
+        point_space: ``"unconstrained"`` or ``"constrained"``.
+        iterate_average: report tail-averaged global blocks under subsampling.
+        num_starts: fits from different starting points (mixtures); the best ELBO is kept.
+    """
+
+    num_steps: int = DEFAULT_NUM_STEPS
+    learning_rate: Any = None
+    schedule: str = "sequential"
+    families: tuple = ()
+    structure: str | None = None
+    point: tuple = ()
+    mc_curvature: str = "reparam"
+    tol: float = 1e-8
+    progress_bar: bool = True
+    point_space: str = "unconstrained"
+    iterate_average: bool = True
+    num_starts: int = 1
+
+    @property
+    def families_dict(self) -> dict:
+        return dict(self.families)
+
+    @property
+    def rate_fn(self) -> Callable | None:
+        """The step-size schedule, when ``learning_rate`` is a callable."""
+        return self.learning_rate if callable(self.learning_rate) else None
+
+    def compiled(self) -> tuple:
+        """The options the compiled fit depends on (part of its cache key)."""
+        return (
+            self.families,
+            self.schedule,
+            self.rate_fn,
+            self.tol,
+            self.structure,
+            self.point,
+            self.mc_curvature,
+            self.learning_rate is None,
+            self.point_space,
+        )
+
+
+def _real(x, name: str) -> float:
+    """A finite real number from a Python/NumPy/JAX scalar."""
+    if isinstance(x, (bool, np.bool_)) or isinstance(x, str):
+        raise BLRError(f"{name} must be a number, not {type(x).__name__} {x!r}")
+    try:
+        value = float(x)
+    except (TypeError, ValueError):
+        raise BLRError(f"{name} must be a number, not {type(x).__name__} {x!r}") from None
+    if not math.isfinite(value):
+        raise BLRError(f"{name} must be finite, not {value}")
+    return value
+
+
+def _int(x, name: str, low: int) -> int:
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, (numbers.Integral, np.integer)):
+        if isinstance(x, (float, np.floating)) and float(x).is_integer():
+            x = int(x)
+        else:
+            raise BLRError(f"{name} must be an int, not {type(x).__name__} {x!r}")
+    if int(x) < low:
+        raise BLRError(f"{name} must be at least {low}, not {int(x)}")
+    return int(x)
+
+
+def _names(x, name: str) -> tuple:
+    """A tuple of site names from a name or an iterable of names."""
+    if x is None:
+        return ()
+    if isinstance(x, str):
+        return (x,)
+    try:
+        items = tuple(x)
+    except TypeError:
+        raise BLRError(f"{name} must be a site name or a list of site names, not {type(x).__name__}") from None
+    bad = [v for v in items if not isinstance(v, str)]
+    if bad:
+        raise BLRError(f"{name} must hold site names (strings), not {bad[0]!r}")
+    return items
+
+
+def check_learning_rate(learning_rate):
+    """None, a float in (0, 1], or a callable of the step whose value at step 0 is a finite
+    number ≥ 0 (ρ = 0 freezes; a callable is checked again at every step of the fit)."""
+    if learning_rate is None:
+        return None
+    if callable(learning_rate):
+        try:
+            first = learning_rate(jnp.zeros((), jnp.int32))
+            first = float(jnp.asarray(first))
+        except Exception as exc:  # the user's schedule
+            raise BLRError(
+                f"learning_rate(step) must return a number for an int step; at step 0 it raised "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+        if not (math.isfinite(first) and first >= 0.0):
+            raise BLRError(f"learning_rate(step) must be a finite number ≥ 0; at step 0 it is {first}")
+        return learning_rate
+    rate = _real(learning_rate, "learning_rate")
+    if not 0.0 < rate <= 1.0:
+        raise BLRError(f"learning_rate must be in (0, 1], not {rate}")
+    return rate
+
+
+def fit_options(
+    *,
+    num_steps=None,
+    learning_rate=None,
+    schedule=None,
+    families=None,
+    structure=None,
+    point=None,
+    mc_curvature="reparam",
+    tol=None,
+    progress_bar=True,
+    point_space="unconstrained",
+    iterate_average=True,
+    num_starts=1,
+) -> FitOptions:
+    """Check the keywords of :func:`blrppl.blr_fit` and freeze them.
+
+    Raises:
+        BLRError: an option of the wrong type or out of range, naming it and its values.
+    """
+    from blrppl.estimators.monte_carlo import CURVATURES
+
+    num_steps = DEFAULT_NUM_STEPS if num_steps is None else _int(num_steps, "num_steps", 1)
+    learning_rate = check_learning_rate(learning_rate)
+    schedule = "sequential" if schedule is None else schedule
+    if not isinstance(schedule, str) or schedule not in SCHEDULES:
+        raise BLRError(f"schedule must be one of {SCHEDULES}, not {schedule!r}")
+    if families is None:
+        families = {}
+    if not isinstance(families, Mapping):
+        raise BLRError(
+            f"families must be a dict site → family name (e.g. {{'w': 'gaussian-diag'}}), not "
+            f"{type(families).__name__}"
+        )
+    for site, family in families.items():
+        if not isinstance(site, str) or not isinstance(family, str):
+            raise BLRError(f"families must map site names to family names (strings), not {site!r}: {family!r}")
+    if not isinstance(structure, (str, type(None))) or structure not in STRUCTURES:
+        raise BLRError(f"structure must be 'joint' or 'mean-field', not {structure!r}")
+    point = _names(point, "point")
+    if not isinstance(mc_curvature, str) or mc_curvature not in CURVATURES:
+        raise BLRError(f"mc_curvature must be one of {CURVATURES}, not {mc_curvature!r}")
+    x64 = jnp.result_type(float) == jnp.float64
+    if tol is None:
+        tol = 1e-8 if x64 else 1e-5
+    else:
+        tol = _real(tol, "tol")
+        if not 0.0 < tol < 1.0:
+            raise BLRError(f"tol is a relative ELBO change and must lie in (0, 1), e.g. 1e-6; not {tol}")
+    if not isinstance(point_space, str) or point_space not in POINT_SPACES:
+        raise BLRError(f"point_space must be 'unconstrained' or 'constrained', not {point_space!r}")
+    for flag, value in (("progress_bar", progress_bar), ("iterate_average", iterate_average)):
+        if not isinstance(value, (bool, np.bool_, numbers.Integral)):
+            raise BLRError(f"{flag} must be True or False, not {value!r}")
+    return FitOptions(
+        num_steps=num_steps,
+        learning_rate=learning_rate,
+        schedule=schedule,
+        families=tuple(sorted(families.items())),
+        structure=structure,
+        point=point,
+        mc_curvature=mc_curvature,
+        tol=tol,
+        progress_bar=bool(progress_bar),
+        point_space=point_space,
+        iterate_average=bool(iterate_average),
+        num_starts=_int(num_starts, "num_starts", 1),
+    )
+
+
+# -- data ----------------------------------------------------------------------------
+
+
+def model_arguments(data) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` of the model from ``data`` (a dict of keyword arguments or a tuple
+    of positional ones), with array-likes converted (see the module docstring).
+
+    Raises:
+        ModelTraceError: ``data`` is neither a dict nor a tuple/list, or a dict key is not
+            a string.
+        ObservedDataError: an argument holds complex numbers.
+    """
+    if data is None:
+        return (), {}
+    if isinstance(data, Mapping):
+        bad = [k for k in data if not isinstance(k, str)]
+        if bad:
+            raise ModelTraceError(f"data must be a dict of the model's keyword arguments; {bad[0]!r} is not a name")
+        return (), {k: _convert(v, k) for k, v in data.items()}
+    if isinstance(data, (tuple, list)):
+        return tuple(_convert(v, f"data[{i}]") for i, v in enumerate(data)), {}
+    raise ModelTraceError(
+        "data must be a dict of model keyword arguments or a tuple of positional ones, "
+        f"not {type(data).__name__}"
+    )
+
+
+def call_arguments(args, kwargs) -> tuple[tuple, dict]:
+    """The model arguments of a ``BLR`` call (``*args, **kwargs``), converted like ``data``."""
+    return (
+        tuple(_convert(v, f"args[{i}]") for i, v in enumerate(args)),
+        {k: _convert(v, k) for k, v in kwargs.items()},
+    )
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (numbers.Number, np.number)) and not isinstance(x, (bool, np.bool_))
+
+
+def _numeric_list(x) -> bool:
+    """A (nested, rectangular) list of real numbers with at least one float in it."""
+    flat = []
+
+    def walk(v):
+        if isinstance(v, list):
+            return all(walk(u) for u in v)
+        if _is_number(v) and not isinstance(v, (complex, np.complexfloating)):
+            flat.append(v)
+            return True
+        return False
+
+    if not walk(x) or not flat or not any(isinstance(v, (float, np.floating)) for v in flat):
+        return False
+    try:
+        arr = np.asarray(x)
+    except ValueError:  # ragged
+        return False
+    return arr.dtype != object
+
+
+def _convert(x, name: str):
+    """One data argument (or a container of them), converted; the user's object is never
+    modified (conversions make new arrays)."""
+    if isinstance(x, list) and _numeric_list(x):
+        return np.asarray(x, dtype=float)
+    if isinstance(x, dict):
+        return type(x)({k: _convert(v, f"{name}[{k!r}]") for k, v in x.items()}) if type(x) is dict else x
+    if isinstance(x, (list, tuple)) and type(x) in (list, tuple):
+        return type(x)(_convert(v, f"{name}[{i}]") for i, v in enumerate(x))
+    module = type(x).__module__ or ""
+    if module.startswith("pandas") and type(x).__name__ in ("Series", "Index"):
+        x = x.to_numpy()
+    if isinstance(x, np.ndarray):
+        if x.dtype == object:
+            try:
+                converted = np.asarray(x.tolist(), dtype=float)
+            except (TypeError, ValueError):
+                return x  # not numbers: the model decides what it does with them
+            if converted.shape == x.shape:
+                return converted
+            return x
+        if np.issubdtype(x.dtype, np.complexfloating):
+            raise ObservedDataError(
+                f"data argument '{name}' holds complex numbers; blrppl fits real-valued models "
+                "(pass the real and imaginary parts as separate real arrays)"
+            )
+    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and jnp.issubdtype(x.dtype, jnp.complexfloating):
+        raise ObservedDataError(f"data argument '{name}' holds complex numbers; blrppl fits real-valued models")
+    return x
+
+
+def is_numeric_array(x) -> bool:
+    """Arrays that travel into jit as data: JAX arrays, and NumPy arrays of numbers or
+    booleans (other NumPy arrays, e.g. of strings, reach the model as they are)."""
+    if isinstance(x, jax.Array):
+        return True
+    if isinstance(x, np.ndarray) and not isinstance(x, np.generic):
+        return bool(np.issubdtype(x.dtype, np.number) or x.dtype == np.bool_)
+    return False
+
+
+def data_hint(args, kwargs) -> str:
+    """A hint for a model that failed on its data: arguments that are Python lists or
+    arrays of non-numbers, which NumPyro models cannot compute with ("" if none)."""
+    hints = []
+    for name, x in [(f"args[{i}]", v) for i, v in enumerate(args)] + list(kwargs.items()):
+        if isinstance(x, list):
+            hints.append(f"'{name}' is a Python list (pass np.asarray({name}))")
+        elif isinstance(x, np.ndarray) and not is_numeric_array(x):
+            hints.append(f"'{name}' is an array of {x.dtype} values, not numbers")
+    return ("; data argument " + ", ".join(hints)) if hints else ""

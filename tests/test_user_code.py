@@ -1,0 +1,387 @@
+"""User code as NumPyro users write it, and bad input: every entry point normalises what it
+is given or refuses it with a BLRError that names the site, option or argument.
+
+Written in the users' idiom (``random.PRNGKey(0)``, pandas and lists as data, masks,
+``obs_mask``, module-level globals read by the model), one test per reproduction of the
+issue "Works on user code as users write it": each failed before the API boundary layer
+(``blrppl/inputs.py``) and the fixes it names. Exact answers are conjugate closed forms
+(float64).
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpyro
+import numpyro.distributions as dist
+import pandas as pd
+import pytest
+from jax import random
+from numpyro import handlers
+from numpyro.infer import Trace_ELBO
+from numpyro.infer.autoguide import AutoNormal
+
+from blrppl import BLR, BLRError, ModelTraceError, ObservedDataError, blr_fit
+
+numpyro.enable_x64()
+
+Y = np.array([1.2, 0.4, 2.1, 1.7, 0.9, 1.4])
+
+
+def normal_model(y):
+    mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
+    with numpyro.plate("data", len(y)):
+        numpyro.sample("obs", dist.Normal(mu, 1.0), obs=y)
+
+
+def exact_normal(y, prior_sd=1.0):
+    """Posterior (mean, variance) of mu for normal_model-like models (unit noise)."""
+    y = np.asarray(y)
+    prec = 1.0 / prior_sd**2 + y.size
+    return y.sum() / prec, 1.0 / prec
+
+
+def fit(model, data, **kw):
+    kw.setdefault("progress_bar", False)
+    return blr_fit(model, data, **kw)
+
+
+# -- 1. the compiled-fit cache sees what the model closes over ---------------------------
+
+OBSERVED = np.array([1.0, 1.0, 1.0])
+PRIOR_SD = 1.0
+
+
+def global_model():
+    mu = numpyro.sample("mu", dist.Normal(0.0, PRIOR_SD))
+    with numpyro.plate("data", OBSERVED.shape[0]):
+        numpyro.sample("obs", dist.Normal(mu, 1.0), obs=OBSERVED)
+
+
+def test_cache_sees_module_globals():
+    global OBSERVED, PRIOR_SD
+    saved = OBSERVED, PRIOR_SD
+    try:
+        for obs, sd in [(np.array([1.0, 1.0, 1.0]), 1.0), (np.array([5.0, 4.0, 6.0]), 1.0), (np.array([5.0, 4.0, 6.0]), 0.1)]:
+            OBSERVED, PRIOR_SD = obs, sd
+            q = fit(global_model, None).posterior["mu"]
+            mean, var = exact_normal(obs, sd)
+            np.testing.assert_allclose([q.mean, q.variance], [mean, var], rtol=1e-10)
+    finally:
+        OBSERVED, PRIOR_SD = saved
+
+
+def test_cache_sees_closures_and_reuses_identical_programs():
+    import blrppl.api as api
+
+    def make(scale):
+        def model(y):
+            mu = numpyro.sample("mu", dist.Normal(0.0, scale))
+            with numpyro.plate("data", len(y)):
+                numpyro.sample("obs", dist.Normal(mu, 1.0), obs=y)
+
+        return model
+
+    for scale in (1.0, 3.0):
+        q = fit(make(scale), {"y": Y}).posterior["mu"]
+        np.testing.assert_allclose([q.mean, q.variance], exact_normal(Y, scale), rtol=1e-10)
+    # the same model with new data of the same shape reuses its compiled fit
+    model = make(2.0)
+    fit(model, {"y": Y})
+    size = len(api._CACHE)
+    q = fit(model, {"y": Y + 1.0}).posterior["mu"]
+    assert len(api._CACHE) == size
+    np.testing.assert_allclose([q.mean, q.variance], exact_normal(Y + 1.0, 2.0), rtol=1e-10)
+
+
+# -- 4. NaN in a covariate ---------------------------------------------------------------
+
+
+def regression(X, y=None):
+    w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([X.shape[1]]).to_event(1))
+    with numpyro.plate("data", X.shape[0]):
+        numpyro.sample("y", dist.Normal(X @ w, 1.0), obs=y)
+
+
+def test_nan_covariate_is_refused_naming_the_site_and_argument():
+    X = np.ones((8, 2))
+    X[3, 1] = np.nan
+    with pytest.raises(ModelTraceError, match=r"site 'y'.*argument 'loc'"):
+        fit(regression, {"X": X, "y": np.ones(8)})
+
+
+def test_nan_prior_argument_from_data_is_refused():
+    def model(scales, y):
+        s = numpyro.sample("s", dist.HalfNormal(scales))
+        numpyro.sample("y", dist.Normal(0.0, s), obs=y)
+
+    with pytest.raises(ModelTraceError, match=r"site 's'.*'scale'"):
+        fit(model, (np.array([1.0, np.nan]), np.ones(2)))
+
+
+# -- 5. the SVI drop-in validates data on every call -------------------------------------
+
+
+def poisson_model(counts):
+    rate = numpyro.sample("rate", dist.Gamma(2.0, 1.0))
+    with numpyro.plate("data", len(counts)):
+        numpyro.sample("counts", dist.Poisson(rate), obs=counts)
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [(np.array([1.0, np.nan, 2.0, 0.0]), "NaN"), (np.array([1.0, -1.0, 2.0, 0.0]), "support")],
+    ids=["nan", "negative-count"],
+)
+def test_svi_calls_validate_their_data(bad, match):
+    svi = BLR(poisson_model)
+    state = svi.init(random.PRNGKey(0), np.array([1.0, 3.0, 2.0, 0.0]))
+    calls = {
+        "update": lambda: svi.update(state, bad),
+        "evaluate": lambda: svi.evaluate(state, bad),
+        "run": lambda: svi.run(random.PRNGKey(1), 5, bad, init_state=state, progress_bar=False),
+    }
+    for name, call in calls.items():
+        with pytest.raises(ObservedDataError, match=f"site 'counts'.*{match}"):
+            call()
+    # good data still work after a refusal
+    state, loss = svi.update(state, np.array([1.0, 3.0, 2.0, 0.0]))
+    assert np.isfinite(loss)
+
+
+# -- 6. convergence only when the test passed ----------------------------------------------
+
+
+def test_nan_learning_rate_is_refused_or_stops():
+    with pytest.raises(BLRError, match="learning_rate"):
+        fit(normal_model, {"y": Y}, learning_rate=lambda t: jnp.nan)
+    result = fit(normal_model, {"y": Y}, learning_rate=lambda t: jnp.where(t < 3, 0.5, jnp.nan))
+    assert not result.converged
+    assert result.num_steps < 3 and "learning_rate" in result.message
+    assert np.all(np.isfinite(result.elbo))
+
+
+def test_improper_posterior_is_not_converged_and_names_the_latents():
+    def model(y):
+        a = numpyro.sample("a", dist.ImproperUniform(dist.constraints.real, (), ()))
+        b = numpyro.sample("b", dist.ImproperUniform(dist.constraints.real, (), ()))
+        with numpyro.plate("data", len(y)):
+            numpyro.sample("obs", dist.Normal(a + b, 1.0), obs=y)
+
+    with pytest.warns(UserWarning, match=r"'a', 'b'.*improper"):
+        result = fit(model, {"y": Y}, num_steps=50)
+    assert not result.converged
+    assert "improper" in result.message
+
+
+# -- 7. every key spelling, at every entry point ------------------------------------------
+
+KEYS = {"PRNGKey": random.PRNGKey(0), "key": random.key(0), "seed": 0, "numpy-uint32": np.array([0, 0], np.uint32)}
+
+
+@pytest.mark.parametrize("spelling", list(KEYS))
+def test_blr_fit_and_result_take_every_key_spelling(spelling):
+    key = KEYS[spelling]
+    result = fit(normal_model, {"y": Y}, rng_key=key)
+    reference = fit(normal_model, {"y": Y}, rng_key=random.key(0))
+    np.testing.assert_array_equal(result.elbo, reference.elbo)
+    draws = result.sample(key, 10)
+    np.testing.assert_array_equal(draws["mu"], reference.sample(random.key(0), 10)["mu"])
+    assert result.summary(rng_key=key, print_table=False)["mu"]["mean"].shape == ()
+
+
+@pytest.mark.parametrize("spelling", ["PRNGKey", "seed"])
+def test_blr_class_takes_every_key_spelling(spelling):
+    key = KEYS[spelling]
+    X = np.random.default_rng(0).normal(size=(20, 2))
+    y = X @ np.array([1.0, -1.0]) + np.random.default_rng(1).normal(size=20)
+    svi = BLR(regression, AutoNormal(regression))
+    res = svi.run(key, 50, X, y, progress_bar=False)
+    assert np.isfinite(res.losses[-1])
+    state = svi.init(key, X, y)
+    state, loss = svi.update(state, X, y)
+    assert np.isfinite(loss)
+
+
+@pytest.mark.parametrize("key", ["abc", 1.5, -1, np.ones(2), random.split(random.key(0), 3)])
+def test_bad_keys_are_refused_by_name(key):
+    with pytest.raises(BLRError, match="rng_key"):
+        fit(normal_model, {"y": Y}, rng_key=key)
+
+
+# -- 8. posteriors of every block kind and event rank -------------------------------------
+
+
+def zoo(X, y, counts, groups):
+    w1 = numpyro.sample("w1", dist.Normal(0.0, 1.0).expand([2, 3]).to_event(2))
+    w2 = numpyro.sample("w2", dist.Normal(0.0, 1.0).expand([3]).to_event(1))
+    scale = numpyro.sample("scale", dist.HalfNormal(1.0).expand([2, 2]).to_event(2))
+    probs = numpyro.sample("probs", dist.Dirichlet(jnp.ones(3)).expand([2]).to_event(1))
+    rate = numpyro.sample("rate", dist.Gamma(2.0, 1.0))
+    p = numpyro.sample("p", dist.Beta(2.0, 2.0))
+    with numpyro.plate("groups", 2):
+        a = numpyro.sample("a", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
+    with numpyro.plate("data", X.shape[0]):
+        z = numpyro.sample("z", dist.Bernoulli(p))
+        numpyro.sample("y", dist.Normal(jnp.tanh(X @ w1) @ w2 + a[groups, z] + z, scale[0, 0] * scale[1, 1]), obs=y)
+        numpyro.sample("counts", dist.Poisson(rate), obs=counts)
+        numpyro.sample("g", dist.Categorical(probs[z]), obs=groups)
+
+
+def test_posterior_of_every_site_and_block_kind():
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(15, 2))
+    data = {"X": X, "y": rng.normal(size=15), "counts": rng.poisson(2.0, 15).astype(float), "groups": rng.integers(0, 2, 15)}
+    result = fit(zoo, data, num_steps=3)
+    shapes = {"w1": (2, 3), "w2": (3,), "scale": (2, 2), "probs": (2, 3), "rate": (), "p": (), "a": (2, 2), "z": (15,)}
+    assert set(result.posterior) == set(shapes)
+    draws = result.sample(random.PRNGKey(1), 4)
+    for site, shape in shapes.items():
+        q = result.posterior[site]
+        assert jnp.shape(q.mean) == shape, site
+        assert jnp.shape(q.variance) == shape, site
+        assert np.all(np.isfinite(q.mean)) and np.all(np.asarray(q.variance) >= 0), site
+        assert draws[site].shape == (4,) + shape, site
+        assert q.sample(random.PRNGKey(2), (3,)).shape == (3,) + shape, site
+
+
+# -- 9. masks: masked NaN observations contribute nothing ----------------------------------
+
+Y_MISSING = np.array([1.2, np.nan, 2.1, 1.7, np.nan, 1.4])
+OBSERVED_PART = Y_MISSING[~np.isnan(Y_MISSING)]
+
+
+def obs_mask_model(y):
+    mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
+    with numpyro.plate("data", len(y)):
+        numpyro.sample("obs", dist.Normal(mu, 1.0), obs=y, obs_mask=~np.isnan(y))
+
+
+def handler_mask_model(y):
+    mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
+    with numpyro.plate("data", len(y)), handlers.mask(mask=~jnp.isnan(y)):
+        numpyro.sample("obs", dist.Normal(mu, 1.0), obs=y)
+
+
+@pytest.mark.parametrize("model", [obs_mask_model, handler_mask_model], ids=["obs_mask", "handlers.mask"])
+def test_masked_nan_observations(model):
+    result = fit(model, {"y": Y_MISSING})
+    assert result.converged, result.message
+    mean, var = exact_normal(OBSERVED_PART)
+    q = result.posterior["mu"]
+    np.testing.assert_allclose([q.mean, q.variance], [mean, var], rtol=1e-10)
+    if model is obs_mask_model:
+        # the imputed values are the posterior predictive: N(E[mu], var(mu) + 1) at the
+        # missing positions (the observed positions of the imputation latent keep its prior)
+        missing = np.isnan(Y_MISSING)
+        imputed = result.posterior["obs_unobserved"]
+        np.testing.assert_allclose(np.asarray(imputed.mean)[missing], mean, rtol=1e-10)
+        np.testing.assert_allclose(np.asarray(imputed.variance)[missing], var + 1.0, rtol=1e-10)
+
+
+def test_unmasked_nan_is_still_refused():
+    with pytest.raises(ObservedDataError, match="site 'obs'.*NaN"):
+        fit(normal_model, {"y": Y_MISSING})
+
+
+# -- 11. data of every array-like type, options of the wrong type --------------------------
+
+
+@pytest.mark.parametrize(
+    "y",
+    [
+        Y.tolist(),
+        pd.Series(Y),
+        pd.Series(Y, dtype=object).values,
+        jnp.asarray(Y),
+        pd.DataFrame({"y": Y})["y"],
+    ],
+    ids=["list", "series", "object-array", "jax", "column"],
+)
+def test_array_likes_are_converted(y):
+    q = fit(normal_model, {"y": y}).posterior["mu"]
+    np.testing.assert_allclose([q.mean, q.variance], exact_normal(Y), rtol=1e-10)
+
+
+@pytest.mark.parametrize(
+    "y, error, match",
+    [
+        (np.array(["1.2", "0.4"]), ModelTraceError, "(?s)site 'obs'.*not numbers"),
+        (Y + 1j, ObservedDataError, "complex"),
+        ([1, 0, 1], ModelTraceError, "(?s)site 'obs'.*Python list"),
+    ],
+    ids=["strings", "complex", "int-list"],
+)
+def test_unusable_data_are_refused_by_name(y, error, match):
+    with pytest.raises(error, match=match):
+        fit(normal_model, {"y": y})
+
+
+@pytest.mark.parametrize(
+    "option, match",
+    [
+        ({"learning_rate": "fast"}, "learning_rate"),
+        ({"learning_rate": np.nan}, "learning_rate"),
+        ({"families": ["mu"]}, "families"),
+        ({"tol": -1}, "tol"),
+        ({"tol": 0}, "tol"),
+        ({"num_steps": 2.5}, "num_steps"),
+        ({"num_steps": True}, "num_steps"),
+        ({"schedule": 1}, "schedule"),
+        ({"point": [1]}, "point"),
+        ({"mc_curvature": None}, "mc_curvature"),
+        ({"progress_bar": "no"}, "progress_bar"),
+        ({"prior": "previous"}, "prior"),
+    ],
+)
+def test_bad_options_are_refused_by_name(option, match):
+    with pytest.raises(BLRError, match=match):
+        fit(normal_model, {"y": Y}, **option)
+
+
+def test_point_takes_one_name():
+    result = fit(normal_model, {"y": Y}, point="mu")
+    assert result.plan.block("mu").point
+
+
+def test_svi_positional_form_and_autonormal_with_nan_data():
+    with pytest.warns(UserWarning, match="optimiser"):
+        svi = BLR(normal_model, AutoNormal(normal_model), numpyro.optim.Adam(0.01), Trace_ELBO())
+    with pytest.raises(ObservedDataError, match="site 'obs'.*NaN"):
+        svi.run(random.PRNGKey(0), 10, Y_MISSING, progress_bar=False)
+
+
+# -- 12. threads ---------------------------------------------------------------------------
+
+
+def test_concurrent_fits_from_threads():
+    def scale_model(y):
+        mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
+        s = numpyro.sample("s", dist.Gamma(2.0, 1.0))
+        with numpyro.plate("data", len(y)):
+            numpyro.sample("obs", dist.Normal(mu, s), obs=y)
+
+    results, errors = {}, []
+
+    def work(i):
+        try:
+            model = normal_model if i % 2 else scale_model
+            results[i] = fit(model, {"y": Y[: 3 + i]}, num_steps=20)
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(repr(exc))
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert not errors, errors
+    for i in (1, 3):
+        q = results[i].posterior["mu"]
+        np.testing.assert_allclose([q.mean, q.variance], exact_normal(Y[: 3 + i]), rtol=1e-10)
