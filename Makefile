@@ -21,7 +21,7 @@ test: $(STAMP)
 # matplotlib for its PNGs)
 bench: $(STAMP)
 	$(PY) -m pip install --quiet -e ".[test,bench]"
-	$(PY) -m blrppl.bench
+	$(PY) -m blrppl.bench --out docs
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

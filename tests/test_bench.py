@@ -89,6 +89,19 @@ def test_reference_cache_key_depends_on_data(monkeypatch, tmp_path):
     assert runner.data_hash(a) == runner.data_hash(b)  # deterministic data
     b.data = {**b.data, "y": b.data["y"] + 1e-9}
     assert runner.data_hash(a) != runner.data_hash(b)
+    # the model's code is part of the key (an edited model gets a new reference run)
+    c = models.load("linear_regression")
+
+    def edited(*args, **kwargs):
+        return a.model(*args, **kwargs)
+
+    c.model = edited
+    assert runner.data_hash(a) != runner.data_hash(c)
+
+
+def test_default_output_is_bench_out(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert cli.parse([]).out == "bench-out"
 
 
 def test_exact_references():

@@ -2,13 +2,15 @@
 
 Examples::
 
-    python -m blrppl.bench                        # everything; writes docs/benchmarks.md + plots
+    python -m blrppl.bench                        # everything; writes ./bench-out/benchmarks.md + plots
+    python -m blrppl.bench --out docs             # what make bench runs: the committed report
     python -m blrppl.bench --quick --out /tmp/b   # a quick subset with short runs
     python -m blrppl.bench --model eight_schools --out /tmp/b
     python -m blrppl.bench --scaling-only --out /tmp/b
 
 Reference posteriors of models without a shipped one are long NUTS runs cached under
-``$BLRPPL_CACHE`` (default ``~/.cache/blrppl/bench``), keyed by model name and data hash.
+``$BLRPPL_CACHE`` (default ``~/.cache/blrppl/bench``), keyed by the model's name and source
+code, the data, and the versions of blrppl and numpyro.
 """
 
 from __future__ import annotations
@@ -46,8 +48,8 @@ def parse(argv=None):
     p.add_argument("--model", action="append", help="run only this model (repeatable); see --list")
     p.add_argument("--list", action="store_true", help="list the models and exit")
     p.add_argument("--quick", action="store_true", help=f"a quick subset {QUICK_MODELS}, short runs, no scaling")
-    p.add_argument("--out", default=None, help="output directory (default: docs/ of the repository; "
-                   "--quick and --model default to ./bench-out)")
+    p.add_argument("--out", default="bench-out", help="output directory (default ./bench-out; "
+                   "make bench writes the report to docs/)")
     p.add_argument("--methods", default="blr,svi_normal,svi_mvn,nuts", help="comma-separated subset")
     p.add_argument("--blr-steps", type=int, default=None, help="BLR's num_steps (default: blr_fit's)")
     p.add_argument("--svi-steps", type=int, default=None, help="SVI steps (default 10000; --quick 2000)")
@@ -75,8 +77,7 @@ def main(argv=None) -> int:
         print("\n".join(all_models()))
         return 0
     partial = bool(args.quick or args.model)
-    repo_docs = pathlib.Path(__file__).resolve().parents[2] / "docs"
-    out = pathlib.Path(args.out) if args.out else (pathlib.Path("bench-out") if partial else repo_docs)
+    out = pathlib.Path(args.out)
     names = args.model or (list(QUICK_MODELS) if args.quick else all_models())
     names = [] if args.scaling_only else names
     unknown = [n for n in names if n not in all_models()]

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib.metadata
+import inspect
 import json
 import os
 import pathlib
@@ -224,9 +226,30 @@ def cache_dir() -> pathlib.Path:
     return pathlib.Path(root) if root else pathlib.Path.home() / ".cache" / "blrppl" / "bench"
 
 
+def _source(fn) -> str:
+    """A function's source code ("" when it has none, e.g. a built-in)."""
+    try:
+        return inspect.getsource(fn)
+    except (OSError, TypeError):
+        return repr(fn)
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
 def data_hash(bm: BenchModel) -> str:
+    """The key of a cached reference run: the model's name and source code (and its sampler
+    model's), the data, the run's length and the versions of blrppl and numpyro."""
     h = hashlib.sha256()
     h.update(bm.name.encode())
+    h.update(_source(bm.model).encode())
+    if bm.sampler_model is not None:
+        h.update(_source(bm.sampler_model).encode())
+    h.update(f"blrppl {_version('blrppl')} numpyro {_version('numpyro')}".encode())
     h.update(f"{REF_CHAINS}x{REF_WARMUP}+{REF_SAMPLES}".encode())
     for k in sorted(bm.data):
         h.update(k.encode())
