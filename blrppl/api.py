@@ -135,6 +135,8 @@ class _Compiled:
     full_tracer: Any = None
     #: block → shape of the noise that perturbs its λ for conjugacy detection
     noise_shapes: dict = dataclasses.field(default_factory=dict)
+    #: the latents' support parameters the bijections were compiled with
+    supports: tuple = ()
 
 
 #: held while a model is traced and compiled, and while posteriors are exported (numpyro's
@@ -170,6 +172,19 @@ def _cache_key(model, tracer, dyn, options, prior_spec):
     except TypeError:
         return None
     return key
+
+
+def _support_signature(records) -> tuple:
+    """The values of every latent's support parameters (those computed from the data differ
+    between data sets of the same shape; a compiled fit holds the bijections they give)."""
+    out = []
+    for name, r in records.items():
+        if r.observed:
+            continue
+        for x in jax.tree.leaves(r.support):
+            arr = np.asarray(x)
+            out.append((name, arr.shape, arr.tobytes()))
+    return tuple(out)
 
 
 def _remember(key, bundle):
@@ -313,11 +328,17 @@ def _prepare_locked(model, args, kwargs, options, rng_key, prior, init_values) -
         init_records, _, _, full_tracer = trace_model(
             full_size_model(model, plates), args, kwargs, k_trace, tracer=full_tracer
         )
+    supports = _support_signature(records)
+    if bundle is not None and bundle.supports != supports:
+        # a latent's support computed from the data changed: its bijection is compiled in
+        bundle = None
+        records, data_spec, dyn_data, tracer = trace_model(model, args, kwargs, k_trace, tracer=tracer)
     if bundle is None:
         # the model was run with validation above; its many internal re-runs skip it (each
         # check of a constant argument would otherwise compile on its own)
         with numpyro.validation_enabled(False):
             bundle = _compile(model, records, data_spec, dyn_data, tracer, options, prior_spec, k_probe)
+        bundle.supports = supports
         if key is not None:
             _remember(key, bundle)
     if plates:

@@ -48,6 +48,47 @@ class _SiteLayout(dist.Distribution):
         return self.block.to_site(self.inner.variance)
 
 
+class EnumeratedPosterior(dist.CategoricalProbs):
+    """The posterior of an enumerated latent over its consecutive integer values
+    ``values[0] … values[-1]`` (``probs[..., k]`` is the probability of ``values[k]``).
+
+    Unlike numpyro's ``Categorical``, whose categories are labels, its ``mean`` and
+    ``variance`` are those of the values (a ``DiscreteUniform(0, 10)`` latent has a
+    posterior mean), and ``sample`` and ``log_prob`` speak of the values themselves.
+    """
+
+    pytree_aux_fields = ("values",)
+
+    def __init__(self, probs, values, *, validate_args=None):
+        self.values = tuple(int(v) for v in values)
+        super().__init__(probs, validate_args=validate_args)
+
+    @property
+    def support(self):
+        return constraints.integer_interval(self.values[0], self.values[-1])
+
+    def _value_array(self):
+        return jnp.asarray(self.values, dtype=jnp.result_type(float))
+
+    def sample(self, key, sample_shape=()):
+        return super().sample(key, sample_shape) + self.values[0]
+
+    def log_prob(self, value):
+        return super().log_prob(jnp.asarray(value) - self.values[0])
+
+    def enumerate_support(self, expand=True):
+        return super().enumerate_support(expand) + self.values[0]
+
+    @property
+    def mean(self):
+        return jnp.sum(self.probs * self._value_array(), axis=-1)
+
+    @property
+    def variance(self):
+        v = self._value_array()
+        return jnp.sum(self.probs * v**2, axis=-1) - self.mean**2
+
+
 class TransformedPosterior(dist.TransformedDistribution):
     """A Gaussian on an unconstrained space pushed through the site's bijection.
 
@@ -100,10 +141,11 @@ def _layout_distribution(block: Block, nat, event_ndim: int) -> dist.Distributio
             return _SiteLayout(inner, block)
         extra = event_ndim - len(out.event_shape)
         return out.to_event(extra) if extra > 0 else out
+    if block.kind == "categorical":
+        out = EnumeratedPosterior(inner.probs, block.support_values)
+        extra = event_ndim - len(out.event_shape)
+        return out.to_event(extra) if extra > 0 else out
     if block.discrete:
-        values = np.asarray(block.support_values)
-        if values[0] != 0:
-            return dist.TransformedDistribution(inner, dist.transforms.AffineTransform(values[0], 1.0))
         return inner
     extra = event_ndim - len(inner.event_shape)
     return inner.to_event(extra) if extra > 0 else inner

@@ -385,3 +385,108 @@ def test_concurrent_fits_from_threads():
     for i in (1, 3):
         q = results[i].posterior["mu"]
         np.testing.assert_allclose([q.mean, q.variance], exact_normal(Y[: 3 + i]), rtol=1e-10)
+
+
+# -- 10. bounded integer latents, mixture likelihoods, supports that depend on latents -----
+
+
+def test_discrete_uniform_latent_is_enumerated_exactly():
+    y = np.array([2.6, 3.4, 2.9, 3.8, 3.1])
+
+    def model(y):
+        k = numpyro.sample("k", dist.DiscreteUniform(1, 6))
+        with numpyro.plate("data", len(y)):
+            numpyro.sample("obs", dist.Normal(k, 1.0), obs=y)
+
+    result = fit(model, {"y": y})
+    values = np.arange(1, 7)
+    log_post = np.array([-0.5 * np.sum((y - k) ** 2) for k in values])
+    exact = np.exp(log_post - log_post.max())
+    exact /= exact.sum()
+    q = result.posterior["k"]
+    np.testing.assert_allclose(q.probs, exact, atol=1e-10)
+    np.testing.assert_allclose(q.mean, exact @ values, atol=1e-10)
+    np.testing.assert_allclose(q.variance, exact @ values**2 - (exact @ values) ** 2, atol=1e-10)
+    draws = q.sample(random.PRNGKey(0), (200,))
+    assert draws.min() >= 1 and draws.max() <= 6
+
+
+def test_mixture_same_family_likelihood_against_a_grid():
+    rng = np.random.default_rng(4)
+    y = np.concatenate([rng.normal(-2.0, 1.0, 18), rng.normal(2.0, 1.0, 42)])
+
+    def model(y):
+        loc = numpyro.sample("loc", dist.Normal(jnp.array([-1.0, 1.0]), 2.0).to_event(1))
+        mix = dist.MixtureSameFamily(dist.Categorical(probs=jnp.array([0.3, 0.7])), dist.Normal(loc, 1.0))
+        with numpyro.plate("data", len(y)):
+            numpyro.sample("obs", mix, obs=y)
+
+    result = fit(model, {"y": y}, rng_key=random.PRNGKey(1))
+    # the exact posterior on a grid (one mode: the unequal weights and the prior order the
+    # components; the swapped mode has a likelihood e^-20 times smaller)
+    g = np.linspace(-4.0, 4.0, 401)
+    a, b = np.meshgrid(g, g, indexing="ij")
+    comp = -0.5 * (y[None, None, :] - np.stack([a, b])[..., None]) ** 2
+    loglik = np.logaddexp(np.log(0.3) + comp[0], np.log(0.7) + comp[1]).sum(-1)
+    logp = loglik - 0.5 * ((a + 1.0) ** 2 + (b - 1.0) ** 2) / 4.0
+    w = np.exp(logp - logp.max())
+    w /= w.sum()
+    mean = np.array([(w * a).sum(), (w * b).sum()])
+    sd = np.sqrt(np.array([(w * a**2).sum(), (w * b**2).sum()]) - mean**2)
+    q = result.posterior["loc"]
+    # Monte Carlo messages (16 draws a step, decaying steps): means within 0.15 sd
+    assert np.all(np.abs(np.asarray(q.mean) - mean) < 0.15 * sd), (q.mean, mean, sd)
+    assert np.all(np.abs(np.sqrt(np.asarray(q.variance)) / sd - 1.0) < 0.2), (np.sqrt(q.variance), sd)
+
+
+def test_change_point_with_a_global_categorical():
+    rng = np.random.default_rng(5)
+    y = np.concatenate([rng.poisson(2.0, 25), rng.poisson(7.0, 25)]).astype(float)
+
+    def model(y):
+        early = numpyro.sample("early", dist.Exponential(0.2))
+        late = numpyro.sample("late", dist.Exponential(0.2))
+        tau = numpyro.sample("tau", dist.Categorical(logits=jnp.zeros(len(y))))
+        rate = jnp.where(jnp.arange(len(y)) < tau, early, late)
+        with numpyro.plate("data", len(y)):
+            numpyro.sample("obs", dist.Poisson(rate), obs=y)
+
+    result = fit(model, {"y": y})
+    # exact p(tau | y): the rates integrate out (Gamma(1, 0.2) priors, Poisson counts)
+    from scipy.special import gammaln
+
+    def log_marginal(c):
+        return gammaln(1.0 + c.sum()) - (1.0 + c.sum()) * np.log(0.2 + c.size) - gammaln(c + 1).sum()
+
+    log_post = np.array([log_marginal(y[:t]) + log_marginal(y[t:]) for t in range(len(y))])
+    assert int(np.argmax(result.posterior["tau"].probs)) == int(np.argmax(log_post))
+    t = int(np.argmax(log_post))
+    for site, part in [("early", y[:t]), ("late", y[t:])]:
+        exact_mean = (1.0 + part.sum()) / (0.2 + part.size)
+        assert abs(float(result.posterior[site].mean) - exact_mean) < 0.1 * exact_mean
+
+
+def test_support_depending_on_a_latent_is_refused():
+    def model(y):
+        b = numpyro.sample("b", dist.Gamma(2.0, 1.0))
+        x = numpyro.sample("x", dist.Uniform(0.0, b))
+        numpyro.sample("obs", dist.Normal(x, 1.0), obs=y)
+
+    from blrppl import UnsupportedLatentError
+
+    with pytest.raises(UnsupportedLatentError, match=r"'x'.*depends on.*'b'") as info:
+        fit(model, {"y": 0.5})
+    assert info.value.site == "x"
+
+
+def test_support_from_the_data_follows_the_data():
+    def model(upper, y):
+        x = numpyro.sample("x", dist.Uniform(0.0, upper))
+        numpyro.sample("obs", dist.Normal(x, 0.1), obs=y)
+
+    for upper in (1.0, 10.0):
+        result = fit(model, {"upper": jnp.asarray(upper), "y": jnp.asarray(5.0)})
+        draws = result.sample(random.PRNGKey(0), 500)["x"]
+        assert float(draws.max()) < upper
+        if upper == 10.0:
+            assert abs(float(draws.mean()) - 5.0) < 0.05

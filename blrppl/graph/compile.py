@@ -219,7 +219,8 @@ def compile_model(
     # params are not sites with a density: they are inputs of the factors, never factors
     records = collections.OrderedDict((n, r) for n, r in records.items() if not r.is_param)
     rules = {r.name: (None if r.is_factor else find_rule(r.dist_type)) for r in records.values()}
-    deps = _dependencies(model, data_spec, data, records, rules, site_init, plate_indices)
+    deps, elementwise = _dependencies(model, data_spec, data, records, rules, site_init, plate_indices)
+    _check_static_supports(records, deps)
     param_blocks = {r.name: _param_block(r) for r in latent if r.is_param}
 
     moved: set = set()
@@ -276,7 +277,9 @@ def compile_model(
     size = sum(blocks[n].size for n in members)
     merge = len(members) > 1 and (structure == "joint" or (structure is None and size <= JOINT_MAX_DIM))
     if not merge:
-        factors = _classify_factors(records, rules, deps, blocks, fns, data, rng_key, cache=probe_cache)
+        factors = _classify_factors(
+            records, rules, deps, blocks, fns, data, rng_key, cache=probe_cache, elementwise=elementwise
+        )
     else:
         blocks = _merge_joint(blocks, members)
         init_values = _block_init_values(blocks, site_init)
@@ -290,7 +293,9 @@ def compile_model(
             for name, args in deps.items()
         }
         guess = {f.name: f.estimator == "exact" for f in factors}
-        factors = _classify_factors(records, rules, deps, blocks, fns, data, rng_key, guess=guess)
+        factors = _classify_factors(
+            records, rules, deps, blocks, fns, data, rng_key, guess=guess, elementwise=elementwise
+        )
 
     factors += [
         _jacobian_factor(b)
@@ -468,9 +473,14 @@ def _merge_joint(blocks: dict, members: list) -> dict:
     return out
 
 
-def _dependencies(model, data_spec, data, records, rules, site_init, plate_indices=None) -> dict:
-    """Per site: the latent sites its rule arguments and its log-density depend on."""
+def _dependencies(model, data_spec, data, records, rules, site_init, plate_indices=None) -> tuple:
+    """Per site: the latent sites its rule arguments and its log-density depend on; and the
+    items (``"leaf:i"``, ``"value"``) whose elements each enter the log-density of one
+    element only (a univariate distribution whose argument has at most its batch shape):
+    only these may be quadrature projections (a mixture's component locations, or a
+    multivariate distribution's location, couple their elements in one log-density term)."""
     fns = ModelFunctions(model, data_spec, site_init, plate_indices=plate_indices)
+    elementwise: dict = {}
 
     def all_args(values, data):
         sites = fns.sites(tuple(records), values, data)
@@ -480,13 +490,57 @@ def _dependencies(model, data_spec, data, records, rules, site_init, plate_indic
             args = fns.rule_args(site, rule.arg_names) if rule is not None else {}
             args["log_prob"] = site["fn"].log_prob(site["value"])
             args["value"] = jnp.asarray(site["value"])
+            if not records[name].observed:
+                # the parameters of a latent's support (its bijection is fixed at compile time)
+                support_leaves = jax.tree.leaves(site["fn"].support)
+                args.update({f"support:{i}": jnp.asarray(x) for i, x in enumerate(support_leaves)})
             if not records[name].is_factor:
-                _, leaves, _ = distribution_leaves(site)
+                base, leaves, _ = distribution_leaves(site)
                 args.update({f"leaf:{i}": leaf for i, leaf in enumerate(leaves)})
+                elementwise[name] = _elementwise_items(base, leaves)
             out[name] = args
         return out
 
-    return output_dependencies(all_args, site_init, data)
+    return output_dependencies(all_args, site_init, data), elementwise
+
+
+def _check_static_supports(records, deps) -> None:
+    """A latent's support may depend on the data but not on other latents: its bijection to
+    an unconstrained space (and its family) is chosen once, at compile time.
+
+    Raises:
+        UnsupportedLatentError: e.g. ``x ~ Uniform(0, b)`` with ``b`` latent.
+    """
+    for name, args in deps.items():
+        if records[name].observed:
+            continue
+        others = sorted(set().union(*(d for k, d in args.items() if k.startswith("support:"))) - {name})
+        if others:
+            listed = ", ".join(f"'{o}'" for o in others)
+            raise UnsupportedLatentError(
+                f"the support of latent '{name}' ({records[name].dist_name}) depends on the "
+                f"latent(s) {listed}; blr_fit fixes each latent's support when it compiles the "
+                "model: reparameterise, e.g. for x ~ Uniform(0, b) sample u ~ Uniform(0, 1) and "
+                "take x = numpyro.deterministic(name, b * u)",
+                site=name,
+            )
+
+
+def _elementwise_items(base, leaves) -> frozenset:
+    """The leaves (and the value) of a distribution whose elements are per-element
+    parameters: the distribution is univariate and the leaf broadcasts to its batch shape."""
+    if tuple(base.event_shape):
+        return frozenset()
+    batch = tuple(base.batch_shape)
+    out = {"value"}
+    for i, leaf in enumerate(leaves):
+        shape = tuple(np.shape(leaf))
+        try:
+            if np.broadcast_shapes(shape, batch) == batch:
+                out.add(f"leaf:{i}")
+        except ValueError:
+            pass
+    return frozenset(out)
 
 
 def _jacobian_factor(block: Block) -> Factor:
@@ -508,7 +562,9 @@ def _jacobian_factor(block: Block) -> Factor:
     )
 
 
-def _classify_factors(records, rules, deps, blocks, fns, data, rng_key, *, quadrature=True, cache=None, guess=None):
+def _classify_factors(
+    records, rules, deps, blocks, fns, data, rng_key, *, quadrature=True, cache=None, guess=None, elementwise=None
+):
     """Classify every factor's arguments and choose its estimator.
 
     Args:
@@ -522,7 +578,10 @@ def _classify_factors(records, rules, deps, blocks, fns, data, rng_key, *, quadr
         guess: factor → whether it was exact before (e.g. before a joint merge): the
             quadrature probes of the others run in the same compiled call as the argument
             probes; any factor the guess got wrong is probed in a second call.
+        elementwise: site → the items that may be quadrature projections (see
+            :func:`_dependencies`).
     """
+    elementwise = elementwise or {}
     rng = np.random.default_rng(np.asarray(jax.random.key_data(rng_key)).ravel())
     key_of, known = cache if cache is not None else (None, {})
     probes, nbrs, keys = {}, {}, {}
@@ -547,7 +606,7 @@ def _classify_factors(records, rules, deps, blocks, fns, data, rng_key, *, quadr
     candidates, quad_probes = {}, {}
     if quadrature and guess is not None:
         not_exact = {n for n in records if not guess.get(n, False)}
-        candidates, quad_probes = _quadrature_probes(records, deps, blocks, fns, rng, nbrs, not_exact)
+        candidates, quad_probes = _quadrature_probes(records, deps, blocks, fns, rng, nbrs, not_exact, elementwise)
     found = run_probes({**probes, **{("quadrature",) + k: p for k, p in quad_probes.items()}}, data)
     classes = {k: (known[keys[k]] if k not in probes else found[k]) for k in keys}
     if key_of is not None:
@@ -565,14 +624,14 @@ def _classify_factors(records, rules, deps, blocks, fns, data, rng_key, *, quadr
     if quadrature:
         probed = {n for n in records if not guess.get(n, False)} if guess is not None else set()
         missing = {n for n in records if not exact[n]} - probed
-        more, more_probes = _quadrature_probes(records, deps, blocks, fns, rng, nbrs, missing)
+        more, more_probes = _quadrature_probes(records, deps, blocks, fns, rng, nbrs, missing, elementwise)
         if more_probes:
             quad_classes.update(run_probes(more_probes, data))
         candidates.update(more)
     return _factors(records, rules, blocks, nbrs, classes, exact, candidates, quad_classes, quadrature)
 
 
-def _quadrature_probes(records, deps, blocks, fns, rng, nbrs, names) -> tuple:
+def _quadrature_probes(records, deps, blocks, fns, rng, nbrs, names, elementwise) -> tuple:
     """Quadrature candidates among ``names`` (no closed form, continuous neighbours all
     Gaussian, a few distribution leaves or the value depending on them) and the probes of
     each candidate projection under each link."""
@@ -591,7 +650,7 @@ def _quadrature_probes(records, deps, blocks, fns, rng, nbrs, names) -> tuple:
         items = [k for k in deps[name] if k.startswith("leaf:") and deps[name][k] & set(cont)]
         if deps[name]["value"] & set(cont):
             items.append("value")
-        if not 1 <= len(items) <= MAX_PROJECTIONS:
+        if not 1 <= len(items) <= MAX_PROJECTIONS or not set(items) <= elementwise.get(name, frozenset()):
             continue
         candidates[name] = items
         for item in items:
@@ -625,8 +684,8 @@ def _factors(records, rules, blocks, nbrs, classes, exact, candidates, quad_clas
                     powers.append((arg, cls.power))
             columns = tuple((n, "full" if n in full else "gather") for n in gauss)
             estimator, links = "exact", ()
-        elif neighbours != discrete and all(blocks[n].point for n in neighbours if n not in discrete):
-            # no closed form, but every continuous neighbour is a point block: log f at the
+        elif all(blocks[n].point for n in neighbours if n not in discrete):
+            # no closed form, but every continuous neighbour (if any) is a point block: log f at the
             # points (enumerated over the discrete neighbours) is exact
             estimator, links, columns, powers, rule = "delta", (), (), [], None
             kinds, arg_blocks = [("log_prob", "delta")], []

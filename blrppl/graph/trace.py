@@ -13,7 +13,7 @@ import dataclasses
 import hashlib
 from functools import partial
 from collections import OrderedDict
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -334,7 +334,7 @@ def trace_model(
             records[name] = _param_record(info, outputs)
             continue
         value = np.asarray(outputs["values"][name])
-        support = info["support"]
+        support = _concrete_support(info, outputs)
         if name in outputs["bounds"]:
             lo, hi = outputs["bounds"][name]
             support = constraints.integer_interval(np.asarray(lo), np.asarray(hi))
@@ -427,7 +427,7 @@ def _param_record(info, outputs) -> SiteRecord:
     """The record of a ``numpyro.param`` site, after checking that it can be fitted."""
     name = info["name"]
     value = np.array(outputs["values"][name])  # a copy: the user's init is never touched
-    constraint = info["support"]
+    constraint = _concrete_support(info, outputs)
     if constraint.is_discrete:
         raise ModelTraceError(
             f"numpyro.param has the discrete constraint {constraint}; params are fitted by "
@@ -498,7 +498,7 @@ def _run_once(model, spec, init_strategy, meta, dyn, rng_key):
     last = _LastSite(handlers.substitute(handlers.seed(model, rng_key), substitute_fn=partial(_initial, init_strategy)))
     meta["last"] = last
     tr = handlers.trace(last).get_trace(*args, **kwargs)
-    sites, values, bounds, checks, masks, nan_counts = [], {}, {}, {}, {}, {}
+    sites, values, bounds, checks, masks, nan_counts, supports = [], {}, {}, {}, {}, {}, {}
     plate_sizes = {
         name: int(site["args"][0]) for name, site in tr.items() if site["type"] == "plate"
     }
@@ -515,7 +515,7 @@ def _run_once(model, spec, init_strategy, meta, dyn, rng_key):
                 {
                     "name": name,
                     "type": "param",
-                    "support": constraint,
+                    "support": _static_support(constraint, name, supports),
                     "event_dim": kwargs.get("event_dim"),
                     "plates": tuple(
                         Plate(f.name, plate_sizes.get(f.name, int(f.size)), int(f.dim), int(f.size))
@@ -565,7 +565,7 @@ def _run_once(model, spec, init_strategy, meta, dyn, rng_key):
                 "has_mask": mask is not None,
                 "event_ndim": fn.event_dim,
                 "dist_shape": dist_shape,
-                "support": support,
+                "support": _static_support(support, name, supports),
                 "plates": tuple(
                     Plate(f.name, plate_sizes.get(f.name, int(f.size)), int(f.dim), int(f.size))
                     for f in reversed(site["cond_indep_stack"])
@@ -575,7 +575,40 @@ def _run_once(model, spec, init_strategy, meta, dyn, rng_key):
             }
         )
     meta["sites"] = sites
-    return {"values": values, "bounds": bounds, "in_support": checks, "masks": masks, "nan_counts": nan_counts}
+    return {
+        "values": values,
+        "bounds": bounds,
+        "in_support": checks,
+        "masks": masks,
+        "nan_counts": nan_counts,
+        "supports": supports,
+    }
+
+
+class _TracedSupport(NamedTuple):
+    """A support whose parameters are computed in the traced run (from the data, or from
+    other latents): rebuilt with concrete values from the run's outputs."""
+
+    treedef: Any
+
+
+def _static_support(support, name, supports):
+    """The support itself when its parameters are constants; else a :class:`_TracedSupport`
+    (no tracer may be kept past the trace), its parameters returned in ``supports``."""
+    leaves, treedef = jax.tree.flatten(support)
+    if not any(isinstance(x, jax.core.Tracer) for x in leaves):
+        return support
+    supports[name] = [jnp.asarray(x) for x in leaves]
+    return _TracedSupport(treedef)
+
+
+def _concrete_support(info, outputs):
+    """The support of a site record: traced parameters replaced by their values."""
+    support = info["support"]
+    if isinstance(support, _TracedSupport):
+        leaves = [np.asarray(x) for x in outputs["supports"][info["name"]]]
+        return jax.tree.unflatten(support.treedef, leaves)
+    return support
 
 
 def value_mask(fn, mask, value):
