@@ -16,6 +16,7 @@ import numpyro
 
 from blrppl import families as fam
 from blrppl.engine.loop import BAD_RATE, CONVERGED, NONFINITE, make_chunk, run_loop
+from blrppl.engine import start as start_mod
 from blrppl.engine.step import BLRState, initial_state, make_step
 from blrppl.errors import BLRError
 from blrppl.graph.compile import _block_init_values, compile_model, init_nat
@@ -289,20 +290,22 @@ class _Prepared:
         return jnp.zeros((2 * max(self.bundle.window, 1),), jnp.result_type(float))
 
 
-def _prepare(model, args, kwargs, options: FitOptions, rng_key, prior=None, init_values=None) -> _Prepared:
+def _prepare(model, args, kwargs, options: FitOptions, rng_key, prior=None, init_values=None, start=0) -> _Prepared:
     """Trace and compile (or fetch from the cache) a model and build its first state.
 
     ``args``/``kwargs`` are the model's arguments after :func:`blrppl.inputs.model_arguments`,
     ``options`` the checked :class:`blrppl.inputs.FitOptions` and ``rng_key`` a typed key;
-    ``init_values`` optionally maps sites to starting values in their constrained space.
+    ``init_values`` optionally maps sites to starting values in their constrained space;
+    ``start`` numbers the starting point of fits with enumerated latents (0: an E-step
+    under the prior; others: k-means++ seeds, see :mod:`blrppl.engine.start`).
     Tracing and compilation hold :data:`COMPILE_LOCK` (numpyro's effect handlers keep a
     process-wide stack, so two models cannot be traced at once).
     """
     with COMPILE_LOCK:
-        return _prepare_locked(model, args, kwargs, options, rng_key, prior, init_values)
+        return _prepare_locked(model, args, kwargs, options, rng_key, prior, init_values, start)
 
 
-def _prepare_locked(model, args, kwargs, options, rng_key, prior, init_values) -> _Prepared:
+def _prepare_locked(model, args, kwargs, options, rng_key, prior, init_values, start) -> _Prepared:
     t0 = time.perf_counter()
     k_trace, k_probe, k_host, k_loop = jax.random.split(rng_key, 4)
     rng = np.random.default_rng(np.asarray(jax.random.key_data(k_host)).ravel())
@@ -382,6 +385,8 @@ def _prepare_locked(model, args, kwargs, options, rng_key, prior, init_values) -
         rho = {n: jnp.asarray(1.0, dtype) for n in plan.order}
     else:
         rho = {n: jnp.asarray(float(learning_rate), dtype) for n in plan.order}
+    if any(b.discrete for b in plan.blocks) and not plan.subsampled:
+        state = _discrete_start(bundle, plan, init_records, state, dyn_data, start, rng, block_values, noise)
     prepared = _Prepared(
         bundle, plan, records, data_spec, dyn_data, state, rho, tol, CHUNK_SIZE, t0, options.iterate_average
     )
@@ -391,6 +396,21 @@ def _prepare_locked(model, args, kwargs, options, rng_key, prior, init_values) -
         zero = {n: jnp.zeros((), dtype) for n in plan.order}
         prepared.state = compiled(state, dyn_data, jnp.asarray(1, jnp.int32), zero, prepared.history())[0]
     return prepared
+
+
+def _discrete_start(bundle, plan, records, state, data, start, rng, block_values, noise):
+    """The starting state of a fit with enumerated latents (see :mod:`blrppl.engine.start`):
+    start 0 takes an E-step under the prior means unless it leaves two values of a
+    discrete block tied; other starts, and tied ones, start from k-means++ responsibilities."""
+    history = jnp.zeros((2 * max(bundle.window, 1),), jnp.result_type(float))
+    if start == 0:
+        after = start_mod.estep_first(bundle.chunk, plan, state, data, history)
+        probs = start_mod.discrete_probs(plan, after.nat)
+        if not any(start_mod.tied(p) for p in probs.values()):
+            return after
+    seeded = start_mod.seeded_probs(plan, records, rng)
+    nat, _ = bundle.init_fn(block_values, seeded, noise)  # the same call as the first (compiled once)
+    return state._replace(nat={**state.nat, **{n: nat[n] for n in seeded}})
 
 
 def _stop_message(outcome, plan, window: int, tol: float, num_steps: int) -> str:
@@ -525,6 +545,7 @@ def blr_fit(
     prior: BLRResult | None = None,
     point_space: str = "unconstrained",
     iterate_average: bool = True,
+    num_starts: int = 1,
 ) -> BLRResult:
     """Fit the latent variables of a NumPyro model by the Bayesian learning rule.
 
@@ -603,6 +624,12 @@ def blr_fit(
             weights ∝ t + 1 (Polyak–Ruppert tail averaging: several times closer to the
             full-batch fit than the last iterate, whose minibatch noise decays only like
             ρ_t); ``False`` reports the last iterate. No effect without subsampled plates.
+        num_starts: fits from this many starting points, keeping the one with the best final
+            ELBO (the others reuse the compiled fit). With enumerated discrete latents (e.g.
+            a mixture's assignments) the first start takes an E-step under the prior means
+            (the prior's order of the components), or k-means++ seeds among the observations
+            when the prior cannot tell the components apart; the others start from k-means++
+            seeds of their own (see :mod:`blrppl.engine.start`).
 
     Returns:
         :class:`blrppl.BLRResult`.
@@ -620,6 +647,19 @@ def blr_fit(
         progress_bar=progress_bar,
         point_space=point_space,
         iterate_average=iterate_average,
+        num_starts=num_starts,
     )
-    prepared = _prepare(model, args, kwargs, options, as_key(rng_key), prior)
-    return _run(prepared, prepared.state, options.num_steps, options.progress_bar)
+    key = as_key(rng_key)
+    best, finals = None, []
+    for start in range(options.num_starts):
+        prepared = _prepare(model, args, kwargs, options, key if start == 0 else jax.random.fold_in(key, start), prior, start=start)
+        result = _run(prepared, prepared.state, options.num_steps, options.progress_bar)
+        final = float(result.elbo[-1]) if len(result.elbo) else -np.inf
+        finals.append(final)
+        if best is None or (np.isfinite(final) and not final <= finals[best[0]]):
+            best = (start, result)
+    index, result = best
+    if options.num_starts > 1:
+        listed = ", ".join(f"{e:.6g}" for e in finals)
+        result.message += f"; best of {options.num_starts} starts (start {index}; final ELBOs {listed})"
+    return result

@@ -57,6 +57,44 @@ for name, model, y in [("nn", normal_normal, y_nn), ("bb", beta_bernoulli, y_bb)
         "finite_samples": bool(np.all(np.isfinite(np.asarray(r.sample(jax.random.key(1), 100)[
             "mu" if name == "nn" else "p"])))),
     }
+
+# every key spelling of NumPyro's docs (a raw uint32 PRNGKey, an int seed) in float32 too
+from jax import random
+from numpyro.infer.autoguide import AutoNormal
+from blrppl import BLR
+keys = {"PRNGKey": random.PRNGKey(0), "seed": 0, "key": random.key(0)}
+out["keys"] = {k: [float(e) for e in blr_fit(normal_normal, {"y": y_nn}, rng_key=v, progress_bar=False).elbo]
+               for k, v in keys.items()}
+svi = BLR(normal_normal, AutoNormal(normal_normal))
+out["svi_loss"] = float(svi.run(random.PRNGKey(0), 20, y_nn, progress_bar=False).losses[-1])
+
+# a log link far below its data: counts of 1e6 and 1e9 from a prior at 0
+def poisson(y):
+    a = numpyro.sample("a", dist.Normal(0.0, 1.0))
+    with numpyro.plate("n", y.shape[0]):
+        numpyro.sample("y", dist.Poisson(jnp.exp(a)), obs=y)
+
+out["poisson"] = {}
+for lam in (1e6, 1e9):
+    y = np.random.default_rng(0).poisson(lam, 50).astype(np.float32)
+    r = blr_fit(poisson, {"y": y}, progress_bar=False)
+    out["poisson"][str(lam)] = {"mean": float(r.posterior["a"].mean), "log_ybar": float(np.log(y.astype(float).mean())),
+                                "converged": bool(r.converged), "message": r.message}
+
+# an exchangeable mixture in float32 (k-means++ start: no symmetric plateau)
+def mixture(y):
+    w = numpyro.sample("w", dist.Dirichlet(jnp.ones(3)))
+    locs = numpyro.sample("locs", dist.Normal(0.0, 10.0).expand([3]).to_event(1))
+    with numpyro.plate("n", y.shape[0]):
+        z = numpyro.sample("z", dist.Categorical(w))
+        numpyro.sample("y", dist.Normal(locs[z], 1.0), obs=y)
+
+rng = np.random.default_rng(6)
+y_mix = np.concatenate([rng.normal(m, 1.0, 40) for m in (-4.0, 0.3, 4.5)]).astype(np.float32)
+r = blr_fit(mixture, {"y": y_mix}, rng_key=random.PRNGKey(1), progress_bar=False)
+out["mixture"] = {"locs": sorted(float(v) for v in np.asarray(r.posterior["locs"].mean)),
+                  "centres": [float(y_mix[i * 40:(i + 1) * 40].mean()) for i in range(3)],
+                  "converged": bool(r.converged)}
 print("RESULT" + json.dumps(out))
 """
 
@@ -102,3 +140,26 @@ def test_float32_beta_bernoulli(float32_run):
     assert np.all(np.isfinite(r["elbo"])) and r["finite_samples"]
     np.testing.assert_allclose(r["params"]["a"], 2.0 + y.sum(), rtol=1e-4)
     np.testing.assert_allclose(r["params"]["b"], 3.0 + len(y) - y.sum(), rtol=1e-4)
+
+
+def test_float32_every_key_spelling(float32_run):
+    out, _, _ = float32_run
+    elbos = out["keys"]
+    assert elbos["PRNGKey"] == elbos["key"] == elbos["seed"]
+    assert np.isfinite(out["svi_loss"])
+
+
+def test_float32_poisson_counts_up_to_1e9(float32_run):
+    out, _, _ = float32_run
+    for lam, r in out["poisson"].items():
+        assert r["converged"], (lam, r["message"])
+        # the posterior sd of a is about 1/sqrt(50 * lam) < 1.5e-4: the mean is log(ȳ) up to
+        # float32 rounding of a ~ 20
+        assert abs(r["mean"] - r["log_ybar"]) < 1e-4 * max(1.0, abs(r["log_ybar"])), (lam, r)
+
+
+def test_float32_exchangeable_mixture_finds_the_clusters(float32_run):
+    out, _, _ = float32_run
+    r = out["mixture"]
+    assert r["converged"]
+    np.testing.assert_allclose(r["locs"], r["centres"], atol=0.3)

@@ -227,7 +227,8 @@ def zoo(X, y, counts, groups):
         a = numpyro.sample("a", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
     with numpyro.plate("data", X.shape[0]):
         z = numpyro.sample("z", dist.Bernoulli(p))
-        numpyro.sample("y", dist.Normal(jnp.tanh(X @ w1) @ w2 + a[groups, z] + z, scale[0, 0] * scale[1, 1]), obs=y)
+        loc = X @ w1[:, 0] + w2.sum() + a[groups, z] + z
+        numpyro.sample("y", dist.Normal(loc, scale[0, 0] * scale[1, 1]), obs=y)
         numpyro.sample("counts", dist.Poisson(rate), obs=counts)
         numpyro.sample("g", dist.Categorical(probs[z]), obs=groups)
 
@@ -490,3 +491,98 @@ def test_support_from_the_data_follows_the_data():
         assert float(draws.max()) < upper
         if upper == 10.0:
             assert abs(float(draws.mean()) - 5.0) < 0.05
+
+
+# -- 2. mixtures start where their prior points ---------------------------------------------
+
+MIX_Y = np.concatenate(
+    [np.random.default_rng(6).normal(m, 1.0, 40) for m in (-4.0, 0.3, 4.5)]
+)
+PRIOR_LOCS = np.array([-5.0, 0.0, 5.0])
+
+
+def ordered_mixture(y):
+    weights = numpyro.sample("weights", dist.Dirichlet(jnp.ones(3)))
+    locs = numpyro.sample("locs", dist.Normal(PRIOR_LOCS, 2.0).to_event(1))
+    with numpyro.plate("data", len(y)):
+        z = numpyro.sample("z", dist.Categorical(weights))
+        numpyro.sample("obs", dist.Normal(locs[z], 1.0), obs=y)
+
+
+def cavi_from_prior(y, iters=500):
+    """Textbook coordinate-ascent VB (Bishop §10.2 with a known unit noise), started by an
+    E-step at the prior means: the prior-ordered fixed point."""
+    from scipy.special import digamma
+
+    m, v, alpha = PRIOR_LOCS.copy(), np.ones(3), np.full(3, 1.5)
+    for _ in range(iters):
+        logr = digamma(alpha) - digamma(alpha.sum()) - 0.5 * (y[:, None] - m) ** 2 - 0.5 * v
+        r = np.exp(logr - logr.max(1, keepdims=True))
+        r /= r.sum(1, keepdims=True)
+        alpha = 1.0 + r.sum(0)
+        prec = 0.25 + r.sum(0)
+        m, v = (PRIOR_LOCS / 4.0 + r.T @ y) / prec, 1.0 / prec
+    return m, v, alpha
+
+
+def test_mixture_reaches_the_prior_ordered_optimum_from_every_key():
+    m, v, alpha = cavi_from_prior(MIX_Y)
+    assert np.all(np.diff(m) > 0)
+    for seed in range(10):
+        result = fit(ordered_mixture, {"y": MIX_Y}, rng_key=random.PRNGKey(seed), tol=1e-12)
+        assert result.converged, result.message
+        q = result.posterior["locs"]
+        np.testing.assert_allclose(q.mean, m, atol=1e-6, err_msg=f"key {seed}")
+        np.testing.assert_allclose(np.diag(q.covariance_matrix), v, atol=1e-6)
+        np.testing.assert_allclose(result.posterior["weights"].concentration, alpha, atol=1e-5)
+
+
+def test_exchangeable_mixture_finds_the_clusters_and_num_starts_keeps_the_best():
+    def exchangeable(y):
+        weights = numpyro.sample("weights", dist.Dirichlet(jnp.ones(3)))
+        locs = numpyro.sample("locs", dist.Normal(0.0, 10.0).expand([3]).to_event(1))
+        with numpyro.plate("data", len(y)):
+            z = numpyro.sample("z", dist.Categorical(weights))
+            numpyro.sample("obs", dist.Normal(locs[z], 1.0), obs=y)
+
+    single = [fit(exchangeable, {"y": MIX_Y}, rng_key=seed) for seed in range(3)]
+    best = fit(exchangeable, {"y": MIX_Y}, rng_key=0, num_starts=3)
+    assert "best of 3 starts" in best.message
+    assert best.elbo[-1] >= max(r.elbo[-1] for r in single) - 1e-6
+    centres = np.sort(np.asarray(best.posterior["locs"].mean))
+    np.testing.assert_allclose(centres, [MIX_Y[:40].mean(), MIX_Y[40:80].mean(), MIX_Y[80:].mean()], atol=0.3)
+
+
+# -- 3. a log link far below its data --------------------------------------------------------
+
+
+@pytest.mark.parametrize("rate", [7e4, 1e6, 1e9])
+def test_poisson_log_link_with_large_counts(rate):
+    def model(X, counts):
+        a = numpyro.sample("a", dist.Normal(0.0, 1.0))
+        b = numpyro.sample("b", dist.Normal(0.0, 1.0))
+        with numpyro.plate("data", len(counts)):
+            numpyro.sample("counts", dist.Poisson(jnp.exp(a + b * X)), obs=counts)
+
+    rng = np.random.default_rng(7)
+    X = rng.normal(size=40)
+    counts = rng.poisson(rate * np.exp(0.1 * X)).astype(float)
+    result = fit(model, (X, counts))
+    assert result.converged, result.message
+    # the posterior sds are about 1/sqrt(40 * rate): the means are the Poisson GLM's MLE
+    # (the N(0, 1) priors move them by less than 1e-4 sd)
+    import scipy.optimize
+
+    def nll(theta):
+        eta = theta[0] + theta[1] * X
+        return np.sum(np.exp(eta) - counts * eta)
+
+    mle = scipy.optimize.minimize(nll, [np.log(counts.mean()), 0.0], method="Newton-CG",
+                                  jac=lambda t: np.array([np.sum(np.exp(t[0] + t[1] * X) - counts),
+                                                          np.sum((np.exp(t[0] + t[1] * X) - counts) * X)]),
+                                  hess=lambda t: np.array([[np.sum(np.exp(t[0] + t[1] * X)), np.sum(np.exp(t[0] + t[1] * X) * X)],
+                                                           [np.sum(np.exp(t[0] + t[1] * X) * X), np.sum(np.exp(t[0] + t[1] * X) * X**2)]]),
+                                  options={"xtol": 1e-14}).x
+    sd = 1.0 / np.sqrt(40 * rate)
+    assert abs(float(result.posterior["a"].mean) - mle[0]) < 0.05 * sd
+    assert abs(float(result.posterior["b"].mean) - mle[1]) < 0.05 * sd

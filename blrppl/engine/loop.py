@@ -24,8 +24,9 @@ import numpy as np
 from blrppl.engine.step import BLRState
 
 CONTINUE, CONVERGED, NONFINITE, BAD_RATE = 0, 1, 2, 3
-#: backtracking gives up when the damping of ρ falls below this
-MIN_DAMPING = 2.0**-20
+#: backtracking gives up when the damping of ρ falls below this (an exp link far below its
+#: data, e.g. Poisson counts of 10⁹ from a prior at 0, needs ρ ≈ 2⁻³¹ on its first step)
+MIN_DAMPING = 2.0**-60
 
 
 class LoopOutcome(NamedTuple):
