@@ -19,7 +19,7 @@ from blrppl.engine.loop import BAD_RATE, CONVERGED, NONFINITE, make_chunk, run_l
 from blrppl.engine import start as start_mod
 from blrppl.engine.step import BLRState, initial_state, make_step
 from blrppl.errors import BLRError
-from blrppl.graph.compile import _block_init_values, compile_model, init_nat
+from blrppl.graph.compile import _block_init_values, compile_model, conjugate_blocks, init_nat
 from blrppl.graph.data import DataSpec
 from blrppl.graph.data import compiler_options as _compiler_options
 from blrppl.engine.subsample import averaged_nat, svi_rate
@@ -37,51 +37,6 @@ MC_WINDOW = 25
 #: steps per compiled chunk (the progress bar updates between chunks); fixed, so that fits
 #: with different ``num_steps`` share one compiled chunk
 CHUNK_SIZE = 100
-
-
-def _perturbed_nat(block, nat, noise):
-    """A different valid λ for a block (used to test conjugacy); ``noise`` is a standard
-    normal array of the shape of the block's first view leaf."""
-    family = block.family
-    view = family.view(nat)
-    if block.discrete:
-        logits = jnp.log(view.probs) + noise
-        return family.nat_from_view(type(view)(jax.nn.softmax(logits, axis=-1)))
-    if block.kind == "gaussian":
-        return family.nat_from_view(fam.GaussianView(view.mean + 0.3 * noise, 1.7 * view.cov))
-    if block.kind == "gaussian-diag":
-        return family.nat_from_view(fam.DiagGaussianView(view.mean + 0.3 * noise, 1.7 * view.var))
-    scale = 1.3 + 0.2 * jnp.exp(0.3 * noise)
-    return family.nat_from_view(type(view)(*[leaf * scale for leaf in view]))
-
-
-def _detect_conjugate(plan, chunk, state, data, moved: dict, window: int = 0) -> dict:
-    """A block is conjugate when its incoming messages do not change with its own λ.
-
-    One step with ρ = 1 for block b only (ρ = 0 for the others) sets λ_b to the sum of its
-    messages; it is run from the initial state and from the initial state with λ_b replaced
-    by ``moved[b]`` (a perturbed initial λ_b, see :func:`_perturbed_nat`), with the compiled
-    chunk itself (no extra compilation of the model).
-    """
-    blocks = {b.name: b for b in plan.blocks}
-    names = tuple(n for n in plan.order if not blocks[n].discrete)
-    nat = state.nat
-    dtype = jnp.result_type(float)
-    one = jnp.asarray(1, jnp.int32)
-    tol = 1e-6 if dtype == jnp.float64 else 1e-3
-    out = {n: True for n in plan.order if blocks[n].discrete}
-    history = jnp.zeros((2 * max(window, 1),), dtype)
-    for n in names:
-        rho = {m: jnp.asarray(1.0 if m == n else 0.0, dtype) for m in plan.order}
-        first = chunk(state, data, one, rho, history)[0].nat[n]
-        second = chunk(state._replace(nat={**nat, n: moved[n]}), data, one, rho, history)[0].nat[n]
-        out[n] = all(
-            bool(np.allclose(x, y, rtol=tol, atol=tol))
-            for x, y in zip(jax.tree.leaves(first), jax.tree.leaves(second))
-        )
-    return out
-
-
 
 
 def _posterior_builder(plan, records):
@@ -127,15 +82,12 @@ class _Compiled:
     chunk: Callable
     posterior_fn: Callable
     window: int = 0
-    conjugate: dict | None = None
     chunk_fn: Callable | None = None  # the chunk before compilation (traceable inside a user's jit)
     elbo_fn: Callable | None = None  # jitted ELBO(nat, data, key)
     #: online fits: the blocks whose prior is the previous posterior (run-time data)
     online: tuple = ()
     #: for models with subsampled plates: the tracer of the model at full plate sizes
     full_tracer: Any = None
-    #: block → shape of the noise that perturbs its λ for conjugacy detection
-    noise_shapes: dict = dataclasses.field(default_factory=dict)
     #: the latents' support parameters the bijections were compiled with
     supports: tuple = ()
 
@@ -215,11 +167,10 @@ def _compile(model, records, data_spec, dyn_data, tracer, options, prior_spec, k
         plan, graph, online = online_plan(plan, graph, records, prior_spec)
     blocks = {b.name: b.full for b in plan.blocks}
 
-    def init(values, probs, noise):
-        # the initial λ of every block and, for conjugacy detection, a perturbed λ of each
-        # block in ``noise`` (one compiled call for both)
-        nat = {n: init_nat(b, values[n], probs.get(n)) for n, b in blocks.items()}
-        return nat, {n: _perturbed_nat(blocks[n], nat[n], noise[n]) for n in noise}
+    plan = dataclasses.replace(plan, conjugate=conjugate_blocks(plan))
+
+    def init(values, probs):
+        return {n: init_nat(b, values[n], probs.get(n)) for n, b in blocks.items()}
 
     init_fn = jax.jit(init)
     sampled = [f for f in plan.factors if f.estimator == "monte_carlo"]
@@ -246,7 +197,7 @@ def _compile(model, records, data_spec, dyn_data, tracer, options, prior_spec, k
     }
     dtype = jnp.result_type(float)
     state = jax.eval_shape(
-        lambda v, p: initial_state(init_fn(v, p, {})[0], jax.random.key(0), plan),
+        lambda v, p: initial_state(init_fn(v, p), jax.random.key(0), plan),
         init_shapes,
         {b.name: np.ones(b.value_shape + (len(b.support_values),)) for b in blocks.values() if b.discrete},
     )
@@ -254,10 +205,6 @@ def _compile(model, records, data_spec, dyn_data, tracer, options, prior_spec, k
     steps = jax.ShapeDtypeStruct((), jnp.int32)
     history = jax.ShapeDtypeStruct((2 * max(window, 1),), dtype)
     run_data = OnlineData(dyn_data, {n: state.nat[n] for n in online}) if online else dyn_data
-    # noise for the perturbed λ of conjugacy detection (not run for subsampled plates)
-    detected = () if plan.subsampled else tuple(n for n in plan.order if not blocks[n].discrete)
-    views = jax.eval_shape(lambda nat: {n: blocks[n].family.view(nat[n]) for n in detected}, state.nat)
-    noise_shapes = {n: jax.tree.leaves(views[n])[0].shape for n in detected}
     compiled = (
         jax.jit(chunk)
         .lower(state, run_data, steps, rho, history)
@@ -265,7 +212,7 @@ def _compile(model, records, data_spec, dyn_data, tracer, options, prior_spec, k
     )
     return _Compiled(
         tracer, plan, graph, init_fn, compiled, _posterior_builder(plan, records), window,
-        chunk_fn=chunk, elbo_fn=jax.jit(elbo_fn), online=online, noise_shapes=noise_shapes,
+        chunk_fn=chunk, elbo_fn=jax.jit(elbo_fn), online=online,
     )
 
 
@@ -360,8 +307,7 @@ def _prepare_locked(model, args, kwargs, options, rng_key, prior, init_values, s
         for b in plan.blocks
         if b.discrete
     }
-    noise = {n: rng.normal(size=shape) for n, shape in bundle.noise_shapes.items()}
-    nat0, moved = bundle.init_fn(block_values, probs0, noise)
+    nat0 = bundle.init_fn(block_values, probs0)
     if bundle.online:  # the previous posterior is run-time data, and the starting point
         prior_nat = previous_nat(prior, bundle.online, nat0)
         nat0 = {**nat0, **prior_nat}
@@ -375,18 +321,14 @@ def _prepare_locked(model, args, kwargs, options, rng_key, prior, init_values, s
         base = 1.0 if learning_rate is None or callable(learning_rate) else float(learning_rate)
         rho = {n: jnp.asarray(base, dtype) for n in plan.order}
     elif learning_rate is None:
-        if bundle.conjugate is None:
-            bundle.conjugate = _detect_conjugate(plan, compiled, state, dyn_data, moved, bundle.window)
-        conj = bundle.conjugate
         sampled = {n for f in plan.factors if f.estimator == "monte_carlo" for n in f.neighbours}
         rho = {n: jnp.asarray(MONTE_CARLO_RHO if n in sampled else 1.0, dtype) for n in plan.order}
-        plan = dataclasses.replace(plan, conjugate=tuple(conj.items()))
     elif callable(learning_rate):
         rho = {n: jnp.asarray(1.0, dtype) for n in plan.order}
     else:
         rho = {n: jnp.asarray(float(learning_rate), dtype) for n in plan.order}
     if any(b.discrete for b in plan.blocks) and not plan.subsampled:
-        state = _discrete_start(bundle, plan, init_records, state, dyn_data, start, rng, block_values, noise)
+        state = _discrete_start(bundle, plan, init_records, state, dyn_data, start, rng, block_values)
     prepared = _Prepared(
         bundle, plan, records, data_spec, dyn_data, state, rho, tol, CHUNK_SIZE, t0, options.iterate_average
     )
@@ -398,7 +340,7 @@ def _prepare_locked(model, args, kwargs, options, rng_key, prior, init_values, s
     return prepared
 
 
-def _discrete_start(bundle, plan, records, state, data, start, rng, block_values, noise):
+def _discrete_start(bundle, plan, records, state, data, start, rng, block_values):
     """The starting state of a fit with enumerated latents (see :mod:`blrppl.engine.start`):
     start 0 takes an E-step under the prior means unless it leaves two values of a
     discrete block tied; other starts, and tied ones, start from k-means++ responsibilities."""
@@ -409,7 +351,7 @@ def _discrete_start(bundle, plan, records, state, data, start, rng, block_values
         if not any(start_mod.tied(p) for p in probs.values()):
             return after
     seeded = start_mod.seeded_probs(plan, records, rng)
-    nat, _ = bundle.init_fn(block_values, seeded, noise)  # the same call as the first (compiled once)
+    nat = bundle.init_fn(block_values, seeded)
     return state._replace(nat={**state.nat, **{n: nat[n] for n in seeded}})
 
 

@@ -732,6 +732,41 @@ def _factors(records, rules, blocks, nbrs, classes, exact, candidates, quad_clas
     return factors
 
 
+def conjugate_blocks(plan) -> tuple:
+    """``(block, conjugate)`` for every block: its factors' messages do not depend on its own
+    q, so that ρ = 1 is an exact coordinate step.
+
+    Read off the plan, not measured: a discrete block is conjugate (its enumerated message
+    is E[log f | value]); a continuous block is when every factor touching it has a closed
+    form (``exact``) and, for a Gamma block, each power c·τ^a of it in an argument is one
+    of the rule's ``conjugate_powers``. (Closed-form rules see a Gaussian block only through
+    affine arguments of Normal-type densities, whose expectations are quadratic in it, and
+    Beta/Dirichlet blocks only as the probabilities of Bernoulli, Binomial and Categorical
+    observations or as the value of their own prior: every such expectation is linear in
+    the block's expectation parameters.)
+    """
+    out = []
+    for b in plan.blocks:
+        if b.discrete:
+            out.append((b.name, True))
+            continue
+        conj = not b.point
+        for f in plan.factors_of(b.name):
+            if f.estimator != "exact":
+                conj = False
+                break
+            if b.kind == "gamma":
+                blocks_of = dict(f.arg_blocks)
+                for arg, power in f.powers:
+                    if b.name not in blocks_of.get(arg, ()):
+                        continue
+                    allowed = f.rule.conjugate_powers.get(arg, ()) if f.rule is not None else ()
+                    if power is None or not any(np.isclose(power, a) for a in allowed):
+                        conj = False
+        out.append((b.name, conj))
+    return tuple(out)
+
+
 def _check_aligned(factor: SiteRecord, discrete: SiteRecord, name: str):
     """A discrete block can be enumerated for a factor when each element of the factor uses
     the aligned element of the block: the block's plates are among the factor's."""
