@@ -20,12 +20,13 @@ from blrppl.engine import start as start_mod
 from blrppl.engine.step import BLRState, initial_state, make_step
 from blrppl.errors import BLRError
 from blrppl.graph.compile import _block_init_values, compile_model, conjugate_blocks, init_nat
-from blrppl.graph.data import DataSpec
+from blrppl.estimators import gram
+from blrppl.graph.data import DataSpec, RunData
 from blrppl.graph.data import compiler_options as _compiler_options
 from blrppl.engine.subsample import averaged_nat, svi_rate
 from blrppl.graph.trace import check_plate_sizes, full_size_model, subsampled_plates, trace_model, trace_program
 from blrppl.inputs import FitOptions, as_key, fit_options, model_arguments
-from blrppl.online import OnlineData, online_plan, previous_nat, previous_spec
+from blrppl.online import online_plan, previous_nat, previous_spec
 from blrppl.result import BLRResult, site_distribution
 
 #: default initial ρ of blocks with Monte Carlo messages (then decaying); other blocks start
@@ -90,6 +91,30 @@ class _Compiled:
     full_tracer: Any = None
     #: the latents' support parameters the bijections were compiled with
     supports: tuple = ()
+    #: data → the precomputed statistics of the plan's ``gram_block`` factors (None: none)
+    statistics_fn: Callable | None = None
+    _statistics_compiled: Any = None
+
+    def statistics(self, dyn) -> dict:
+        """The data statistics of the plan's ``gram_block`` factors: one compiled call (XLA's
+        backend optimisations off: matrix products, as fast without), traced inside a
+        user's ``jit``."""
+        if self.statistics_fn is None:
+            return {}
+        if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(dyn)):
+            return self.statistics_fn(dyn)
+        if self._statistics_compiled is None:
+            lowered = jax.jit(self.statistics_fn).lower(dyn)
+            self._statistics_compiled = lowered.compile(compiler_options=_compiler_options(dyn, 0))
+        return self._statistics_compiled(dyn)
+
+    def run_data(self, dyn, previous=None):
+        """What the compiled chunk reads: the model's array data, and the previous
+        posterior (online fits) and data statistics when the plan has them."""
+        stats = self.statistics(dyn)
+        if not (previous or stats):
+            return dyn
+        return RunData(dyn, dict(previous or {}), stats)
 
 
 #: held while a model is traced and compiled, and while posteriors are exported (numpyro's
@@ -125,6 +150,16 @@ def _cache_key(model, tracer, dyn, options, prior_spec):
     except TypeError:
         return None
     return key
+
+
+def _elementwise_work(plan, records) -> int:
+    """The number of factor elements a step evaluates one by one (factors with precomputed
+    statistics excluded): the measure of the data a compiled step works through."""
+    return sum(
+        int(np.prod(records[f.name].value_shape)) if f.name in records else 0
+        for f in plan.factors
+        if not f.gram_block
+    )
 
 
 def _support_signature(records) -> tuple:
@@ -190,7 +225,11 @@ def _compile(model, records, data_spec, dyn_data, tracer, options, prior_spec, k
         curvature=curvature,
         global_rate=svi_rate if default_rate else None,
     )
-    chunk = make_chunk(step, chunk_size, tol, window, epoch, rate_fn, () if plan.subsampled else tuple(plan.order))
+    exact_block = _one_exact_block(plan)
+    chunk = make_chunk(
+        step, chunk_size, tol, window, epoch, rate_fn, () if plan.subsampled else tuple(plan.order),
+        elbo_fn=None if plan.subsampled else elbo_fn, exact_block=exact_block,
+    )
     init_shapes = {
         n: jax.ShapeDtypeStruct(blocks[n].value_shape, jnp.result_type(v)) if blocks[n].local else v
         for n, v in init_values.items()
@@ -204,15 +243,26 @@ def _compile(model, records, data_spec, dyn_data, tracer, options, prior_spec, k
     rho = {n: jax.ShapeDtypeStruct((), dtype) for n in plan.order}
     steps = jax.ShapeDtypeStruct((), jnp.int32)
     history = jax.ShapeDtypeStruct((2 * max(window, 1),), dtype)
-    run_data = OnlineData(dyn_data, {n: state.nat[n] for n in online}) if online else dyn_data
+    gram_factors = [f for f in plan.factors if f.gram_block]
+    statistics_fn = None
+    if gram_factors:
+        full_blocks = {b.name: b for b in plan.blocks}
+
+        def statistics(data):
+            return {f.name: gram.statistics(fns, f, full_blocks[f.gram_block], data) for f in gram_factors}
+
+        statistics_fn = statistics
+    stats = jax.eval_shape(statistics_fn, dyn_data) if statistics_fn is not None else {}
+    previous = {n: state.nat[n] for n in online}
+    run_data = RunData(dyn_data, previous, stats) if (online or stats) else dyn_data
     compiled = (
         jax.jit(chunk)
         .lower(state, run_data, steps, rho, history)
-        .compile(compiler_options=_compiler_options(dyn_data))
+        .compile(compiler_options=_compiler_options(dyn_data, _elementwise_work(plan, records)))
     )
     return _Compiled(
         tracer, plan, graph, init_fn, compiled, _posterior_builder(plan, records), window,
-        chunk_fn=chunk, elbo_fn=jax.jit(elbo_fn), online=online,
+        chunk_fn=chunk, elbo_fn=jax.jit(elbo_fn), online=online, statistics_fn=statistics_fn,
     )
 
 
@@ -308,10 +358,11 @@ def _prepare_locked(model, args, kwargs, options, rng_key, prior, init_values, s
         if b.discrete
     }
     nat0 = bundle.init_fn(block_values, probs0)
+    prior_nat = {}
     if bundle.online:  # the previous posterior is run-time data, and the starting point
         prior_nat = previous_nat(prior, bundle.online, nat0)
         nat0 = {**nat0, **prior_nat}
-        dyn_data = OnlineData(dyn_data, prior_nat)
+    dyn_data = bundle.run_data(dyn_data, prior_nat)
     dtype = jnp.result_type(float)
     state = initial_state(nat0, k_loop, plan)
     compiled = bundle.chunk
@@ -332,11 +383,6 @@ def _prepare_locked(model, args, kwargs, options, rng_key, prior, init_values, s
     prepared = _Prepared(
         bundle, plan, records, data_spec, dyn_data, state, rho, tol, CHUNK_SIZE, t0, options.iterate_average
     )
-    if not plan.subsampled:
-        # the initial ELBO (one step with ρ = 0), so that backtracking also checks the first
-        # step (a minibatch ELBO is never backtracked on: the first step is a real one)
-        zero = {n: jnp.zeros((), dtype) for n in plan.order}
-        prepared.state = compiled(state, dyn_data, jnp.asarray(1, jnp.int32), zero, prepared.history())[0]
     return prepared
 
 
@@ -355,6 +401,15 @@ def _discrete_start(bundle, plan, records, state, data, start, rng, block_values
     return state._replace(nat={**state.nat, **{n: nat[n] for n in seeded}})
 
 
+def _one_exact_block(plan) -> str | None:
+    """The plan's only updated block when it is conjugate and not a point block (one step at
+    ρ = 1 is then its exact posterior), else None."""
+    if plan.subsampled or len(plan.order) != 1:
+        return None
+    (name,) = plan.order
+    return name if dict(plan.conjugate).get(name) and not plan.block(name).point else None
+
+
 def _stop_message(outcome, plan, window: int, tol: float, num_steps: int) -> str:
     if outcome.stop == CONVERGED and plan.subsampled:
         message = (
@@ -366,6 +421,11 @@ def _stop_message(outcome, plan, window: int, tol: float, num_steps: int) -> str
         message = (
             f"converged after {outcome.num_steps} steps (Monte Carlo ELBO: the mean over the "
             f"last {window} steps no longer improves on the {window} before)"
+        )
+    elif outcome.stop == CONVERGED and _one_exact_block(plan) and outcome.num_steps == 1:
+        message = (
+            "converged after 1 step (the model's only block is conjugate: one step with ρ = 1 is "
+            "its exact posterior)"
         )
     elif outcome.stop == CONVERGED:
         message = f"converged after {outcome.num_steps} steps (relative ELBO change below {tol:g})"

@@ -38,7 +38,7 @@ mean-field factorisation being dropped. A global block with no counterpart loses
 information the removed priors of matched sites carried about it.
 
 The previous natural parameters are passed to the compiled fit as run-time data
-(:class:`OnlineData`), so that successive updates with data of the same shapes reuse one
+(:class:`blrppl.graph.data.RunData`), so that successive updates with data of the same shapes reuse one
 compiled fit.
 """
 
@@ -57,21 +57,6 @@ from blrppl.graph.plan import Factor
 
 #: suffix of the pseudo-factor holding a block's previous posterior
 PREVIOUS_SUFFIX = ":previous"
-
-
-class OnlineData(NamedTuple):
-    """The run-time data of an online fit: the model's array data and, per matched block,
-    the previous posterior's natural parameters λ_prev."""
-
-    model: tuple
-    previous_nat: dict
-
-
-def split_online_data(data):
-    """(model data, previous natural parameters per block or ``{}``)."""
-    if isinstance(data, OnlineData):
-        return data.model, data.previous_nat
-    return data, {}
 
 
 @dataclasses.dataclass(frozen=True)

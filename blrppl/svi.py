@@ -126,6 +126,7 @@ class BLR:
             self.guide = PlanGuide()
         self._prepared = None
         self._checked: tuple = ()
+        self._statistics = None
         self.result = None
 
     # -- setup ---------------------------------------------------------------------
@@ -187,6 +188,18 @@ class BLR:
             self._checked = seen
         return dyn
 
+    def _run_data(self, prepared, dyn):
+        """The compiled chunk's data for these arrays (with their precomputed statistics,
+        recomputed only when the arrays are new)."""
+        if prepared.bundle.statistics_fn is None:
+            return dyn
+        if _is_traced(dyn):
+            return prepared.bundle.run_data(dyn)
+        key = tuple(id(x) for x in dyn)
+        if self._statistics is None or self._statistics[0] != key:
+            self._statistics = (key, prepared.bundle.run_data(dyn))
+        return self._statistics[1]
+
     def _arrays(self, prepared, args, kwargs) -> tuple:
         if prepared.data_spec.all_static:
             # the model needed concrete data: the compiled fit holds the data of init
@@ -226,7 +239,7 @@ class BLR:
         compatibility and ignored.
         """
         prepared = self._require()
-        data = self._data(args, kwargs)
+        data = self._run_data(prepared, self._data(args, kwargs))
         one = jnp.asarray(1, jnp.int32)
         history = prepared.history()
         bundle = prepared.bundle
@@ -241,7 +254,7 @@ class BLR:
     def evaluate(self, state: BLRState, *args, **kwargs) -> jax.Array:
         """The loss (negative ELBO) at ``state`` for these arguments."""
         prepared = self._require()
-        data = self._data(args, kwargs)
+        data = self._run_data(prepared, self._data(args, kwargs))
         return -prepared.bundle.elbo_fn(state.nat, data, state.rng_key)
 
     def get_params(self, state: BLRState) -> dict:
@@ -284,7 +297,8 @@ class BLR:
             args, kwargs = call_arguments(args, kwargs)
             prepared = self._setup(as_key(rng_key), args, kwargs, init_params, num_steps)
         else:
-            prepared = dataclasses.replace(self._require(), dyn_data=self._data(args, kwargs))
+            prepared = self._require()
+            prepared = dataclasses.replace(prepared, dyn_data=self._run_data(prepared, self._data(args, kwargs)))
         state = prepared.state if init_state is None else init_state
         result = _run(prepared, state, num_steps, progress_bar)
         self.result = result

@@ -51,8 +51,8 @@ def captured():
 
         return counting_step, elbo_fn, messages
 
-    def capturing_make_chunk(step, chunk_size, tol, *rest):
-        chunk = engine_loop.make_chunk(step, chunk_size, tol, *rest)
+    def capturing_make_chunk(step, chunk_size, tol, *rest, **options):
+        chunk = engine_loop.make_chunk(step, chunk_size, tol, *rest, **options)
         got["chunk"] = chunk
         return chunk
 

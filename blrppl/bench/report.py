@@ -42,7 +42,7 @@ def _yes(x):
     return "–" if x is None else ("yes" if x else "**no**")
 
 
-def markdown(runs, scaling_rows=None, settings: dict | None = None, plots: dict | None = None) -> str:
+def markdown(runs, scaling_rows=None, settings: dict | None = None, plots: dict | None = None, dense_rows=None) -> str:
     """The report as markdown."""
     lines = ["# Benchmarks", ""]
     lines += [
@@ -114,6 +114,24 @@ def markdown(runs, scaling_rows=None, settings: dict | None = None, plots: dict 
             lines.append(
                 f"| {row['N']:,} | {row['compile_time']:.3g} | {row['run_time']:.3g} | "
                 f"{row['compile_time'] + row['run_time']:.3g} | {row['steps']} | {1e3 * row['per_step']:.3g} |"
+            )
+    if dense_rows:
+        lines += [
+            "",
+            "## Dense regression: BLR against a hand-written solve",
+            "",
+            "Exact Bayesian linear regression, w ~ N(0, I_D), unit noise: `blr_fit`'s first fit of the model "
+            "(compilation included) against a hand-written NumPy solve of the same posterior (XᵀX + I, one "
+            "Cholesky, the posterior sds from its inverse). Target: at most 5× the hand-written solve.",
+            "",
+            "| D | N | blr_fit s | compile s | run s | steps | hand-written s | ratio | max mean err / sd | max sd rel. err |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in dense_rows:
+            lines.append(
+                f"| {r['D']:,} | {r['N']:,} | {r['blr_total']:.3g} | {r['compile_time']:.3g} | {r['run_time']:.3g} | "
+                f"{r['steps']} | {r['hand']:.3g} | {r['ratio']:.2f} | {r['max_mean_err_sd']:.2g} | "
+                f"{r['max_sd_rel_err']:.2g} |"
             )
     if plots:
         lines += ["", "## Plots", ""]

@@ -45,7 +45,10 @@ def _all_finite(tree) -> jax.Array:
     return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
 
 
-def make_chunk(step, chunk_size: int, tol: float, window: int = 0, epoch: int = 0, rate_fn=None, blocks=()):
+def make_chunk(
+    step, chunk_size: int, tol: float, window: int = 0, epoch: int = 0, rate_fn=None, blocks=(),
+    elbo_fn=None, exact_block=None,
+):
     """``chunk(state, data, steps_left, rho, history) -> (state, elbo buffer, steps run, stop
     code, invalid steps, history)``; ``rho`` is the per-block step-size dict passed to
     ``step``.
@@ -63,6 +66,11 @@ def make_chunk(step, chunk_size: int, tol: float, window: int = 0, epoch: int = 
     which minibatch was drawn cancels), and only on the relative change ``tol``: the spread
     within a window is dominated by that cancelled noise, so half its standard error would
     declare convergence while the global parameters are still several posterior sd away.
+
+    With ``elbo_fn`` (exact ELBOs), a state whose ELBO is unknown (NaN: a fresh start) has it
+    computed before the first step, so that backtracking checks that step too. With
+    ``exact_block`` (the plan's only block, conjugate: one step at ρ = 1 is its exact
+    posterior) the run converges after one such step.
 
     A step in which some block found no valid update (it kept its parameters, so the ELBO
     may not move) never counts as converged, nor does a step after which the messages to a
@@ -86,6 +94,13 @@ def make_chunk(step, chunk_size: int, tol: float, window: int = 0, epoch: int = 
         buf = jnp.full((chunk_size,), jnp.nan, dtype)
         limit = jnp.minimum(steps_left, chunk_size)
         proper0 = {n: jnp.array(True) for n in blocks}
+        if elbo_fn is not None and exact_block is None:
+            state = jax.lax.cond(
+                jnp.isnan(state.elbo),
+                lambda s: s._replace(elbo=jnp.asarray(elbo_fn(s.nat, data, s.rng_key), dtype)),
+                lambda s: s,
+                state,
+            )
 
         def cond(carry):
             _, i, _, stop, _, _, _ = carry
@@ -106,11 +121,15 @@ def make_chunk(step, chunk_size: int, tol: float, window: int = 0, epoch: int = 
                 conv = finite & info.valid & windowed_converged(history, new.step)
             else:
                 # backtracking: a step that lowers the (exact) ELBO is undone and ρ halved
+                known = jnp.isfinite(st.elbo)
                 drop = info.elbo < st.elbo - 1e-9 * jnp.maximum(1.0, jnp.abs(st.elbo))
-                accept = finite & ~((st.step > 0) & drop)
+                accept = finite & ~(known & drop)
                 change = jnp.abs(info.elbo - st.elbo) <= tol * jnp.maximum(1.0, jnp.abs(info.elbo))
                 proper = jnp.all(jnp.stack([jnp.array(True)] + list(jax.tree.leaves(info.proper))))
-                conv = accept & info.valid & proper & change & (info.max_delta <= param_tol) & (st.step > 0)
+                settled = change & (info.max_delta <= param_tol) & known
+                if exact_block is not None and rate_fn is None:
+                    settled = settled | ((rho[exact_block] == 1.0) & (st.damping == 1.0))
+                conv = accept & info.valid & proper & settled
             accept = accept & ~bad_rate
             grown = jnp.minimum(1.0, 2.0 * st.damping)
             rejected = st._replace(step=st.step + 1, rng_key=new.rng_key, damping=0.5 * st.damping)

@@ -18,7 +18,9 @@ import jax
 import jax.numpy as jnp
 
 from blrppl.estimators.enumeration import expected_log_factors
-from blrppl.online import expected_log_previous, is_previous_posterior, split_online_data
+from blrppl.estimators import gram
+from blrppl.graph.data import split_run_data
+from blrppl.online import expected_log_previous, is_previous_posterior
 
 
 class BLRState(NamedTuple):
@@ -219,21 +221,27 @@ def _initial_curvature(block, mean):
 def make_objective(plan, fns, curvature="reparam"):
     """Σ_i E_q[log f_i] over a subset of factors, as a function of the views.
 
-    In an online fit ``data`` is an :class:`blrppl.online.OnlineData` carrying the previous
-    posterior's natural parameters, read by the ``"<block>:previous"`` pseudo-factors.
+    ``data`` may be a :class:`blrppl.graph.data.RunData`: in an online fit it carries the
+    previous posterior's natural parameters, read by the ``"<block>:previous"``
+    pseudo-factors, and factors with a ``gram_block`` read their precomputed statistics
+    from it (:mod:`blrppl.estimators.gram`).
     """
     blocks = {b.name: b for b in plan.blocks}
 
     def objective(views, data, factor_names=None, key=None):
-        data, previous = split_online_data(data)
+        data, previous, statistics = split_run_data(data)
         factors = [f for f in plan.factors if factor_names is None or f.name in factor_names]
         total = expected_log_factors(
-            fns, [f for f in factors if not is_previous_posterior(f)], blocks, views, data, key, curvature
+            fns,
+            [f for f in factors if not is_previous_posterior(f) and not f.gram_block],
+            blocks, views, data, key, curvature,
         )
         for f in factors:
             if is_previous_posterior(f):
                 n = f.rule.block
                 total = total + expected_log_previous(blocks[n], views[n], previous[n])
+            elif f.gram_block:
+                total = total + gram.expected_log(f, f.gram_block, statistics[f.name], views)
         return total
 
     return objective
@@ -265,24 +273,28 @@ def _relative_delta(old, new):
     return jnp.max(jnp.stack(diffs)) if diffs else jnp.zeros(())
 
 
-def _update_block(family, nat_old, message, rho, max_halvings):
+def _update_block(family, nat_old, message, rho, max_halvings, message_valid=None):
     """The family's step (1−ρ)λ + ρ λ̃ (improved BLR for Gaussians at ρ < 1), halving ρ
     until the result is valid."""
 
     def candidate(r):
-        return family.update(nat_old, message, r)
+        new = family.update(nat_old, message, r)
+        if message_valid is None:
+            return new, family.is_valid(new)
+        # at ρ = 1 the candidate is the message, whose validity is known
+        return new, jax.lax.cond(r == 1.0, lambda: message_valid, lambda: family.is_valid(new))
 
     def cond(carry):
-        r, k = carry
-        return jnp.logical_and(~family.is_valid(candidate(r)), k < max_halvings)
+        _, k, _, ok = carry
+        return jnp.logical_and(~ok, k < max_halvings)
 
     def body(carry):
-        r, k = carry
-        return r * 0.5, k + 1
+        r, k, _, _ = carry
+        new, ok = candidate(0.5 * r)
+        return 0.5 * r, k + 1, new, ok
 
-    r, _ = jax.lax.while_loop(cond, body, (jnp.asarray(rho, dtype=jnp.result_type(float)), 0))
-    new = candidate(r)
-    ok = family.is_valid(new)
+    rho = jnp.asarray(rho, dtype=jnp.result_type(float))
+    _, _, new, ok = jax.lax.while_loop(cond, body, (rho, 0, *candidate(rho)))
     return jax.tree.map(lambda a, b: jnp.where(ok, b, a), nat_old, new), ok
 
 
@@ -383,7 +395,7 @@ def make_step(
             family = blocks[n].family
             proper[n] = family.is_valid(msg)
             rate = rho[n] * block_rate(n, state.step) * state.damping
-            nat[n], ok = _update_block(family, nat[n], msg, rate, max_halvings)
+            nat[n], ok = _update_block(family, nat[n], msg, rate, max_halvings, proper[n])
             return ok
 
         if schedule == "parallel":

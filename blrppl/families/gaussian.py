@@ -73,9 +73,9 @@ def _chol_solve(chol: jax.Array, b: jax.Array) -> jax.Array:
 
 
 def _chol_inverse(chol: jax.Array) -> jax.Array:
-    """(L Lᵀ)⁻¹ = L⁻ᵀ L⁻¹, exactly symmetric."""
-    inv = solve_triangular(chol, _eye_like(chol), lower=True)
-    return jnp.swapaxes(inv, -1, -2) @ inv
+    """(L Lᵀ)⁻¹ by two triangular solves against the identity, symmetrised."""
+    inv = jax.scipy.linalg.cho_solve((chol, True), _eye_like(chol))
+    return _sym(inv)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,22 +162,29 @@ class GaussianDense(Family):
         always positive definite, and m' = m + ρ S'⁻¹ g. At ρ = 1 the plain update
         λ' = λ̃ is kept (exact for conjugate messages).
         """
-        plain = jax.tree.map(lambda a, m: (1.0 - rho) * a + rho * m, nat, message)
-        prec = -2.0 * nat.eta2
-        prec = 0.5 * (prec + jnp.swapaxes(prec, -1, -2))
-        target = -2.0 * message.eta2
-        target = 0.5 * (target + jnp.swapaxes(target, -1, -2))
-        chol = jnp.linalg.cholesky(prec)
-        mean = jax.scipy.linalg.cho_solve((chol, True), nat.eta1[..., None])[..., 0]
-        grad = message.eta1 - jnp.einsum("...ij,...j->...i", target, mean)
-        diff = target - prec
-        u = jnp.swapaxes(chol, -1, -2) + rho * jax.scipy.linalg.solve_triangular(chol, diff, lower=True)
-        new_prec = 0.5 * (prec + jnp.swapaxes(u, -1, -2) @ u)
-        new_prec = 0.5 * (new_prec + jnp.swapaxes(new_prec, -1, -2))
-        step = jnp.linalg.solve(new_prec, grad[..., None])[..., 0]
-        new_mean = mean + rho * step
-        retracted = GaussianNat(jnp.einsum("...ij,...j->...i", new_prec, new_mean), -0.5 * new_prec)
-        return jax.tree.map(lambda a, b: jnp.where(rho < 1.0, b, a), plain, retracted)
+        rho = jnp.asarray(rho, nat.eta1.dtype)
+
+        def plain(_):
+            return jax.tree.map(lambda a, m: (1.0 - rho) * a + rho * m, nat, message)
+
+        def retracted(_):
+            prec = -2.0 * nat.eta2
+            prec = 0.5 * (prec + jnp.swapaxes(prec, -1, -2))
+            target = -2.0 * message.eta2
+            target = 0.5 * (target + jnp.swapaxes(target, -1, -2))
+            chol = jnp.linalg.cholesky(prec)
+            mean = jax.scipy.linalg.cho_solve((chol, True), nat.eta1[..., None])[..., 0]
+            grad = message.eta1 - jnp.einsum("...ij,...j->...i", target, mean)
+            diff = target - prec
+            u = jnp.swapaxes(chol, -1, -2) + rho * jax.scipy.linalg.solve_triangular(chol, diff, lower=True)
+            new_prec = 0.5 * (prec + jnp.swapaxes(u, -1, -2) @ u)
+            new_prec = 0.5 * (new_prec + jnp.swapaxes(new_prec, -1, -2))
+            step = jnp.linalg.solve(new_prec, grad[..., None])[..., 0]
+            new_mean = mean + rho * step
+            return GaussianNat(jnp.einsum("...ij,...j->...i", new_prec, new_mean), -0.5 * new_prec)
+
+        # only the branch taken runs: at ρ = 1 no Cholesky, solve or product of D × D matrices
+        return jax.lax.cond(rho < 1.0, retracted, plain, None)
 
     def is_valid(self, nat: GaussianNat) -> jax.Array:
         finite = jnp.all(jnp.isfinite(nat.eta1)) & jnp.all(jnp.isfinite(nat.eta2))

@@ -13,6 +13,7 @@ from numpyro.distributions import biject_to, constraints
 
 from blrppl import families as fam
 from blrppl.errors import FamilyError, UnsupportedFactorError, UnsupportedLatentError
+from blrppl.estimators import gram
 from blrppl.expressions import LINKS, ModelFunctions, distribution_leaves, probe_argument, projection_args, run_probes
 from blrppl.graph.deps import output_dependencies
 from blrppl.graph.plan import Block, Factor, LocalAxis, Plan
@@ -304,6 +305,8 @@ def compile_model(
     ]
     if subsampled:
         factors = _check_subsampled(factors, records, blocks, {p.name for p in subsampled})
+    else:
+        factors = [dataclasses.replace(f, gram_block=gram.eligible(f, blocks) or "") for f in factors]
     graph = nx.Graph()
     for name, b in blocks.items():
         graph.add_node(("block", name), kind=b.kind, shape=b.value_shape)

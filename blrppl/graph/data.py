@@ -4,13 +4,37 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from blrppl.inputs import is_numeric_array
+
+
+class RunData(NamedTuple):
+    """What a compiled fit reads at run time besides its state, when it is more than the
+    model's array data.
+
+    Attributes:
+        model: the model's dynamic data leaves.
+        previous_nat: online fits: per matched block, the previous posterior's natural
+            parameters (see :mod:`blrppl.online`).
+        statistics: per factor with precomputed data statistics (see
+            :mod:`blrppl.estimators.gram`), its statistics.
+    """
+
+    model: tuple
+    previous_nat: dict = {}
+    statistics: dict = {}
+
+
+def split_run_data(data) -> tuple:
+    """(model data, previous natural parameters, factor statistics) of run-time data."""
+    if isinstance(data, RunData):
+        return data.model, data.previous_nat, data.statistics
+    return data, {}, {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,10 +89,15 @@ def _accepted(option: str, value) -> bool:
     return True
 
 
-def compiler_options(data) -> dict | None:
+def compiler_options(data, size: int | None = None) -> dict | None:
     """XLA options for compiling a function of ``data``: the CPU fusion emitters off, and
-    backend optimisations off for small data, where compiling dominates running."""
-    size = sum(int(np.prod(jnp.shape(x))) for x in jax.tree.leaves(data))
+    backend optimisations off for small data, where compiling dominates running.
+
+    ``size`` overrides the data's size as the measure of the elementwise work per call
+    (a fit whose large data enter only through precomputed statistics does little
+    elementwise work per step: its linear algebra runs as fast unoptimised)."""
+    if size is None:
+        size = sum(int(np.prod(jnp.shape(x))) for x in jax.tree.leaves(data))
     options = {k: v for k, v in _FAST_COMPILE.items() if _accepted(k, v)}
     if size < SMALL_DATA:
         options["xla_backend_optimization_level"] = 0

@@ -232,6 +232,9 @@ class Factor:
             Gamma block (a is None when it differs between elements).
         subsampled: names of the subsampled plates the factor sits in (its minibatch
             terms carry the weight N/M, applied by numpyro's plate as the site's scale).
+        gram_block: for an exact Normal factor linear in one large dense Gaussian block,
+            that block: its expectation comes from data statistics computed once per fit
+            (:mod:`blrppl.estimators.gram`) instead of the elementwise moments.
     """
 
     name: str
@@ -248,6 +251,7 @@ class Factor:
     links: tuple = ()
     powers: tuple = ()
     subsampled: tuple = ()
+    gram_block: str = ""
 
     @property
     def kinds(self) -> dict:
@@ -329,7 +333,8 @@ class Plan:
         rows = [("factor", "distribution", "neighbours", "estimator", "arguments") + (("scale",) if sub else ())]
         for f in self.factors:
             args = ", ".join(f"{k}:{v}" for k, v in f.arg_kinds)
-            row = (f.name, f.dist_name, ", ".join(f.neighbours) or "-", f.estimator, args)
+            estimator = f"{f.estimator} (data statistics)" if f.gram_block else f.estimator
+            row = (f.name, f.dist_name, ", ".join(f.neighbours) or "-", estimator, args)
             if sub:
                 scale = math.prod(self.plate(p).scale for p in f.subsampled)
                 row += (f"N/M = {scale:g}" if f.subsampled else "1",)
