@@ -27,7 +27,7 @@ from blrppl import autoguides
 from blrppl.api import _prepare, _run
 from blrppl.engine.step import BLRState
 from blrppl.errors import BLRError, UnsupportedGuideError
-from blrppl.graph.data import DataSpec
+from blrppl.graph.data import DataSpec, split_run_data
 from blrppl.graph.trace import trace_model
 from blrppl.guide import PlanGuide, plan_params
 from blrppl.inputs import DEFAULT_NUM_STEPS, as_key, call_arguments, fit_options
@@ -64,10 +64,15 @@ def _is_traced(tree) -> bool:
     return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(tree))
 
 
-def _identities(args, kwargs) -> tuple:
-    """The identities of a call's array arguments (to skip validating the same arrays twice)."""
+def _arrays_of(args, kwargs) -> tuple:
+    """A call's array arguments (kept to skip validating the same arrays twice: held, so
+    that their identities cannot be reused by new arrays)."""
     leaves = jax.tree.leaves((tuple(args), dict(kwargs)))
-    return tuple(id(x) for x in leaves if isinstance(x, (np.ndarray, jax.Array)))
+    return tuple(x for x in leaves if isinstance(x, (np.ndarray, jax.Array)))
+
+
+def _same_objects(a: tuple, b: tuple) -> bool:
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
 
 
 class BLR:
@@ -127,6 +132,7 @@ class BLR:
         self._prepared = None
         self._checked: tuple = ()
         self._statistics = None
+        self._updated_with: tuple = ()
         self.result = None
 
     # -- setup ---------------------------------------------------------------------
@@ -151,7 +157,7 @@ class BLR:
             init_values = dict(init_params)
         checked = fit_options(num_steps=num_steps, **options)
         self._prepared = _prepare(self.model, args, kwargs, checked, rng_key, init_values=init_values)
-        self._checked = _identities(args, kwargs)
+        self._checked = _arrays_of(args, kwargs)
         if self._autoguide is None:
             self.guide.plan = self._prepared.plan
         return self._prepared
@@ -181,8 +187,8 @@ class BLR:
         prepared = self._require()
         args, kwargs = call_arguments(args, kwargs)
         dyn = self._arrays(prepared, args, kwargs)
-        seen = _identities(args, kwargs)
-        if seen != self._checked and not _is_traced(dyn):
+        seen = _arrays_of(args, kwargs)
+        if not _same_objects(seen, self._checked) and not _is_traced(dyn):
             bundle = prepared.bundle
             trace_model(self.model, args, kwargs, jax.random.key(0), tracer=bundle.tracer)
             self._checked = seen
@@ -195,9 +201,8 @@ class BLR:
             return dyn
         if _is_traced(dyn):
             return prepared.bundle.run_data(dyn)
-        key = tuple(id(x) for x in dyn)
-        if self._statistics is None or self._statistics[0] != key:
-            self._statistics = (key, prepared.bundle.run_data(dyn))
+        if self._statistics is None or not _same_objects(self._statistics[0], tuple(dyn)):
+            self._statistics = (tuple(dyn), prepared.bundle.run_data(dyn))
         return self._statistics[1]
 
     def _arrays(self, prepared, args, kwargs) -> tuple:
@@ -216,8 +221,9 @@ class BLR:
                 )
             return ()
         spec, dyn = DataSpec.split(args, kwargs)
-        same = spec.treedef == prepared.data_spec.treedef and len(dyn) == len(prepared.dyn_data)
-        same = same and all(jnp.shape(a) == jnp.shape(b) for a, b in zip(dyn, prepared.dyn_data))
+        compiled_for = split_run_data(prepared.dyn_data)[0]
+        same = spec.treedef == prepared.data_spec.treedef and len(dyn) == len(compiled_for)
+        same = same and all(jnp.shape(a) == jnp.shape(b) for a, b in zip(dyn, compiled_for))
         if not same:
             raise BLRError(
                 "the model's arguments differ in structure or shape from those BLR.init compiled "
@@ -239,11 +245,19 @@ class BLR:
         compatibility and ignored.
         """
         prepared = self._require()
-        data = self._run_data(prepared, self._data(args, kwargs))
+        dyn = self._data(args, kwargs)
+        data = self._run_data(prepared, dyn)
         one = jnp.asarray(1, jnp.int32)
         history = prepared.history()
         bundle = prepared.bundle
-        chunk = bundle.chunk_fn if _is_traced((state, data)) else bundle.chunk
+        traced = _is_traced((state, data))
+        if traced or not _same_objects(tuple(dyn), self._updated_with):
+            # the state's ELBO is of other data (a new minibatch): the step's backtracking
+            # compares with the ELBO of these data, computed afresh
+            state = state._replace(elbo=jnp.full_like(state.elbo, jnp.nan))
+        if not traced:
+            self._updated_with = tuple(dyn)
+        chunk = bundle.chunk_fn if traced else bundle.chunk
         new_state = chunk(state, data, one, prepared.rho, history)[0]
         return new_state, -new_state.elbo
 
@@ -299,6 +313,9 @@ class BLR:
         else:
             prepared = self._require()
             prepared = dataclasses.replace(prepared, dyn_data=self._run_data(prepared, self._data(args, kwargs)))
+        if init_state is not None:
+            # its ELBO may be of other data: recomputed for these before the first step
+            init_state = init_state._replace(elbo=jnp.full_like(init_state.elbo, jnp.nan))
         state = prepared.state if init_state is None else init_state
         result = _run(prepared, state, num_steps, progress_bar)
         self.result = result
