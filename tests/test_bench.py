@@ -18,6 +18,7 @@ from blrppl.api import blr_fit
 from blrppl.bench import __main__ as cli
 from blrppl.bench import models, report, runner
 from blrppl.graph.trace import trace_model
+from checks import assert_every_site_exports
 
 
 # ------------------------------------------------------------------------ metrics
@@ -166,6 +167,7 @@ def test_bench_models_fit_with_blr(name):
     names = bm.params or list((bm.reference or summary))
     for k in names:
         assert k in summary and np.isfinite(summary[k][0]), k
+    assert_every_site_exports(result, bm.model, bm.data)
 
 
 # ---------------------------------------------------------------------------- CLI

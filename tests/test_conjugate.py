@@ -18,6 +18,7 @@ import numpyro.distributions as dist
 import pytest
 
 from blrppl.api import blr_fit
+from checks import assert_every_site_exports
 from describe_table import factor_rows
 
 ATOL = 1e-6
@@ -175,7 +176,7 @@ def case(request):
         model, data, num_steps=1, learning_rate=1.0, rng_key=jax.random.key(0), progress_bar=False
     )
     default = blr_fit(model, data, rng_key=jax.random.key(0), progress_bar=False)
-    return {"expected": expected, "read": read, "one_step": one_step, "default": default}
+    return {"expected": expected, "read": read, "one_step": one_step, "default": default, "model": (model, data)}
 
 
 def assert_params(result, case):
@@ -230,3 +231,7 @@ def test_samples_match_posterior_shapes(case):
         shape = tuple(q.batch_shape) + tuple(q.event_shape)
         assert np.shape(draws[name]) == (7,) + shape, name
         assert np.all(np.isfinite(np.asarray(draws[name]))), name
+
+
+def test_every_site_exports_mean_variance_and_draws(case):
+    assert_every_site_exports(case["default"], *case["model"])

@@ -20,6 +20,7 @@ import numpyro.distributions as dist
 import pytest
 
 import reference_models as rm
+from checks import assert_every_site_exports
 from blrppl import blr_fit
 
 numpyro.enable_x64()
@@ -48,6 +49,7 @@ def fit(name: str):
     if name not in _FITS:
         model, data = rm.get(name)
         _FITS[name] = blr_fit(model, data, rng_key=jax.random.key(0), progress_bar=False)
+        assert_every_site_exports(_FITS[name], model, data)
     return _FITS[name]
 
 

@@ -1,0 +1,35 @@
+"""Checks shared by test modules (not tests themselves)."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from numpyro import handlers
+
+
+def site_shapes(model, data) -> dict:
+    """Latent sample site → value shape, from one seeded run of the model."""
+    args, kwargs = (tuple(data), {}) if isinstance(data, (tuple, list)) else ((), dict(data or {}))
+    trace = handlers.trace(handlers.seed(model, jax.random.key(0))).get_trace(*args, **kwargs)
+    return {
+        name: tuple(np.shape(site["value"]))
+        for name, site in trace.items()
+        if site["type"] == "sample" and not site["is_observed"]
+    }
+
+
+def assert_every_site_exports(result, model, data, num_draws: int = 5):
+    """Every latent site of the model has a posterior whose mean, variance and draws have
+    the site's shape and are finite (variances non-negative), and ``result.sample`` draws it
+    (as users ask for them: ``result.posterior[site].mean`` for every site)."""
+    shapes = site_shapes(model, data)
+    assert set(shapes) <= set(result.posterior), set(shapes) - set(result.posterior)
+    draws = result.sample(jax.random.PRNGKey(1), num_draws)
+    for site, shape in shapes.items():
+        q = result.posterior[site]
+        mean, var = np.asarray(q.mean), np.asarray(q.variance)
+        assert mean.shape == shape and var.shape == shape, (site, mean.shape, var.shape, shape)
+        assert np.all(np.isfinite(mean)) and np.all(var >= 0), site
+        assert np.shape(draws[site]) == (num_draws,) + shape, (site, np.shape(draws[site]))
+        own = np.asarray(q.sample(jax.random.PRNGKey(2), (num_draws,)))
+        assert own.shape == (num_draws,) + shape and np.all(np.isfinite(own)), site
