@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import threading
 import time
 import warnings
@@ -21,7 +22,8 @@ from blrppl.engine.step import BLRState, initial_state, make_step
 from blrppl.errors import BLRError
 from blrppl.graph.compile import _block_init_values, compile_model, conjugate_blocks, init_nat
 from blrppl.estimators import gram
-from blrppl.graph.data import DataSpec, RunData
+from blrppl.diagnostics import KHAT_WARN, Diagnostics, make_log_weights, psis_khat
+from blrppl.graph.data import DataSpec, RunData, split_run_data
 from blrppl.graph.data import compiler_options as _compiler_options
 from blrppl.engine.subsample import averaged_nat, svi_rate
 from blrppl.graph.trace import check_plate_sizes, full_size_model, subsampled_plates, trace_model, trace_program
@@ -94,6 +96,18 @@ class _Compiled:
     #: data → the precomputed statistics of the plan's ``gram_block`` factors (None: none)
     statistics_fn: Callable | None = None
     _statistics_compiled: Any = None
+
+    #: (nat, model data, key) → importance log-weights of q (None: not computed for this plan)
+    log_weights_fn: Callable | None = None
+    _log_weights_compiled: Any = None
+
+    def log_weights(self, nat, dyn, key):
+        """The importance log-weights of q (:mod:`blrppl.diagnostics`): one compiled call."""
+        if self._log_weights_compiled is None:
+            with numpyro.validation_enabled(False):
+                lowered = jax.jit(self.log_weights_fn).lower(nat, dyn, key)
+            self._log_weights_compiled = lowered.compile(compiler_options=_compiler_options(dyn))
+        return self._log_weights_compiled(nat, dyn, key)
 
     def statistics(self, dyn) -> dict:
         """The data statistics of the plan's ``gram_block`` factors: one compiled call (XLA's
@@ -263,6 +277,7 @@ def _compile(model, records, data_spec, dyn_data, tracer, options, prior_spec, k
     return _Compiled(
         tracer, plan, graph, init_fn, compiled, _posterior_builder(plan, records), window,
         chunk_fn=chunk, elbo_fn=jax.jit(elbo_fn), online=online, statistics_fn=statistics_fn,
+        log_weights_fn=None if plan.subsampled or online else make_log_weights(plan, fns, records, dyn_data),
     )
 
 
@@ -460,6 +475,23 @@ def _stop_message(outcome, plan, window: int, tol: float, num_steps: int) -> str
     return message
 
 
+def _diagnose(prepared, outcome, nat) -> Diagnostics:
+    """The fit's :class:`blrppl.diagnostics.Diagnostics`: PSIS k̂ of q from one compiled call,
+    and what the ELBO trace says."""
+    bundle, plan = prepared.bundle, prepared.plan
+    elbo = np.asarray(outcome.elbo, dtype=float)
+    change = float(abs(elbo[-1] - elbo[-2]) / max(1.0, abs(elbo[-1]))) if elbo.size >= 2 else math.nan
+    noise = float(np.std(elbo[-bundle.window :])) if bundle.window and elbo.size else 0.0
+    base = dict(elbo_rel_change=change, rejected_steps=int(outcome.rejected_steps), elbo_noise=noise)
+    if bundle.log_weights_fn is None:
+        why = "subsampled plates" if plan.subsampled else "online fit (prior=)"
+        return Diagnostics(khat=math.nan, num_draws=0, note=f"not computed: {why}", **base)
+    model_data = split_run_data(prepared.dyn_data)[0]
+    key = jax.random.fold_in(outcome.state.rng_key, 7)
+    log_weights = np.asarray(bundle.log_weights(nat, model_data, key))
+    return Diagnostics(khat=psis_khat(log_weights), num_draws=int(log_weights.size), **base)
+
+
 def _improper_blocks(outcome, plan) -> tuple:
     """Blocks whose exact posterior is improper: every factor of the block has a closed form
     (so its messages do not depend on its own q: they sum to the exact conditional
@@ -511,15 +543,27 @@ def _run(prepared: _Prepared, state: BLRState, num_steps: int, progress_bar: boo
     nat = averaged_nat(plan, outcome.state) if prepared.iterate_average and plan.subsampled else outcome.state.nat
     with COMPILE_LOCK:
         posterior = bundle.posterior_fn(nat)
+        diagnostics = _diagnose(prepared, outcome, nat)
+    t3 = time.perf_counter()
     improper = _improper_blocks(outcome, plan)
     if improper:
         warnings.warn("blr_fit: " + _improper_note(plan, outcome.state.nat, improper), UserWarning, stacklevel=3)
+    message = _stop_message(outcome, plan, bundle.window, prepared.tol, num_steps)
+    if diagnostics.khat > KHAT_WARN:
+        note = (
+            f"q may be a poor approximation of the posterior (PSIS k-hat = {diagnostics.khat:.2f} > "
+            f"{KHAT_WARN}): compare with NUTS, or try structure='joint' or other families="
+        )
+        message += "; " + note
+        warnings.warn("blr_fit: " + note, UserWarning, stacklevel=3)
     result = BLRResult(
         posterior=posterior,
         elbo=np.asarray(outcome.elbo),
         num_steps=outcome.num_steps,
         converged=outcome.converged,
-        message=_stop_message(outcome, plan, bundle.window, prepared.tol, num_steps),
+        message=message,
+        diagnostics=diagnostics,
+        diagnostic_time=t3 - t2,
         plan=prepared.plan,
         nat=nat,
         compile_time=t1 - prepared.start_time,

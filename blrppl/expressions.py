@@ -561,16 +561,17 @@ def run_probes(probes: dict, data) -> dict:
     Returns:
         key → :class:`ArgumentClass`.
     """
-    active = {k: p for k, p in probes.items() if p.compute is not None}
+    # positions as keys inside jit: probe keys mix names, ints and "value" (not sortable)
+    active = [(k, p) for k, p in probes.items() if p.compute is not None]
 
     def compute_all(inputs, data):
-        return {k: active[k].compute(inputs[k], data) for k in active}
+        return [p.compute(x, data) for (_, p), x in zip(active, inputs)]
 
     outputs = {}
     if active:
-        inputs = {k: p.inputs for k, p in active.items()}
+        inputs = [p.inputs for _, p in active]
         compiled = jax.jit(compute_all).lower(inputs, data).compile(compiler_options=compiler_options(data))
-        outputs = compiled(inputs, data)
+        outputs = {k: out for (k, _), out in zip(active, compiled(inputs, data))}
     return {k: p.decide(outputs.get(k)) for k, p in probes.items()}
 
 

@@ -167,6 +167,10 @@ class BLRResult:
         run_time: seconds spent in the jitted loop.
         graph: the factor graph (networkx) the plan was compiled from.
         state: the final :class:`blrppl.engine.step.BLRState` (a run can continue from it).
+        diagnostics: :class:`blrppl.diagnostics.Diagnostics`: PSIS k̂ of q against the model
+            (k̂ > 0.7: q is a poor approximation, and the fit warns), the last relative ELBO
+            change, the steps backtracking undid, the Monte Carlo ELBO noise.
+        diagnostic_time: seconds spent on the diagnostics (and the posterior export).
     """
 
     posterior: dict
@@ -180,6 +184,8 @@ class BLRResult:
     run_time: float = 0.0
     graph: Any = None
     state: Any = None
+    diagnostics: Any = None
+    diagnostic_time: float = 0.0
 
     @property
     def params(self) -> dict:
@@ -238,6 +244,9 @@ class BLRResult:
             }
         if print_table:
             print(format_summary(out))
+            print(self.message)
+            if self.diagnostics is not None:
+                print(self.diagnostics.describe())
         return out
 
     def point_estimates(self) -> dict:

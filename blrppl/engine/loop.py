@@ -38,6 +38,8 @@ class LoopOutcome(NamedTuple):
     invalid_steps: int
     #: blocks whose messages did not form a valid natural parameter at the last step
     improper: tuple = ()
+    #: steps undone by backtracking
+    rejected_steps: int = 0
 
 
 def _all_finite(tree) -> jax.Array:
@@ -103,11 +105,11 @@ def make_chunk(
             )
 
         def cond(carry):
-            _, i, _, stop, _, _, _ = carry
+            _, i, _, stop, _, _, _, _ = carry
             return (i < limit) & (stop == CONTINUE)
 
         def body(carry):
-            st, i, buf, _, invalid, history, _ = carry
+            st, i, buf, _, invalid, history, _, undone = carry
             if rate_fn is not None:
                 rate = jnp.asarray(rate_fn(st.step))
                 bad_rate = ~(jnp.isfinite(rate) & (rate >= 0))
@@ -144,12 +146,13 @@ def make_chunk(
             invalid = invalid + jnp.where(info.valid | bad_rate, 0, 1).astype(jnp.int32)
             i = i + jnp.where(stuck | bad_rate, 0, 1).astype(jnp.int32)
             last_proper = info.proper if info.proper is not None else {}
-            return new, i, buf, stop.astype(jnp.int32), invalid, history, last_proper
+            undone = undone + jnp.where(accept | bad_rate, 0, 1).astype(jnp.int32)
+            return new, i, buf, stop.astype(jnp.int32), invalid, history, last_proper, undone
 
         zero = jnp.zeros((), jnp.int32)
-        init = (state, zero, buf, zero, zero, history, proper0)
-        state, n, buf, stop, invalid, history, proper = jax.lax.while_loop(cond, body, init)
-        return state, buf, n, stop, invalid, history, proper
+        init = (state, zero, buf, zero, zero, history, proper0, zero)
+        state, n, buf, stop, invalid, history, proper, undone = jax.lax.while_loop(cond, body, init)
+        return state, buf, n, stop, invalid, history, proper, undone
 
     return chunk
 
@@ -157,7 +160,7 @@ def make_chunk(
 def run_loop(chunk_fn, state: BLRState, data, rho, num_steps: int, chunk_size: int, progress_bar: bool, window: int = 0):
     """Run chunks until convergence, a stop, or ``num_steps``."""
     history = jnp.zeros((2 * max(window, 1),), jnp.result_type(float))
-    elbos, total, stop, invalid, proper = [], 0, CONTINUE, 0, {}
+    elbos, total, stop, invalid, proper, rejected = [], 0, CONTINUE, 0, {}, 0
     bar = None
     if progress_bar:
         try:
@@ -167,10 +170,11 @@ def run_loop(chunk_fn, state: BLRState, data, rho, num_steps: int, chunk_size: i
         except ImportError:  # pragma: no cover
             bar = None
     while total < num_steps and stop == CONTINUE:
-        state, buf, n, stop_arr, inv, history, last_proper = chunk_fn(
+        state, buf, n, stop_arr, inv, history, last_proper, rej = chunk_fn(
             state, data, jnp.asarray(num_steps - total, jnp.int32), rho, history
         )
         n = int(n)
+        rejected += int(rej)
         if n:
             proper = last_proper
         elbos.append(np.asarray(buf)[:n])
@@ -187,4 +191,4 @@ def run_loop(chunk_fn, state: BLRState, data, rho, num_steps: int, chunk_size: i
         bar.close()
     elbo = np.concatenate(elbos) if elbos else np.zeros((0,))
     improper = tuple(k for k, v in proper.items() if not bool(v))
-    return LoopOutcome(state, elbo, total, stop == CONVERGED, stop, invalid, improper)
+    return LoopOutcome(state, elbo, total, stop == CONVERGED, stop, invalid, improper, rejected)
