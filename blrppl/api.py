@@ -50,7 +50,10 @@ def _posterior_builder(plan, records):
     def build(nat):
         out = {}
         for n, b in blocks.items():
-            if b.members:
+            if b.members and b.discrete:
+                for m, probs in b.member_probs(b.family.view(nat[n]).probs):
+                    out[m.name] = site_distribution(m, m.family.nat_from_view(type(b.family.view(nat[n]))(probs)), records[m.name].event_ndim)
+            elif b.members:
                 for m, view in b.member_views(b.family.view(nat[n])):
                     out[m.name] = site_distribution(m, m.family.nat_from_view(view), records[m.name].event_ndim)
             else:

@@ -169,7 +169,8 @@ def make_log_weights(plan, fns, records, data_shapes, num_draws: int = NUM_DRAWS
     site_discrete = {f.name: set(f.discrete) for f in plan.factors if f.name in records}
     for f in plan.factors:
         for d in f.discrete:
-            site_discrete.setdefault(d, set()).add(d)
+            for s in blocks[d].sites:  # a discrete latent's own prior is enumerated with it
+                site_discrete.setdefault(s, set()).add(d)
 
     def site_values(b, x):
         """Block draw (canonical layout) → {site: value on the site's own space}, log|det J|."""
@@ -211,14 +212,13 @@ def make_log_weights(plan, fns, records, data_shapes, num_draws: int = NUM_DRAWS
         for group in groups:
             names = [n for n in sites if site_discrete.get(n, set()) & set(group)]
             shape = jnp.broadcast_shapes(*[blocks[d].full.value_shape for d in group])
-            supports = [np.asarray(blocks[d].support_values) for d in group]
-            combos = np.array(list(itertools.product(*[range(len(s)) for s in supports])))
+            sizes = [len(blocks[d].support_values) for d in group]
+            combos = np.array(list(itertools.product(*[range(k) for k in sizes])))
 
-            def one(combo, group=group, names=names, shape=shape, supports=supports):
+            def one(combo, group=group, names=names, shape=shape):
                 vals = dict(values)
                 for j, d in enumerate(group):
-                    support = jnp.asarray(supports[j])
-                    vals[d] = jnp.full(blocks[d].full.value_shape, support[combo[j]], dtype=support.dtype)
+                    vals.update(blocks[d].full.discrete_site_values(combo[j]))
                 lp = fns.log_probs(names, vals, data)
                 return sum(_reduce_to(_scaled(v, s), shape) for v, s in lp.values())
 

@@ -95,6 +95,15 @@ class PlanGuide:
                 u = b.to_site(view.mean) if b.kind == "gaussian" else view.mean
                 value, _ = _site_value(b, u)
                 out[b.name] = numpyro.sample(b.name, _delta(value))
+            elif b.members and b.discrete:
+                # the joint state at an auxiliary site, its members as point masses at their values
+                state = numpyro.sample(
+                    f"_blr_state_{b.name}", dist.Categorical(probs=view.probs).to_event(len(b.value_shape)),
+                    infer={"is_auxiliary": True},
+                )
+                table = jnp.asarray(b.joint_states)
+                for i, m in enumerate(b.members):
+                    out[m.name] = numpyro.sample(m.name, _delta(table[state, i]))
             elif b.members:
                 x = numpyro.sample(
                     JOINT_SITE, dist.MultivariateNormal(view.mean, view.cov), infer={"is_auxiliary": True}

@@ -215,7 +215,13 @@ class BLRResult:
         keys = jax.random.split(as_key(rng_key), max(len(self.plan.blocks), 1))
         out = {}
         for k, b in zip(keys, self.plan.blocks):
-            if b.members:
+            if b.members and b.discrete:
+                # one draw of the joint state: the members' values keep their coupling
+                state = b.family.sample(self.nat[b.name], k, (num_samples,))
+                table = jnp.asarray(b.joint_states)
+                for i, m in enumerate(b.members):
+                    out[m.name] = table[state, i]
+            elif b.members:
                 x = b.family.sample(self.nat[b.name], k, (num_samples,))
                 for name, u in b.split(x).items():
                     member = next(m for m in b.members if m.name == name)

@@ -51,7 +51,7 @@ def tied(probs: np.ndarray) -> bool:
 def features(plan, records, block) -> np.ndarray | None:
     """Per element of a discrete block with one plate axis: the standardised observed values
     of the factors that enumerate it, ``(N, F)`` (None when it has no such factor or layout)."""
-    record = records[block.name]
+    record = records[block.members[0].name if block.members else block.name]
     shape = block.full.value_shape
     if len(shape) != 1 or len(record.plates) != 1:
         return None

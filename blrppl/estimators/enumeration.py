@@ -96,9 +96,7 @@ def expected_log_factors(fns, factors, blocks, views, data, key=None, curvature=
             def one(combo, names=names, group=group):
                 dvals, weight = {}, 1.0
                 for j, d in enumerate(names):
-                    b = blocks[d]
-                    support = jnp.asarray(b.support_values)
-                    dvals[d] = jnp.full(b.value_shape, support[combo[j]], dtype=support.dtype)
+                    dvals.update(blocks[d].discrete_site_values(combo[j]))
                     weight = weight * jnp.take(views[d].probs, combo[j], axis=-1)
                 els, scales, _ = _elementwise(fns, group, blocks, views, dvals, data, wrappers, sub)
                 return {n: v * weight for n, v in els.items()}, scales

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -277,14 +278,18 @@ def compile_model(
     ]
     size = sum(blocks[n].size for n in members)
     merge = len(members) > 1 and (structure == "joint" or (structure is None and size <= JOINT_MAX_DIM))
-    if not merge:
+    coupled = _coupled_discrete(blocks, factors)
+    if not merge and not coupled:
         factors = _classify_factors(
             records, rules, deps, blocks, fns, data, rng_key, cache=probe_cache, elementwise=elementwise
         )
     else:
-        blocks = _merge_joint(blocks, members)
+        for group in coupled:
+            blocks = _merge_discrete(blocks, group)
+        if merge:
+            blocks = _merge_joint(blocks, members)
         init_values = _block_init_values(blocks, site_init)
-        joints = {n: b for n, b in blocks.items() if b.members}
+        joints = {n: b for n, b in blocks.items() if b.members and not b.discrete}
         fns = ModelFunctions(
             model, data_spec, _site_fill(blocks, site_init), _transforms(blocks), joints, plate_indices
         )
@@ -451,10 +456,66 @@ def _block_init_values(blocks, site_init) -> dict:
     fill = _site_fill(blocks, site_init)
     out = {}
     for n, b in blocks.items():
-        if b.members:
+        if b.members and b.discrete:
+            out[n] = fill[b.members[0].name]  # (unused: discrete blocks start from probabilities)
+        elif b.members:
             out[n] = jnp.concatenate([jnp.ravel(fill[m.name]) for m in b.members])
         else:
             out[n] = fill[n]
+    return out
+
+
+#: discrete latents coupled in a factor are fitted as one categorical over the product of
+#: their values when it has at most this many states per element
+MAX_JOINT_STATES = 4096
+
+
+def _coupled_discrete(blocks: dict, factors) -> list:
+    """Groups of (global, or in the same plates) discrete blocks that some factor enumerates
+    together: their mean-field product q(y) q(z) cannot hold a factor that couples them
+    (``z``'s probabilities depending on ``y``), so each group becomes one joint categorical
+    block when its elements have the same shape and at most :data:`MAX_JOINT_STATES` states."""
+    parent = {n: n for n, b in blocks.items() if b.discrete}
+
+    def find(a):
+        while parent[a] != a:
+            parent[a] = parent[parent[a]]
+            a = parent[a]
+        return a
+
+    for f in factors:
+        for a, b in zip(f.discrete, f.discrete[1:]):
+            parent[find(a)] = find(b)
+    groups: dict = {}
+    for n in parent:
+        groups.setdefault(find(n), []).append(n)
+    out = []
+    for group in groups.values():
+        if len(group) < 2:
+            continue
+        parts = [blocks[n] for n in group]
+        shapes = {b.value_shape for b in parts}
+        states = math.prod(len(b.support_values) for b in parts)
+        if len(shapes) == 1 and states <= MAX_JOINT_STATES and all(b.local is None for b in parts):
+            out.append(tuple(n for n in blocks if n in group))  # model order
+    return out
+
+
+def _merge_discrete(blocks: dict, members: tuple) -> dict:
+    """Replace the discrete blocks ``members`` by one categorical block over the product of
+    their values (states in ``itertools.product`` order of the members' supports)."""
+    parts = tuple(blocks[n] for n in members)
+    states = math.prod(len(b.support_values) for b in parts)
+    joint = Block(
+        "(" + ", ".join(members) + ")", fam.Categorical(states), "categorical", parts[0].value_shape, (),
+        tuple(range(states)), members=parts,
+    )
+    out = {}
+    for n, b in blocks.items():
+        if n == members[0]:
+            out[joint.name] = joint
+        elif n not in members:
+            out[n] = b
     return out
 
 
@@ -593,7 +654,8 @@ def _classify_factors(
         neighbours = tuple(n for n in blocks if any(n in d for d in deps[name].values()))
         discrete = tuple(n for n in neighbours if blocks[n].discrete)
         for d in discrete:
-            _check_aligned(r, records[d], name)
+            for site in blocks[d].sites:
+                _check_aligned(r, records[site], name)
         nbrs[name] = (neighbours, discrete)
         if rule is None:
             continue

@@ -9,6 +9,7 @@ the estimator that computes its expected log-density.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from typing import Any
 
@@ -80,7 +81,9 @@ class Block:
             unconstrained and the site value is ``transform(u)``.
         site_shape: shape of the site value when it differs from ``value_shape`` (the
             shape of the block variable), as for the simplex (K values, K − 1 unconstrained).
-        members: for a joint block, the blocks of the sites it holds.
+        members: for a joint block, the blocks of the sites it holds: a dense Gaussian over
+            their scalars, or a categorical over the product of their values (discrete
+            latents coupled in a factor, e.g. ``z``'s probabilities depending on ``y``).
         point: a delta-method block: factors see it at its mean and its update is a
             Newton step (its precision is the negative Hessian: Laplace's method).
         param: a ``numpyro.param`` site (always also ``point``): not random, no prior, no
@@ -129,6 +132,33 @@ class Block:
             sl = slice(offset, offset + m.size)
             out.append((m, GaussianView(view.mean[sl], view.cov[sl, sl])))
             offset += m.size
+        return out
+
+    @property
+    def joint_states(self) -> np.ndarray:
+        """For a joint discrete block: ``(K, members)``, the members' values in each of the
+        block's K states (the product of their supports, the first member slowest)."""
+        return np.array(list(itertools.product(*[m.support_values for m in self.members])))
+
+    def discrete_site_values(self, state) -> dict:
+        """Site → value array (every element at one value) of a discrete block in state
+        ``state`` (an index into ``support_values``; traceable)."""
+        if self.members:
+            row = jnp.asarray(self.joint_states)[state]
+            return {m.name: jnp.full(self.value_shape, row[i], dtype=row.dtype) for i, m in enumerate(self.members)}
+        support = jnp.asarray(self.support_values)
+        return {self.name: jnp.full(self.value_shape, support[state], dtype=support.dtype)}
+
+    def member_probs(self, probs) -> list:
+        """(member block, its marginal probabilities ``(*B, K_m)``) for each member of a joint
+        discrete block whose state probabilities are ``probs`` ``(*B, K)``."""
+        sizes = [len(m.support_values) for m in self.members]
+        table = jnp.reshape(probs, jnp.shape(probs)[:-1] + tuple(sizes))
+        lead = jnp.ndim(probs) - 1
+        out = []
+        for i, m in enumerate(self.members):
+            others = tuple(lead + j for j in range(len(sizes)) if j != i)
+            out.append((m, jnp.sum(table, axis=others) if others else table))
         return out
 
     @property
