@@ -1,6 +1,7 @@
 """How good is q? Pareto-smoothed importance sampling k̂ on every fit.
 
-After a fit, :data:`NUM_DRAWS` draws x_s ~ q of every non-point continuous block give the
+After a fit, :data:`NUM_DRAWS` draws x_s ~ q (fewer for data of more than 10⁵ elements:
+at most 10⁸ model-element evaluations, at least 100 draws) of every non-point continuous block give the
 importance log-weights
 
     log w_s = log p(x_s, y) − log q(x_s),
@@ -33,8 +34,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.scipy.special import logsumexp
 
-#: draws of q for k̂ (the tail fit uses the largest min(0.2 S, 3 √S) = 67 of them)
-NUM_DRAWS = 500
+#: draws of q for k̂ (the tail fit uses the largest min(0.2 S, 3 √S) = 95 of them); fewer, down
+#: to MIN_DRAWS, when the data are large (see :func:`num_draws`)
+NUM_DRAWS = 1000
+#: the fewest draws (large data)
+MIN_DRAWS = 100
+#: the most draw × data-element model evaluations the diagnostic spends
+EVALUATIONS = 100_000_000
 #: draws evaluated at once when the data are large (memory: BATCH model evaluations)
 BATCH = 50
 #: below this many draw × data elements, every draw is evaluated at once
@@ -151,7 +157,15 @@ def _reduce_to(x, shape):
     return jnp.broadcast_to(x, shape)
 
 
-def make_log_weights(plan, fns, records, data_shapes, num_draws: int = NUM_DRAWS, batch: int = BATCH):
+def num_draws(data_shapes) -> int:
+    """:data:`NUM_DRAWS`, or fewer (a multiple of :data:`BATCH`, at least :data:`MIN_DRAWS`)
+    when the data have more than :data:`EVALUATIONS` / NUM_DRAWS elements."""
+    size = max(sum(int(np.prod(np.shape(x))) for x in jax.tree.leaves(data_shapes)), 1)
+    affordable = (EVALUATIONS // size) // BATCH * BATCH
+    return int(min(NUM_DRAWS, max(MIN_DRAWS, affordable)))
+
+
+def make_log_weights(plan, fns, records, data_shapes, batch: int = BATCH):
     """``log_weights(nat, data, key) -> (num_draws,)`` (see the module docstring).
 
     Args:
@@ -173,23 +187,15 @@ def make_log_weights(plan, fns, records, data_shapes, num_draws: int = NUM_DRAWS
                 site_discrete.setdefault(s, set()).add(d)
 
     def site_values(b, x):
-        """Block draw (canonical layout) → {site: value on the site's own space}, log|det J|."""
-        out, log_det = {}, 0.0
-        if b.members:
-            for m in b.members:
-                u = b.split(x)[m.name]
-                if m.transform is not None:
-                    v = m.transform(u)
-                    log_det = log_det + jnp.sum(m.transform.log_abs_det_jacobian(u, v))
-                    u = v
-                out[m.name] = u
-            return out, log_det
-        u = b.to_site(x) if b.kind == "gaussian" else x
-        if b.transform is not None:
-            v = b.transform(u)
-            log_det = log_det + jnp.sum(b.transform.log_abs_det_jacobian(u, v))
-            u = v
-        return {b.name: u}, log_det
+        """Block draw (canonical layout) → {site: value in block space} (the model functions
+        apply each site's bijection), and log|det J| of those bijections."""
+        parts = b.split(x) if b.members else {b.name: b.to_site(x) if b.kind == "gaussian" else x}
+        log_det = 0.0
+        for m in b.members or (b,):
+            if m.transform is not None:
+                u = parts[m.name]
+                log_det = log_det + jnp.sum(m.transform.log_abs_det_jacobian(u, m.transform(u)))
+        return parts, log_det
 
     def point_values(nat):
         out = {}
@@ -238,15 +244,16 @@ def make_log_weights(plan, fns, records, data_shapes, num_draws: int = NUM_DRAWS
         return log_joint(values, data) + log_det - log_q
 
     data_size = sum(int(np.prod(np.shape(x))) for x in jax.tree.leaves(data_shapes))
+    num = num_draws(data_shapes)
 
     def log_weights(nat, data, key):
         fixed_values = point_values(nat)
-        keys = jax.random.split(key, num_draws)
+        keys = jax.random.split(key, num)
         draw = jax.vmap(lambda k: one_draw(nat, data, k, fixed_values))
-        if num_draws * max(data_size, 1) <= VMAP_ALL:
+        if num * max(data_size, 1) <= VMAP_ALL:
             return draw(keys)
         # large data: BATCH draws at a time (memory: BATCH model evaluations)
-        return jax.lax.map(draw, keys.reshape((num_draws // batch, batch))).reshape(-1)
+        return jax.lax.map(draw, keys.reshape((num // batch, batch))).reshape(-1)
 
     return log_weights
 

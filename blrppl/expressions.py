@@ -238,18 +238,29 @@ def projection_args(links) -> Callable:
     """Extractor of the projections η = g⁻¹(leaf) of a quadrature factor from a site entry.
 
     ``links`` holds ``(name, index, link)``: ``index`` is a leaf position of the unwrapped
-    distribution or ``"value"``.
+    distribution, ``"value"``, or ``"shift:<i>"`` for value − leaf i (a translation
+    family's value minus its location).
     """
 
     def extract(site):
         _, leaves, _ = distribution_leaves(site)
         out = {}
         for name, index, link in links:
-            x = site["value"] if index == "value" else leaves[index]
+            if index == "value":
+                x = site["value"]
+            elif isinstance(index, str):  # "shift:<i>"
+                x = jnp.asarray(site["value"]) - leaves[shift_leaf(index)]
+            else:
+                x = leaves[index]
             out[name] = LINKS[link][1](jnp.asarray(x))
         return out
 
     return extract
+
+
+def shift_leaf(index: str) -> int:
+    """The location leaf of a ``"shift:<i>"`` projection."""
+    return int(index.split(":")[1])
 
 
 def factor_arguments(factor):

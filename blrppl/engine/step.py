@@ -273,13 +273,14 @@ def _relative_delta(old, new):
     return jnp.max(jnp.stack(diffs)) if diffs else jnp.zeros(())
 
 
-def _update_block(family, nat_old, message, rho, max_halvings, message_valid=None):
+def _update_block(family, nat_old, message, rho, max_halvings, message_valid=None, retract=False):
     """The family's step (1−ρ)λ + ρ λ̃ (improved BLR for Gaussians at ρ < 1), halving ρ
     until the result is valid."""
 
     def candidate(r):
-        new = family.update(nat_old, message, r)
-        if message_valid is None:
+        # a block whose messages may be invalid (non-conjugate Gaussians) retracts when they are
+        new = family.update(nat_old, message, r, retract & ~message_valid if retract else False)
+        if message_valid is None or retract:
             return new, family.is_valid(new)
         # at ρ = 1 the candidate is the message, whose validity is known
         return new, jax.lax.cond(r == 1.0, lambda: message_valid, lambda: family.is_valid(new))
@@ -345,6 +346,14 @@ def make_step(
     elbo_fn = make_elbo(plan, fns)
     blocks = {b.name: b for b in plan.blocks}
     factors_of = {b.name: tuple(f.name for f in plan.factors_of(b.name)) for b in plan.blocks}
+    # non-conjugate Gaussian blocks: their messages may have an indefinite precision (a
+    # funnel, a horseshoe); when they do, the step is the improved BLR retraction (valid at
+    # any ρ) instead of ρ being halved until a convex combination happens to be valid
+    conjugate = dict(plan.conjugate)
+    retracted = {
+        b.name for b in plan.blocks
+        if b.kind in ("gaussian", "gaussian-diag") and not b.point and not conjugate.get(b.name, False)
+    }
 
     def messages(nat, names, data, key=None):
         views = views_of(plan, nat)
@@ -395,7 +404,7 @@ def make_step(
             family = blocks[n].family
             proper[n] = family.is_valid(msg)
             rate = rho[n] * block_rate(n, state.step) * state.damping
-            nat[n], ok = _update_block(family, nat[n], msg, rate, max_halvings, proper[n])
+            nat[n], ok = _update_block(family, nat[n], msg, rate, max_halvings, proper[n], n in retracted)
             return ok
 
         if schedule == "parallel":

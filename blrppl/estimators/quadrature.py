@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from blrppl.expressions import LINKS, base_values, distribution_leaves, group_moments
+from blrppl.expressions import LINKS, base_values, distribution_leaves, group_moments, shift_leaf
 from blrppl.graph.trace import reduce_wrapped
 from blrppl.moments import covariance
 
@@ -85,6 +85,10 @@ def quadrature_elementwise(fns, factors, blocks, views, discrete_values, data):
             x = LINKS[link][0](eta)
             if index == "value":
                 value = x
+            elif isinstance(index, str):  # value − loc of a translation family: loc at 0
+                value = x
+                loc = shift_leaf(index)
+                new_leaves[loc] = jnp.zeros_like(new_leaves[loc])
             else:
                 new_leaves[index] = x
         base = jax.tree_util.tree_unflatten(treedef, new_leaves)

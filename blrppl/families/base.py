@@ -105,8 +105,10 @@ class Family:
         :meth:`rule_view`) → ∇_μ L (a ``nat``)."""
         raise NotImplementedError
 
-    def update(self, nat: Nat, message: Nat, rho) -> Nat:
-        """One learning-rule step λ ← (1 − ρ) λ + ρ λ̃ (families may retract, see Gaussian)."""
+    def update(self, nat: Nat, message: Nat, rho, retract: bool = False) -> Nat:
+        """One learning-rule step λ ← (1 − ρ) λ + ρ λ̃ (families may retract, see Gaussian;
+        ``retract`` asks for the retraction at every ρ, for blocks whose messages may not be
+        valid natural parameters themselves)."""
         return jax.tree.map(lambda a, m: (1.0 - rho) * a + rho * m, nat, message)
 
     def is_valid(self, nat: Nat) -> jax.Array:

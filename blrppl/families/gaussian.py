@@ -154,13 +154,14 @@ class GaussianDense(Family):
         g_cov = _sym(view_grad.cov)
         return GaussianNat(view_grad.mean - 2.0 * jnp.einsum("...ij,...j->...i", g_cov, mean), g_cov)
 
-    def update(self, nat: GaussianNat, message: GaussianNat, rho) -> GaussianNat:
-        """Learning-rule step; for ρ < 1 the improved BLR (Lin, Schmidt & Khan 2020).
+    def update(self, nat: GaussianNat, message: GaussianNat, rho, retract: bool = False) -> GaussianNat:
+        """Learning-rule step; for ρ < 1 (and at every ρ where ``retract``, a bool that may be
+        traced) the improved BLR (Lin, Schmidt & Khan 2020).
 
         With S the precision, P̂ = −2 λ̃₂ the message's precision, g = λ̃₁ − P̂ m and
         Ĝ = P̂ − S:  S' = S + ρĜ + ½ρ² Ĝ S⁻¹ Ĝ = ½(S + UᵀU) with U = Lᵀ + ρ L⁻¹Ĝ (S = LLᵀ),
-        always positive definite, and m' = m + ρ S'⁻¹ g. At ρ = 1 the plain update
-        λ' = λ̃ is kept (exact for conjugate messages).
+        always positive definite, and m' = m + ρ S'⁻¹ g. Without ``retract`` the plain
+        update λ' = λ̃ is kept at ρ = 1 (exact for conjugate messages).
         """
         rho = jnp.asarray(rho, nat.eta1.dtype)
 
@@ -184,7 +185,7 @@ class GaussianDense(Family):
             return GaussianNat(jnp.einsum("...ij,...j->...i", new_prec, new_mean), -0.5 * new_prec)
 
         # only the branch taken runs: at ρ = 1 no Cholesky, solve or product of D × D matrices
-        return jax.lax.cond(rho < 1.0, retracted, plain, None)
+        return jax.lax.cond((rho < 1.0) | retract, retracted, plain, None)
 
     def is_valid(self, nat: GaussianNat) -> jax.Array:
         finite = jnp.all(jnp.isfinite(nat.eta1)) & jnp.all(jnp.isfinite(nat.eta2))
@@ -256,9 +257,10 @@ class GaussianDiag(Family):
         mean = -0.5 * nat.eta1 / nat.eta2
         return DiagGaussianNat(view_grad.mean - 2.0 * view_grad.var * mean, view_grad.var)
 
-    def update(self, nat: DiagGaussianNat, message: DiagGaussianNat, rho) -> DiagGaussianNat:
-        """Learning-rule step; for ρ < 1 the improved BLR: with s = −2η₂, p̂ = −2λ̃₂,
-        g = λ̃₁ − p̂ m and ĝ = p̂ − s:  s' = s + ρĝ + ½ρ²ĝ²/s > 0 and m' = m + ρ g / s'."""
+    def update(self, nat: DiagGaussianNat, message: DiagGaussianNat, rho, retract: bool = False) -> DiagGaussianNat:
+        """Learning-rule step; for ρ < 1 (and at every ρ with ``retract``) the improved BLR:
+        with s = −2η₂, p̂ = −2λ̃₂, g = λ̃₁ − p̂ m and ĝ = p̂ − s:  s' = s + ρĝ + ½ρ²ĝ²/s > 0
+        and m' = m + ρ g / s'."""
         plain = jax.tree.map(lambda a, m: (1.0 - rho) * a + rho * m, nat, message)
         prec = -2.0 * nat.eta2
         mean = nat.eta1 / prec
@@ -268,7 +270,7 @@ class GaussianDiag(Family):
         new_prec = prec + rho * diff + 0.5 * rho**2 * diff**2 / prec
         new_mean = mean + rho * grad / new_prec
         retracted = DiagGaussianNat(new_prec * new_mean, -0.5 * new_prec)
-        return jax.tree.map(lambda a, b: jnp.where(rho < 1.0, b, a), plain, retracted)
+        return jax.tree.map(lambda a, b: jnp.where((rho < 1.0) | retract, b, a), plain, retracted)
 
     def is_valid(self, nat: DiagGaussianNat) -> jax.Array:
         finite = jnp.all(jnp.isfinite(nat.eta1)) & jnp.all(jnp.isfinite(nat.eta2))

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import networkx as nx
 import numpy as np
+import numpyro.distributions as dist
 from numpyro.distributions import biject_to, constraints
 
 from blrppl import families as fam
@@ -561,7 +562,13 @@ def _dependencies(model, data_spec, data, records, rules, site_init, plate_indic
             if not records[name].is_factor:
                 base, leaves, _ = distribution_leaves(site)
                 args.update({f"leaf:{i}": leaf for i, leaf in enumerate(leaves)})
-                elementwise[name] = _elementwise_items(base, leaves)
+                items = _elementwise_items(base, leaves)
+                loc = _location_leaf(base, leaves)
+                if loc is not None and {"value", f"leaf:{loc}"} <= items:
+                    # a translation family sees value and location only through their difference
+                    args[f"shift:{loc}"] = jnp.asarray(site["value"]) - leaves[loc]
+                    items = items | {f"shift:{loc}"}
+                elementwise[name] = items
             out[name] = args
         return out
 
@@ -588,6 +595,20 @@ def _check_static_supports(records, deps) -> None:
                 "take x = numpyro.deterministic(name, b * u)",
                 site=name,
             )
+
+
+#: distributions whose density depends on value and ``loc`` only through value − loc
+TRANSLATION_FAMILIES = (
+    dist.Normal, dist.StudentT, dist.Laplace, dist.Cauchy, dist.Logistic, dist.Gumbel, dist.SoftLaplace,
+)
+
+
+def _location_leaf(base, leaves) -> int | None:
+    """The leaf index of a translation family's ``loc`` (None for other distributions)."""
+    if type(base) not in TRANSLATION_FAMILIES:
+        return None
+    loc = getattr(base, "loc", None)
+    return next((i for i, leaf in enumerate(leaves) if leaf is loc), None)
 
 
 def _elementwise_items(base, leaves) -> frozenset:
@@ -715,12 +736,16 @@ def _quadrature_probes(records, deps, blocks, fns, rng, nbrs, names, elementwise
         items = [k for k in deps[name] if k.startswith("leaf:") and deps[name][k] & set(cont)]
         if deps[name]["value"] & set(cont):
             items.append("value")
+        shift = next((k for k in deps[name] if k.startswith("shift:")), None)
+        if shift is not None and "value" in items and "leaf:" + shift.split(":")[1] in items:
+            # value − loc of a translation family: one projection instead of two
+            items = [k for k in items if k not in ("value", "leaf:" + shift.split(":")[1])] + [shift]
         if not 1 <= len(items) <= MAX_PROJECTIONS or not set(items) <= elementwise.get(name, frozenset()):
             continue
         candidates[name] = items
         for item in items:
-            index = "value" if item == "value" else int(item.split(":")[1])
-            for link in LINKS:
+            index = item if item == "value" or item.startswith("shift:") else int(item.split(":")[1])
+            for link in LINKS if not item.startswith("shift:") else ("identity",):
                 extract = projection_args((("eta", index, link),))
 
                 def fn(values, data, name=name, extract=extract):
@@ -757,9 +782,12 @@ def _factors(records, rules, blocks, nbrs, classes, exact, candidates, quad_clas
         else:
             links, kinds, arg_blocks, full, powers = [], [], [], set(), []
             for k, item in enumerate(candidates.get(name, ()) if quadrature else ()):
-                index = "value" if item == "value" else int(item.split(":")[1])
+                index = item if item == "value" or item.startswith("shift:") else int(item.split(":")[1])
                 found = next(
-                    (link for link in LINKS if quad_classes[(name, index, link)].kind == "affine_gaussian"),
+                    (
+                        link for link in LINKS
+                        if (name, index, link) in quad_classes and quad_classes[(name, index, link)].kind == "affine_gaussian"
+                    ),
                     None,
                 )
                 if found is None:
