@@ -7,7 +7,7 @@ updates the progress bar. A run stops when
   parameter is at most ``sqrt(tol)`` (converged), or
 * backtracking finds no acceptable step: a step that makes the ELBO or a natural parameter
   non-finite, or lowers an exact ELBO, is undone and every ρ halved (doubled again, up to
-  1, after an accepted step); when the damping falls below ``MIN_DAMPING`` the run ends
+  1, after two accepted steps in a row); when the damping falls below ``MIN_DAMPING`` the run ends
   with the last valid state, or
 * ``num_steps`` steps have run.
 """
@@ -133,10 +133,15 @@ def make_chunk(
                     settled = settled | ((rho[exact_block] == 1.0) & (st.damping == 1.0))
                 conv = accept & info.valid & proper & settled
             accept = accept & ~bad_rate
-            grown = jnp.minimum(1.0, 2.0 * st.damping)
-            rejected = st._replace(step=st.step + 1, rng_key=new.rng_key, damping=0.5 * st.damping)
+            # ρ grows back (×2, up to 1) after two accepted steps in a row: a damped step that
+            # worked right after a rejection does not restore the step that failed
+            streak = st.streak + 1
+            grown = jnp.where(streak >= 2, jnp.minimum(1.0, 2.0 * st.damping), st.damping)
+            rejected = st._replace(
+                step=st.step + 1, rng_key=new.rng_key, damping=0.5 * st.damping, streak=jnp.zeros_like(st.streak)
+            )
             new = jax.tree.map(
-                lambda a, b: jnp.where(accept, b, a), rejected, new._replace(damping=grown)
+                lambda a, b: jnp.where(accept, b, a), rejected, new._replace(damping=grown, streak=streak)
             )
             buf = buf.at[i].set(jnp.where(accept, info.elbo, st.elbo))
             stuck = ~accept & (new.damping < MIN_DAMPING)

@@ -26,8 +26,9 @@ from blrppl.online import expected_log_previous, is_previous_posterior
 class BLRState(NamedTuple):
     """Carried state: natural parameters per block, step count, last ELBO, PRNG key (for
     Monte Carlo estimators and minibatches), the damping factor that backtracking applies
-    to every ρ, and, for models with subsampled plates, the
-    :class:`blrppl.engine.subsample.MinibatchState` (None otherwise)."""
+    to every ρ, for models with subsampled plates the
+    :class:`blrppl.engine.subsample.MinibatchState` (None otherwise), and the number of
+    steps accepted in a row (the damping grows back only after two)."""
 
     nat: dict
     step: jax.Array
@@ -35,6 +36,7 @@ class BLRState(NamedTuple):
     rng_key: jax.Array
     damping: jax.Array
     minibatch: Any = None
+    streak: Any = None
 
 
 def initial_state(nat, rng_key, plan=None) -> BLRState:
@@ -53,6 +55,7 @@ def initial_state(nat, rng_key, plan=None) -> BLRState:
         rng_key=rng_key,
         damping=jnp.ones((), dtype),
         minibatch=minibatch,
+        streak=jnp.zeros((), jnp.int32),
     )
 
 
@@ -417,7 +420,7 @@ def make_step(
                 valid = valid & update(n, messages(nat, (n,), data, k)[n])
         elbo = elbo_fn(nat, data, key_elbo)
         delta = _relative_delta(state.nat, nat)
-        new_state = BLRState(nat=nat, step=state.step + 1, elbo=elbo, rng_key=key, damping=state.damping)
+        new_state = state._replace(nat=nat, step=state.step + 1, elbo=elbo, rng_key=key)
         return new_state, BLRInfo(elbo=elbo, max_delta=delta, valid=valid, proper=proper)
 
     return step, elbo_fn, messages

@@ -244,14 +244,7 @@ def make_minibatch_step(
         for n in local:
             full[n] = scatter_local(blocks[n], state.nat[n], nat[n], indices)
         averaged = tail_average(mb._replace(order=order, indices=indices), t, nat)
-        new_state = state_type(
-            nat=full,
-            step=t + 1,
-            elbo=elbo,
-            rng_key=key,
-            damping=state.damping,
-            minibatch=averaged,
-        )
+        new_state = state._replace(nat=full, step=t + 1, elbo=elbo, rng_key=key, minibatch=averaged)
         return new_state, info_type(elbo=elbo, max_delta=delta, valid=valid)
 
     return step
