@@ -587,7 +587,7 @@ def blr_fit(
     families: dict | None = None,
     structure: str | None = None,
     point: tuple | list | None = None,
-    mc_curvature: str = "reparam",
+    mc_curvature: str = "auto",
     rng_key=None,
     tol: float | None = None,
     progress_bar: bool = True,
@@ -638,12 +638,17 @@ def blr_fit(
             factors, updated by Newton steps (ρ = 1 gives Newton's method; the posterior is
             Laplace's approximation at convergence).
         mc_curvature: how Monte Carlo factors estimate the curvature ½E[∇² log f] of their
-            messages to Gaussian blocks: ``"reparam"`` (autodiff of the sample average
-            through the Cholesky factor), ``"hessian"`` (exact Hessians at the draws; small
-            blocks), ``"diagonal"`` (Hutchinson's diagonal; large blocks),
-            ``"gauss-newton"`` (empirical Fisher over the factors' elements) or ``"stein"``
+            messages to Gaussian blocks: ``"auto"`` (default: per block, the exact Hessian at
+            the draws for dense blocks of at most 64 scalars per plate element, Stein's
+            estimate for larger ones, Hutchinson's diagonal for diagonal blocks; the
+            reparameterisation estimate where a factor also sees enumerated or
+            non-Gaussian latents), ``"reparam"`` (autodiff of the sample average through the
+            Cholesky factor), ``"hessian"`` (exact Hessians at the draws; small blocks),
+            ``"diagonal"`` (Hutchinson's diagonal; large blocks), ``"gauss-newton"``
+            (empirical Fisher over the factors' elements) or ``"stein"``
             (Σ⁻¹(x − m)∇ log fᵀ, no second derivatives).
-        rng_key: a ``jax.random`` key (initialisation of discrete blocks, probes).
+        rng_key: a ``jax.random`` key, ``jax.random.PRNGKey`` key data or an int seed (the
+            k-means++ starts of mixtures, Monte Carlo draws).
         tol: convergence tolerance on the relative ELBO change (default 1e-8 in float64,
             1e-5 in float32); natural parameters must also move less than ``sqrt(tol)``.
         progress_bar: show a progress bar.

@@ -122,7 +122,7 @@ class FitOptions:
     families: tuple = ()
     structure: str | None = None
     point: tuple = ()
-    mc_curvature: str = "reparam"
+    mc_curvature: str = "auto"
     tol: float = 1e-8
     progress_bar: bool = True
     point_space: str = "unconstrained"
@@ -224,7 +224,7 @@ def fit_options(
     families=None,
     structure=None,
     point=None,
-    mc_curvature="reparam",
+    mc_curvature="auto",
     tol=None,
     progress_bar=True,
     point_space="unconstrained",

@@ -221,7 +221,7 @@ def _initial_curvature(block, mean):
     return jnp.broadcast_to(jnp.eye(dim, dtype=mean.dtype), mean.shape + (dim,))
 
 
-def make_objective(plan, fns, curvature="reparam"):
+def make_objective(plan, fns, curvature="auto"):
     """Σ_i E_q[log f_i] over a subset of factors, as a function of the views.
 
     ``data`` may be a :class:`blrppl.graph.data.RunData`: in an online fit it carries the
@@ -314,7 +314,7 @@ def make_step(
     rate_fn: Callable | None = None,
     max_halvings: int = 30,
     decay_blocks=(),
-    curvature: str = "reparam",
+    curvature: str = "auto",
     global_rate: Callable | None = None,
 ):
     """Build ``step(state, data, rho) -> (state, info)``.

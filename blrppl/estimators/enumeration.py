@@ -30,7 +30,7 @@ def is_jacobian(factor) -> bool:
     return factor.rule is None and factor.name.endswith(":jacobian")
 
 
-def _elementwise(fns, group, blocks, views, dvals, data, wrappers, key, curvature="reparam"):
+def _elementwise(fns, group, blocks, views, dvals, data, wrappers, key, curvature="auto"):
     """Per-element E_q[log f | discrete values] of a group of factors, their scales, and a
     scalar term to add (the explicit-curvature surrogate of Monte Carlo factors)."""
     exact = [f for f in group if f.estimator == "exact"]
@@ -59,7 +59,7 @@ def _elementwise(fns, group, blocks, views, dvals, data, wrappers, key, curvatur
     return els, scales, extra
 
 
-def expected_log_factors(fns, factors, blocks, views, data, key=None, curvature="reparam"):
+def expected_log_factors(fns, factors, blocks, views, data, key=None, curvature="auto"):
     """Σ_i E_q[log f_i] over ``factors``, each summed over its elements.
 
     Factors sharing the same discrete neighbours are evaluated together: one run of the

@@ -21,6 +21,8 @@ exact; other bijections (stick-breaking, ordered, Cholesky) use the samples.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -65,11 +67,25 @@ def marginal_moments(block, view):
 
 
 #: curvature estimators of Monte Carlo messages to Gaussian blocks
-CURVATURES = ("reparam", "hessian", "diagonal", "gauss-newton", "stein")
+CURVATURES = ("auto", "reparam", "hessian", "diagonal", "gauss-newton", "stein")
+#: ``"auto"``: dense Gaussian blocks of at most this many scalars per plate element get the
+#: exact Hessian at each draw; larger ones the Stein estimate
+AUTO_HESSIAN_DIM = 64
+
+
+def auto_curvature(block) -> str:
+    """The curvature estimator ``"auto"`` chooses for a Gaussian block: the exact Hessian
+    (``"hessian"``; for a diagonal block its Hutchinson diagonal) when the block has at most
+    :data:`AUTO_HESSIAN_DIM` scalars per plate element (D Hessian-vector products a draw,
+    cheap there), else Stein's Σ⁻¹(x − m)∇ log fᵀ (no second derivatives)."""
+    if block.kind == "gaussian-diag":
+        return "diagonal"
+    dim = block.size // max(math.prod(block.batch_shape), 1)
+    return "hessian" if dim <= AUTO_HESSIAN_DIM else "stein"
 
 
 def monte_carlo_elementwise(
-    fns, factors, blocks, views, discrete_values, data, key, num_samples=NUM_SAMPLES, curvature="reparam"
+    fns, factors, blocks, views, discrete_values, data, key, num_samples=NUM_SAMPLES, curvature="auto"
 ):
     """Per-factor sample means of log f (batch shape of each site), their scales, and a
     scalar correction term (zero for the reparameterisation estimator).
@@ -132,10 +148,11 @@ def monte_carlo_elementwise(
 
         grads = jax.vmap(jax.grad(f_n))(xs, others)
         g = jnp.mean(jax.vmap(block.to_canonical)(grads) if block.kind == "gaussian" else grads, 0)
-        if curvature == "gauss-newton":
+        kind = auto_curvature(block) if curvature == "auto" else curvature
+        if kind == "gauss-newton":
             h = _gauss_newton(block, per_element, xs, others)
         else:
-            h = _curvature(curvature, block, view, f_n, xs, others, grads, probe_key)
+            h = _curvature(kind, block, view, f_n, xs, others, grads, probe_key)
         # control variate: E[x − m] = 0, so subtracting Ĥ·mean(x − m) removes the part of
         # the gradient's noise that is linear in the draws (exact for quadratic log f)
         if block.kind == "gaussian":
