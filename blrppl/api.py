@@ -16,7 +16,7 @@ import numpy as np
 import numpyro
 
 from blrppl import families as fam
-from blrppl.engine.loop import BAD_RATE, CONVERGED, NONFINITE, make_chunk, run_loop
+from blrppl.engine.loop import BAD_RATE, CONVERGED, NONFINITE, STATIONARY, STATIONARY_STEPS, empty_history, history_size, make_chunk, run_loop
 from blrppl.engine import start as start_mod
 from blrppl.engine.step import BLRState, initial_state, make_step
 from blrppl.errors import BLRError
@@ -259,7 +259,7 @@ def _compile(model, records, data_spec, dyn_data, tracer, options, prior_spec, k
     )
     rho = {n: jax.ShapeDtypeStruct((), dtype) for n in plan.order}
     steps = jax.ShapeDtypeStruct((), jnp.int32)
-    history = jax.ShapeDtypeStruct((2 * max(window, 1),), dtype)
+    history = jax.ShapeDtypeStruct((history_size(window),), dtype)
     gram_factors = [f for f in plan.factors if f.gram_block]
     statistics_fn = None
     if gram_factors:
@@ -301,8 +301,8 @@ class _Prepared:
     iterate_average: bool = True
 
     def history(self):
-        """An empty ring buffer of Monte Carlo ELBOs for the windowed convergence test."""
-        return jnp.zeros((2 * max(self.bundle.window, 1),), jnp.result_type(float))
+        """An empty ring buffer of recent ELBOs for the convergence tests."""
+        return empty_history(self.bundle.window)
 
 
 def _prepare(model, args, kwargs, options: FitOptions, rng_key, prior=None, init_values=None, start=0) -> _Prepared:
@@ -408,7 +408,7 @@ def _discrete_start(bundle, plan, records, state, data, start, rng, block_values
     """The starting state of a fit with enumerated latents (see :mod:`blrppl.engine.start`):
     start 0 takes an E-step under the prior means unless it leaves two values of a
     discrete block tied; other starts, and tied ones, start from k-means++ responsibilities."""
-    history = jnp.zeros((2 * max(bundle.window, 1),), jnp.result_type(float))
+    history = empty_history(bundle.window)
     if start == 0:
         after = start_mod.estep_first(bundle.chunk, plan, state, data, history)
         probs = start_mod.discrete_probs(plan, after.nat)
@@ -447,6 +447,12 @@ def _stop_message(outcome, plan, window: int, tol: float, num_steps: int) -> str
         )
     elif outcome.stop == CONVERGED:
         message = f"converged after {outcome.num_steps} steps (relative ELBO change below {tol:g})"
+    elif outcome.stop == STATIONARY:
+        message = (
+            f"converged after {outcome.num_steps} steps (the ELBO moved by less than {tol:g} relative "
+            f"over the last {STATIONARY_STEPS} accepted steps; some natural parameters still move by "
+            f"more than {math.sqrt(tol):.1g}, along directions the ELBO hardly sees)"
+        )
     elif outcome.stop == NONFINITE:
         message = (
             f"stopped after {outcome.num_steps} steps: no step size found that keeps the ELBO "

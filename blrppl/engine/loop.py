@@ -23,7 +23,20 @@ import numpy as np
 
 from blrppl.engine.step import BLRState
 
-CONTINUE, CONVERGED, NONFINITE, BAD_RATE = 0, 1, 2, 3
+CONTINUE, CONVERGED, NONFINITE, BAD_RATE, STATIONARY = 0, 1, 2, 3, 4
+#: exact ELBOs: also converged when the ELBO moved by less than tol (relative) over this many
+#: accepted steps, though the parameters still drift along directions the ELBO hardly sees
+STATIONARY_STEPS = 20
+
+
+def history_size(window: int) -> int:
+    """Length of the ring buffer of recent ELBOs a chunk carries."""
+    return 2 * window if window else STATIONARY_STEPS
+
+
+def empty_history(window: int):
+    """A ring buffer of recent ELBOs before any step (NaN: not yet filled)."""
+    return jnp.full((history_size(window),), jnp.nan, jnp.result_type(float))
 #: backtracking gives up when the damping of ρ falls below this (an exp link far below its
 #: data, e.g. Poisson counts of 10⁹ from a prior at 0, needs ρ ≈ 2⁻³¹ on its first step)
 MIN_DAMPING = 2.0**-60
@@ -131,7 +144,11 @@ def make_chunk(
                 settled = change & (info.max_delta <= param_tol) & known
                 if exact_block is not None and rate_fn is None:
                     settled = settled | ((rho[exact_block] == 1.0) & (st.damping == 1.0))
-                conv = accept & info.valid & proper & settled
+                history = jnp.where(accept, jnp.roll(history, -1).at[-1].set(info.elbo), history)
+                spread = jnp.max(history) - jnp.min(history)
+                flat = jnp.all(jnp.isfinite(history)) & (spread <= tol * jnp.maximum(1.0, jnp.abs(info.elbo)))
+                stationary = accept & info.valid & proper & flat & ~settled
+                conv = accept & info.valid & proper & (settled | flat)
             accept = accept & ~bad_rate
             # ρ grows back (×2, up to 1) after two accepted steps in a row: a damped step that
             # worked right after a rejection does not restore the step that failed
@@ -145,7 +162,8 @@ def make_chunk(
             )
             buf = buf.at[i].set(jnp.where(accept, info.elbo, st.elbo))
             stuck = ~accept & (new.damping < MIN_DAMPING)
-            stop = jnp.where(stuck, NONFINITE, jnp.where(conv & ~bad_rate, CONVERGED, CONTINUE))
+            converged_code = CONVERGED if window else jnp.where(stationary, STATIONARY, CONVERGED)
+            stop = jnp.where(stuck, NONFINITE, jnp.where(conv & ~bad_rate, converged_code, CONTINUE))
             stop = jnp.where(bad_rate, BAD_RATE, stop)
             new = jax.tree.map(lambda a, b: jnp.where(bad_rate, a, b), st, new)
             invalid = invalid + jnp.where(info.valid | bad_rate, 0, 1).astype(jnp.int32)
@@ -164,7 +182,7 @@ def make_chunk(
 
 def run_loop(chunk_fn, state: BLRState, data, rho, num_steps: int, chunk_size: int, progress_bar: bool, window: int = 0):
     """Run chunks until convergence, a stop, or ``num_steps``."""
-    history = jnp.zeros((2 * max(window, 1),), jnp.result_type(float))
+    history = empty_history(window)
     elbos, total, stop, invalid, proper, rejected = [], 0, CONTINUE, 0, {}, 0
     bar = None
     if progress_bar:
@@ -196,4 +214,4 @@ def run_loop(chunk_fn, state: BLRState, data, rho, num_steps: int, chunk_size: i
         bar.close()
     elbo = np.concatenate(elbos) if elbos else np.zeros((0,))
     improper = tuple(k for k, v in proper.items() if not bool(v))
-    return LoopOutcome(state, elbo, total, stop == CONVERGED, stop, invalid, improper, rejected)
+    return LoopOutcome(state, elbo, total, stop in (CONVERGED, STATIONARY), stop, invalid, improper, rejected)
