@@ -35,6 +35,7 @@ import numpyro
 import numpyro.distributions as dist
 from numpyro.infer import MCMC, NUTS, SVI, Trace_ELBO
 from numpyro.infer.autoguide import AutoMultivariateNormal, AutoNormal
+from numpyro.infer.importance import psis_diagnostic
 
 from blrppl.api import _compiler_options, blr_fit
 from blrppl.bench import posteriordb
@@ -79,6 +80,10 @@ class MethodResult:
     #: BLR: wall seconds of a second ``blr_fit`` on the same model and data (the compiled fit
     #: reused: tracing from the cache, initialisation, the loop, the posterior export)
     refit_time: float = float("nan")
+    #: PSIS k̂ of the method's q (BLR: ``result.diagnostics``; SVI: numpyro's psis_diagnostic)
+    khat: float = float("nan")
+    #: BLR: the curvature estimator of each block with Monte Carlo messages
+    curvature: str = ""
 
     @property
     def total_time(self) -> float:
@@ -143,8 +148,20 @@ def fit_blr(bm: BenchModel, num_steps: int | None = None) -> MethodResult:
     return MethodResult(
         "blr", r.compile_time, run_time, float(elbo[-1]) if len(elbo) else float("nan"), int(r.num_steps),
         None, list(zip(times.tolist(), elbo.tolist())), summary, kept, converged=bool(r.converged),
-        refit_time=refit,
+        refit_time=refit, khat=float(r.diagnostics.khat), curvature=_curvatures(r.plan, kwargs),
     )
+
+
+def _curvatures(plan, kwargs) -> str:
+    """"block: estimator" for every Gaussian block with Monte Carlo messages ("" if none)."""
+    from blrppl.estimators.monte_carlo import auto_curvature
+
+    chosen = kwargs.get("mc_curvature", "auto")
+    out = []
+    for b in plan.blocks:
+        if b.kind in ("gaussian", "gaussian-diag") and any(f.estimator == "monte_carlo" for f in plan.factors_of(b.name)):
+            out.append(f"{b.name}: {auto_curvature(b) if chosen == 'auto' else chosen}")
+    return "; ".join(out)
 
 
 def fit_svi(bm: BenchModel, guide_kind: str, num_steps: int = SVI_STEPS, lr: float = SVI_LR) -> MethodResult:
@@ -183,8 +200,12 @@ def fit_svi(bm: BenchModel, guide_kind: str, num_steps: int = SVI_STEPS, lr: flo
     final = Trace_ELBO(num_particles=200).loss(jax.random.key(2), params, model, guide, **bm.data)
     draws = guide.sample_posterior(jax.random.key(1), params, sample_shape=(NUM_DRAWS,))
     summary, kept = _summaries(bm, draws, model)
+    try:
+        khat = float(psis_diagnostic(jax.random.key(3), params, model, guide, **bm.data))
+    except Exception:  # a model numpyro's diagnostic cannot run (e.g. enumerated sites)
+        khat = float("nan")
     return MethodResult(
-        guide_kind, compile_time, run_time, -float(final), done, done, trace, summary, kept,
+        guide_kind, compile_time, run_time, -float(final), done, done, trace, summary, kept, khat=khat,
     )
 
 
