@@ -17,6 +17,7 @@ from blrppl import families as fam
 from blrppl.errors import FamilyError, UnsupportedFactorError, UnsupportedLatentError
 from blrppl.estimators import gram
 from blrppl.expressions import LINKS, ModelFunctions, distribution_leaves, probe_argument, projection_args, run_probes
+from blrppl.graph.data import compiler_options
 from blrppl.graph.deps import output_dependencies
 from blrppl.graph.plan import Block, Factor, LocalAxis, Plan
 from blrppl.graph.trace import SiteRecord, finite_support_values
@@ -222,8 +223,10 @@ def compile_model(
     # params are not sites with a density: they are inputs of the factors, never factors
     records = collections.OrderedDict((n, r) for n, r in records.items() if not r.is_param)
     rules = {r.name: (None if r.is_factor else find_rule(r.dist_type)) for r in records.values()}
-    deps, elementwise = _dependencies(model, data_spec, data, records, rules, site_init, plate_indices)
+    deps, elementwise, primitives = _dependencies(model, data_spec, data, records, rules, site_init, plate_indices)
     _check_static_supports(records, deps)
+    if primitives & AUDITED_PRIMITIVES:
+        _audit_dependencies(model, data_spec, data, records, deps, site_init, plate_indices, rng_key)
     param_blocks = {r.name: _param_block(r) for r in latent if r.is_param}
 
     moved: set = set()
@@ -572,7 +575,72 @@ def _dependencies(model, data_spec, data, records, rules, site_init, plate_indic
             out[name] = args
         return out
 
-    return output_dependencies(all_args, site_init, data), elementwise
+    primitives: set = set()
+    found = output_dependencies(all_args, site_init, data, primitives=primitives)
+    return found, elementwise, primitives
+
+
+#: primitives whose bodies the dependency analysis follows with more than data flow (a
+#: ``scan``'s carries, to a fixed point): a program using them has its dependencies checked
+#: numerically (the others are followed exactly, or conservatively: every output depends on
+#: every input)
+AUDITED_PRIMITIVES = frozenset({"scan"})
+
+
+def _audit_dependencies(model, data_spec, data, records, deps, site_init, plate_indices, rng_key) -> None:
+    """The dependencies read off the model's program, checked numerically: the derivative of
+    every site's log-density along a random direction of every continuous latent, at a
+    random point near the starting point (one compiled call). A latent a log-density
+    depends on that the structural analysis missed would otherwise be left at its prior,
+    silently.
+
+    Raises:
+        UnsupportedFactorError: a site's log-density depends on a latent its dependencies
+            do not list (naming both: a construct the analysis does not follow).
+    """
+    latent = [r for r in records.values() if not r.observed and not r.support.is_discrete]
+    if not latent:
+        return
+    rng = np.random.default_rng(np.asarray(jax.random.key_data(rng_key)).ravel())
+    fill = {}
+    for r in latent:
+        t = biject_to(r.support)
+        u = t.inv(jnp.asarray(site_init[r.name]))
+        fill[r.name] = t(u + 0.1 * rng.normal(size=np.shape(u)))
+    tangents = {r.name: rng.normal(size=np.shape(fill[r.name])) for r in latent}
+    fns = ModelFunctions(model, data_spec, {**site_init, **fill}, plate_indices=plate_indices)
+    names = tuple(n for n in records if n in deps)
+
+    def log_probs(values, data):
+        out = fns.log_probs(names, values, data)
+        return {n: jnp.sum(lp if sc is None else sc * lp) for n, (lp, sc) in out.items()}
+
+    # one batched JVP: direction k moves latent k only
+    order = [r.name for r in latent]
+    stacked = {
+        n: np.stack([tangents[n] if m == n else np.zeros_like(tangents[n]) for m in order]) for n in order
+    }
+
+    def derivatives(data):
+        def along(t):
+            return jax.jvp(lambda x: log_probs(x, data), ({n: fill[n] for n in order},), (t,))
+
+        return jax.vmap(along)(stacked)
+
+    values, slopes = jax.jit(derivatives).lower(data).compile(compiler_options=compiler_options(data))(data)
+    for k, latent_name in enumerate(order):
+        for site in names:
+            slope, value = float(slopes[site][k]), float(values[site][k])
+            if not (np.isfinite(slope) and np.isfinite(value)):
+                continue
+            listed = set().union(*deps[site].values()) if deps[site] else set()
+            if latent_name not in listed and latent_name != site and abs(slope) > 1e-8 * (1.0 + abs(value)):
+                raise UnsupportedFactorError(
+                    f"the log-density of this site depends on the latent '{latent_name}' (its derivative "
+                    f"along it is {slope:.3g}) but the analysis of the model's program found no "
+                    "such dependence: a construct blr_fit does not follow; please report the model",
+                    site=site,
+                )
 
 
 def _check_static_supports(records, deps) -> None:

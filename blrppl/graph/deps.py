@@ -3,8 +3,8 @@
 Used to find the latent sites each factor's arguments depend on. The analysis is
 structural (data flow through the jaxpr's equations), so it works for discrete inputs
 and never samples the model. Sub-jaxprs of call-like primitives (``pjit``, custom
-derivatives) are followed; other higher-order primitives are treated conservatively
-(every output depends on every input).
+derivatives) are followed, ``scan`` bodies to a fixed point of their carries; other
+higher-order primitives are treated conservatively (every output depends on every input).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import jax
 from jax.extend import core as jex_core
 
 
-def _jaxpr_deps(jaxpr, in_deps: Sequence[frozenset]) -> list[frozenset]:
+def _jaxpr_deps(jaxpr, in_deps: Sequence[frozenset], seen: set | None = None) -> list[frozenset]:
     env: dict = {}
     for var, dep in zip(jaxpr.invars, in_deps):
         env[var] = dep
@@ -30,14 +30,32 @@ def _jaxpr_deps(jaxpr, in_deps: Sequence[frozenset]) -> list[frozenset]:
     for eqn in jaxpr.eqns:
         ins = [read(v) for v in eqn.invars]
         sub = _sub_jaxpr(eqn)
-        if sub is not None and len(sub.invars) == len(ins):
-            outs = _jaxpr_deps(sub, ins)
+        if seen is not None:
+            seen.add(eqn.primitive.name)
+        if eqn.primitive.name == "scan" and sub is not None and len(sub.invars) == len(ins):
+            outs = _scan_deps(eqn, sub, ins, seen)
+        elif sub is not None and len(sub.invars) == len(ins):
+            outs = _jaxpr_deps(sub, ins, seen)
         else:
             union = frozenset().union(*ins) if ins else frozenset()
             outs = [union] * len(eqn.outvars)
         for var, dep in zip(eqn.outvars, outs):
             env[var] = dep
     return [read(v) for v in jaxpr.outvars]
+
+
+def _scan_deps(eqn, body, ins, seen=None) -> list:
+    """A scan's outputs: its body iterated on the dependencies until the carries stop growing
+    (a latent may enter the carry at one iteration and reach the outputs only at the next:
+    ``level = level + a`` with ``y_t ~ Normal(level, ...)`` sampled before the update)."""
+    num_consts, num_carry = eqn.params["num_consts"], eqn.params["num_carry"]
+    consts, carry, xs = ins[:num_consts], list(ins[num_consts : num_consts + num_carry]), ins[num_consts + num_carry :]
+    while True:
+        outs = _jaxpr_deps(body, consts + carry + xs, seen)
+        grown = [c | o for c, o in zip(carry, outs[:num_carry])]
+        if grown == carry:
+            return grown + outs[num_carry:]
+        carry = grown
 
 
 def _sub_jaxpr(eqn):
@@ -51,13 +69,14 @@ def _sub_jaxpr(eqn):
     return None
 
 
-def output_dependencies(fn: Callable, inputs: dict, *extra) -> dict:
+def output_dependencies(fn: Callable, inputs: dict, *extra, primitives: set | None = None) -> dict:
     """For each leaf of ``fn(inputs, *extra)``, the set of ``inputs`` keys it depends on.
 
     Args:
         fn: a function of a dict of arrays (and optional extra arguments, which are
             treated as having no tracked dependencies).
         inputs: dict name → array (or pytree); dependencies are reported by name.
+        primitives: if given, filled with the names of the primitives the program uses.
 
     Returns:
         A pytree with the structure of ``fn``'s output whose leaves are frozensets of names.
@@ -71,6 +90,6 @@ def output_dependencies(fn: Callable, inputs: dict, *extra) -> dict:
         for _ in jax.tree.leaves(inputs[name]):
             flat_names.append(frozenset([name]))
     flat_names.extend([frozenset()] * n_extra)
-    out_deps = _jaxpr_deps(closed.jaxpr, flat_names)
+    out_deps = _jaxpr_deps(closed.jaxpr, flat_names, primitives)
     treedef = jax.tree.structure(out_shape)
     return jax.tree.unflatten(treedef, out_deps)

@@ -151,6 +151,33 @@ def reduce_wrapped(fn, elementwise):
     return out
 
 
+def effective_support(fn):
+    """The support of a site's distribution, narrowed where numpyro reports too wide a one:
+    a ``TransformedDistribution`` whose transforms are affine reports its last transform's
+    codomain, ``real`` by default (``TransformedDistribution(Beta(2, 2), AffineTransform(-1,
+    2))``), though its values lie in the image of its base support, (−1, 1): the image is
+    the support (its bijection then keeps every value a density sees inside it)."""
+    support = fn.support
+    event = 0
+    base_constraint = support
+    while isinstance(base_constraint, constraints.independent):
+        event += base_constraint.reinterpreted_batch_ndims
+        base_constraint = base_constraint.base_constraint
+    base, _, _ = unwrap(fn)
+    if base_constraint is not constraints.real or not isinstance(base, dist.TransformedDistribution):
+        return support
+    current = base.base_dist.support
+    while isinstance(current, constraints.independent):
+        current = current.base_constraint
+    for t in base.transforms:
+        if not isinstance(t, dist.transforms.AffineTransform) or t.domain.event_dim != 0:
+            return support
+        current = dist.transforms.AffineTransform(t.loc, t.scale, domain=current).codomain
+    if current is constraints.real:
+        return support
+    return constraints.independent(current, event) if event else current
+
+
 def finite_support_values(support) -> np.ndarray | None:
     """The values of a finite discrete support, or None if it is unbounded."""
     if support is constraints.boolean:
@@ -528,7 +555,7 @@ def _run_once(model, spec, init_strategy, meta, dyn, rng_key):
             continue
         fn = site["fn"]
         base, reinterpreted, mask = unwrap(fn)
-        support = fn.support
+        support = effective_support(fn)
         if isinstance(support, constraints._IntegerInterval):
             bounds[name] = (jnp.asarray(support.lower_bound), jnp.asarray(support.upper_bound))
         values[name] = site["value"]
