@@ -26,6 +26,11 @@ from blrppl.errors import (
 )
 from blrppl.result import BLRResult
 from blrppl.svi import BLR, BLRRunResult
+from blrppl.graph.data import enable_compilation_cache as _enable_compilation_cache
+
+#: JAX's persistent compilation cache, where blrppl keeps compiled fits across processes (None:
+#: off, see blrppl.graph.data.enable_compilation_cache)
+COMPILATION_CACHE = _enable_compilation_cache()
 
 __all__ = [
     "BLR",

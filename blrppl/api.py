@@ -22,6 +22,7 @@ from blrppl.engine.step import BLRState, initial_state, make_step
 from blrppl.errors import BLRError
 from blrppl.graph.compile import _block_init_values, compile_model, conjugate_blocks, init_nat
 from blrppl.estimators import gram
+from blrppl.expressions import canonical_leaves
 from blrppl.diagnostics import KHAT_WARN, Diagnostics, make_log_weights, psis_khat
 from blrppl.graph.data import DataSpec, RunData, split_run_data
 from blrppl.graph.data import compiler_options as _compiler_options
@@ -62,15 +63,21 @@ def _posterior_builder(plan, records):
 
     compiled = []
 
+    def leaves_of(nat):
+        # in canonical order: the outputs of a program following numpyro's own flatten
+        # order would change with Python's hash seed and miss the persistent cache
+        return canonical_leaves(build(nat))[0]
+
     def posteriors(nat):
         # one small compiled call (backend optimisations off: it runs once per fit); op by
         # op, every jnp operation would compile on its own
         try:
-            if not compiled:
-                with numpyro.validation_enabled(False):  # the families' parameters are valid
-                    lowered = jax.jit(build).lower(nat)
-                compiled.append(lowered.compile(compiler_options=_compiler_options(())))
-            return compiled[0](nat)
+            with numpyro.validation_enabled(False):  # the families' parameters are valid
+                _, tree = canonical_leaves(jax.eval_shape(build, nat))
+                if not compiled:
+                    lowered = jax.jit(leaves_of).lower(nat)
+                    compiled.append(lowered.compile(compiler_options=_compiler_options(())))
+            return tree.unflatten(compiled[0](nat))
         except TypeError:  # a distribution that is not a pytree
             return build(nat)
 

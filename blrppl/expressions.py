@@ -227,11 +227,56 @@ LINKS = {
 }
 
 
+class CanonicalTree(NamedTuple):
+    """How to rebuild a pytree from its leaves in :func:`canonical_leaves` order."""
+
+    treedef: Any
+    order: tuple  # flatten positions, in canonical order
+
+    def unflatten(self, leaves):
+        flat = [None] * len(self.order)
+        for position, leaf in zip(self.order, leaves):
+            flat[position] = leaf
+        return jax.tree_util.tree_unflatten(self.treedef, flat)
+
+
+def canonical_leaves(tree) -> tuple[list, CanonicalTree]:
+    """A pytree's leaves in an order that does not depend on Python's hash seed.
+
+    numpyro flattens a distribution's fields in the order of a set of their names, which
+    changes from process to process: programs built from that order (which leaf a
+    quadrature projection reads, the outputs of a posterior export) would differ between
+    processes and miss the persistent compilation cache. Here every distribution's fields
+    are visited by name.
+    """
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    ids = jax.tree_util.tree_unflatten(treedef, list(range(len(leaves))))
+    order: list = []
+
+    def walk(x):
+        if isinstance(x, dist.Distribution):
+            for name in sorted(type(x).gather_pytree_data_fields()):
+                walk(x.__dict__.get(name))
+            return
+        for sub in jax.tree_util.tree_leaves(x, is_leaf=lambda y: isinstance(y, dist.Distribution)):
+            if isinstance(sub, dist.Distribution):
+                walk(sub)
+            elif isinstance(sub, int) and not isinstance(sub, bool) and sub not in seen:
+                seen.add(sub)
+                order.append(sub)
+
+    seen: set = set()
+    walk(ids)
+    order += [i for i in range(len(leaves)) if i not in seen]  # none expected; kept complete
+    return [leaves[i] for i in order], CanonicalTree(treedef, tuple(order))
+
+
 def distribution_leaves(site: dict):
-    """(unwrapped distribution, its pytree leaves, treedef) of a site's trace entry."""
+    """(unwrapped distribution, its pytree leaves in canonical order, the
+    :class:`CanonicalTree` that rebuilds it) of a site's trace entry."""
     base, _, _ = unwrap(site["fn"])
-    leaves, treedef = jax.tree_util.tree_flatten(base)
-    return base, leaves, treedef
+    leaves, tree = canonical_leaves(base)
+    return base, leaves, tree
 
 
 def projection_args(links) -> Callable:

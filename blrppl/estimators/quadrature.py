@@ -56,7 +56,7 @@ def quadrature_elementwise(fns, factors, blocks, views, discrete_values, data):
     els, scales = {}, {}
     for f in factors:
         site = sites[f.name]
-        _, leaves, treedef = distribution_leaves(site)
+        _, leaves, tree = distribution_leaves(site)
         proj = [moments[f.name][name] for name, _, _ in f.links]
         d = len(proj)
         shape = jnp.broadcast_shapes(*[p.shape for p in proj])
@@ -91,7 +91,7 @@ def quadrature_elementwise(fns, factors, blocks, views, discrete_values, data):
                 new_leaves[loc] = jnp.zeros_like(new_leaves[loc])
             else:
                 new_leaves[index] = x
-        base = jax.tree_util.tree_unflatten(treedef, new_leaves)
+        base = tree.unflatten(new_leaves)
         lp = base.log_prob(value)
         w = jnp.asarray(weights, dtype).reshape((-1,) + (1,) * (lp.ndim - 1))
         els[f.name] = reduce_wrapped(site["fn"], jnp.sum(w * lp, axis=0))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
+import pathlib
 from typing import Any, NamedTuple
 
 import jax
@@ -102,3 +104,42 @@ def compiler_options(data, size: int | None = None) -> dict | None:
     if size < SMALL_DATA:
         options["xla_backend_optimization_level"] = 0
     return options or None
+
+
+#: environment variable that turns the persistent compilation cache off ("0", "off", "false")
+CACHE_ENV = "BLRPPL_COMPILATION_CACHE"
+
+
+def compilation_cache_dir() -> pathlib.Path:
+    """Where blrppl keeps JAX's persistent compilation cache: ``$XDG_CACHE_HOME/blrppl/jax``
+    (``~/.cache/blrppl/jax`` by default)."""
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return pathlib.Path(root) / "blrppl" / "jax"
+
+
+def enable_compilation_cache() -> str | None:
+    """Turn on JAX's persistent compilation cache (called when blrppl is imported), so that
+    running the same fit in a new process compiles nothing with XLA again: the executables
+    of every compilation are kept in :func:`compilation_cache_dir`.
+
+    Left alone when ``$BLRPPL_COMPILATION_CACHE`` is ``0``/``off``/``false`` or the user set
+    ``jax_compilation_cache_dir`` already (their cache, their settings). Otherwise JAX's
+    thresholds are lowered so that fits' many small compilations are kept too.
+
+    Returns:
+        the cache directory in use, or None.
+    """
+    if os.environ.get(CACHE_ENV, "").strip().lower() in ("0", "off", "false", "no"):
+        return None
+    current = jax.config.jax_compilation_cache_dir
+    if current:
+        return current
+    path = compilation_cache_dir()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError:  # a read-only home: no persistent cache
+        return None
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return str(path)

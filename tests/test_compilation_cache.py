@@ -1,0 +1,60 @@
+"""JAX's persistent compilation cache: a second process running the same fit compiles nothing
+with XLA (every compilation is a cache hit), and ``BLRPPL_COMPILATION_CACHE=0`` turns it off."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CODE = r"""
+import collections, json
+import jax
+events = collections.Counter()
+jax.monitoring.register_event_listener(lambda name, **kw: events.update([name]))
+import numpy as np, numpyro, numpyro.distributions as dist
+import blrppl
+from blrppl import blr_fit
+
+def model(y):
+    mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
+    s = numpyro.sample("s", dist.HalfNormal(1.0))
+    with numpyro.plate("n", len(y)):
+        numpyro.sample("y", dist.Normal(mu, s), obs=y)
+
+r = blr_fit(model, {"y": np.array([0.1, 0.5, -0.3])}, progress_bar=False)
+print("RESULT" + json.dumps({
+    "dir": blrppl.COMPILATION_CACHE,
+    "hits": events["/jax/compilation_cache/cache_hits"],
+    "misses": events["/jax/compilation_cache/cache_misses"],
+    "mean": float(r.posterior["mu"].mean),
+}))
+"""
+
+
+def run(tmp_path, **env_extra):
+    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path), **env_extra)
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    proc = subprocess.run([sys.executable, "-c", CODE], capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT"))
+    return json.loads(line[len("RESULT"):])
+
+
+def test_second_process_compiles_nothing(tmp_path):
+    first = run(tmp_path)
+    assert first["dir"] == str(tmp_path / "blrppl" / "jax")
+    assert first["misses"] > 0
+    second = run(tmp_path)
+    assert second["misses"] == 0 and second["hits"] == first["misses"]
+    assert second["mean"] == first["mean"]
+
+
+def test_cache_can_be_turned_off(tmp_path):
+    off = run(tmp_path, BLRPPL_COMPILATION_CACHE="0")
+    assert off["dir"] is None and off["hits"] == 0
+    assert not (tmp_path / "blrppl").exists()
