@@ -67,10 +67,28 @@ def parse(argv=None):
     return p.parse_args(argv)
 
 
+def _fresh_compilation_cache() -> str | None:
+    """A new, empty persistent compilation cache for this run (first fits compile for real;
+    the second-process column then reads what they stored), unless it is off."""
+    import tempfile
+
+    import jax
+
+    import blrppl
+
+    if blrppl.COMPILATION_CACHE is None:
+        return None
+    path = pathlib.Path(tempfile.mkdtemp(prefix="blrppl-bench-")) / "blrppl" / "jax"
+    path.mkdir(parents=True)
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    return str(path)
+
+
 def main(argv=None) -> int:
     args = parse(argv)
     if not args.float32:
         numpyro.enable_x64()
+    _fresh_compilation_cache()
     from blrppl.bench import models, report, runner
 
     if args.list:

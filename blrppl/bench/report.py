@@ -14,7 +14,7 @@ TIME_FRACTION = 0.1
 
 COLUMNS = (
     "model", "method", "compile s", "run s", "total s", "ELBO", "max mean err / ref sd",
-    "sd ratio (min–max)", "iterations", "grad evals", "PSIS k̂", "MC curvature",
+    "sd ratio (min–max)", "iterations", "grad evals", "PSIS k̂", "MC curvature", "2nd process compile s",
 )
 
 
@@ -99,7 +99,8 @@ def markdown(runs, scaling_rows=None, settings: dict | None = None, plots: dict 
                 f"| {run.name} | {method} | {_f(r.compile_time)} | {_f(r.run_time)} | {_f(r.total_time)} | "
                 f"{_f(r.elbo, '{:.2f}')} | {_f(a['max_mean_err_sd'])} | "
                 f"{_f(a['sd_ratio_min'])}–{_f(a['sd_ratio_max'])} | {r.iterations} | {_f(r.grad_evals, '{}')} | "
-                f"{'−∞' if r.khat == -math.inf else _f(r.khat, '{:.2f}')} | {r.curvature or '-'} |"
+                f"{'−∞' if r.khat == -math.inf else _f(r.khat, '{:.2f}')} | {r.curvature or '-'} | "
+                f"{_f(r.second_process.get('compile'))} |"
             )
     if scaling_rows:
         lines += [
