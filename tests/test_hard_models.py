@@ -34,12 +34,13 @@ def model_and_data(name):
     return entry[0], entry[1]()
 
 
-def fit(name):
-    if name not in _FITS:
+def fit(name, **options):
+    key = (name, tuple(sorted(options.items())))
+    if key not in _FITS:
         model, data = model_and_data(name)
-        _FITS[name] = blr_fit(model, data, rng_key=jax.random.PRNGKey(0), progress_bar=False)
-        assert_every_site_exports(_FITS[name], model, data)
-    return _FITS[name]
+        _FITS[key] = blr_fit(model, data, rng_key=jax.random.PRNGKey(0), progress_bar=False, **options)
+        assert_every_site_exports(_FITS[key], model, data)
+    return _FITS[key]
 
 
 def reference(name, key="params"):
@@ -56,15 +57,26 @@ def _fmt(d):
     return ", ".join(f"{k}={v:.3f}" for k, v in d.items())
 
 
-@pytest.mark.parametrize("name, tol", [("glmm_admissions", 0.5), ("coupled_discrete", 0.1)])
-def test_means_within_tolerance_and_at_least_as_close_as_svi(name, tol):
-    result = fit(name)
+@pytest.mark.parametrize(
+    "name, tol, options",
+    [("glmm_admissions", 0.5, {}), ("coupled_discrete", 0.1, {}), ("horseshoe", 0.5, {"structure": "mean-field"})],
+)
+def test_means_within_tolerance_and_at_least_as_close_as_svi(name, tol, options):
+    """The horseshoe in the family of the SVI it is compared with (mean-field, AutoNormal):
+    the default joint Gaussian has a higher ELBO (−188.3 against −191.1) but holds the
+    funnel between a coefficient and its local scale worse (w[3] 0.69 sd off), which k̂
+    flags (see test_default_horseshoe_is_flagged)."""
+    result = fit(name, **options)
     assert result.converged, result.message
     est = posterior_moments(result)
     blr = errors(name, est)
     svi = errors(name, reference(name, "svi"))
+    if name == "horseshoe":  # the coefficients (the scales' posteriors are heavy-tailed)
+        blr = {k: v for k, v in blr.items() if k.startswith("w[")}
+        svi = {k: v for k, v in svi.items() if k.startswith("w[")}
     assert max(blr.values()) <= tol, f"{name}: BLR |mean error|/sd {_fmt(blr)}"
     assert max(blr.values()) <= max(svi.values()), f"{name}: BLR {_fmt(blr)}; SVI {_fmt(svi)}"
+    assert np.mean(list(blr.values())) <= np.mean(list(svi.values())), f"{name}: BLR {_fmt(blr)}; SVI {_fmt(svi)}"
 
 
 def test_glmm_sds():
@@ -85,3 +97,13 @@ def test_coupled_discrete_latents_share_one_block():
     for value in (0, 1):
         rate = z[y == value].mean()
         assert abs(rate - q[value]) < 0.05, (value, rate, q)
+
+
+def test_default_horseshoe_is_flagged():
+    """The default fit (one joint Gaussian over the log scales and coefficients) cannot hold the
+    horseshoe's funnels; it is not silently wrong: k̂ > 0.7 and a warning."""
+    model, data = model_and_data("horseshoe")
+    with pytest.warns(UserWarning, match="poor approximation"):
+        result = blr_fit(model, data, rng_key=jax.random.PRNGKey(0), progress_bar=False)
+    assert result.converged, result.message
+    assert result.diagnostics.khat > 0.7

@@ -64,6 +64,7 @@ DECLARED = {
     dist.Beta: ({"value": {C, B}, "concentration1": {C}, "concentration0": {C}}, 0),
     dist.CategoricalProbs: ({"value": {C}, "probs": {C, D}}, 0),
     dist.Dirichlet: ({"value": {C, D}, "concentration": {C}}, 1),
+    dist.GaussianRandomWalk: ({"value": {C, G}, "scale": {C, PG}}, 1),
 }
 
 
@@ -138,6 +139,11 @@ CONST_CASES = [
         jnp.array([[0.2, 0.3, 0.5], [0.6, 0.1, 0.3]]),
     ),
     ("improper-uniform", dist.ImproperUniform(dist.constraints.real, (3,), ()), jnp.array([0.5, -2.0, 7.0])),
+    (
+        "gaussian-random-walk",
+        dist.GaussianRandomWalk(jnp.array([0.5, 2.0]), num_steps=4),
+        jnp.array([[0.3, -0.2, 0.4, 1.0], [1.5, 2.0, -1.0, 0.0]]),
+    ),
 ]
 
 
@@ -287,6 +293,24 @@ def mc_mvn_shared_block(rng):
     return moments, log_prob
 
 
+def mc_gaussian_random_walk(rng):
+    # a walk of 4 steps = a linear map of one 5-dim Gaussian block, batch of 2 walks; the
+    # scale a power of a Gamma block (σ = 2 τ^(−½))
+    gs = Gaussians(rng, (5,))
+    jx = (rng.normal(size=(2, 4, 5)),)
+    cx = rng.normal(size=(2, 4))
+    scale = power_gamma(2.0, -0.5, [4.0, 6.0], [3.0, 2.0])
+    moments = {"value": gs.affine(jx, cx), "scale": scale}
+
+    def log_prob(rng, n):
+        x = gs.apply(jx, cx, gs.sample(rng, n))  # (n, 2, 4)
+        sigma = sample_power_gamma(rng, scale, n)  # (n, 2)
+        steps = np.concatenate([x[..., :1], np.diff(x, axis=-1)], axis=-1)
+        return stats.norm.logpdf(steps, 0.0, sigma[..., None]).sum(-1)
+
+    return moments, log_prob
+
+
 def mc_half_normal(rng):
     value = power_gamma(1.0, 1.0, [2.0, 5.0], [3.0, 2.0])
     scale = power_gamma(1.0, -0.5, [4.0, 3.0], [1.0, 2.0])
@@ -418,6 +442,7 @@ MC_CASES = [
     (dist.Beta, mc_beta),
     (dist.CategoricalProbs, mc_categorical),
     (dist.Dirichlet, mc_dirichlet),
+    (dist.GaussianRandomWalk, mc_gaussian_random_walk),
 ]
 NUM_DRAWS = 100_000
 

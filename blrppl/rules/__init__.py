@@ -11,6 +11,7 @@ from blrppl.rules import (  # noqa: F401  (imported for their registrations)
     dirichlet,
     exponential,
     gamma,
+    gaussian_random_walk,
     half_normal,
     improper_uniform,
     multivariate_normal,
