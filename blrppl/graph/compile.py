@@ -514,6 +514,11 @@ def _merge_discrete(blocks: dict, members: tuple) -> dict:
         "(" + ", ".join(members) + ")", fam.Categorical(states), "categorical", parts[0].value_shape, (),
         tuple(range(states)), members=parts,
     )
+    return _replace_members(blocks, members, joint)
+
+
+def _replace_members(blocks: dict, members, joint: Block) -> dict:
+    """``blocks`` with ``members`` replaced by ``joint``, at the first member's place."""
     out = {}
     for n, b in blocks.items():
         if n == members[0]:
@@ -532,13 +537,7 @@ def _merge_joint(blocks: dict, members: list) -> dict:
     )
     size = sum(p.size for p in parts)
     joint = Block("(" + ", ".join(members) + ")", fam.GaussianDense(size), "gaussian", (size,), members=parts)
-    out = {}
-    for n, b in blocks.items():
-        if n == members[0]:
-            out[joint.name] = joint
-        elif n not in members:
-            out[n] = b
-    return out
+    return _replace_members(blocks, members, joint)
 
 
 def _dependencies(model, data_spec, data, records, rules, site_init, plate_indices=None) -> tuple:
