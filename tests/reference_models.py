@@ -14,6 +14,36 @@ reference JSON), so the references and the tests see the same numbers.
   steps of a fit start far from it.
 * ``factor``: a Normal latent with an opaque ``numpyro.factor`` soft constraint.
 * ``simplex``: a Dirichlet latent seen only through ``y ~ Normal(p @ centers, 1)``.
+* ``horseshoe``: sparse linear regression with a (centred) horseshoe prior, N = 100 rows, D = 32
+  independent standardised covariates, true coefficients 2.0, -1.5, 1.0 on the first three
+  and 0 elsewhere, noise sd 1, no intercept. Sites ``tau`` (global scale, HalfCauchy(1)),
+  ``lambdas`` (D local scales, HalfCauchy(1)), ``w`` (D coefficients, Normal(0, tau*lambdas)),
+  ``sigma`` (HalfNormal(2)). NUTS diverges on the centred form (and on the plain non-centred
+  form w = tau * lambdas * w_raw), so the reference samples the same posterior with w
+  non-centred around its Gaussian conditional given (tau, lambdas, sigma)
+  (``horseshoe_noncentred_model``, ``NUTS_MODELS``).
+  The posterior of each ``lambdas[i]`` has a tail ∝ λ⁻³ (HalfCauchy prior × a marginal
+  likelihood ∝ 1/λ): its mean exists, its variance does not, so its stored sd is not a
+  converging quantity; the reference also stores the moments of log(tau), log(lambdas),
+  log(sigma) (``log_params``), which are finite.
+* ``glmm_admissions``: the UC Berkeley graduate admissions of 1973 (Bickel, Hammel & O'Connell
+  1975, Science 187: 398-404): 6 departments A-F × 2 genders = 12 rows of admitted /
+  applications counts. Logistic GLMM: ``mu`` ~ Normal(0, 1.5), ``sigma`` ~ HalfNormal(1),
+  department intercepts ``a`` (6) ~ Normal(mu, sigma), a male effect ``b`` ~ Normal(0, 1),
+  admit ~ Binomial(applications, logits=a[dept] + b * male). A fixed table (no data seed).
+
+Models that ``test_references_are_float64_and_converged`` cannot check (``DIAGNOSTIC_MODELS``:
+their reference is not a NUTS run of the model itself):
+
+* ``coupled_discrete``: two enumerated discrete latents per datum whose probabilities depend on
+  each other, N = 200: ``y`` ~ Bernoulli(p), ``z`` ~ Bernoulli(q[y]), observed
+  ``x`` ~ Normal([-2, 2][z], 1) and ``u`` ~ Normal([-2, 2][y], 1); ``p`` ~ Beta(1, 1),
+  ``q`` (2) ~ Beta(1, 1). True p = 0.35, q = [0.2, 0.75]. (``u`` makes p and q identifiable:
+  with ``x`` alone the data only inform P(z = 1) = (1-p) q[0] + p q[1].) NUTS cannot sample
+  discrete sites without funsor, so the reference samples ``coupled_discrete_marginal_model``
+  (y and z summed out by hand, the same posterior over p and q) and stores p and q only.
+* ``prior_mixture``: no data: z ~ Categorical([0.1, 0.2, 0.3, 0.4]), x ~ Normal([-6, -2, 2, 6][z], 1).
+  The posterior is the prior; the reference stores the exact mean (2) and sd (√17) of ``x``.
 """
 
 from __future__ import annotations
@@ -31,6 +61,10 @@ DATA_SEEDS = {
     "student_t_vague": 20240503,  # the data of student_t
     "factor": 20240504,
     "simplex": 20240505,
+    "horseshoe": 20240506,
+    "glmm_admissions": None,  # a fixed published table
+    "coupled_discrete": 20240507,
+    "prior_mixture": None,  # no data
 }
 
 
@@ -91,6 +125,90 @@ def simplex_model(centers, y=None):
         numpyro.sample("y", dist.Normal(p @ centers, 1.0).to_event(1), obs=y)
 
 
+def horseshoe_model(X, y=None):
+    D = X.shape[1]
+    tau = numpyro.sample("tau", dist.HalfCauchy(1.0))
+    with numpyro.plate("d", D):
+        lambdas = numpyro.sample("lambdas", dist.HalfCauchy(1.0))
+        w = numpyro.sample("w", dist.Normal(0.0, tau * lambdas))
+    sigma = numpyro.sample("sigma", dist.HalfNormal(2.0))
+    with numpyro.plate("n", X.shape[0]):
+        numpyro.sample("y", dist.Normal(X @ w, sigma), obs=y)
+
+
+def horseshoe_noncentred_model(X, y=None):
+    """The posterior of ``horseshoe_model`` over tau, lambdas, w, sigma, in the form the reference
+    NUTS run samples: ``w`` is non-centred around its conditional posterior given (tau, lambdas,
+    sigma), w = m + L⁻ᵀ w_raw with w_raw ~ Normal(0, I) a priori, where L Lᵀ = P is the conditional
+    precision diag(1 / (tau lambdas)²) + XᵀX / σ² and m = P⁻¹ Xᵀy / σ²; y enters through its
+    marginal likelihood Normal(0, σ² I + X diag((tau lambdas)²) Xᵀ) (Woodbury form, from L). The
+    joint density of (tau, lambdas, sigma, w_raw) is that of the centred model at w times |det L⁻ᵀ|
+    (the Jacobian of w_raw → w). The plain non-centred form w = tau lambdas w_raw still diverges
+    (the strong coefficients pin tau lambdas w_raw, a ridge NUTS cannot follow)."""
+    N, D = X.shape
+    tau = numpyro.sample("tau", dist.HalfCauchy(1.0))
+    with numpyro.plate("d", D):
+        lambdas = numpyro.sample("lambdas", dist.HalfCauchy(1.0))
+        w_raw = numpyro.sample("w_raw", dist.Normal(0.0, 1.0))
+    sigma = numpyro.sample("sigma", dist.HalfNormal(2.0))
+    var = (tau * lambdas) ** 2
+    L = jnp.linalg.cholesky(jnp.diag(1.0 / var) + X.T @ X / sigma**2)
+    c = jax.scipy.linalg.solve_triangular(L, X.T @ y / sigma**2, lower=True)
+    # log Normal(y | 0, σ² I + X diag(var) Xᵀ) = -(yᵀy / σ² - cᵀc + log det + N log 2π) / 2
+    logdet = 2 * N * jnp.log(sigma) + 2 * jnp.sum(jnp.log(jnp.diag(L))) + jnp.sum(jnp.log(var))
+    numpyro.factor("y", -0.5 * (y @ y / sigma**2 - c @ c + logdet + N * jnp.log(2 * jnp.pi)))
+    numpyro.deterministic("w", jax.scipy.linalg.solve_triangular(L.T, c + w_raw, lower=False))
+
+
+def glmm_admissions_model(dept, male, applications, admit=None):
+    mu = numpyro.sample("mu", dist.Normal(0.0, 1.5))
+    sigma = numpyro.sample("sigma", dist.HalfNormal(1.0))
+    with numpyro.plate("dept", 6):
+        a = numpyro.sample("a", dist.Normal(mu, sigma))
+    b = numpyro.sample("b", dist.Normal(0.0, 1.0))
+    with numpyro.plate("n", dept.shape[0]):
+        numpyro.sample("admit", dist.Binomial(applications, logits=a[dept] + b * male), obs=admit)
+
+
+COUPLED_X_LOCS = np.array([-2.0, 2.0])  # x's location given z
+COUPLED_U_LOCS = np.array([-2.0, 2.0])  # u's location given y
+
+
+def coupled_discrete_model(x, u):
+    p = numpyro.sample("p", dist.Beta(1.0, 1.0))
+    with numpyro.plate("k", 2):
+        q = numpyro.sample("q", dist.Beta(1.0, 1.0))
+    with numpyro.plate("n", x.shape[0]):
+        y = numpyro.sample("y", dist.Bernoulli(p))
+        z = numpyro.sample("z", dist.Bernoulli(q[y]))
+        numpyro.sample("x", dist.Normal(jnp.asarray(COUPLED_X_LOCS)[z], 1.0), obs=x)
+        numpyro.sample("u", dist.Normal(jnp.asarray(COUPLED_U_LOCS)[y], 1.0), obs=u)
+
+
+def coupled_discrete_marginal_model(x, u):
+    """``coupled_discrete_model`` with y and z summed out by hand: the same posterior over p, q."""
+    p = numpyro.sample("p", dist.Beta(1.0, 1.0))
+    with numpyro.plate("k", 2):
+        q = numpyro.sample("q", dist.Beta(1.0, 1.0))
+    # log p(y) + log p(z | y) + log p(x | z) + log p(u | y) for (y, z) in {0, 1}²: shape (2, 2, N)
+    log_py = jnp.log(jnp.stack([1.0 - p, p]))[:, None, None]
+    log_pz = jnp.log(jnp.stack([1.0 - q, q], axis=-1))[:, :, None]  # [y, z]
+    log_px = dist.Normal(jnp.asarray(COUPLED_X_LOCS)[:, None], 1.0).log_prob(x)[None, :, :]
+    log_pu = dist.Normal(jnp.asarray(COUPLED_U_LOCS)[:, None], 1.0).log_prob(u)[:, None, :]
+    with numpyro.plate("n", x.shape[0]):
+        numpyro.factor("xu", jax.nn.logsumexp(log_py + log_pz + log_px + log_pu, axis=(0, 1)))
+
+
+PRIOR_MIXTURE_WEIGHTS = np.array([0.1, 0.2, 0.3, 0.4])
+PRIOR_MIXTURE_LOCS = np.array([-6.0, -2.0, 2.0, 6.0])
+PRIOR_MIXTURE_SCALE = 1.0
+
+
+def prior_mixture_model():
+    z = numpyro.sample("z", dist.Categorical(jnp.asarray(PRIOR_MIXTURE_WEIGHTS)))
+    numpyro.sample("x", dist.Normal(jnp.asarray(PRIOR_MIXTURE_LOCS)[z], PRIOR_MIXTURE_SCALE))
+
+
 # --------------------------------------------------------------------------- data
 
 
@@ -138,6 +256,57 @@ def simplex_data(seed=DATA_SEEDS["simplex"]):
     return {"centers": SIMPLEX_CENTERS, "y": y}
 
 
+def horseshoe_data(seed=DATA_SEEDS["horseshoe"]):
+    rng = np.random.default_rng(seed)
+    N, D = 100, 32
+    X = _standardise(rng.normal(size=(N, D)))
+    w = np.zeros(D)
+    w[:3] = [2.0, -1.5, 1.0]
+    y = X @ w + rng.normal(size=N)
+    return {"X": X, "y": y}
+
+
+# UC Berkeley graduate admissions, fall 1973, by department (A-F) and gender:
+# (admitted, applications) for men, then women.
+ADMISSIONS = {
+    "A": ((512, 825), (89, 108)),
+    "B": ((353, 560), (17, 25)),
+    "C": ((120, 325), (202, 593)),
+    "D": ((138, 417), (131, 375)),
+    "E": ((53, 191), (94, 393)),
+    "F": ((22, 373), (24, 341)),
+}
+
+
+def glmm_admissions_data():
+    rows = [
+        (d, male, adm, apps)
+        for d, counts in enumerate(ADMISSIONS.values())
+        for male, (adm, apps) in zip((1.0, 0.0), counts)
+    ]
+    dept, male, admit, applications = (np.array(c) for c in zip(*rows))
+    return {
+        "dept": dept.astype(np.int32),
+        "male": male.astype(float),
+        "applications": applications.astype(float),
+        "admit": admit.astype(float),
+    }
+
+
+def coupled_discrete_data(seed=DATA_SEEDS["coupled_discrete"]):
+    rng = np.random.default_rng(seed)
+    N, p, q = 200, 0.35, np.array([0.2, 0.75])
+    y = (rng.uniform(size=N) < p).astype(int)
+    z = (rng.uniform(size=N) < q[y]).astype(int)
+    x = COUPLED_X_LOCS[z] + rng.normal(size=N)
+    u = COUPLED_U_LOCS[y] + rng.normal(size=N)
+    return {"x": x, "u": u}
+
+
+def prior_mixture_data():
+    return {}
+
+
 #: name → (model, data function)
 MODELS = {
     "logistic": (logistic_model, logistic_data),
@@ -146,12 +315,36 @@ MODELS = {
     "student_t_vague": (student_t_vague_model, student_t_data),
     "factor": (factor_model, factor_data),
     "simplex": (simplex_model, simplex_data),
+    "horseshoe": (horseshoe_model, horseshoe_data),
+    "glmm_admissions": (glmm_admissions_model, glmm_admissions_data),
+}
+
+#: name → (model, data function) of models whose reference is not a NUTS run of the model
+#: itself (so its diagnostics are not those of the model the tests fit): a NUTS run of a
+#: marginalised equivalent, or a closed form. Same JSON layout, without the NUTS convergence
+#: guarantee that ``test_references_are_float64_and_converged`` checks for ``MODELS``.
+DIAGNOSTIC_MODELS = {
+    "coupled_discrete": (coupled_discrete_model, coupled_discrete_data),
+    "prior_mixture": (prior_mixture_model, prior_mixture_data),
+}
+
+#: the model NUTS samples for a reference where it is not the model the tests fit: the same
+#: posterior over the stored sites (the continuous latents of the model the tests fit)
+NUTS_MODELS = {
+    "horseshoe": horseshoe_noncentred_model,
+    "coupled_discrete": coupled_discrete_marginal_model,
+}
+
+#: the model the reference SVI run (AutoNormal) fits where it is not the model the tests fit
+#: (an autoguide cannot hold discrete latents)
+SVI_MODELS = {
+    "coupled_discrete": coupled_discrete_marginal_model,
 }
 
 
 def get(name):
-    """``(model, data_kwargs)`` of a reference model."""
-    model, data_fn = MODELS[name]
+    """``(model, data_kwargs)`` of a reference model (``MODELS`` or ``DIAGNOSTIC_MODELS``)."""
+    model, data_fn = MODELS[name] if name in MODELS else DIAGNOSTIC_MODELS[name]
     return model, data_fn()
 
 
