@@ -502,6 +502,10 @@ def _diagnose(prepared, outcome, nat) -> Diagnostics:
     if bundle.log_weights_fn is None:
         why = "subsampled plates" if plan.subsampled else "online fit (prior=)"
         return Diagnostics(khat=math.nan, num_draws=0, note=f"not computed: {why}", **base)
+    if outcome.stop == CONVERGED and len(plan.blocks) == 1 and _one_exact_block(plan):
+        # the model's only latent block is conjugate: its closed-form step is the exact
+        # posterior, whose importance weights are all equal (k̂ = −∞) without drawing any
+        return Diagnostics(khat=-math.inf, num_draws=0, note="one conjugate block in closed form: no draws needed", **base)
     model_data = split_run_data(prepared.dyn_data)[0]
     key = jax.random.fold_in(outcome.state.rng_key, 7)
     log_weights = np.asarray(bundle.log_weights(nat, model_data, key))

@@ -17,7 +17,8 @@ with its weakly informative prior) says how far q's tails are from the posterior
 (Yao, Vehtari, Simpson & Gelman 2018): k̂ ≤ 0.5 q is close (importance sampling from it has
 finite variance), 0.5 < k̂ ≤ 0.7 usable, k̂ > 0.7 q is a poor approximation of the posterior
 (a funnel, several modes, heavy tails q cannot hold). Weights that are all equal (q is the
-exact posterior, as for a conjugate model) give k̂ = −∞.
+exact posterior, as for a conjugate model) give k̂ = −∞; so does a converged fit whose only
+latent block is conjugate (its closed-form step is the exact posterior), without any draws.
 
 The log-weights are one compiled call (draws in batches of :data:`BATCH`), evaluated once
 per fit.
@@ -55,7 +56,7 @@ class Diagnostics(NamedTuple):
     Attributes:
         khat: PSIS k̂ of q against the model (NaN when not computed, −∞ when the importance
             weights are all equal).
-        num_draws: draws of q behind k̂.
+        num_draws: draws of q behind k̂ (0 when none were needed or k̂ was not computed).
         elbo_rel_change: the last step's relative ELBO change.
         rejected_steps: steps undone by backtracking (the ELBO fell or went non-finite).
         elbo_noise: for Monte Carlo ELBOs, the standard deviation of the last window of

@@ -36,7 +36,8 @@ def history_size(window: int) -> int:
 
 def empty_history(window: int):
     """A ring buffer of recent ELBOs before any step (NaN: not yet filled)."""
-    return jnp.full((history_size(window),), jnp.nan, jnp.result_type(float))
+    # built on the host: an eager jnp.full would compile an XLA computation of its own
+    return jnp.asarray(np.full((history_size(window),), np.nan, jnp.result_type(float)))
 #: backtracking gives up when the damping of ρ falls below this (an exp link far below its
 #: data, e.g. Poisson counts of 10⁹ from a prior at 0, needs ρ ≈ 2⁻³¹ on its first step)
 MIN_DAMPING = 2.0**-60

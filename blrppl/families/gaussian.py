@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpyro.distributions as dist
 from jax.scipy.linalg import solve_triangular
+from numpyro.distributions.util import cholesky_of_inverse
 
 from blrppl.families.base import Family
 
@@ -203,8 +204,12 @@ class GaussianDense(Family):
         return mean + z
 
     def to_numpyro(self, nat: GaussianNat) -> dist.MultivariateNormal:
-        mean = _chol_solve(self._prec_chol(nat), nat.eta1)
-        return dist.MultivariateNormal(mean, precision_matrix=-2.0 * _sym(nat.eta2))
+        """N(m, Σ) with Σ = T Tᵀ, T the lower Cholesky factor of Σ = S⁻¹ (numpyro's own
+        precision-to-scale map: one Cholesky and one triangular inverse), m = T Tᵀ η₁."""
+        scale_tril = cholesky_of_inverse(-2.0 * _sym(nat.eta2))
+        white = jnp.einsum("...ji,...j->...i", scale_tril, nat.eta1)
+        mean = jnp.einsum("...ij,...j->...i", scale_tril, white)
+        return dist.MultivariateNormal(mean, scale_tril=scale_tril)
 
 
 @dataclasses.dataclass(frozen=True)

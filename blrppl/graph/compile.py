@@ -117,8 +117,9 @@ def init_nat(block: Block, init_value, probs=None):
     if block.kind == "gaussian":
         mean = block.to_canonical(x)
         dim = mean.shape[-1]
-        cov = jnp.broadcast_to(jnp.eye(dim, dtype=dtype), mean.shape + (dim,))
-        return family.nat_from_view(fam.GaussianView(mean, cov))
+        # covariance I: the natural parameters (m, −½ I) directly (no factorisation of I)
+        eye = jnp.broadcast_to(jnp.eye(dim, dtype=dtype), mean.shape + (dim,))
+        return fam.GaussianNat(mean, -0.5 * eye)
     if block.kind == "gaussian-diag":
         return family.nat_from_view(fam.DiagGaussianView(x, jnp.ones_like(x)))
     if block.kind == "gamma":
