@@ -205,10 +205,9 @@ def _remember(key, bundle):
         _CACHE.popitem(last=False)
 
 
-def _compile(model, records, data_spec, dyn_data, tracer, options, prior_spec, k_probe):
-    """Compile a model: plan, initialisation, the jitted chunk of steps, posterior export."""
-    rate_fn, tol, chunk_size, curvature = options.rate_fn, options.tol, CHUNK_SIZE, options.mc_curvature
-    default_rate = options.learning_rate is None
+def _plan_model(model, records, data_spec, dyn_data, options, prior_spec, k_probe):
+    """The plan of a traced model (blocks, factors, estimators, conjugacy) and what
+    :func:`compile_model` builds with it."""
     plan, fns, dyn_data, init_values, graph = compile_model(
         model,
         records,
@@ -224,9 +223,30 @@ def _compile(model, records, data_spec, dyn_data, tracer, options, prior_spec, k
     online = ()
     if prior_spec is not None:
         plan, graph, online = online_plan(plan, graph, records, prior_spec)
-    blocks = {b.name: b.full for b in plan.blocks}
-
     plan = dataclasses.replace(plan, conjugate=conjugate_blocks(plan))
+    return plan, fns, dyn_data, init_values, graph, online
+
+
+def plan_of(model, data=None, *, rng_key=None, **options):
+    """The plan ``blr_fit(model, data, rng_key=rng_key, **options)`` fits, without compiling
+    the fit: blocks, factors and estimators (``plan_of(...).describe()``)."""
+    args, kwargs = model_arguments(data)
+    options = fit_options(**options)
+    k_trace, k_probe, _, _ = jax.random.split(as_key(rng_key), 4)
+    with COMPILE_LOCK:
+        records, data_spec, dyn_data, _ = trace_model(model, args, kwargs, k_trace)
+        with numpyro.validation_enabled(False):
+            return _plan_model(model, records, data_spec, dyn_data, options, None, k_probe)[0]
+
+
+def _compile(model, records, data_spec, dyn_data, tracer, options, prior_spec, k_probe):
+    """Compile a model: plan, initialisation, the jitted chunk of steps, posterior export."""
+    rate_fn, tol, chunk_size, curvature = options.rate_fn, options.tol, CHUNK_SIZE, options.mc_curvature
+    default_rate = options.learning_rate is None
+    plan, fns, dyn_data, init_values, graph, online = _plan_model(
+        model, records, data_spec, dyn_data, options, prior_spec, k_probe
+    )
+    blocks = {b.name: b.full for b in plan.blocks}
 
     def init(values, probs):
         return {n: init_nat(b, values[n], probs.get(n)) for n, b in blocks.items()}
