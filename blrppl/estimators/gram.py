@@ -23,6 +23,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import numpyro.distributions as dist
 
 from blrppl import moments as mom
@@ -79,8 +80,10 @@ def _scale_block(factor):
     return dict(factor.arg_blocks)["scale"][0] if factor.kinds["scale"] == "power_gamma" else None
 
 
-def statistics(fns, factor, block, data) -> GramStatistics:
-    """G, h, r, Σω and Σω log c of one eligible factor, from the model and the data."""
+def statistics(fns, factor, block, data, rows: bool = False) -> GramStatistics:
+    """G, h, r, Σω and Σω log c of one eligible factor, from the model and the data; with
+    ``rows``, the ``gram`` field holds the rows A = diag(√(ωκ)) J whose Gram matrix AᵀA is G
+    (for :func:`gram_on_host`)."""
     gamma = _scale_block(factor)
     names = factor.rule.arg_names
     dtype = jnp.result_type(float)
@@ -98,7 +101,7 @@ def statistics(fns, factor, block, data) -> GramStatistics:
 
     u0 = jnp.zeros((block.size,), dtype)
     d0 = residual(u0)
-    jac = jax.jacfwd(residual)(u0)  # (*elements, D)
+    jac = affine_jacobian(residual, u0)  # (*elements, D)
     args = args_at(u0)
     scale = jnp.broadcast_to(args["scale"], d0.shape).astype(dtype)
     fn, site_scale = fns.factor_wrappers([factor.name], data)[factor.name]
@@ -109,13 +112,27 @@ def statistics(fns, factor, block, data) -> GramStatistics:
     flat_j = jac.reshape((-1, block.size))
     flat_k = kappa.reshape(-1)
     flat_d = d0.reshape(-1)
+    if rows:
+        gram = jnp.sqrt(flat_k)[:, None] * flat_j
+    else:
+        gram = flat_j.T @ (flat_k[:, None] * flat_j)
     return GramStatistics(
-        gram=flat_j.T @ (flat_k[:, None] * flat_j),
+        gram=gram,
         cross=flat_j.T @ (flat_k * flat_d),
         residual=jnp.sum(flat_k * jnp.square(flat_d)),
         weight=jnp.sum(omega),
         log_coef=jnp.sum(omega * jnp.log(scale)),
     )
+
+
+def gram_on_host(stats: GramStatistics) -> GramStatistics:
+    """``stats`` whose ``gram`` field holds the rows A (``statistics(..., rows=True)``) with
+    G = AᵀA formed by NumPy's BLAS (it recognises AᵀA: a symmetric rank-k update)."""
+    a = np.asarray(stats.gram)
+    if np.all(np.count_nonzero(a, axis=1) <= 1):
+        # each element reads one scalar of the block (a prior): G is diagonal, O(N D)
+        return stats._replace(gram=jnp.asarray(np.diag(np.einsum("ij,ij->j", a, a))))
+    return stats._replace(gram=jnp.asarray(a.T @ a))
 
 
 def expected_log(factor, block_name, stats: GramStatistics, views) -> jax.Array:
@@ -138,3 +155,111 @@ def expected_log(factor, block_name, stats: GramStatistics, views) -> jax.Array:
         log_tau_term = tau.expect_log()  # a E[log τ]
     return -0.5 * t * quad - stats.log_coef - log_tau_term * stats.weight - 0.5 * _LOG_2PI * stats.weight
 
+
+
+def affine_jacobian(fn, u0) -> jax.Array:
+    """The Jacobian (*out, D) of a function affine in u (D,): read off its linearisation when
+    that is made of products with constant matrices and layout and elementwise-linear
+    operations (``X @ w`` gives X itself), else by forward-mode autodiff (D JVPs: for
+    ``X @ w`` a product of X with the identity, as costly as XᵀX)."""
+    _, lin = jax.linearize(fn, u0)
+    closed = jax.make_jaxpr(lin)(u0)
+    dim = u0.shape[0]
+    try:
+        (out,) = _linear_map(closed.jaxpr, closed.consts, dim)
+    except _NotRead:
+        return jax.jacfwd(fn)(u0)
+    return _materialise(out, dim, u0.dtype)
+
+
+class _NotRead(Exception):
+    """A linear map with an operation :func:`_linear_map` does not read."""
+
+
+_EYE = "eye"  # the input u itself: its Jacobian is the identity, never materialised unless needed
+
+
+def _materialise(m, dim, dtype):
+    return jnp.eye(dim, dtype=dtype) if isinstance(m, str) else m
+
+
+def _linear_map(jaxpr, consts, dim, inputs=None) -> list:
+    """The Jacobian of every output of a linear jaxpr in its one input, (*shape, D) each."""
+    env = {}
+    for v, c in zip(jaxpr.constvars, consts):
+        env[v] = ("const", c)
+    for v, x in zip(jaxpr.invars, inputs if inputs is not None else [("lin", _EYE)]):
+        env[v] = x
+
+    def read(v):
+        if hasattr(v, "val"):  # a literal
+            return ("const", v.val)
+        return env[v]
+
+    for eqn in jaxpr.eqns:
+        ins = [read(v) for v in eqn.invars]
+        outs = _linear_rule(eqn, ins, dim)
+        for v, o in zip(eqn.outvars, outs):
+            env[v] = o
+    out = [read(v) for v in jaxpr.outvars]
+    if any(kind != "lin" for kind, _ in out):
+        raise _NotRead
+    return [m for _, m in out]
+
+
+def _linear_rule(eqn, ins, dim) -> list:
+    name = eqn.primitive.name
+    kinds = [k for k, _ in ins]
+    if all(k == "const" for k in kinds):
+        raise _NotRead  # constants are folded into the jaxpr's consts by linearize
+    sub = eqn.params.get("jaxpr")
+    if name in ("pjit", "jit") and sub is not None:
+        return [("lin", m) for m in _linear_map(sub.jaxpr, sub.consts, dim, ins)]
+    lins = [m for k, m in ins if k == "lin"]
+    consts = [c for k, c in ins if k == "const"]
+    out_aval = eqn.outvars[0].aval
+
+    def full(m):
+        return _materialise(m, dim, out_aval.dtype)
+
+    if name == "dot_general" and len(lins) == 1:
+        (contract_a, contract_b), (batch_a, batch_b) = eqn.params["dimension_numbers"]
+        if batch_a or batch_b:
+            raise _NotRead
+        (c,), (m,) = consts, lins
+        lin_first = kinds[0] == "lin"
+        contract_c, contract_m = (contract_b, contract_a) if lin_first else (contract_a, contract_b)
+        if isinstance(m, str):
+            # C · u: the Jacobian is C with its contracted axis last (and the output's order)
+            (k,) = contract_c
+            return [("lin", jnp.moveaxis(jnp.asarray(c), k, -1).astype(out_aval.dtype))]
+        res = jax.lax.dot_general(c, m, ((tuple(contract_c), tuple(contract_m)), ((), ())))
+        if lin_first:  # output order: the lin operand's free axes first, D last
+            n_c = jnp.ndim(c) - len(contract_c)
+            res = jnp.moveaxis(res, tuple(range(n_c)), tuple(range(res.ndim - 1 - n_c, res.ndim - 1)))
+        return [("lin", res)]
+    if name in ("neg", "convert_element_type", "copy", "copy_p") and len(lins) == 1:
+        m = full(lins[0]) if name != "convert_element_type" else lins[0]
+        if name == "neg":
+            return [("lin", -m)]
+        return [("lin", m if isinstance(m, str) else m.astype(out_aval.dtype))]
+    if name in ("mul", "div") and len(lins) == 1 and not (name == "div" and kinds[1] == "lin"):
+        (c,), m = consts, full(lins[0])
+        c = jnp.asarray(c)[..., None]
+        return [("lin", m * c if name == "mul" else m / c)]
+    if name in ("add", "sub", "add_any") and len(lins) == 2:
+        a, b = (full(m) for m in lins)
+        return [("lin", a + b if name != "sub" else a - b)]
+    if name in ("reshape", "broadcast_in_dim", "transpose", "squeeze") and len(lins) == 1 and not consts:
+        m = full(lins[0])
+        shape = tuple(out_aval.shape) + (dim,)
+        if name == "reshape":
+            return [("lin", m.reshape(shape))]
+        if name == "broadcast_in_dim":
+            dims = tuple(eqn.params["broadcast_dimensions"]) + (len(shape) - 1,)
+            return [("lin", jax.lax.broadcast_in_dim(m, shape, dims))]
+        if name == "transpose":
+            perm = tuple(eqn.params["permutation"]) + (m.ndim - 1,)
+            return [("lin", jnp.transpose(m, perm))]
+        return [("lin", m.reshape(shape))]
+    raise _NotRead
