@@ -113,3 +113,42 @@ def test_svi_drop_in_recomputes_statistics_for_new_data():
 
     state, _ = jitted(state, X, Y)
     np.testing.assert_allclose(svi.get_params(state)["b_blr_mean"], exact(X, Y)[0], atol=1e-8)
+
+
+AFFINE_MAPS = [
+    ("residual", lambda u: Y - X @ u),
+    ("broadcast and scale", lambda u: jnp.broadcast_to(2.0 * (X @ u)[:, None], (N, 3)) - 1.0),
+    ("identity", lambda u: u),
+    ("inside jit", jax.jit(lambda u: (X @ u) / 3.0)),
+    ("row vector times transpose", lambda u: u @ X.T),
+    ("gather", lambda u: u[np.arange(N) % D] * 0.5),  # not read: forward mode
+]
+
+
+def test_affine_jacobian_reads_products_with_constants(monkeypatch):
+    """X itself for X @ u, without the product X · I that forward mode computes; other maps
+    (a gather) fall back to forward mode: the same Jacobian either way."""
+    real = jax.jacfwd
+    fallbacks = []
+
+    def spy(fn):
+        fallbacks.append(fn)
+        return real(fn)
+
+    u0 = jnp.zeros(D)
+    for name, fn in AFFINE_MAPS:
+        monkeypatch.setattr(gram.jax, "jacfwd", spy)
+        got = gram.affine_jacobian(fn, u0)
+        monkeypatch.setattr(gram.jax, "jacfwd", real)
+        np.testing.assert_allclose(got, jax.jacfwd(fn)(u0), rtol=0, atol=1e-12, err_msg=name)
+    assert len(fallbacks) == 1  # the gather only
+
+
+def test_gram_on_host_matches_the_device_product():
+    a = RNG.normal(size=(N, D))
+    stats = gram.GramStatistics(jnp.asarray(a), jnp.zeros(D), jnp.zeros(()), jnp.zeros(()), jnp.zeros(()))
+    np.testing.assert_allclose(gram.gram_on_host(stats).gram, a.T @ a, rtol=1e-12)
+    rows = np.zeros((N, D))
+    rows[np.arange(N), np.arange(N) % D] = RNG.normal(size=N)  # one scalar per element: diagonal
+    diag = gram.gram_on_host(stats._replace(gram=jnp.asarray(rows))).gram
+    np.testing.assert_allclose(diag, rows.T @ rows, rtol=1e-12)
