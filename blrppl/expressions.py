@@ -795,3 +795,75 @@ def group_moments(fns: ModelFunctions, factors, blocks: dict, views: dict, discr
                 raise ValueError(f"factor '{f.name}': argument '{arg}' is {kind}")
         result[f.name] = moments
     return result
+
+
+# -- classification from the argument forms -------------------------------------------------
+
+
+def classify_form(form, deps, blocks: dict, site_blocks: dict) -> tuple:
+    """The class of an argument read off its form (:mod:`blrppl.graph.forms`), without probes.
+
+    A form that is affine, a power of a Gamma latent or a Beta/Dirichlet latent itself gives
+    that class; any other form gives ``"opaque"`` with the reason the form names (safe: an
+    opaque argument is only fitted by quadrature or Monte Carlo instead of a closed form).
+
+    Args:
+        form: the argument's form, in terms of the latent sites.
+        deps: the blocks the argument depends on.
+        blocks: block name → :class:`Block`.
+        site_blocks: site → (its block's name, the block of the site itself: the member of a
+            joint block, else the block).
+
+    Returns:
+        ``(class, reason)``: the :class:`ArgumentClass`, or ``None`` when only the probes can
+        tell (arguments that also read point blocks, that mix the elements of a plated
+        block, or a Beta/Dirichlet latent times a constant that may be 1); and the reason an
+        argument is opaque (``""`` otherwise).
+    """
+    from blrppl.graph import forms as fm
+
+    cont = tuple(n for n in deps if not blocks[n].discrete)
+    if not cont or any(blocks[n].point for n in cont):
+        return None, ""
+    if isinstance(form, fm.Opaque):
+        return ArgumentClass("opaque", cont, reason=form.reason), form.reason
+    atoms = {s: site_blocks[s] for s in fm.sites_of(form) if s in site_blocks}
+    if isinstance(form, fm.Const) or {n for n, _ in atoms.values()} != set(cont):
+        return None, ""
+    spaces = {s: fm.site_space(own) for s, (_, own) in atoms.items()}
+
+    def gathered(elementwise: bool):
+        """No mixing, or no block that the gather test applies to."""
+        if not fm.mixes(form):
+            return True
+        return not any(_needs_gather_test(blocks[n], elementwise or blocks[n].kind != "gaussian") for n in cont)
+
+    def decided(kind, **kw):
+        return (ArgumentClass(kind, cont, **kw), "") if gathered(kind != "affine_gaussian") else (None, "")
+
+    reason = fm.why_not_exact(form)
+    if isinstance(form, fm.Affine) or (isinstance(form, fm.Power) and form.power == 1.0 and set(spaces.values()) == {"affine"}):
+        off = sorted(s for s, sp in spaces.items() if sp != "affine")
+        if not off:
+            return decided("affine_gaussian")
+        space = {
+            "exp": "a Gaussian on log space", "sigmoid": "a Gaussian on logit space",
+            "other": "a Gaussian on a transformed space",
+        }.get(spaces[off[0]], f"a {spaces[off[0]].capitalize()}")
+        reason = f"affine in '{off[0]}', whose block is {space}"
+    elif isinstance(form, fm.LogPower | fm.LogProduct) and set(spaces.values()) == {"exp"}:
+        return decided("affine_gaussian")  # log of exp(u): affine in the block's value u
+    elif isinstance(form, fm.Logit) and set(spaces.values()) == {"sigmoid"}:
+        return decided("affine_gaussian")  # logit of sigmoid(u)
+    elif isinstance(form, fm.Power):
+        (space,) = spaces.values()
+        if space == "gamma":
+            return decided("power_gamma", power=form.power)
+        if space in ("beta", "dirichlet") and form.power == 1.0:
+            if form.unit:
+                return decided(space)
+            return None, reason  # c times the latent: the probes tell whether c is 1
+        if space in ("exp", "sigmoid", "other"):
+            where = {"exp": "log space", "sigmoid": "logit space", "other": "a transformed space"}[space]
+            reason = f"{fm.why_not_exact(form)}, whose Gaussian is on {where}"
+    return ArgumentClass("opaque", cont, reason=reason), reason

@@ -422,12 +422,8 @@ def _scale_model(X, y=None):
         numpyro.sample("y", dist.Normal(X @ beta, sigma), obs=y)
 
 
-@pytest.mark.parametrize("structure", ["mean-field", None])
-def test_compile_probes_each_argument_once_per_family(monkeypatch, structure):
-    """σ starts as a Gamma block and moves to a log-normal one (HalfCauchy has no closed
-    form): only the arguments that depend on σ are probed again, quadrature projections only
-    for the final blocks, and with the joint merge in the same compiled call as its
-    argument probes."""
+def _probe_spy(monkeypatch):
+    """The probe keys of every compiled probe call of ``compile_model``."""
     import blrppl.graph.compile as gc
 
     calls = []
@@ -440,26 +436,47 @@ def test_compile_probes_each_argument_once_per_family(monkeypatch, structure):
         return real(probes, data)
 
     monkeypatch.setattr(gc, "run_probes", spy)
+    return calls
+
+
+@pytest.mark.parametrize("structure", ["mean-field", None])
+def test_compile_reads_argument_classes_without_probes(monkeypatch, structure):
+    """σ starts as a Gamma block and moves to a log-normal one (HalfCauchy has no closed
+    form); every argument's class and every quadrature projection is read off its form in
+    the model's jaxpr: nothing is probed numerically."""
+    from blrppl.graph.compile import compile_model
+
+    calls = _probe_spy(monkeypatch)
     rng = np.random.default_rng(0)
     X = rng.normal(size=(40, 3))
     data = {"X": X, "y": X @ np.array([1.0, -1.0, 0.5]) + 0.3 * rng.normal(size=40)}
     records, spec, dyn, _ = trace_model(_scale_model, (), data, jax.random.key(0))
-    plan = gc.compile_model(_scale_model, records, spec, dyn, rng_key=jax.random.key(1), structure=structure)[0]
-    quadrature = [[k for k in c if k[0] == "quadrature" or len(k) == 3] for c in calls]
-    # 1: every argument with σ a Gamma block; 2: only y's scale, with σ log-normal
-    assert calls[0] == [("beta", "value"), ("y", "loc"), ("y", "scale")] and not quadrature[0]
-    assert calls[1] == [("y", "scale")]
+    plan = compile_model(_scale_model, records, spec, dyn, rng_key=jax.random.key(1), structure=structure)[0]
+    assert calls == []
     if structure == "mean-field":
-        # 3: the quadrature projections of the final blocks (no argument probed again)
-        assert len(calls) == 3 and quadrature[2] == calls[2] and calls[2]
         assert {b.kind for b in plan.blocks} == {"gaussian"} and len(plan.blocks) == 2
     else:
-        # 3: the joint block's arguments and its quadrature projections together
-        assert len(calls) == 3 and ("beta", "value") in calls[2] and quadrature[2]
         assert len(plan.blocks) == 1 and plan.blocks[0].members
     assert {f.name: f.estimator for f in plan.factors if f.rule is not None or f.links} == {
         "beta": "exact", "sigma": "quadrature", "y": "quadrature"
     }
+
+
+def test_probes_tell_the_gather_structure_forms_leave_open(monkeypatch):
+    """A sum over a mean-field block's elements: affine (read off the form), but whether it
+    mixes the block's elements beyond one column per element is for the probes."""
+    from blrppl.graph.compile import compile_model
+
+    def model(y):
+        a = numpyro.sample("a", dist.Normal(0.0, 1.0).expand([3]).to_event(1))
+        numpyro.sample("y", dist.Normal(jnp.sum(a), 1.0), obs=y)
+
+    calls = _probe_spy(monkeypatch)
+    records, spec, dyn, _ = trace_model(model, (), {"y": np.array(0.5)}, jax.random.key(0))
+    plan = compile_model(model, records, spec, dyn, rng_key=jax.random.key(1), families={"a": "gaussian-diag"})[0]
+    assert calls == [[("y", "loc")]]
+    y = next(f for f in plan.factors if f.name == "y")
+    assert y.estimator == "exact" and dict(y.columns)["a"] == "full"
 
 
 def test_compiler_options_skip_options_this_jaxlib_lacks(monkeypatch):

@@ -27,6 +27,7 @@ from numpyro.contrib.control_flow import scan
 import reference_models as rm
 from blrppl.api import plan_of
 from blrppl.bench import models as bench
+from blrppl.bench import posteriordb
 from blrppl.errors import MissingDependencyError
 
 numpyro.enable_x64()
@@ -152,7 +153,7 @@ def _bench(name):
 
 CASES = (
     [("reference", n) for n in list(rm.MODELS) + list(rm.DIAGNOSTIC_MODELS)]
-    + [("bench", n) for n in bench.names()]
+    + [("bench", n) for n in bench.names() + posteriordb.names()]
     + [("example", n) for n in ("gaussian_mixture", "logistic_vs_nuts", "svi_pipeline")]
     + [("construct", n) for n in _constructs()]
 )

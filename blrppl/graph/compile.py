@@ -16,9 +16,12 @@ from numpyro.distributions import biject_to, constraints
 from blrppl import families as fam
 from blrppl.errors import FamilyError, UnsupportedFactorError, UnsupportedLatentError
 from blrppl.estimators import gram
-from blrppl.expressions import LINKS, ModelFunctions, distribution_leaves, probe_argument, projection_args, run_probes
+from blrppl.expressions import (
+    LINKS, ArgumentClass, ModelFunctions, classify_form, distribution_leaves, probe_argument, projection_args, run_probes,
+)
 from blrppl.graph.data import compiler_options
-from blrppl.graph.deps import output_dependencies
+from blrppl.graph.deps import output_forms
+from blrppl.graph.forms import Const, Power, inverse_link
 from blrppl.graph.plan import Block, Factor, LocalAxis, Plan
 from blrppl.graph.trace import SiteRecord, finite_support_values
 from blrppl.rules import find_rule
@@ -224,7 +227,7 @@ def compile_model(
     # params are not sites with a density: they are inputs of the factors, never factors
     records = collections.OrderedDict((n, r) for n, r in records.items() if not r.is_param)
     rules = {r.name: (None if r.is_factor else find_rule(r.dist_type)) for r in records.values()}
-    deps, elementwise, primitives = _dependencies(model, data_spec, data, records, rules, site_init, plate_indices)
+    deps, forms, elementwise, primitives = _dependencies(model, data_spec, data, records, rules, site_init, plate_indices)
     _check_static_supports(records, deps)
     if primitives & AUDITED_PRIMITIVES:
         _audit_dependencies(model, data_spec, data, records, deps, site_init, plate_indices, rng_key)
@@ -251,7 +254,7 @@ def compile_model(
             model, data_spec, _site_fill(blocks, site_init), _transforms(blocks), plate_indices=plate_indices
         )
         factors = _classify_factors(
-            records, rules, deps, blocks, fns, data, rng_key, quadrature=False, cache=probe_cache
+            records, rules, deps, blocks, fns, data, rng_key, quadrature=False, cache=probe_cache, forms=forms
         )
         to_move = set()
         for f in factors:
@@ -286,7 +289,7 @@ def compile_model(
     coupled = _coupled_discrete(blocks, factors)
     if not merge and not coupled:
         factors = _classify_factors(
-            records, rules, deps, blocks, fns, data, rng_key, cache=probe_cache, elementwise=elementwise
+            records, rules, deps, blocks, fns, data, rng_key, cache=probe_cache, elementwise=elementwise, forms=forms
         )
     else:
         for group in coupled:
@@ -305,7 +308,7 @@ def compile_model(
         }
         guess = {f.name: f.estimator == "exact" for f in factors}
         factors = _classify_factors(
-            records, rules, deps, blocks, fns, data, rng_key, guess=guess, elementwise=elementwise
+            records, rules, deps, blocks, fns, data, rng_key, guess=guess, elementwise=elementwise, forms=forms
         )
 
     factors += [
@@ -546,7 +549,8 @@ def _dependencies(model, data_spec, data, records, rules, site_init, plate_indic
     items (``"leaf:i"``, ``"value"``) whose elements each enter the log-density of one
     element only (a univariate distribution whose argument has at most its batch shape):
     only these may be quadrature projections (a mixture's component locations, or a
-    multivariate distribution's location, couple their elements in one log-density term)."""
+    multivariate distribution's location, couple their elements in one log-density term).
+    Also each item's form (:mod:`blrppl.graph.forms`), read off the same jaxpr."""
     fns = ModelFunctions(model, data_spec, site_init, plate_indices=plate_indices)
     elementwise: dict = {}
 
@@ -575,9 +579,15 @@ def _dependencies(model, data_spec, data, records, rules, site_init, plate_indic
             out[name] = args
         return out
 
-    primitives: set = set()
-    found = output_dependencies(all_args, site_init, data, primitives=primitives)
-    return found, elementwise, primitives
+    latent = {r.name: r for r in records.values() if r.name in site_init}
+    input_forms = {
+        # an enumerated latent's value is an index the enumeration fixes: a constant of each
+        # term; params are atoms like latents (their blocks are points)
+        n: Const() if n in latent and latent[n].support.is_discrete else Power(n, 1.0)
+        for n in site_init
+    }
+    found, forms, primitives = output_forms(all_args, site_init, input_forms, data)
+    return found, forms, elementwise, primitives
 
 
 #: primitives whose bodies the dependency analysis follows with more than data flow (a
@@ -716,7 +726,8 @@ def _jacobian_factor(block: Block) -> Factor:
 
 
 def _classify_factors(
-    records, rules, deps, blocks, fns, data, rng_key, *, quadrature=True, cache=None, guess=None, elementwise=None
+    records, rules, deps, blocks, fns, data, rng_key, *, quadrature=True, cache=None, guess=None, elementwise=None,
+    forms=None,
 ):
     """Classify every factor's arguments and choose its estimator.
 
@@ -733,11 +744,17 @@ def _classify_factors(
             probes; any factor the guess got wrong is probed in a second call.
         elementwise: site → the items that may be quadrature projections (see
             :func:`_dependencies`).
+        forms: site → item → form (:mod:`blrppl.graph.forms`): an argument whose form
+            decides its class is not probed (:func:`blrppl.expressions.classify_form`), and
+            the form names what makes the others opaque.
     """
     elementwise = elementwise or {}
     rng = np.random.default_rng(np.asarray(jax.random.key_data(rng_key)).ravel())
     key_of, known = cache if cache is not None else (None, {})
-    probes, nbrs, keys = {}, {}, {}
+    site_blocks = {
+        s: (n, m) for n, b in blocks.items() for s, m in (((m.name, m) for m in b.members) if b.members else ((x, b) for x in b.sites))
+    }
+    probes, nbrs, keys, decided, reasons = {}, {}, {}, {}, {}
     for name, r in records.items():
         rule = rules[name]
         neighbours = tuple(n for n in blocks if any(n in d for d in deps[name].values()))
@@ -752,6 +769,11 @@ def _classify_factors(
             keys[(name, arg)] = key_of(name, arg) if key_of is not None else None
             if keys[(name, arg)] in known:
                 continue
+            if forms is not None:
+                cls, reasons[(name, arg)] = classify_form(forms[name][arg], deps[name][arg], blocks, site_blocks)
+                if cls is not None:
+                    decided[(name, arg)] = cls
+                    continue
 
             def fn(values, data, arg=arg, name=name, rule=rule):
                 return fns.factor_args(name, rule.arg_names, values, data)[arg]
@@ -760,12 +782,22 @@ def _classify_factors(
     candidates, quad_probes = {}, {}
     if quadrature and guess is not None:
         not_exact = {n for n in records if not guess.get(n, False)}
-        candidates, quad_probes = _quadrature_probes(records, deps, blocks, fns, rng, nbrs, not_exact, elementwise)
+        candidates, quad_probes = _quadrature_probes(
+            records, deps, blocks, fns, rng, nbrs, not_exact, elementwise, forms, site_blocks
+        )
+    quad_probes, quad_decided = _split_decided(quad_probes)
     found = run_probes({**probes, **{("quadrature",) + k: p for k, p in quad_probes.items()}}, data)
-    classes = {k: (known[keys[k]] if k not in probes else found[k]) for k in keys}
+    found = {
+        # an opaque argument's form names what makes it so
+        k: dataclasses.replace(c, reason=reasons[k]) if c.kind == "opaque" and reasons.get(k) else c
+        for k, c in found.items()
+    }
+    found.update(decided)
+    classes = {k: (known[keys[k]] if k not in found else found[k]) for k in keys}
     if key_of is not None:
-        known.update({keys[k]: found[k] for k in probes})
+        known.update({keys[k]: found[k] for k in list(probes) + list(decided)})
     quad_classes = {k[1:]: v for k, v in found.items() if len(k) == 4}  # ("quadrature", name, index, link)
+    quad_classes.update(quad_decided)
 
     exact = {}
     for name in records:
@@ -778,17 +810,28 @@ def _classify_factors(
     if quadrature:
         probed = {n for n in records if not guess.get(n, False)} if guess is not None else set()
         missing = {n for n in records if not exact[n]} - probed
-        more, more_probes = _quadrature_probes(records, deps, blocks, fns, rng, nbrs, missing, elementwise)
+        more, more_probes = _quadrature_probes(
+            records, deps, blocks, fns, rng, nbrs, missing, elementwise, forms, site_blocks
+        )
+        more_probes, more_decided = _split_decided(more_probes)
+        quad_classes.update(more_decided)
         if more_probes:
             quad_classes.update(run_probes(more_probes, data))
         candidates.update(more)
     return _factors(records, rules, blocks, nbrs, classes, exact, candidates, quad_classes, quadrature)
 
 
-def _quadrature_probes(records, deps, blocks, fns, rng, nbrs, names, elementwise) -> tuple:
+def _split_decided(probes: dict) -> tuple:
+    """``(probes to run, classes the forms decided)`` of a dict holding both."""
+    decided = {k: p for k, p in probes.items() if isinstance(p, ArgumentClass)}
+    return {k: p for k, p in probes.items() if k not in decided}, decided
+
+
+def _quadrature_probes(records, deps, blocks, fns, rng, nbrs, names, elementwise, forms=None, site_blocks=None) -> tuple:
     """Quadrature candidates among ``names`` (no closed form, continuous neighbours all
     Gaussian, a few distribution leaves or the value depending on them) and the probes of
-    each candidate projection under each link."""
+    each candidate projection under each link (:class:`ArgumentClass` es in place of the
+    probes where the item's form decides the class)."""
     candidates, probes = {}, {}
     for name, r in records.items():
         neighbours, discrete = nbrs[name]
@@ -814,6 +857,11 @@ def _quadrature_probes(records, deps, blocks, fns, rng, nbrs, names, elementwise
         for item in items:
             index = item if item == "value" or item.startswith("shift:") else int(item.split(":")[1])
             for link in LINKS if not item.startswith("shift:") else ("identity",):
+                if forms is not None:
+                    cls, _ = classify_form(inverse_link(forms[name][item], link), deps[name][item], blocks, site_blocks)
+                    if cls is not None:
+                        probes[(name, index, link)] = cls
+                        continue
                 extract = projection_args((("eta", index, link),))
 
                 def fn(values, data, name=name, extract=extract):
@@ -872,7 +920,10 @@ def _factors(records, rules, blocks, nbrs, classes, exact, candidates, quad_clas
             else:
                 estimator, links, columns = "monte_carlo", (), ()
                 kinds, arg_blocks = [("log_prob", "monte_carlo")], []
+            why = _why_not_exact(name, r, rule, classes)
             rule = None
+        if estimator in ("exact", "delta"):
+            why = ""
         factors.append(
             Factor(
                 name=name,
@@ -888,9 +939,23 @@ def _factors(records, rules, blocks, nbrs, classes, exact, candidates, quad_clas
                 reinterpreted_ndim=r.reinterpreted_ndim,
                 links=tuple(links),
                 powers=tuple(powers),
+                why=why,
             )
         )
     return factors
+
+
+def _why_not_exact(name, record, rule, classes) -> str:
+    """Why a factor has no closed form: the first argument whose form no rule reads (and what
+    the form is), or that the site has no rule."""
+    if rule is None:
+        return "a numpyro.factor term" if record.is_factor else f"no closed-form rule for {record.dist_name}"
+    for arg in ("value",) + rule.arg_names:
+        cls = classes[(name, arg)]
+        if cls.kind == "opaque":
+            return f"{arg}: {cls.reason}" if cls.reason else f"{arg}: opaque"
+    kinds = ", ".join(f"{arg}:{classes[(name, arg)].kind}" for arg in ("value",) + rule.arg_names)
+    return f"the rule has no closed form for {kinds}"
 
 
 def conjugate_blocks(plan) -> tuple:

@@ -1,4 +1,5 @@
-"""Which inputs each output of a function depends on, read off its jaxpr.
+"""Which inputs each output of a function depends on, read off its jaxpr (and, with
+:func:`output_forms`, the form of each output: :mod:`blrppl.graph.forms`).
 
 Used to find the latent sites each factor's arguments depend on. The analysis is
 structural (data flow through the jaxpr's equations), so it works for discrete inputs
@@ -69,6 +70,39 @@ def _sub_jaxpr(eqn):
     return None
 
 
+def output_forms(fn: Callable, inputs: dict, input_forms: dict, *extra) -> tuple:
+    """The dependencies and the forms (:mod:`blrppl.graph.forms`) of every leaf of
+    ``fn(inputs, *extra)``, from one jaxpr, and the primitives the program uses.
+
+    Args:
+        fn, inputs, extra: as for :func:`output_dependencies`.
+        input_forms: name → the form of every leaf of ``inputs[name]`` (the ``extra``
+            arguments are constants).
+
+    Returns:
+        ``(dependencies, forms, primitives)``: two pytrees with the structure of ``fn``'s
+        output (frozensets of names; forms) and a set of primitive names.
+    """
+    from blrppl.graph.forms import Const, jaxpr_forms
+
+    closed, treedef, names = _trace(fn, inputs, extra)
+    primitives: set = set()
+    out_deps = _jaxpr_deps(closed.jaxpr, [frozenset([n]) if n else frozenset() for n in names], primitives)
+    in_forms = [input_forms[n] if n else Const() for n in names]
+    out_forms, _ = jaxpr_forms(closed.jaxpr, in_forms, closed.consts)
+    return jax.tree.unflatten(treedef, out_deps), jax.tree.unflatten(treedef, out_forms), primitives
+
+
+def _trace(fn, inputs: dict, extra: tuple) -> tuple:
+    """The closed jaxpr of ``fn(inputs, *extra)``, its output structure, and the name of the
+    ``inputs`` entry behind each flat input (None for the ``extra`` leaves)."""
+    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(inputs, *extra)
+    # make_jaxpr flattens (inputs, *extra) in pytree order: dict keys are sorted
+    names = [name for name in sorted(inputs) for _ in jax.tree.leaves(inputs[name])]
+    names += [None] * len(jax.tree.leaves(extra))
+    return closed, jax.tree.structure(out_shape), names
+
+
 def output_dependencies(fn: Callable, inputs: dict, *extra, primitives: set | None = None) -> dict:
     """For each leaf of ``fn(inputs, *extra)``, the set of ``inputs`` keys it depends on.
 
@@ -81,15 +115,6 @@ def output_dependencies(fn: Callable, inputs: dict, *extra, primitives: set | No
     Returns:
         A pytree with the structure of ``fn``'s output whose leaves are frozensets of names.
     """
-    names = list(inputs)
-    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(inputs, *extra)
-    n_extra = len(jax.tree.leaves(extra))
-    # make_jaxpr flattens (inputs, *extra) in pytree order: dict keys are sorted.
-    flat_names = []
-    for name in sorted(names):
-        for _ in jax.tree.leaves(inputs[name]):
-            flat_names.append(frozenset([name]))
-    flat_names.extend([frozenset()] * n_extra)
-    out_deps = _jaxpr_deps(closed.jaxpr, flat_names, primitives)
-    treedef = jax.tree.structure(out_shape)
+    closed, treedef, names = _trace(fn, inputs, extra)
+    out_deps = _jaxpr_deps(closed.jaxpr, [frozenset([n]) if n else frozenset() for n in names], primitives)
     return jax.tree.unflatten(treedef, out_deps)

@@ -265,6 +265,8 @@ class Factor:
         gram_block: for an exact Normal factor linear in one large dense Gaussian block,
             that block: its expectation comes from data statistics computed once per fit
             (:mod:`blrppl.estimators.gram`) instead of the elementwise moments.
+        why: for a factor without a closed form, why (the argument whose form no rule
+            reads, and what that form is: read off the model's program).
     """
 
     name: str
@@ -282,6 +284,7 @@ class Factor:
     powers: tuple = ()
     subsampled: tuple = ()
     gram_block: str = ""
+    why: str = ""
 
     @property
     def kinds(self) -> dict:
@@ -360,7 +363,9 @@ class Plan:
                 row += (scope,)
             rows.append(row)
         out = _table(rows)
+        why = any(f.why for f in self.factors)
         rows = [("factor", "distribution", "neighbours", "estimator", "arguments") + (("scale",) if sub else ())]
+        rows[0] += ("why not exact",) if why else ()
         for f in self.factors:
             args = ", ".join(f"{k}:{v}" for k, v in f.arg_kinds)
             estimator = f"{f.estimator} (data statistics)" if f.gram_block else f.estimator
@@ -368,7 +373,7 @@ class Plan:
             if sub:
                 scale = math.prod(self.plate(p).scale for p in f.subsampled)
                 row += (f"N/M = {scale:g}" if f.subsampled else "1",)
-            rows.append(row)
+            rows.append(row + ((f.why or "-",) if why else ()))
         fixed = [b.name for b in self.blocks if b.name not in self.order]
         tail = "sequential order: " + (", ".join(self.order) or "-")
         if fixed:

@@ -1,0 +1,132 @@
+"""Argument forms read off a jaxpr (``blrppl/graph/forms.py``): a table of expressions users
+write, each with the form worked out by hand, then the classes the forms give once the
+blocks are known."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+from blrppl import families as fam
+from blrppl.expressions import classify_form
+from blrppl.graph import forms as fm
+from blrppl.graph.deps import output_forms
+from blrppl.graph.plan import Block
+
+X = np.arange(15.0).reshape(5, 3) / 10.0
+G = np.array([0, 1, 2, 3, 1])
+SITES = {"w": jnp.ones(3), "a": jnp.ones(4), "tau": jnp.ones(()), "s": jnp.ones(()), "z": jnp.zeros((), jnp.int32)}
+INPUT_FORMS = {n: (fm.Const() if n == "z" else fm.Power(n, 1.0)) for n in SITES}
+
+
+def level_scan(x, data):
+    def step(level, _):
+        level = level + x["a"][0]
+        return level, level
+
+    return lax.scan(step, 0.0, None, length=4)[1]
+
+
+S = frozenset
+#: (expression of the sites x and data (X, G), its form)
+TABLE = [
+    ("regression", lambda x, d: d[0] @ x["w"] + x["a"][d[1]], fm.Affine(S({"w", "a"}), True)),
+    ("gather", lambda x, d: x["a"][d[1]], fm.Power("a", 1.0)),
+    ("scaled gather", lambda x, d: 2.0 * x["a"][d[1]], fm.Power("a", 1.0, unit=False)),
+    ("times literal one", lambda x, d: x["a"] * 1.0, fm.Power("a", 1.0)),
+    ("zeros plus a site", lambda x, d: jnp.zeros(4) + x["a"], fm.Power("a", 1.0)),
+    ("reciprocal sqrt", lambda x, d: 1.0 / jnp.sqrt(x["tau"]), fm.Power("tau", -0.5)),
+    ("rsqrt", lambda x, d: lax.rsqrt(x["tau"]), fm.Power("tau", -0.5)),
+    ("float power", lambda x, d: x["tau"] ** 2.5, fm.Power("tau", 2.5)),
+    ("square", lambda x, d: jnp.square(x["tau"]), fm.Power("tau", 2.0)),
+    ("product with itself", lambda x, d: x["tau"] * x["tau"], fm.Power("tau", 2.0, mixes=True)),
+    ("data times power", lambda x, d: d[0][:, 0] / x["tau"], fm.Power("tau", -1.0, unit=False)),
+    ("log", lambda x, d: jnp.log(x["s"]), fm.LogPower("s", 1.0)),
+    ("log of a power", lambda x, d: jnp.log(x["s"] ** 2), fm.LogPower("s", 2.0)),
+    ("exp of a log", lambda x, d: jnp.exp(0.5 * jnp.log(x["s"])), fm.Power("s", 0.5, unit=False)),
+    ("product of scales", lambda x, d: x["tau"] * x["s"], fm.Product(S({("tau", 1.0), ("s", 1.0)}))),
+    ("log of a product", lambda x, d: jnp.log(x["tau"] * x["s"]), fm.LogProduct(S({"tau", "s"}))),
+    ("sum of logs", lambda x, d: jnp.log(x["tau"]) - 2 * jnp.log(x["s"]), fm.LogProduct(S({"tau", "s"}))),
+    ("exp link", lambda x, d: jnp.exp(d[0] @ x["w"]), fm.Linked("exp", S({"w"}), True)),
+    ("sigmoid link", lambda x, d: jax.nn.sigmoid(x["a"]), fm.Linked("sigmoid", S({"a"}))),
+    ("cumsum", lambda x, d: jnp.cumsum(x["w"]), fm.Affine(S({"w"}), True)),
+    ("sum", lambda x, d: jnp.sum(x["w"]), fm.Affine(S({"w"}), True)),
+    ("sum of two elements", lambda x, d: x["w"][0] + x["w"][1], fm.Affine(S({"w"}), True)),
+    ("constant mask", lambda x, d: jnp.where(d[1][:3] > 0, x["w"], 0.0), fm.Affine(S({"w"}))),
+    ("choice of rates", lambda x, d: jnp.where(jnp.arange(4) < x["z"], x["tau"], x["s"]), fm.Choice(S({("tau", 1.0), ("s", 1.0)}))),
+    ("discrete index", lambda x, d: x["a"][x["z"]], fm.Power("a", 1.0)),
+    ("scan carry", level_scan, fm.Affine(S({"a"}), True)),
+    ("softplus", lambda x, d: jax.nn.softplus(x["w"]), fm.Opaque("'softplus' of a latent")),
+    ("tanh", lambda x, d: jnp.tanh(x["w"]), fm.Opaque("'tanh' of a latent")),
+    ("product of latents", lambda x, d: x["w"] @ x["w"], fm.Opaque("a product of latents")),
+    ("latent choice", lambda x, d: jnp.where(x["w"] > 0, x["w"], 0.0), fm.Opaque("a choice that depends on a latent's value")),
+    ("latent index", lambda x, d: x["a"][jnp.argmax(x["w"])], fm.Opaque("an index computed from a latent (dynamic_slice)")),
+    ("sum with a power", lambda x, d: x["tau"] ** 2 + 1.0, fm.Opaque("a sum of a latent's power or link with other terms")),
+]
+
+
+@pytest.mark.parametrize("name, fn, expected", TABLE, ids=[t[0] for t in TABLE])
+def test_form_of_expression(name, fn, expected):
+    _, forms, _ = output_forms(lambda x, d: {"out": fn(x, d)}, SITES, INPUT_FORMS, (X, G))
+    assert forms["out"] == expected
+
+
+def test_dependencies_come_from_the_same_jaxpr():
+    deps, forms, primitives = output_forms(
+        lambda x, d: {"loc": d[0] @ x["w"], "scale": 1.0 / jnp.sqrt(x["tau"])}, SITES, INPUT_FORMS, (X, G)
+    )
+    assert deps == {"loc": S({"w"}), "scale": S({"tau"})}
+    assert {"dot_general", "sqrt", "div"} <= primitives
+    assert forms["scale"] == fm.Power("tau", -0.5)
+
+
+# -- classes once the blocks are known ----------------------------------------------------------
+
+GAUSS = Block("w", fam.GaussianDense(3), "gaussian", (3,))
+DIAG = Block("a", fam.GaussianDiag(), "gaussian-diag", (4,))
+GAMMA = Block("tau", fam.Gamma(), "gamma", ())
+
+
+def _log_space(name, shape=()):
+    from numpyro.distributions.transforms import ExpTransform
+
+    return Block(name, fam.GaussianDiag(), "gaussian-diag", shape, transform=ExpTransform())
+
+
+BLOCKS = {"w": GAUSS, "a": DIAG, "tau": GAMMA, "s": _log_space("s")}
+SITE_BLOCKS = {n: (n, b) for n, b in BLOCKS.items()}
+
+#: (form, the blocks it depends on, expected kind or None for "the probes decide", power)
+CLASSES = [
+    (fm.Affine(S({"w"}), True), ("w",), "affine_gaussian", None),  # X @ w: a dense block may mix
+    (fm.Affine(S({"a"}), True), ("a",), None, None),  # a diagonal block mixed: columns, probed
+    (fm.Power("a", 1.0), ("a",), "affine_gaussian", None),
+    (fm.Power("tau", -0.5), ("tau",), "power_gamma", -0.5),
+    (fm.LogPower("s", 1.0), ("s",), "affine_gaussian", None),  # log of exp(u)
+    (fm.Power("s", 1.0), ("s",), "opaque", None),  # exp(u) itself
+    (fm.Linked("exp", S({"w"}), True), ("w",), "opaque", None),
+    (fm.Opaque("'tanh' of a latent"), ("w",), "opaque", None),
+]
+
+
+@pytest.mark.parametrize("form, deps, kind, power", CLASSES)
+def test_class_of_form(form, deps, kind, power):
+    cls, reason = classify_form(form, deps, BLOCKS, SITE_BLOCKS)
+    if kind is None:
+        assert cls is None
+        return
+    assert cls.kind == kind and cls.blocks == deps
+    if kind == "power_gamma":
+        assert cls.power == power
+    assert (kind == "opaque") == bool(reason)
+
+
+def test_inverse_links_read_glm_projections():
+    log_rate = fm.inverse_link(fm.Linked("exp", S({"w"}), True), "exp")
+    assert classify_form(log_rate, ("w",), BLOCKS, SITE_BLOCKS)[0].kind == "affine_gaussian"
+    logit = fm.inverse_link(fm.Linked("sigmoid", S({"w"})), "sigmoid")
+    assert logit == fm.Affine(S({"w"}))
+    assert isinstance(fm.inverse_link(fm.Linked("exp", S({"w"})), "sigmoid"), fm.Opaque)
