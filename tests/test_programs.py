@@ -155,3 +155,35 @@ def test_gaussian_random_walk_is_exact():
     q = result.posterior["x"]
     np.testing.assert_allclose(q.mean, mean, atol=1e-8)
     np.testing.assert_allclose(q.covariance_matrix, cov, atol=1e-8)
+
+
+AR = np.random.default_rng(3).normal(size=16).cumsum() * 0.3
+
+
+def ar1_loop(y):
+    phi = numpyro.sample("phi", dist.Normal(0.0, 0.5))
+    sigma = numpyro.sample("sigma", dist.HalfNormal(1.0))
+    for t in range(1, len(y)):
+        numpyro.sample(f"y_{t}", dist.Normal(phi * y[t - 1], sigma), obs=y[t])
+
+
+def ar1_plate(y):
+    phi = numpyro.sample("phi", dist.Normal(0.0, 0.5))
+    sigma = numpyro.sample("sigma", dist.HalfNormal(1.0))
+    with numpyro.plate("t", len(y) - 1):
+        numpyro.sample("y", dist.Normal(phi * y[:-1], sigma), obs=y[1:])
+
+
+def test_one_site_per_time_step_equals_the_plate():
+    """An AR(1) written with one site per step in a Python loop (15 quadrature factors of one
+    structure, evaluated as one batched rule) has the posterior of the same model written
+    with a plate (one factor of 15 elements): the same fixed point."""
+    loop = blr_fit(ar1_loop, (AR,), rng_key=random.PRNGKey(0), progress_bar=False)
+    plate = blr_fit(ar1_plate, (AR,), rng_key=random.PRNGKey(0), progress_bar=False)
+    assert loop.converged and plate.converged
+    # the 15 steps, sigma's prior and its log|det J|
+    assert sum(f.estimator == "quadrature" for f in loop.plan.factors) == 17
+    for site in ("phi", "sigma"):
+        np.testing.assert_allclose(loop.posterior[site].mean, plate.posterior[site].mean, rtol=1e-6)
+        np.testing.assert_allclose(loop.posterior[site].variance, plate.posterior[site].variance, rtol=1e-5)
+    np.testing.assert_allclose(loop.elbo[-1], plate.elbo[-1], rtol=1e-9)

@@ -16,6 +16,7 @@ Khan & Lin (2017). Its gradient with respect to (m, Σ) gives the message.
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import jax
@@ -46,54 +47,85 @@ def _standard_nodes(d: int):
 
 
 def quadrature_elementwise(fns, factors, blocks, views, discrete_values, data):
-    """Per-element E_q[log f | discrete values] of quadrature factors, and their scales."""
+    """Per-element E_q[log f | discrete values] of quadrature factors, and their scales.
+
+    Factors of the same structure (distribution, projections and shapes: one site per time
+    step written in a Python loop) are evaluated together, as one batched rule, so that the
+    compiled program does not grow with their number."""
     moments = group_moments(fns, factors, blocks, views, discrete_values, data)
     cont = []
     for f in factors:
         cont += [n for n in f.neighbours if n not in f.discrete and n not in cont]
     point = base_values(blocks, views, cont)
     sites = fns.sites(tuple(f.name for f in factors), {**discrete_values, **point}, data)
-    els, scales = {}, {}
+    groups: dict = {}
     for f in factors:
         site = sites[f.name]
         _, leaves, tree = distribution_leaves(site)
         proj = [moments[f.name][name] for name, _, _ in f.links]
-        d = len(proj)
-        shape = jnp.broadcast_shapes(*[p.shape for p in proj])
-        means = [jnp.broadcast_to(p.mean(), shape) for p in proj]
-        grid, weights = _standard_nodes(d)
-        dtype = means[0].dtype
-        grid = jnp.asarray(grid, dtype)
-        # the node axis leads; enough unit axes that it never meets a batch axis
-        nd = max([len(shape), jnp.ndim(site["value"])] + [jnp.ndim(x) for x in leaves])
-        if d == 1:
-            sd = _safe_sqrt(jnp.broadcast_to(proj[0].var(), shape))
-            etas = [means[0] + sd * grid[:, 0].reshape((-1,) + (1,) * nd)]
+        inputs = (list(leaves), jnp.asarray(site["value"]), proj)
+        shapes = jax.tree.map(lambda x: (jnp.shape(x), jnp.result_type(x)), inputs)
+        groups.setdefault((f.links, tree, str(shapes)), []).append((f, inputs))
+    els, scales = {}, {}
+    for (links, tree, _), members in groups.items():
+        rule = functools.partial(_expected_log_prob, links, tree)
+        if len(members) == 1:
+            ((f, inputs),) = members
+            per_factor = [rule(*inputs)]
         else:
-            v0 = jnp.maximum(jnp.broadcast_to(proj[0].var(), shape), 0.0)
-            v1 = jnp.maximum(jnp.broadcast_to(proj[1].var(), shape), 0.0)
-            c01 = jnp.broadcast_to(covariance(proj[0], proj[1]), shape)
-            l00 = _safe_sqrt(v0)
-            l10 = jnp.where(l00 > 0, c01 / jnp.where(l00 > 0, l00, 1.0), 0.0)
-            l11 = _safe_sqrt(v1 - l10**2)
-            z0 = grid[:, 0].reshape((-1,) + (1,) * nd)
-            z1 = grid[:, 1].reshape((-1,) + (1,) * nd)
-            etas = [means[0] + l00 * z0, means[1] + l10 * z0 + l11 * z1]
-        new_leaves = list(leaves)
-        value = site["value"]
-        for (name, index, link), eta in zip(f.links, etas):
-            x = LINKS[link][0](eta)
-            if index == "value":
-                value = x
-            elif isinstance(index, str):  # value − loc of a translation family: loc at 0
-                value = x
-                loc = shift_leaf(index)
-                new_leaves[loc] = jnp.zeros_like(new_leaves[loc])
-            else:
-                new_leaves[index] = x
-        base = tree.unflatten(new_leaves)
-        lp = base.log_prob(value)
-        w = jnp.asarray(weights, dtype).reshape((-1,) + (1,) * (lp.ndim - 1))
-        els[f.name] = reduce_wrapped(site["fn"], jnp.sum(w * lp, axis=0))
-        scales[f.name] = site.get("scale")
+            stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[inputs for _, inputs in members])
+            batched = jax.vmap(rule)(*stacked)
+            per_factor = [batched[k] for k in range(len(members))]
+        for (f, _), lp in zip(members, per_factor):
+            site = sites[f.name]
+            els[f.name] = reduce_wrapped(site["fn"], lp)
+            scales[f.name] = site.get("scale")
     return els, scales
+
+
+def _projection_factors(proj) -> list:
+    """Means and the lower Cholesky factor of the projections' covariance, per element:
+    [m] and [l] for one projection, [m0, m1] and [l00, l10, l11] for two."""
+    shape = jnp.broadcast_shapes(*[p.shape for p in proj])
+    means = [jnp.broadcast_to(p.mean(), shape) for p in proj]
+    if len(proj) == 1:
+        return means + [_safe_sqrt(jnp.broadcast_to(proj[0].var(), shape))]
+    v0 = jnp.maximum(jnp.broadcast_to(proj[0].var(), shape), 0.0)
+    v1 = jnp.maximum(jnp.broadcast_to(proj[1].var(), shape), 0.0)
+    c01 = jnp.broadcast_to(covariance(proj[0], proj[1]), shape)
+    l00 = _safe_sqrt(v0)
+    l10 = jnp.where(l00 > 0, c01 / jnp.where(l00 > 0, l00, 1.0), 0.0)
+    return means + [l00, l10, _safe_sqrt(v1 - l10**2)]
+
+
+def _expected_log_prob(links, tree, leaves, value, proj):
+    """Σ_k w_k log p(value | leaves at the nodes η_k), per element: the tensor rule over the
+    Gaussian of the projections (moment objects ``proj``)."""
+    factors = _projection_factors(proj)
+    d = len(links)
+    grid, weights = _standard_nodes(d)
+    dtype = factors[0].dtype
+    grid = jnp.asarray(grid, dtype)
+    # the node axis leads; enough unit axes that it never meets a batch axis
+    nd = max([jnp.ndim(factors[0]), jnp.ndim(value)] + [jnp.ndim(x) for x in leaves])
+    z = [grid[:, j].reshape((-1,) + (1,) * nd) for j in range(d)]
+    if d == 1:
+        mean, sd = factors
+        etas = [mean + sd * z[0]]
+    else:
+        m0, m1, l00, l10, l11 = factors
+        etas = [m0 + l00 * z[0], m1 + l10 * z[0] + l11 * z[1]]
+    new_leaves = list(leaves)
+    for (_, index, link), eta in zip(links, etas):
+        x = LINKS[link][0](eta)
+        if index == "value":
+            value = x
+        elif isinstance(index, str):  # value − loc of a translation family: loc at 0
+            value = x
+            loc = shift_leaf(index)
+            new_leaves[loc] = jnp.zeros_like(new_leaves[loc])
+        else:
+            new_leaves[index] = x
+    lp = tree.unflatten(new_leaves).log_prob(value)
+    w = jnp.asarray(weights, dtype).reshape((-1,) + (1,) * (lp.ndim - 1))
+    return jnp.sum(w * lp, axis=0)
