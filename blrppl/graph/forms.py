@@ -16,11 +16,16 @@ latent site values (the jaxpr :mod:`blrppl.graph.deps` reads) assigns each varia
   possibly indexed);
 * :class:`LogPower` — log(c · x^a) = a log x + log c: affine in log x (a positive latent
   fitted on log space: its log is affine in the Gaussian block);
+* :class:`Product` — c · Π x_i^(a_i) over several sites (``tau * lambdas``), and
+  :class:`LogProduct` its log (affine in the sites' logs);
+* :class:`Choice` — each element a power of one of several sites
+  (``jnp.where(t < tau, early, late)``);
+* :class:`Logit` — the logit of a site itself;
 * :class:`Linked` — exp or sigmoid of an affine form (a GLM's inverse link);
 * :class:`Opaque` — anything else, with the reason (the primitive that made it so).
 
-Forms are in terms of *site* values. :func:`classify_form` turns a form into the argument
-class of :mod:`blrppl.expressions` once the blocks are known (a site fitted by a Gaussian on
+Forms are in terms of *site* values. :func:`blrppl.expressions.classify_form` turns a form
+into the argument class of :mod:`blrppl.expressions` once the blocks are known (a site fitted by a Gaussian on
 log space reads ``LogPower`` as affine and ``Power`` as the exp of an affine form), or into
 ``None`` when only the numerical probes can tell (the gather structure of a mixing argument
 of a plated block, arguments that also read point blocks).
@@ -49,12 +54,17 @@ class Const:
 
 @dataclasses.dataclass(frozen=True)
 class Affine:
+    """An affine function of the values of ``sites`` with constant coefficients; ``mixes``:
+    an element may combine several elements of one site."""
+
     sites: frozenset
     mixes: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
 class Power:
+    """c · x^a elementwise in one site x (a known scalar a); ``unit``: c = 1."""
+
     site: str
     power: float
     unit: bool = True
@@ -63,6 +73,8 @@ class Power:
 
 @dataclasses.dataclass(frozen=True)
 class LogPower:
+    """log(c · x^a) = a log x + log c in one site x."""
+
     site: str
     power: float | None  # None: a coefficient not known at compile time
     mixes: bool = False
@@ -70,6 +82,8 @@ class LogPower:
 
 @dataclasses.dataclass(frozen=True)
 class Linked:
+    """exp or sigmoid of an affine form in ``sites``."""
+
     link: str  # "exp" | "sigmoid"
     sites: frozenset
     mixes: bool = False
@@ -110,6 +124,8 @@ class Logit:
 
 @dataclasses.dataclass(frozen=True)
 class Opaque:
+    """Anything else; ``reason`` names what made it so."""
+
     reason: str
 
 
