@@ -42,8 +42,8 @@ from numpyro import handlers
 from numpyro.primitives import Messenger
 
 from blrppl import moments as mom
-from blrppl.graph.data import DataSpec
-from blrppl.graph.data import compiler_options
+from blrppl.graph import forms as fm
+from blrppl.graph.data import DataSpec, compiler_options
 from blrppl.graph.plan import Block
 from blrppl.graph.trace import PlateIndices, unwrap, value_mask
 
@@ -820,8 +820,6 @@ def classify_form(form, deps, blocks: dict, site_blocks: dict) -> tuple:
         block, or a Beta/Dirichlet latent times a constant that may be 1); and the reason an
         argument is opaque (``""`` otherwise).
     """
-    from blrppl.graph import forms as fm
-
     cont = tuple(n for n in deps if not blocks[n].discrete)
     if not cont or any(blocks[n].point for n in cont):
         return None, ""

@@ -15,6 +15,8 @@ from typing import Callable, Sequence
 import jax
 from jax.extend import core as jex_core
 
+from blrppl.graph.forms import Const, jaxpr_forms
+
 
 def _jaxpr_deps(jaxpr, in_deps: Sequence[frozenset], seen: set | None = None) -> list[frozenset]:
     env: dict = {}
@@ -83,8 +85,6 @@ def output_forms(fn: Callable, inputs: dict, input_forms: dict, *extra) -> tuple
         ``(dependencies, forms, primitives)``: two pytrees with the structure of ``fn``'s
         output (frozensets of names; forms) and a set of primitive names.
     """
-    from blrppl.graph.forms import Const, jaxpr_forms
-
     closed, treedef, names = _trace(fn, inputs, extra)
     primitives: set = set()
     out_deps = _jaxpr_deps(closed.jaxpr, [frozenset([n]) if n else frozenset() for n in names], primitives)
