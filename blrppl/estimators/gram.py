@@ -238,10 +238,10 @@ def _linear_rule(eqn, ins, dim) -> list:
             n_c = jnp.ndim(c) - len(contract_c)
             res = jnp.moveaxis(res, tuple(range(n_c)), tuple(range(res.ndim - 1 - n_c, res.ndim - 1)))
         return [("lin", res)]
-    if name in ("neg", "convert_element_type", "copy", "copy_p") and len(lins) == 1:
-        m = full(lins[0]) if name != "convert_element_type" else lins[0]
-        if name == "neg":
-            return [("lin", -m)]
+    if name == "neg" and len(lins) == 1:
+        return [("lin", -full(lins[0]))]
+    if name in ("convert_element_type", "copy", "copy_p") and len(lins) == 1:
+        m = lins[0]  # the identity stays symbolic
         return [("lin", m if isinstance(m, str) else m.astype(out_aval.dtype))]
     if name in ("mul", "div") and len(lins) == 1 and not (name == "div" and kinds[1] == "lin"):
         (c,), m = consts, full(lins[0])
