@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import functools
 import math
@@ -26,12 +27,14 @@ from blrppl.estimators import gram
 from blrppl.expressions import canonical_leaves
 from blrppl.diagnostics import KHAT_WARN, Diagnostics, make_log_weights, psis_khat
 from blrppl.graph.data import DataSpec, RunData, split_run_data
-from blrppl.graph.data import compiler_options as _compiler_options
+from blrppl.graph.data import compiler_options as _compiler_options, xla_compilations
 from blrppl.engine.subsample import averaged_nat, svi_rate
-from blrppl.graph.trace import check_plate_sizes, full_size_model, subsampled_plates, trace_model, trace_program
+from blrppl.graph.trace import (
+    check_plate_sizes, full_size_model, model_runs, subsampled_plates, trace_model, trace_program,
+)
 from blrppl.inputs import FitOptions, as_key, fit_options, model_arguments
 from blrppl.online import online_plan, previous_nat, previous_spec
-from blrppl.result import BLRResult, site_distribution
+from blrppl.result import BLRResult, CompileCounts, site_distribution
 
 #: default initial ρ of blocks with Monte Carlo messages (then decaying); other blocks start
 #: at ρ = 1 (exact coordinate steps for conjugate blocks, Newton-like natural-gradient
@@ -112,13 +115,18 @@ class _Compiled:
     log_weights_fn: Callable | None = None
     _log_weights_compiled: Any = None
 
+    def compile_log_weights(self, nat, dyn, key) -> None:
+        """Start compiling :meth:`log_weights` for arguments of these shapes (on a worker
+        thread: the fit runs meanwhile)."""
+        with numpyro.validation_enabled(False):
+            lowered = jax.jit(self.log_weights_fn).lower(nat, dyn, key)
+        self._log_weights_compiled = _COMPILER.submit(lowered.compile, compiler_options=_compiler_options(dyn))
+
     def log_weights(self, nat, dyn, key):
         """The importance log-weights of q (:mod:`blrppl.diagnostics`): one compiled call."""
         if self._log_weights_compiled is None:
-            with numpyro.validation_enabled(False):
-                lowered = jax.jit(self.log_weights_fn).lower(nat, dyn, key)
-            self._log_weights_compiled = lowered.compile(compiler_options=_compiler_options(dyn))
-        return self._log_weights_compiled(nat, dyn, key)
+            self.compile_log_weights(nat, dyn, key)
+        return self._log_weights_compiled.result()(nat, dyn, key)
 
     def statistics(self, dyn) -> dict:
         """The data statistics of the plan's ``gram_block`` factors: one compiled call (XLA's
@@ -148,6 +156,10 @@ class _Compiled:
 #: held while a model is traced and compiled, and while posteriors are exported (numpyro's
 #: effect handlers live on one process-wide stack: two threads must not run models at once)
 COMPILE_LOCK = threading.RLock()
+
+#: worker threads for XLA compilations (which release the GIL): a fit's programs compile
+#: while the next one is traced, or while the fit runs
+_COMPILER = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="blrppl-compile")
 
 #: compiled fits, most recent last
 _CACHE: "collections.OrderedDict" = collections.OrderedDict()
@@ -305,16 +317,23 @@ def _compile(model, records, data_spec, dyn_data, tracer, options, prior_spec, k
     stats = jax.eval_shape(statistics_fn, dyn_data) if statistics_fn is not None else {}
     previous = {n: state.nat[n] for n in online}
     run_data = RunData(dyn_data, previous, stats) if (online or stats) else dyn_data
-    compiled = (
-        jax.jit(chunk)
-        .lower(state, run_data, steps, rho, history)
-        .compile(compiler_options=_compiler_options(dyn_data, _elementwise_work(plan, records)))
+    lowered = jax.jit(chunk).lower(state, run_data, steps, rho, history)
+    # XLA compiles outside the GIL: the chunk compiles on a worker thread while the
+    # diagnostics' program is traced here, then both compile at once
+    chunk_future = _COMPILER.submit(
+        lowered.compile, compiler_options=_compiler_options(dyn_data, _elementwise_work(plan, records))
     )
-    return _Compiled(
-        tracer, plan, graph, init_fn, compiled, _posterior_builder(plan, records), window,
+    log_weights_fn = None if plan.subsampled or online else make_log_weights(plan, fns, records, dyn_data)
+    bundle = _Compiled(
+        tracer, plan, graph, init_fn, None, _posterior_builder(plan, records), window,
         chunk_fn=chunk, elbo_fn=jax.jit(elbo_fn), online=online, statistics_fn=statistics_fn,
-        log_weights_fn=None if plan.subsampled or online else make_log_weights(plan, fns, records, dyn_data),
+        log_weights_fn=log_weights_fn,
     )
+    if log_weights_fn is not None and not (len(plan.blocks) == 1 and exact_block is not None):
+        # (a lone conjugate block needs no draws, see _diagnose)
+        bundle.compile_log_weights(state.nat, dyn_data, state.rng_key)
+    bundle.chunk = chunk_future.result()
+    return bundle
 
 
 @dataclasses.dataclass
@@ -332,6 +351,7 @@ class _Prepared:
     chunk_size: int
     start_time: float
     iterate_average: bool = True
+    compile_counts: CompileCounts | None = None
 
     def history(self):
         """An empty ring buffer of recent ELBOs for the convergence tests."""
@@ -355,6 +375,7 @@ def _prepare(model, args, kwargs, options: FitOptions, rng_key, prior=None, init
 
 def _prepare_locked(model, args, kwargs, options, rng_key, prior, init_values, start) -> _Prepared:
     t0 = time.perf_counter()
+    runs0, compilations0 = model_runs(), xla_compilations()
     k_trace, k_probe, k_host, k_loop = jax.random.split(rng_key, 4)
     rng = np.random.default_rng(np.asarray(jax.random.key_data(k_host)).ravel())
     learning_rate, tol = options.learning_rate, options.tol
@@ -431,10 +452,11 @@ def _prepare_locked(model, args, kwargs, options, rng_key, prior, init_values, s
         rho = {n: jnp.asarray(float(learning_rate), dtype) for n in plan.order}
     if any(b.discrete for b in plan.blocks) and not plan.subsampled:
         state = _discrete_start(bundle, plan, init_records, state, dyn_data, start, rng, block_values)
-    prepared = _Prepared(
-        bundle, plan, records, data_spec, dyn_data, state, rho, tol, CHUNK_SIZE, t0, options.iterate_average
+    jax.block_until_ready(state)
+    counts = CompileCounts(model_runs() - runs0, xla_compilations() - compilations0)
+    return _Prepared(
+        bundle, plan, records, data_spec, dyn_data, state, rho, tol, CHUNK_SIZE, t0, options.iterate_average, counts
     )
-    return prepared
 
 
 def _discrete_start(bundle, plan, records, state, data, start, rng, block_values):
@@ -616,6 +638,7 @@ def _run(prepared: _Prepared, state: BLRState, num_steps: int, progress_bar: boo
         run_time=t2 - t1,
         graph=bundle.graph,
         state=outcome.state,
+        compile_counts=prepared.compile_counts,
     )
     return result
 

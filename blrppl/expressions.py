@@ -45,7 +45,7 @@ from blrppl import moments as mom
 from blrppl.graph import forms as fm
 from blrppl.graph.data import DataSpec, compiler_options
 from blrppl.graph.plan import Block
-from blrppl.graph.trace import PlateIndices, unwrap, value_mask
+from blrppl.graph.trace import PlateIndices, count_model_run, unwrap, value_mask
 
 #: dense Gaussian blocks whose elements mix in an argument get one column per scalar,
 #: up to this many scalars; beyond it the argument is opaque
@@ -56,6 +56,123 @@ _NUM_PROBES = 2
 
 class _Collected(Exception):
     """Raised to stop the model once every wanted site has run."""
+
+
+class _Record(Messenger):
+    """Collects the trace entry (``fn``, ``value``, ``scale``) of every sample site, as the
+    factors read them: observed values feasible where masked, latents' priors unmasked."""
+
+    def __init__(self, fn):
+        super().__init__(fn)
+        self.sites = {}
+
+    def postprocess_message(self, msg):
+        if msg["type"] != "sample" or msg.get("name") is None:
+            return
+        site = {k: msg[k] for k in ("fn", "value", "scale")}
+        if msg.get("is_observed"):
+            site["value"] = feasible_where_masked(msg["fn"], msg["value"])
+        else:
+            site["fn"] = without_mask(msg["fn"])
+        self.sites[msg["name"]] = site
+
+
+class ModelProgram:
+    """The model as one traced program: (every latent's value, data leaves, minibatch
+    indices) → every sample site's trace entry (distribution, value, scale).
+
+    The model's Python code runs once per input signature (the shapes and dtypes of the
+    inputs; under ``vmap`` or ``grad`` the signature of one example), into a jaxpr; every
+    later request evaluates that jaxpr, pruned (dead-code elimination) to the sites asked
+    for. Distributions travel as pytrees (numpyro's distributions are registered ones).
+    A model whose entries are not pytrees of arrays falls back to running the model (once
+    per request, stopped after the last wanted site), as does a site the program does not
+    record.
+    """
+
+    def __init__(self, model):
+        self.model = model
+        self._traced: dict = {}
+        self._pruned: dict = {}
+        self._specs: dict = {}
+
+    def _run(self, full, args, kwargs, indices, names=None):
+        count_model_run()
+        model = handlers.substitute(self.model, data=full)
+        if indices:
+            model = PlateIndices(model, indices)
+        if names is not None:
+            stopper = _StopAfter(model, names)
+            try:
+                stopper(*args, **kwargs)
+            except _Collected:
+                pass
+            return stopper.sites
+        recorder = _Record(model)
+        recorder(*args, **kwargs)
+        return recorder.sites
+
+    def _trace(self, signature, spec, inputs):
+        flat, in_tree = jax.tree.flatten(inputs)
+
+        def program(*leaves):
+            full, data, indices = jax.tree.unflatten(in_tree, leaves)
+            args, kwargs = spec.merge(data)
+            return self._run(full, args, kwargs, indices)
+
+        avals = [jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x), weak_type=_weak(x)) for x in flat]
+        try:
+            closed, shapes = jax.make_jaxpr(program, return_shape=True)(*avals)
+        except (TypeError, jax.errors.ConcretizationTypeError, jax.errors.TracerBoolConversionError):
+            return None  # entries that are not pytrees of arrays, or values read concretely
+        out_leaves, out_tree = jax.tree.flatten(shapes)
+        sizes = jax.tree.unflatten(out_tree, [1] * len(out_leaves))
+        slices, start = {}, 0
+        for name, entry in sizes.items():
+            n = len(jax.tree.leaves(entry))
+            slices[name] = (start, start + n)
+            start += n
+        return closed, out_tree, slices
+
+    def sites(self, names, full: dict, data, indices: dict, spec: DataSpec) -> dict:
+        """The trace entries of the sites ``names`` with latent values ``full`` (every
+        latent, constrained), data leaves ``data`` and plate minibatch ``indices``."""
+        inputs = (full, tuple(data), dict(indices))
+        flat, in_tree = jax.tree.flatten(inputs)
+        self._specs[id(spec)] = spec  # (a spec holding arrays is not hashable: keyed by identity, kept alive)
+        signature = (id(spec), in_tree, tuple((jnp.shape(x), jnp.result_type(x), _weak(x)) for x in flat))
+        if signature not in self._traced:
+            self._traced[signature] = self._trace(signature, spec, inputs)
+        traced = self._traced[signature]
+        if traced is None or any(n not in traced[2] for n in names):
+            args, kwargs = spec.merge(data)
+            return self._run(full, args, kwargs, indices, names)
+        closed, out_tree, slices = traced
+        wanted = frozenset(names)
+        key = (signature, wanted)
+        if key not in self._pruned:
+            used = [False] * out_tree.num_leaves
+            for n in wanted:
+                a, b = slices[n]
+                used[a:b] = [True] * (b - a)
+            jaxpr, used_inputs = _dce(closed.jaxpr, used)
+            self._pruned[key] = (jaxpr, used_inputs, used)
+        jaxpr, used_inputs, used = self._pruned[key]
+        outs = iter(jax.core.eval_jaxpr(jaxpr, closed.consts, *[x for x, u in zip(flat, used_inputs) if u]))
+        leaves = [next(outs) if u else None for u in used]
+        entries = jax.tree.unflatten(out_tree, leaves)
+        return {n: entries[n] for n in names}
+
+
+def _weak(x) -> bool:
+    return bool(getattr(jax.typeof(x), "weak_type", False)) if isinstance(x, jax.Array) else not hasattr(x, "dtype")
+
+
+def _dce(jaxpr, used_outputs):
+    """``jaxpr`` pruned to the outputs ``used_outputs``: (pruned jaxpr, which inputs it keeps)."""
+    from jax._src.interpreters import partial_eval as pe
+
+    return pe.dce_jaxpr(jaxpr, used_outputs)
 
 
 class _StopAfter(Messenger):
@@ -128,8 +245,9 @@ class MinibatchData(NamedTuple):
 class ModelFunctions:
     """Evaluates factors' arguments as a function of the latent values.
 
-    The model is re-run with the latent values substituted and stopped as soon as the last
-    wanted site has run, so a factor early in the model does not pay for the rest of it.
+    The model's program (:class:`ModelProgram`: the model traced once, shared by every
+    ``ModelFunctions`` of one compilation) is evaluated with the latent values substituted,
+    pruned to the wanted sites, so a factor does not pay for the rest of the model.
 
     Args:
         model: the numpyro model.
@@ -138,6 +256,7 @@ class ModelFunctions:
             depend on; their values never reach the factor's arguments).
         plate_indices: plate name → minibatch indices used for subsampled plates when the
             data carry none (:class:`MinibatchData`), e.g. while compiling.
+        program: the model's :class:`ModelProgram` (a new one if None).
     """
 
     def __init__(
@@ -148,8 +267,10 @@ class ModelFunctions:
         transforms: dict | None = None,
         joints: dict | None = None,
         plate_indices: dict | None = None,
+        program: ModelProgram | None = None,
     ):
         self.model = model
+        self.program = program if program is not None and program.model is model else ModelProgram(model)
         self.data_spec = data_spec
         self.fill_values = fill_values
         self.transforms = dict(transforms or {})
@@ -164,7 +285,6 @@ class ModelFunctions:
         if isinstance(data, MinibatchData):
             indices = {**indices, **data.indices}
             data = data.leaves
-        args, kwargs = self.data_spec.merge(data)
         full = dict(self.fill_values)
         for n, v in values.items():
             if n in self.joints:
@@ -173,15 +293,7 @@ class ModelFunctions:
                 full[n] = v
         for n, t in self.transforms.items():
             full[n] = t(full[n])
-        model = handlers.substitute(self.model, data=full)
-        if indices:
-            model = PlateIndices(model, indices)
-        stopper = _StopAfter(model, names)
-        try:
-            stopper(*args, **kwargs)
-        except _Collected:
-            pass
-        return stopper.sites
+        return self.program.sites(names, full, data, indices, self.data_spec)
 
     @staticmethod
     def rule_args(site: dict, arg_names) -> dict:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -151,6 +151,18 @@ def _layout_distribution(block: Block, nat, event_ndim: int) -> dist.Distributio
     return inner.to_event(extra) if extra > 0 else inner
 
 
+class CompileCounts(NamedTuple):
+    """What a fit did before its first step.
+
+    Attributes:
+        model_runs: runs of the model's Python code (traces included).
+        xla_compilations: XLA compilations (a persistent-cache hit is none).
+    """
+
+    model_runs: int
+    xla_compilations: int
+
+
 @dataclasses.dataclass
 class BLRResult:
     """A fitted candidate posterior.
@@ -171,6 +183,9 @@ class BLRResult:
             (k̂ > 0.7: q is a poor approximation, and the fit warns), the last relative ELBO
             change, the steps backtracking undid, the Monte Carlo ELBO noise.
         diagnostic_time: seconds spent on the diagnostics (and the posterior export).
+        compile_counts: :class:`CompileCounts` of this fit up to its first step: how often
+            the model's Python code ran and how many XLA compilations there were (both
+            small when the compiled fit came from the cache).
     """
 
     posterior: dict
@@ -186,6 +201,7 @@ class BLRResult:
     state: Any = None
     diagnostics: Any = None
     diagnostic_time: float = 0.0
+    compile_counts: CompileCounts | None = None
 
     @property
     def params(self) -> dict:

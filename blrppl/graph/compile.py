@@ -17,7 +17,7 @@ from blrppl import families as fam
 from blrppl.errors import FamilyError, UnsupportedFactorError, UnsupportedLatentError
 from blrppl.estimators import gram
 from blrppl.expressions import (
-    LINKS, ArgumentClass, ModelFunctions, classify_form, distribution_leaves, probe_argument, projection_args, run_probes,
+    LINKS, ArgumentClass, ModelFunctions, ModelProgram, classify_form, distribution_leaves, probe_argument, projection_args, run_probes,
 )
 from blrppl.graph.data import compiler_options
 from blrppl.graph.deps import output_forms
@@ -227,10 +227,14 @@ def compile_model(
     # params are not sites with a density: they are inputs of the factors, never factors
     records = collections.OrderedDict((n, r) for n, r in records.items() if not r.is_param)
     rules = {r.name: (None if r.is_factor else find_rule(r.dist_type)) for r in records.values()}
-    deps, forms, elementwise, primitives = _dependencies(model, data_spec, data, records, rules, site_init, plate_indices)
+    # the model's program, traced once and shared by every evaluation below and by the fit
+    program = ModelProgram(model)
+    deps, forms, elementwise, primitives = _dependencies(
+        model, data_spec, data, records, rules, site_init, plate_indices, program
+    )
     _check_static_supports(records, deps)
     if primitives & AUDITED_PRIMITIVES:
-        _audit_dependencies(model, data_spec, data, records, deps, site_init, plate_indices, rng_key)
+        _audit_dependencies(model, data_spec, data, records, deps, site_init, plate_indices, rng_key, program)
     param_blocks = {r.name: _param_block(r) for r in latent if r.is_param}
 
     moved: set = set()
@@ -251,7 +255,8 @@ def compile_model(
         }
         init_values = _block_init_values(blocks, site_init)
         fns = ModelFunctions(
-            model, data_spec, _site_fill(blocks, site_init), _transforms(blocks), plate_indices=plate_indices
+            model, data_spec, _site_fill(blocks, site_init), _transforms(blocks), plate_indices=plate_indices,
+            program=program,
         )
         factors = _classify_factors(
             records, rules, deps, blocks, fns, data, rng_key, quadrature=False, cache=probe_cache, forms=forms
@@ -299,7 +304,7 @@ def compile_model(
         init_values = _block_init_values(blocks, site_init)
         joints = {n: b for n, b in blocks.items() if b.members and not b.discrete}
         fns = ModelFunctions(
-            model, data_spec, _site_fill(blocks, site_init), _transforms(blocks), joints, plate_indices
+            model, data_spec, _site_fill(blocks, site_init), _transforms(blocks), joints, plate_indices, program
         )
         site_block = {s: n for n, b in blocks.items() for s in b.sites}
         deps = {
@@ -544,14 +549,14 @@ def _merge_joint(blocks: dict, members: list) -> dict:
     return _replace_members(blocks, members, joint)
 
 
-def _dependencies(model, data_spec, data, records, rules, site_init, plate_indices=None) -> tuple:
+def _dependencies(model, data_spec, data, records, rules, site_init, plate_indices=None, program=None) -> tuple:
     """Per site: the latent sites its rule arguments and its log-density depend on; and the
     items (``"leaf:i"``, ``"value"``) whose elements each enter the log-density of one
     element only (a univariate distribution whose argument has at most its batch shape):
     only these may be quadrature projections (a mixture's component locations, or a
     multivariate distribution's location, couple their elements in one log-density term).
     Also each item's form (:mod:`blrppl.graph.forms`), read off the same jaxpr."""
-    fns = ModelFunctions(model, data_spec, site_init, plate_indices=plate_indices)
+    fns = ModelFunctions(model, data_spec, site_init, plate_indices=plate_indices, program=program)
     elementwise: dict = {}
 
     def all_args(values, data):
@@ -597,7 +602,7 @@ def _dependencies(model, data_spec, data, records, rules, site_init, plate_indic
 AUDITED_PRIMITIVES = frozenset({"scan"})
 
 
-def _audit_dependencies(model, data_spec, data, records, deps, site_init, plate_indices, rng_key) -> None:
+def _audit_dependencies(model, data_spec, data, records, deps, site_init, plate_indices, rng_key, program=None) -> None:
     """The dependencies read off the model's program, checked numerically: the derivative of
     every site's log-density along a random direction of every continuous latent, at a
     random point near the starting point (one compiled call). A latent a log-density
@@ -618,7 +623,7 @@ def _audit_dependencies(model, data_spec, data, records, deps, site_init, plate_
         u = t.inv(jnp.asarray(site_init[r.name]))
         fill[r.name] = t(u + 0.1 * rng.normal(size=np.shape(u)))
     tangents = {r.name: rng.normal(size=np.shape(fill[r.name])) for r in latent}
-    fns = ModelFunctions(model, data_spec, {**site_init, **fill}, plate_indices=plate_indices)
+    fns = ModelFunctions(model, data_spec, {**site_init, **fill}, plate_indices=plate_indices, program=program)
     names = tuple(n for n in records if n in deps)
 
     def log_probs(values, data):

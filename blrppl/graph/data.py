@@ -106,6 +106,25 @@ def compiler_options(data, size: int | None = None) -> dict | None:
     return options or None
 
 
+#: XLA compilations in this process (a persistent-cache hit is none): read by
+#: :func:`xla_compilations`, counted by a JAX monitoring listener registered at import
+_XLA_COMPILATIONS = [0]
+
+
+def _count_compilation(event: str, duration: float, **_) -> None:
+    if event == "/jax/core/compile/backend_compile_duration":
+        _XLA_COMPILATIONS[0] += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_compilation)
+
+
+def xla_compilations() -> int:
+    """The number of XLA compilations in this process since blrppl was imported (every
+    thread's: a fit's count includes other threads' compilations while it compiled)."""
+    return _XLA_COMPILATIONS[0]
+
+
 #: environment variable that turns the persistent compilation cache off ("0", "off", "false")
 CACHE_ENV = "BLRPPL_COMPILATION_CACHE"
 

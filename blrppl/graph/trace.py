@@ -205,6 +205,22 @@ def init_to_prior_mean(site=None):
     return jnp.where(jnp.isfinite(mean), mean, fallback)
 
 
+#: how many times a model's Python code has run in this process (each trace, each re-run):
+#: :func:`model_runs` reads it, the compile statistics of a fit report the difference
+_MODEL_RUNS = [0]
+
+
+def model_runs() -> int:
+    """The number of times blrppl has run a model's Python code in this process."""
+    return _MODEL_RUNS[0]
+
+
+def count_model_run() -> None:
+    """Count one run of a model's Python code (see :func:`model_runs`)."""
+    _MODEL_RUNS[0] += 1
+
+
+
 def _split_data(args, kwargs):  # noqa: D103
     return args if args is not None else (), kwargs if kwargs is not None else {}
 
@@ -521,6 +537,7 @@ def _initial(init_strategy, site):
 
 def _run_once(model, spec, init_strategy, meta, dyn, rng_key):
     """Trace the model; static facts go to ``meta``, arrays are returned."""
+    count_model_run()
     args, kwargs = spec.merge(dyn)
     last = _LastSite(handlers.substitute(handlers.seed(model, rng_key), substitute_fn=partial(_initial, init_strategy)))
     meta["last"] = last
