@@ -27,12 +27,12 @@ from blrppl.estimators import gram
 from blrppl.expressions import canonical_leaves
 from blrppl.diagnostics import KHAT_WARN, Diagnostics, make_log_weights, psis_khat
 from blrppl.graph.data import DataSpec, RunData, split_run_data
-from blrppl.graph.data import compiler_options as _compiler_options, xla_compilations
+from blrppl.graph.data import compile_lowered, compiler_options as _compiler_options, host_array, xla_compilations
 from blrppl.engine.subsample import averaged_nat, svi_rate
 from blrppl.graph.trace import (
     check_plate_sizes, full_size_model, model_runs, subsampled_plates, trace_model, trace_program,
 )
-from blrppl.inputs import FitOptions, as_key, fit_options, model_arguments
+from blrppl.inputs import FitOptions, as_key, fit_options, host_fold_in, host_split, model_arguments
 from blrppl.online import online_plan, previous_nat, previous_spec
 from blrppl.result import BLRResult, CompileCounts, site_distribution
 
@@ -72,19 +72,29 @@ def _posterior_builder(plan, records):
         # order would change with Python's hash seed and miss the persistent cache
         return canonical_leaves(build(nat))[0]
 
-    def posteriors(nat):
-        # one small compiled call (backend optimisations off: it runs once per fit); op by
-        # op, every jnp operation would compile on its own
+    def prepare(nat):
+        """Start compiling the export for natural parameters of these shapes (on a worker
+        thread); False for distributions that are not pytrees (then built op by op)."""
+        if compiled:
+            return True
         try:
             with numpyro.validation_enabled(False):  # the families' parameters are valid
                 _, tree = canonical_leaves(jax.eval_shape(build, nat))
-                if not compiled:
-                    lowered = jax.jit(leaves_of).lower(nat)
-                    compiled.append(lowered.compile(compiler_options=_compiler_options(())))
-            return tree.unflatten(compiled[0](nat))
+                lowered = jax.jit(leaves_of).lower(nat)
         except TypeError:  # a distribution that is not a pytree
-            return build(nat)
+            return False
+        compiled.append((tree, _COMPILER.submit(compile_lowered, lowered, _compiler_options(()))))
+        return True
 
+    def posteriors(nat):
+        # one small compiled call (backend optimisations off: it runs once per fit); op by
+        # op, every jnp operation would compile on its own
+        if not prepare(nat):
+            return build(nat)
+        tree, future = compiled[0]
+        return tree.unflatten(future.result()(nat))
+
+    posteriors.prepare = prepare
     return posteriors
 
 
@@ -120,7 +130,7 @@ class _Compiled:
         thread: the fit runs meanwhile)."""
         with numpyro.validation_enabled(False):
             lowered = jax.jit(self.log_weights_fn).lower(nat, dyn, key)
-        self._log_weights_compiled = _COMPILER.submit(lowered.compile, compiler_options=_compiler_options(dyn))
+        self._log_weights_compiled = _COMPILER.submit(compile_lowered, lowered, _compiler_options(dyn))
 
     def log_weights(self, nat, dyn, key):
         """The importance log-weights of q (:mod:`blrppl.diagnostics`): one compiled call."""
@@ -140,7 +150,7 @@ class _Compiled:
         host = jax.default_backend() == "cpu"
         if self._statistics_compiled is None:
             lowered = jax.jit(functools.partial(self.statistics_fn, rows=host)).lower(dyn)
-            self._statistics_compiled = lowered.compile(compiler_options=_compiler_options(dyn, 0))
+            self._statistics_compiled = compile_lowered(lowered, _compiler_options(dyn, 0))
         stats = self._statistics_compiled(dyn)
         return {k: gram.gram_on_host(v) for k, v in stats.items()} if host else stats
 
@@ -248,7 +258,7 @@ def plan_of(model, data=None, *, rng_key=None, **options):
     the fit: blocks, factors and estimators (``plan_of(...).describe()``)."""
     args, kwargs = model_arguments(data)
     options = fit_options(**options)
-    k_trace, k_probe, _, _ = jax.random.split(as_key(rng_key), 4)
+    k_trace, k_probe, _, _ = host_split(as_key(rng_key), 4)
     with COMPILE_LOCK:
         records, data_spec, dyn_data, _ = trace_model(model, args, kwargs, k_trace)
         with numpyro.validation_enabled(False):
@@ -321,17 +331,20 @@ def _compile(model, records, data_spec, dyn_data, tracer, options, prior_spec, k
     # XLA compiles outside the GIL: the chunk compiles on a worker thread while the
     # diagnostics' program is traced here, then both compile at once
     chunk_future = _COMPILER.submit(
-        lowered.compile, compiler_options=_compiler_options(dyn_data, _elementwise_work(plan, records))
+        compile_lowered, lowered, _compiler_options(dyn_data, _elementwise_work(plan, records))
     )
     log_weights_fn = None if plan.subsampled or online else make_log_weights(plan, fns, records, dyn_data)
+    posterior_fn = _posterior_builder(plan, records)
     bundle = _Compiled(
-        tracer, plan, graph, init_fn, None, _posterior_builder(plan, records), window,
+        tracer, plan, graph, init_fn, None, posterior_fn, window,
         chunk_fn=chunk, elbo_fn=jax.jit(elbo_fn), online=online, statistics_fn=statistics_fn,
         log_weights_fn=log_weights_fn,
     )
     if log_weights_fn is not None and not (len(plan.blocks) == 1 and exact_block is not None):
         # (a lone conjugate block needs no draws, see _diagnose)
         bundle.compile_log_weights(state.nat, dyn_data, state.rng_key)
+    if not plan.subsampled:  # (subsampled plans export their local blocks at full size)
+        posterior_fn.prepare(state.nat)
     bundle.chunk = chunk_future.result()
     return bundle
 
@@ -376,7 +389,7 @@ def _prepare(model, args, kwargs, options: FitOptions, rng_key, prior=None, init
 def _prepare_locked(model, args, kwargs, options, rng_key, prior, init_values, start) -> _Prepared:
     t0 = time.perf_counter()
     runs0, compilations0 = model_runs(), xla_compilations()
-    k_trace, k_probe, k_host, k_loop = jax.random.split(rng_key, 4)
+    k_trace, k_probe, k_host, k_loop = host_split(rng_key, 4)
     rng = np.random.default_rng(np.asarray(jax.random.key_data(k_host)).ravel())
     learning_rate, tol = options.learning_rate, options.tol
     prior_spec = None if prior is None else previous_spec(prior)
@@ -416,14 +429,19 @@ def _prepare_locked(model, args, kwargs, options, rng_key, prior, init_values, s
     if plates:
         bundle.full_tracer = full_tracer
     plan = bundle.plan
-    site_values = {n: jnp.asarray(init_records[n].init_value) for b in plan.blocks for n in b.sites}
+    site_values = {n: np.asarray(init_records[n].init_value) for b in plan.blocks for n in b.sites}
+    unconstrained = {
+        n: init_records[n].unconstrained_init
+        for n in site_values
+        if init_records[n].unconstrained_init is not None and n not in (init_values or {})
+    }
     for name, value in (init_values or {}).items():
         if name not in site_values:
             raise BLRError(f"init value given for '{name}', which is not a latent site", site=name)
         site_values[name] = jnp.broadcast_to(
             jnp.asarray(value, jnp.result_type(float)), init_records[name].value_shape
         )
-    block_values = _block_init_values({b.name: b.full for b in plan.blocks}, site_values)
+    block_values = _block_init_values({b.name: b.full for b in plan.blocks}, site_values, unconstrained)
     probs0 = {
         b.name: rng.dirichlet(np.ones(len(b.support_values)), size=b.full.value_shape)
         for b in plan.blocks
@@ -442,14 +460,14 @@ def _prepare_locked(model, args, kwargs, options, rng_key, prior, init_values, s
         # local blocks take ρ = 1 and global ones the schedule inside the step (times a
         # constant user ρ); conjugacy detection would need exact ρ = 1 steps: not run
         base = 1.0 if learning_rate is None or callable(learning_rate) else float(learning_rate)
-        rho = {n: jnp.asarray(base, dtype) for n in plan.order}
+        rho = {n: host_array(base, dtype) for n in plan.order}
     elif learning_rate is None:
         sampled = {n for f in plan.factors if f.estimator == "monte_carlo" for n in f.neighbours}
-        rho = {n: jnp.asarray(MONTE_CARLO_RHO if n in sampled else 1.0, dtype) for n in plan.order}
+        rho = {n: host_array(MONTE_CARLO_RHO if n in sampled else 1.0, dtype) for n in plan.order}
     elif callable(learning_rate):
-        rho = {n: jnp.asarray(1.0, dtype) for n in plan.order}
+        rho = {n: host_array(1.0, dtype) for n in plan.order}
     else:
-        rho = {n: jnp.asarray(float(learning_rate), dtype) for n in plan.order}
+        rho = {n: host_array(float(learning_rate), dtype) for n in plan.order}
     if any(b.discrete for b in plan.blocks) and not plan.subsampled:
         state = _discrete_start(bundle, plan, init_records, state, dyn_data, start, rng, block_values)
     jax.block_until_ready(state)
@@ -555,7 +573,7 @@ def _diagnose(prepared, outcome, nat) -> Diagnostics:
         # posterior, whose importance weights are all equal (k̂ = −∞) without drawing any
         return Diagnostics(khat=-math.inf, num_draws=0, note="one conjugate block in closed form: no draws needed", **base)
     model_data = split_run_data(prepared.dyn_data)[0]
-    key = jax.random.fold_in(outcome.state.rng_key, 7)
+    key = host_fold_in(outcome.state.rng_key, 7)
     log_weights = np.asarray(bundle.log_weights(nat, model_data, key))
     return Diagnostics(khat=psis_khat(log_weights), num_draws=int(log_weights.size), **base)
 
@@ -772,7 +790,7 @@ def blr_fit(
     key = as_key(rng_key)
     best, finals = None, []
     for start in range(options.num_starts):
-        prepared = _prepare(model, args, kwargs, options, key if start == 0 else jax.random.fold_in(key, start), prior, start=start)
+        prepared = _prepare(model, args, kwargs, options, key if start == 0 else host_fold_in(key, start), prior, start=start)
         result = _run(prepared, prepared.state, options.num_steps, options.progress_bar)
         final = float(result.elbo[-1]) if len(result.elbo) else -np.inf
         finals.append(final)

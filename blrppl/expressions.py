@@ -43,7 +43,7 @@ from numpyro.primitives import Messenger
 
 from blrppl import moments as mom
 from blrppl.graph import forms as fm
-from blrppl.graph.data import DataSpec, compiler_options
+from blrppl.graph.data import DataSpec, compile_lowered, compiler_options
 from blrppl.graph.plan import Block
 from blrppl.graph.trace import PlateIndices, count_model_run, unwrap, value_mask
 
@@ -738,7 +738,7 @@ def run_probes(probes: dict, data) -> dict:
     outputs = {}
     if active:
         inputs = [p.inputs for _, p in active]
-        compiled = jax.jit(compute_all).lower(inputs, data).compile(compiler_options=compiler_options(data))
+        compiled = compile_lowered(jax.jit(compute_all).lower(inputs, data), compiler_options(data))
         outputs = {k: out for (k, _), out in zip(active, compiled(inputs, data))}
     return {k: p.decide(outputs.get(k)) for k, p in probes.items()}
 

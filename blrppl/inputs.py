@@ -58,13 +58,13 @@ def as_key(key, name: str = "rng_key"):
         BLRError: anything else (a string, a float, a batch of keys...).
     """
     if key is None:
-        return jax.random.key(0)
+        return seed_key(0)
     if isinstance(key, (bool, np.bool_)):
         raise BLRError(_key_message(name, key))
     if isinstance(key, (numbers.Integral, np.integer)):
         if not 0 <= int(key) < 2**63:
             raise BLRError(f"{name}: an int seed must be non-negative and below 2**63, not {key}")
-        return jax.random.key(int(key))
+        return seed_key(int(key))
     if isinstance(key, (jax.Array, np.ndarray)) and not isinstance(key, jax.core.Tracer):
         dtype = key.dtype
         if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
@@ -73,7 +73,7 @@ def as_key(key, name: str = "rng_key"):
             return key
         if dtype == np.uint32:
             try:
-                wrapped = jax.random.wrap_key_data(jnp.asarray(key))
+                wrapped = jax.random.wrap_key_data(key if isinstance(key, jax.Array) else jax.device_put(key))
             except (TypeError, ValueError):
                 wrapped = None
             if wrapped is not None and wrapped.shape == ():
@@ -83,6 +83,40 @@ def as_key(key, name: str = "rng_key"):
             return key
         return jax.random.wrap_key_data(key)
     raise BLRError(_key_message(name, key))
+
+
+def seed_key(seed: int):
+    """``jax.random.key(seed)``, built on the host (no XLA computation) for the default
+    threefry implementation, whose key of a seed holds its high and low 32-bit words."""
+    if str(jax.config.jax_default_prng_impl) != "threefry2x32":
+        return jax.random.key(seed)
+    words = np.array([(seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF], np.uint32)
+    return jax.random.wrap_key_data(words)
+
+
+def host_split(key, num: int) -> list:
+    """``num`` independent typed keys derived from a concrete typed ``key`` on the host (no
+    XLA computation: a fit's setup would otherwise compile a split program in every new
+    process): the key's words seed a NumPy ``SeedSequence`` whose output words are the new
+    keys' data, in the key's implementation. (A traced key is split by ``jax.random``.)"""
+    if isinstance(key, jax.core.Tracer):
+        return list(jax.random.split(key, num))
+    data = np.asarray(jax.random.key_data(key))
+    seq = np.random.SeedSequence([int(w) for w in data.ravel()])
+    words = seq.generate_state(num * data.size, np.uint32).reshape((num,) + data.shape)
+    impl = jax.random.key_impl(key)
+    return [jax.random.wrap_key_data(w, impl=impl) for w in words]
+
+
+def host_fold_in(key, value: int):
+    """A typed key derived from a concrete ``key`` and an int on the host (see
+    :func:`host_split`)."""
+    if isinstance(key, jax.core.Tracer):
+        return jax.random.fold_in(key, value)
+    data = np.asarray(jax.random.key_data(key))
+    seq = np.random.SeedSequence([int(w) for w in data.ravel()] + [int(value)])
+    words = seq.generate_state(data.size, np.uint32).reshape(data.shape)
+    return jax.random.wrap_key_data(words, impl=jax.random.key_impl(key))
 
 
 def _key_message(name, key) -> str:

@@ -79,6 +79,47 @@ def test_shortfalls_name_the_model_and_reason():
     assert "over 0.1" not in line and line.endswith("without compilation BLR refits in 0.25 s, NUTS runs 29 s.")
 
 
+def test_report_sections_for_first_fits_sites_and_the_hand_written_loop():
+    run = _run(0.05, 2.0, 8.0)
+    run.accuracy["nuts"] = {"max_mean_err_sd": 0.0, "sd_ratio_min": 1.0, "sd_ratio_max": 1.0}
+    run.results["blr"].fresh_process = {"total": 2.0, "compile": 1.5, "model_runs": 2, "xla_compilations": 4}
+    run.results["blr"].second_process = {"compile": 0.25, "total": 0.5}
+    sites = [{"sites": 10, "compile": 2.0, "total": 2.5, "steps": 12, "model_runs": 2, "xla_compilations": 5}]
+    hand = [{"N": 5000, "blr_total": 3.0, "blr_compile": 2.0, "blr_steps": 8, "hand_total": 2.0, "hand_steps": 8,
+             "ratio": 1.5, "max_mean_diff_sd": 1e-5, "max_sd_rel_diff": 2e-5}]
+    text = report.markdown([run], site_rows=sites, hand_rows=hand)
+    # first fit 2 s against NUTS's 8 s: ratio 0.25
+    assert "| m | 2 | 1.5 | 8 | 0.25 | 2 | 4 | 0.25 / 0.5 |" in text
+    # 2 s over 10 sites: 200 ms per site
+    assert "| 10 | 2 | 200 | 2.5 | 12 | 2 | 5 |" in text
+    assert "| 5,000 | 3 | 2 | 8 | 2 | 8 | 1.50 | 1e-05 | 2e-05 |" in text
+    run.results["blr"].fresh_process = {}
+    assert "First fit in a fresh process" not in report.markdown([run])
+
+
+def test_hand_written_blr_loop_reaches_the_variational_fixed_point():
+    """At the fixed point of the Gaussian VI of logistic regression, ∇_m ELBO = Xᵀ E[y − σ(η)]
+    − m/σ₀² = 0 and S⁻¹ = I/σ₀² + Xᵀ diag(E[σ'(η)]) X, with η_n ~ N(x_nᵀm, x_nᵀSx_n) (the
+    expectations by Gauss–Hermite with 40 nodes, here and in the loop)."""
+    rng = np.random.default_rng(0)
+    X = np.column_stack([np.ones(200), rng.normal(size=(200, 2))])
+    y = (rng.uniform(size=200) < 1 / (1 + np.exp(-X @ np.array([0.5, -1.0, 2.0])))).astype(float)
+    mean, sd, steps = runner.hand_blr_logistic(X, y, prior_sd=2.5, tol=1e-12, nodes=40)
+    assert 1 < steps < 1000
+    # rebuild S from the fixed-point condition (independent of the loop's own state)
+    nodes, weights = np.polynomial.hermite_e.hermegauss(40)
+    weights = weights / np.sqrt(2 * np.pi)
+    prec = np.eye(3) / 2.5**2
+    for _ in range(50):  # S appears on both sides: iterate the condition to its fixed point
+        cov = np.linalg.inv(prec)
+        eta = (X @ mean)[:, None] + np.sqrt(np.einsum("ni,ij,nj->n", X, cov, X))[:, None] * nodes
+        p = 1 / (1 + np.exp(-eta))
+        prec = np.eye(3) / 2.5**2 + X.T @ (((p * (1 - p)) @ weights)[:, None] * X)
+    grad = X.T @ ((y[:, None] - p) @ weights) - mean / 2.5**2
+    np.testing.assert_allclose(grad, 0.0, atol=1e-6)
+    np.testing.assert_allclose(sd, np.sqrt(np.diag(np.linalg.inv(prec))), rtol=1e-6)
+
+
 # ------------------------------------------------------------------------- models
 
 

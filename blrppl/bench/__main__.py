@@ -62,6 +62,8 @@ def parse(argv=None):
     p.add_argument("--no-scaling", dest="scaling", action="store_false")
     p.add_argument("--scaling-only", action="store_true", help="only the scaling study")
     p.add_argument("--scaling-max", type=int, default=1_000_000, help="largest N of the scaling study")
+    p.add_argument("--site-sizes", default="10,100,1000",
+                   help="per-step site counts of the AR(2) compile-time study (comma-separated)")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--float32", action="store_true", help="run in float32 (default float64)")
     return p.parse_args(argv)
@@ -130,7 +132,7 @@ def main(argv=None) -> int:
         acc = runs[-1].accuracy
         print("  max |mean err| / ref sd: " + ", ".join(
             f"{m} {a['max_mean_err_sd']:.3g}" for m, a in acc.items()), flush=True)
-    rows, dense = [], []
+    rows, dense, sites, hand = [], [], [], []
     if do_scaling:
         print("scaling (BLR, logistic regression, D=10):", flush=True)
         sizes = [n for n in (1_000, 10_000, 100_000, 1_000_000) if n <= args.scaling_max]
@@ -138,6 +140,12 @@ def main(argv=None) -> int:
         _clear_compiled()
         print("dense regression (BLR vs a hand-written solve):", flush=True)
         dense = [runner.dense_regression(log=lambda s: print(s, flush=True))]
+        _clear_compiled()
+        print("compile time per site (AR(2) with one site per step, fresh processes):", flush=True)
+        sizes = [int(x) for x in args.site_sizes.split(",") if x.strip()]
+        sites = runner.site_scaling(sizes, log=lambda s: print(s, flush=True))
+        print("a hand-written BLR loop against blr_fit (logistic regression, fresh processes):", flush=True)
+        hand = [runner.hand_logistic_comparison(log=lambda s: print(s, flush=True))]
     out.mkdir(parents=True, exist_ok=True)
     plots = {} if args.no_plots else report.plots(runs, rows, out / "benchmarks", doc_dir=out)
     settings = {
@@ -150,7 +158,7 @@ def main(argv=None) -> int:
         + ("this run's NUTS" if args.no_reference else
            f"NUTS {runner.REF_CHAINS} chains × ({runner.REF_WARMUP} + {runner.REF_SAMPLES}) cached in {runner.cache_dir()}"),
     }
-    text = report.markdown(runs, rows, settings, plots, dense)
+    text = report.markdown(runs, rows, settings, plots, dense, sites, hand)
     path = out / "benchmarks.md"
     path.write_text(text)
     print(f"wrote {path} ({time.perf_counter() - t0:.0f} s in all)", flush=True)

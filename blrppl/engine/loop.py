@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from blrppl.engine.step import BLRState
+from blrppl.graph.data import host_array
 
 CONTINUE, CONVERGED, NONFINITE, BAD_RATE, STATIONARY = 0, 1, 2, 3, 4
 #: exact ELBOs: also converged when the ELBO moved by less than tol (relative) over this many
@@ -37,7 +38,7 @@ def history_size(window: int) -> int:
 def empty_history(window: int):
     """A ring buffer of recent ELBOs before any step (NaN: not yet filled)."""
     # built on the host: an eager jnp.full would compile an XLA computation of its own
-    return jnp.asarray(np.full((history_size(window),), np.nan, jnp.result_type(float)))
+    return host_array(np.full((history_size(window),), np.nan), jnp.result_type(float))
 #: backtracking gives up when the damping of ρ falls below this (an exp link far below its
 #: data, e.g. Poisson counts of 10⁹ from a prior at 0, needs ρ ≈ 2⁻³¹ on its first step)
 MIN_DAMPING = 2.0**-60
@@ -195,7 +196,7 @@ def run_loop(chunk_fn, state: BLRState, data, rho, num_steps: int, chunk_size: i
             bar = None
     while total < num_steps and stop == CONTINUE:
         state, buf, n, stop_arr, inv, history, last_proper, rej = chunk_fn(
-            state, data, jnp.asarray(num_steps - total, jnp.int32), rho, history
+            state, data, host_array(num_steps - total, np.int32), rho, history
         )
         n = int(n)
         rejected += int(rej)

@@ -22,9 +22,13 @@ and keeps the fit with the best ELBO.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from blrppl.graph.data import host_array
 
 #: responsibilities of two values closer than this for every datum are tied
 TIE_TOL = 1e-8
@@ -34,7 +38,13 @@ SEED_WEIGHT = 0.9
 
 def discrete_probs(plan, nat) -> dict:
     """Block → responsibilities ``(*batch, K)`` of every discrete block."""
-    return {b.name: np.asarray(b.family.view(nat[b.name]).probs) for b in plan.blocks if b.discrete}
+    return {b.name: np.asarray(_probs(b.family, nat[b.name])) for b in plan.blocks if b.discrete}
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _probs(family, nat):
+    """A discrete block's probabilities (one compiled program, not one per operation)."""
+    return family.view(nat).probs
 
 
 def tied(probs: np.ndarray) -> bool:
@@ -114,6 +124,6 @@ def estep_first(chunk, plan, state, data, history):
     """The state after one sweep that updates only the discrete blocks (ρ = 1 for them, 0
     for the others), with its step counter reset."""
     dtype = jnp.result_type(float)
-    rho = {n: jnp.asarray(1.0 if plan.block(n).discrete else 0.0, dtype) for n in plan.order}
-    new = chunk(state, data, jnp.asarray(1, jnp.int32), rho, history)[0]
+    rho = {n: host_array(1.0 if plan.block(n).discrete else 0.0, dtype) for n in plan.order}
+    new = chunk(state, data, host_array(1, np.int32), rho, history)[0]
     return new._replace(step=state.step, elbo=state.elbo, damping=state.damping)

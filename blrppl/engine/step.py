@@ -16,10 +16,11 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from blrppl.estimators.enumeration import expected_log_factors
 from blrppl.estimators import gram
-from blrppl.graph.data import split_run_data
+from blrppl.graph.data import host_array, split_run_data
 from blrppl.online import expected_log_previous, is_previous_posterior
 
 
@@ -48,14 +49,15 @@ def initial_state(nat, rng_key, plan=None) -> BLRState:
         from blrppl.engine.subsample import initial_minibatch_state
 
         minibatch = initial_minibatch_state(plan, nat)
+    # scalars built on the host (eager jnp.zeros/ones would each compile a program)
     return BLRState(
         nat=nat,
-        step=jnp.zeros((), jnp.int32),
-        elbo=jnp.asarray(jnp.nan, dtype),
+        step=host_array(0, np.int32),
+        elbo=host_array(np.nan, dtype),
         rng_key=rng_key,
-        damping=jnp.ones((), dtype),
+        damping=host_array(1.0, dtype),
         minibatch=minibatch,
-        streak=jnp.zeros((), jnp.int32),
+        streak=host_array(0, np.int32),
     )
 
 

@@ -28,6 +28,7 @@ import numpyro.distributions as dist
 
 from blrppl import moments as mom
 from blrppl.estimators.exact import reduce_factor
+from blrppl.graph.data import host_array
 from blrppl.graph.trace import reduce_wrapped
 
 #: a Normal factor linear in a dense Gaussian block of at least this many scalars uses the
@@ -131,8 +132,8 @@ def gram_on_host(stats: GramStatistics) -> GramStatistics:
     a = np.asarray(stats.gram)
     if np.all(np.count_nonzero(a, axis=1) <= 1):
         # each element reads one scalar of the block (a prior): G is diagonal, O(N D)
-        return stats._replace(gram=jnp.asarray(np.diag(np.einsum("ij,ij->j", a, a))))
-    return stats._replace(gram=jnp.asarray(a.T @ a))
+        return stats._replace(gram=host_array(np.diag(np.einsum("ij,ij->j", a, a))))
+    return stats._replace(gram=host_array(a.T @ a))
 
 
 def expected_log(factor, block_name, stats: GramStatistics, views) -> jax.Array:

@@ -19,7 +19,7 @@ from blrppl.estimators import gram
 from blrppl.expressions import (
     LINKS, ArgumentClass, ModelFunctions, ModelProgram, classify_form, distribution_leaves, probe_argument, projection_args, run_probes,
 )
-from blrppl.graph.data import compiler_options
+from blrppl.graph.data import compile_lowered, compiler_options
 from blrppl.graph.deps import output_forms
 from blrppl.graph.forms import Const, Power, inverse_link
 from blrppl.graph.plan import Block, Factor, LocalAxis, Plan
@@ -223,7 +223,8 @@ def compile_model(
     plate_indices = {p.name: np.arange(p.subsample_size) for p in subsampled}
     latent = [r for r in records.values() if not r.observed]
     params = {r.name for r in latent if r.is_param}
-    site_init = {r.name: jnp.asarray(r.init_value) for r in latent}
+    site_init = {r.name: np.asarray(r.init_value) for r in latent}
+    unconstrained = {r.name: r.unconstrained_init for r in latent if r.unconstrained_init is not None}
     # params are not sites with a density: they are inputs of the factors, never factors
     records = collections.OrderedDict((n, r) for n, r in records.items() if not r.is_param)
     rules = {r.name: (None if r.is_factor else find_rule(r.dist_type)) for r in records.values()}
@@ -253,9 +254,9 @@ def compile_model(
             )
             for r in latent
         }
-        init_values = _block_init_values(blocks, site_init)
+        init_values = _block_init_values(blocks, site_init, unconstrained)
         fns = ModelFunctions(
-            model, data_spec, _site_fill(blocks, site_init), _transforms(blocks), plate_indices=plate_indices,
+            model, data_spec, _site_fill(blocks, site_init, unconstrained), _transforms(blocks), plate_indices=plate_indices,
             program=program,
         )
         factors = _classify_factors(
@@ -301,10 +302,10 @@ def compile_model(
             blocks = _merge_discrete(blocks, group)
         if merge:
             blocks = _merge_joint(blocks, members)
-        init_values = _block_init_values(blocks, site_init)
+        init_values = _block_init_values(blocks, site_init, unconstrained)
         joints = {n: b for n, b in blocks.items() if b.members and not b.discrete}
         fns = ModelFunctions(
-            model, data_spec, _site_fill(blocks, site_init), _transforms(blocks), joints, plate_indices, program
+            model, data_spec, _site_fill(blocks, site_init, unconstrained), _transforms(blocks), joints, plate_indices, program
         )
         site_block = {s: n for n, b in blocks.items() for s in b.sites}
         deps = {
@@ -453,26 +454,35 @@ def _transformed(block) -> bool:
     return any(m.transform is not None for m in (block.members or (block,)))
 
 
-def _site_fill(blocks, site_init) -> dict:
-    """Per site, a valid value in block space (unconstrained for transformed sites)."""
+def _site_fill(blocks, site_init, unconstrained=None) -> dict:
+    """Per site, a valid value in block space (unconstrained for transformed sites, from
+    ``unconstrained`` where it holds the site: the trace computed it)."""
     out = {}
+    unconstrained = unconstrained or {}
     for b in blocks.values():
         for m in b.members or (b,):
             x = site_init[m.name]
-            out[m.name] = m.transform.inv(x) if m.transform is not None else x
+            if m.transform is None:
+                out[m.name] = x
+            elif m.name in unconstrained:
+                out[m.name] = unconstrained[m.name]
+            else:
+                out[m.name] = m.transform.inv(x)
     return out
 
 
-def _block_init_values(blocks, site_init) -> dict:
+def _block_init_values(blocks, site_init, unconstrained=None) -> dict:
     """Initial values in block space (unconstrained for transformed Gaussian blocks, the
-    members' values concatenated for joint blocks)."""
-    fill = _site_fill(blocks, site_init)
+    members' values concatenated for joint blocks; NumPy arrays stay on the host)."""
+    fill = _site_fill(blocks, site_init, unconstrained)
     out = {}
     for n, b in blocks.items():
         if b.members and b.discrete:
             out[n] = fill[b.members[0].name]  # (unused: discrete blocks start from probabilities)
         elif b.members:
-            out[n] = jnp.concatenate([jnp.ravel(fill[m.name]) for m in b.members])
+            parts = [fill[m.name] for m in b.members]
+            xp = np if all(isinstance(p, np.ndarray) for p in parts) else jnp
+            out[n] = xp.concatenate([xp.ravel(p) for p in parts])
         else:
             out[n] = fill[n]
     return out
@@ -642,7 +652,7 @@ def _audit_dependencies(model, data_spec, data, records, deps, site_init, plate_
 
         return jax.vmap(along)(stacked)
 
-    values, slopes = jax.jit(derivatives).lower(data).compile(compiler_options=compiler_options(data))(data)
+    values, slopes = compile_lowered(jax.jit(derivatives).lower(data), compiler_options(data))(data)
     for k, latent_name in enumerate(order):
         for site in names:
             slope, value = float(slopes[site][k]), float(values[site][k])

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import pathlib
 from typing import Any, NamedTuple
@@ -55,7 +54,8 @@ class DataSpec:
         dynamic, static = [], []
         for i, leaf in enumerate(leaves):
             if is_numeric_array(leaf) and not all_static:
-                dynamic.append(jnp.asarray(leaf))
+                # (device_put: jnp.asarray of a NumPy array compiles a conversion program)
+                dynamic.append(leaf if isinstance(leaf, jax.Array) else jax.device_put(leaf))
             else:
                 static.append((i, leaf))
         return DataSpec(treedef, tuple(static), all_static), tuple(dynamic)
@@ -81,14 +81,23 @@ SMALL_DATA = 200_000
 _FAST_COMPILE = {"xla_cpu_use_fusion_emitters": False}
 
 
-@functools.cache
-def _accepted(option: str, value) -> bool:
-    """Whether this jaxlib knows an XLA option (unknown options are errors, not ignored)."""
+#: XLA options this jaxlib rejected (unknown options are errors, not ignored): found at the
+#: first compilation that passes them, then left out
+_REJECTED: set = set()
+
+
+def compile_lowered(lowered, options: dict | None):
+    """``lowered.compile`` with XLA ``options``, leaving out those this jaxlib does not know
+    (a compilation that names one fails; it is retried without it)."""
+    options = {k: v for k, v in (options or {}).items() if k not in _REJECTED}
     try:
-        jax.jit(lambda x: x + 1).lower(np.float32(0)).compile(compiler_options={option: value})
-    except Exception:  # XlaRuntimeError / JaxRuntimeError, depending on the jaxlib version
-        return False
-    return True
+        return lowered.compile(compiler_options=options or None)
+    except Exception as exc:  # XlaRuntimeError / JaxRuntimeError, depending on the jaxlib version
+        bad = {k for k in options if f"'{k}'" in str(exc) or f" {k}" in str(exc)}
+        if not bad:
+            raise
+        _REJECTED.update(bad)
+        return compile_lowered(lowered, options)
 
 
 def compiler_options(data, size: int | None = None) -> dict | None:
@@ -100,10 +109,19 @@ def compiler_options(data, size: int | None = None) -> dict | None:
     elementwise work per step: its linear algebra runs as fast unoptimised)."""
     if size is None:
         size = sum(int(np.prod(jnp.shape(x))) for x in jax.tree.leaves(data))
-    options = {k: v for k, v in _FAST_COMPILE.items() if _accepted(k, v)}
+    options = dict(_FAST_COMPILE)
     if size < SMALL_DATA:
         options["xla_backend_optimization_level"] = 0
-    return options or None
+    return options
+
+
+def host_array(value, dtype=None):
+    """``jnp.asarray(value, dtype)`` for a concrete value, placed from the host: eager
+    ``jnp.asarray``/``jnp.zeros`` compile a small program each (per dtype and shape), which a
+    fit's setup would pay in every new process. Traced values go through ``jnp.asarray``."""
+    if isinstance(value, jax.core.Tracer):
+        return jnp.asarray(value, dtype)
+    return jax.device_put(np.asarray(value, dtype))
 
 
 #: XLA compilations in this process (a persistent-cache hit is none): read by

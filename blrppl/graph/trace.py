@@ -21,11 +21,12 @@ import numpy as np
 import numpyro.distributions as dist
 from numpyro import handlers
 from numpyro.distributions import constraints
+from numpyro.distributions.transforms import biject_to
 from numpyro.primitives import Messenger
 from numpyro.infer.initialization import init_to_uniform
 from jax.extend import core as jex_core
 
-from blrppl.graph.data import DataSpec, compiler_options
+from blrppl.graph.data import DataSpec, compile_lowered, compiler_options
 from blrppl.graph.plan import SubsampledPlate
 from blrppl.errors import ModelTraceError, ObservedDataError, UnsupportedFactorError, UnsupportedLatentError
 
@@ -59,6 +60,9 @@ class SiteRecord:
         infer: the site's ``infer`` dict.
         init_value: the value the trace used (data for observed sites; the user's initial
             value for ``numpyro.param`` sites).
+        unconstrained_init: a continuous latent's ``init_value`` mapped to the unconstrained
+            space by ``biject_to(support)`` (None when the support's parameters depend on
+            other latents, or for other sites).
         is_param: a ``numpyro.param`` site: not random, fitted as a point estimate of the
             model's log density in its own (constrained) space; ``support`` is its
             constraint, ``event_ndim`` its ``event_dim`` (all its dims when unspecified) and
@@ -79,6 +83,7 @@ class SiteRecord:
     infer: dict
     init_value: Any
     is_param: bool = False
+    unconstrained_init: Any = None
 
     @property
     def dist_name(self) -> str:
@@ -198,6 +203,11 @@ def init_to_prior_mean(site=None):
     if site["type"] != "sample" or site["is_observed"] or site["fn"].support.is_discrete:
         return None
     fallback = init_to_uniform(site)
+    support = effective_support(site["fn"])
+    if support is not site["fn"].support:
+        # numpyro drew on the unconstrained space of the support it reports (e.g. real for a
+        # Beta pushed through an affine map): the same draw mapped into the narrower one
+        fallback = biject_to(support)(biject_to(site["fn"].support).inv(fallback))
     try:
         mean = jnp.broadcast_to(1.0 * site["fn"].mean, jnp.shape(fallback))
     except (NotImplementedError, ValueError, TypeError):
@@ -252,7 +262,7 @@ class ModelTracer:
 
     def __call__(self, dyn, rng_key):
         if self._compiled is None:
-            self._compiled = self._traced.lower().compile(compiler_options=compiler_options(dyn))
+            self._compiled = compile_lowered(self._traced.lower(), compiler_options(dyn))
             self._traced = None
         return self._compiled(dyn, rng_key)
 
@@ -435,6 +445,7 @@ def trace_model(
             has_scale=info["has_scale"],
             infer=info["infer"],
             init_value=value,
+            unconstrained_init=_unconstrained_init(outputs, name, info),
         )
     if not any(not r.observed for r in records.values()):
         raise ModelTraceError("the model has no latent sample site or param to infer")
@@ -535,6 +546,15 @@ def _initial(init_strategy, site):
     return init_strategy(site)
 
 
+def _unconstrained_init(outputs, name, info):
+    """A latent's starting point on the unconstrained space, when its support is static
+    (a support computed in the run is rebuilt from concrete values later: its bijection may
+    differ from the traced one)."""
+    if name not in outputs.get("unconstrained", {}) or isinstance(info["support"], _TracedSupport):
+        return None
+    return np.asarray(outputs["unconstrained"][name])
+
+
 def _run_once(model, spec, init_strategy, meta, dyn, rng_key):
     """Trace the model; static facts go to ``meta``, arrays are returned."""
     count_model_run()
@@ -542,7 +562,7 @@ def _run_once(model, spec, init_strategy, meta, dyn, rng_key):
     last = _LastSite(handlers.substitute(handlers.seed(model, rng_key), substitute_fn=partial(_initial, init_strategy)))
     meta["last"] = last
     tr = handlers.trace(last).get_trace(*args, **kwargs)
-    sites, values, bounds, checks, masks, nan_counts, supports = [], {}, {}, {}, {}, {}, {}
+    sites, values, bounds, checks, masks, nan_counts, supports, unconstrained = [], {}, {}, {}, {}, {}, {}, {}
     plate_sizes = {
         name: int(site["args"][0]) for name, site in tr.items() if site["type"] == "plate"
     }
@@ -576,6 +596,13 @@ def _run_once(model, spec, init_strategy, meta, dyn, rng_key):
         if isinstance(support, constraints._IntegerInterval):
             bounds[name] = (jnp.asarray(support.lower_bound), jnp.asarray(support.upper_bound))
         values[name] = site["value"]
+        if not site["is_observed"] and not support.is_discrete:
+            # the starting point on the unconstrained space, computed here (on the host it
+            # would compile a program per operation of the bijection)
+            try:
+                unconstrained[name] = biject_to(support).inv(site["value"])
+            except (NotImplementedError, TypeError, ValueError):
+                pass
         dist_shape = tuple(fn.batch_shape) + tuple(fn.event_shape)
         try:
             shape_ok = np.broadcast_shapes(np.shape(site["value"]), dist_shape) == np.shape(site["value"])
@@ -626,6 +653,7 @@ def _run_once(model, spec, init_strategy, meta, dyn, rng_key):
         "masks": masks,
         "nan_counts": nan_counts,
         "supports": supports,
+        "unconstrained": unconstrained,
     }
 
 
