@@ -345,8 +345,23 @@ def _compile(model, records, data_spec, dyn_data, tracer, options, prior_spec, k
         bundle.compile_log_weights(state.nat, dyn_data, state.rng_key)
     if not plan.subsampled:  # (subsampled plans export their local blocks at full size)
         posterior_fn.prepare(state.nat)
-    bundle.chunk = chunk_future.result()
+    # (the fit's setup, e.g. its data statistics, runs while the chunk compiles)
+    bundle.chunk = _Compiling(chunk_future)
     return bundle
+
+
+class _Compiling:
+    """A compiled function still compiling on a worker thread: calls wait for it."""
+
+    def __init__(self, future):
+        self.future = future
+
+    def wait(self):
+        """The compiled function (once its compilation has finished)."""
+        return self.future.result()
+
+    def __call__(self, *args):
+        return self.future.result()(*args)
 
 
 @dataclasses.dataclass
@@ -471,6 +486,8 @@ def _prepare_locked(model, args, kwargs, options, rng_key, prior, init_values, s
     if any(b.discrete for b in plan.blocks) and not plan.subsampled:
         state = _discrete_start(bundle, plan, init_records, state, dyn_data, start, rng, block_values)
     jax.block_until_ready(state)
+    if isinstance(bundle.chunk, _Compiling):
+        bundle.chunk = bundle.chunk.wait()
     counts = CompileCounts(model_runs() - runs0, xla_compilations() - compilations0)
     return _Prepared(
         bundle, plan, records, data_spec, dyn_data, state, rho, tol, CHUNK_SIZE, t0, options.iterate_average, counts

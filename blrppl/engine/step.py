@@ -81,11 +81,11 @@ class BLRInfo(NamedTuple):
     proper: Any = None
 
 
-def views_of(plan, nat: dict) -> dict:
-    """The view the rules read (``family.rule_view``) of every block; point (delta-method)
-    blocks are seen at their mean, with zero covariance."""
+def views_of(plan, nat: dict, blocks=None) -> dict:
+    """The view the rules read (``family.rule_view``) of every block (of ``blocks``, default
+    the plan's); point (delta-method) blocks are seen at their mean, with zero covariance."""
     out = {}
-    for b in plan.blocks:
+    for b in plan.blocks if blocks is None else blocks:
         view = b.family.rule_view(nat[b.name])
         if b.point:
             view = view._replace(**{view._fields[1]: jnp.zeros_like(view[1])})
@@ -252,7 +252,7 @@ def make_objective(plan, fns, curvature="auto"):
     return objective
 
 
-def make_elbo(plan, fns):
+def make_elbo(plan, fns, entropies: bool = False):
     """ELBO(λ) = Σ_i E_q[log f_i] + Σ_b H(q_b), over the blocks b that are not point blocks.
 
     Point blocks (``point`` latents and params) are seen at their mean m, so their terms are
@@ -260,13 +260,23 @@ def make_elbo(plan, fns):
     and Newton's method for point latents) raises at every step, E_q[log p(y, z, m)] +
     H(q(z)), which equals log p(y, m) after an exact E-step. (The Gaussian a point latent
     carries, −∇²L at m, is Laplace's approximation, not a variational parameter.)
+
+    With ``entropies`` the function returns ``(ELBO, {block: H(q_b)})``: an entropy is
+    finite exactly when the block's parameters are a valid distribution, which the step reads
+    instead of factorising them once more to check.
     """
     objective = make_objective(plan, fns)  # values only: the curvature estimator is irrelevant
 
     def elbo(nat, data, key=None):
-        views = views_of(plan, nat)
-        entropy = sum(jnp.sum(b.family.entropy(nat[b.name])) for b in plan.blocks if not b.point)
-        return objective(views, data, None, key) + entropy
+        views, parts = {}, {}
+        for b in plan.blocks:
+            if b.point:
+                views[b.name] = views_of(plan, {b.name: nat[b.name]}, (b,))[b.name]
+                continue
+            views[b.name], entropy = b.family.rule_view_and_entropy(nat[b.name])
+            parts[b.name] = jnp.sum(entropy)
+        value = objective(views, data, None, key) + sum(parts.values())
+        return (value, parts) if entropies else value
 
     return elbo
 
@@ -348,6 +358,7 @@ def make_step(
             return user_rate(t)
         return decaying_rate(t) if n in decay_blocks else 1.0
     objective = make_objective(plan, fns, curvature)
+    elbo_parts = make_elbo(plan, fns, entropies=True)
     elbo_fn = make_elbo(plan, fns)
     blocks = {b.name: b for b in plan.blocks}
     factors_of = {b.name: tuple(f.name for f in plan.factors_of(b.name)) for b in plan.blocks}
@@ -359,6 +370,11 @@ def make_step(
         b.name for b in plan.blocks
         if b.kind in ("gaussian", "gaussian-diag") and not b.point and not conjugate.get(b.name, False)
     }
+    # conjugate Gaussian blocks: their validity at ρ = 1 is read off the ELBO's factorisation
+    exact_gaussian = {
+        b.name for b in plan.blocks
+        if b.kind in ("gaussian", "gaussian-diag") and not b.point and conjugate.get(b.name, False)
+    }
 
     def messages(nat, names, data, key=None):
         views = views_of(plan, nat)
@@ -368,6 +384,16 @@ def make_step(
             return objective({**views, **sub}, data, wanted, key)
 
         smooth = [n for n in names if not blocks[n].point]
+        # one conjugate block alone, with no batch dims (a batched block's elements may be
+        # coupled by a factor, whose expectation is then not linear in each element's μ): its
+        # messages do not depend on its q, and its family may take them at a fixed view (no
+        # factorisation of its current parameters)
+        one = blocks[smooth[0]] if len(names) == 1 and smooth else None
+        fixed = one.family.fixed_view(views[one.name]) if one and conjugate.get(one.name) and not one.batch_shape else None
+        if fixed is not None:
+            (n,) = smooth
+            grads = jax.grad(obj)({n: fixed})
+            return {n: blocks[n].family.message_from_fixed_view_grad(grads[n])}
         grads = jax.grad(obj)({n: views[n] for n in smooth}) if smooth else {}
         out = {n: blocks[n].family.message_from_view_grad(nat[n], grads[n]) for n in smooth}
         for n in names:
@@ -402,13 +428,21 @@ def make_step(
     def step(state, data, rho):
         nat = dict(state.nat)
         valid = jnp.array(True)
-        proper = {}
+        proper, deferred = {}, {}
         key, key_elbo, *keys = jax.random.split(state.rng_key, len(plan.order) + 2)
 
         def update(n, msg):
             family = blocks[n].family
-            proper[n] = family.is_valid(msg)
             rate = rho[n] * block_rate(n, state.step) * state.damping
+            if n in exact_gaussian:
+                # at ρ = 1 the new parameters are the message, factorised once by the ELBO's
+                # entropy: a message that is not a valid natural parameter makes it non-finite
+                # and the step is undone; at ρ < 1 the message is checked here
+                valid_msg = jax.lax.cond(rate == 1.0, lambda: jnp.array(True), lambda: family.is_valid(msg))
+                deferred[n] = (rate, valid_msg, msg)
+                nat[n], ok = _update_block(family, nat[n], msg, rate, max_halvings, valid_msg)
+                return ok
+            proper[n] = family.is_valid(msg)
             nat[n], ok = _update_block(family, nat[n], msg, rate, max_halvings, proper[n], n in retracted)
             return ok
 
@@ -420,7 +454,10 @@ def make_step(
         else:
             for n, k in zip(plan.order, keys):
                 valid = valid & update(n, messages(nat, (n,), data, k)[n])
-        elbo = elbo_fn(nat, data, key_elbo)
+        elbo, entropies = elbo_parts(nat, data, key_elbo)
+        for n, (rate, valid_msg, msg) in deferred.items():
+            at_message = jnp.isfinite(entropies[n]) & jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(msg)]))
+            proper[n] = jnp.where(rate == 1.0, at_message, valid_msg)
         delta = _relative_delta(state.nat, nat)
         new_state = state._replace(nat=nat, step=state.step + 1, elbo=elbo, rng_key=key)
         return new_state, BLRInfo(elbo=elbo, max_delta=delta, valid=valid, proper=proper)

@@ -84,7 +84,8 @@ def _scale_block(factor):
 def statistics(fns, factor, block, data, rows: bool = False) -> GramStatistics:
     """G, h, r, Σω and Σω log c of one eligible factor, from the model and the data; with
     ``rows``, the ``gram`` field holds the rows A = diag(√(ωκ)) J whose Gram matrix AᵀA is G
-    (for :func:`gram_on_host`)."""
+    (for :func:`gram_on_host`), or only the diagonal of A when J is the identity (a prior
+    on the block's own scalars: no D × D identity is formed)."""
     gamma = _scale_block(factor)
     names = factor.rule.arg_names
     dtype = jnp.result_type(float)
@@ -102,7 +103,7 @@ def statistics(fns, factor, block, data, rows: bool = False) -> GramStatistics:
 
     u0 = jnp.zeros((block.size,), dtype)
     d0 = residual(u0)
-    jac = affine_jacobian(residual, u0)  # (*elements, D)
+    jac = affine_jacobian(residual, u0, identity=_EYE)  # (*elements, D), or _EYE
     args = args_at(u0)
     scale = jnp.broadcast_to(args["scale"], d0.shape).astype(dtype)
     fn, site_scale = fns.factor_wrappers([factor.name], data)[factor.name]
@@ -110,9 +111,19 @@ def statistics(fns, factor, block, data, rows: bool = False) -> GramStatistics:
     # the total is linear in the elementwise terms
     omega = jax.grad(lambda x: reduce_factor(reduce_wrapped(fn, x), site_scale))(jnp.zeros(d0.shape, dtype))
     kappa = omega / jnp.square(scale)
-    flat_j = jac.reshape((-1, block.size))
     flat_k = kappa.reshape(-1)
     flat_d = d0.reshape(-1)
+    if isinstance(jac, str) and flat_k.shape == (block.size,):
+        # each element reads its own scalar of the block (its prior): G is diagonal; as
+        # rows, the diagonal of A (a vector, see gram_on_host)
+        return GramStatistics(
+            gram=jnp.sqrt(flat_k) if rows else jnp.diag(flat_k),
+            cross=flat_k * flat_d,
+            residual=jnp.sum(flat_k * jnp.square(flat_d)),
+            weight=jnp.sum(omega),
+            log_coef=jnp.sum(omega * jnp.log(scale)),
+        )
+    flat_j = _materialise(jac, block.size, dtype).reshape((-1, block.size))
     if rows:
         gram = jnp.sqrt(flat_k)[:, None] * flat_j
     else:
@@ -130,6 +141,8 @@ def gram_on_host(stats: GramStatistics) -> GramStatistics:
     """``stats`` whose ``gram`` field holds the rows A (``statistics(..., rows=True)``) with
     G = AᵀA formed by NumPy's BLAS (it recognises AᵀA: a symmetric rank-k update)."""
     a = np.asarray(stats.gram)
+    if a.ndim == 1:  # the diagonal of diagonal rows: G = diag(a²)
+        return stats._replace(gram=host_array(np.diag(a * a)))
     if np.all(np.count_nonzero(a, axis=1) <= 1):
         # each element reads one scalar of the block (a prior): G is diagonal, O(N D)
         return stats._replace(gram=host_array(np.diag(np.einsum("ij,ij->j", a, a))))
@@ -158,11 +171,12 @@ def expected_log(factor, block_name, stats: GramStatistics, views) -> jax.Array:
 
 
 
-def affine_jacobian(fn, u0) -> jax.Array:
+def affine_jacobian(fn, u0, identity=None):
     """The Jacobian (*out, D) of a function affine in u (D,): read off its linearisation when
     that is made of products with constant matrices and layout and elementwise-linear
     operations (``X @ w`` gives X itself), else by forward-mode autodiff (D JVPs: for
-    ``X @ w`` a product of X with the identity, as costly as XᵀX)."""
+    ``X @ w`` a product of X with the identity, as costly as XᵀX). When the map is u itself,
+    ``identity`` is returned if given (a prior's D × D identity is then never formed)."""
     _, lin = jax.linearize(fn, u0)
     closed = jax.make_jaxpr(lin)(u0)
     dim = u0.shape[0]
@@ -170,6 +184,8 @@ def affine_jacobian(fn, u0) -> jax.Array:
         (out,) = _linear_map(closed.jaxpr, closed.consts, dim)
     except _NotRead:
         return jax.jacfwd(fn)(u0)
+    if isinstance(out, str) and identity is not None:
+        return identity
     return _materialise(out, dim, u0.dtype)
 
 

@@ -57,6 +57,11 @@ class Family:
         that :meth:`message_from_view_grad` receives the gradient with respect to them."""
         return self.view(nat)
 
+    def rule_view_and_entropy(self, nat: Nat) -> tuple:
+        """(:meth:`rule_view`, :meth:`entropy`): what the ELBO reads of a block; a family whose
+        two share a factorisation computes it once."""
+        return self.rule_view(nat), self.entropy(nat)
+
     def nat_from_view(self, view: View) -> Nat:
         """Human parameters → natural parameters (inverse of :meth:`view`)."""
         raise NotImplementedError
@@ -103,6 +108,18 @@ class Family:
     def message_from_view_grad(self, nat: Nat, view_grad: View) -> Nat:
         """Gradient of L = Σ_i E_q[log f_i] with respect to the view (or the
         :meth:`rule_view`) → ∇_μ L (a ``nat``)."""
+        raise NotImplementedError
+
+    def fixed_view(self, view: View) -> View | None:
+        """A view like ``view`` at which a conjugate block's messages may be taken without
+        knowing its q, or None. When L is linear in the expectation parameters μ (every
+        factor conjugate to the block), λ̃ = ∇_μ L is the same at every q; a family whose
+        view→μ map makes that gradient cheap at some fixed view returns it here, and
+        :meth:`message_from_fixed_view_grad` turns the gradient there into λ̃."""
+        return None
+
+    def message_from_fixed_view_grad(self, view_grad: View) -> Nat:
+        """λ̃ from the gradient of L at :meth:`fixed_view` (see there)."""
         raise NotImplementedError
 
     def update(self, nat: Nat, message: Nat, rho, retract: bool = False) -> Nat:

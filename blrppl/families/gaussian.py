@@ -146,14 +146,29 @@ class GaussianDense(Family):
         return -0.5 * jnp.sum(white**2, -1) + half_logdet - 0.5 * self.dim * _LOG_2PI
 
     def entropy(self, nat: GaussianNat) -> jax.Array:
-        chol = self._prec_chol(nat)
+        return self._entropy(self._prec_chol(nat))
+
+    def _entropy(self, chol: jax.Array) -> jax.Array:
         half_logdet = jnp.log(jnp.diagonal(chol, axis1=-2, axis2=-1)).sum(-1)
         return 0.5 * self.dim * (1.0 + _LOG_2PI) - half_logdet
+
+    def rule_view_and_entropy(self, nat: GaussianNat) -> tuple:
+        """The view and the entropy from one Cholesky factor of the precision."""
+        chol = self._prec_chol(nat)
+        return GaussianView(_chol_solve(chol, nat.eta1), _chol_inverse(chol)), self._entropy(chol)
 
     def message_from_view_grad(self, nat: GaussianNat, view_grad: GaussianView) -> GaussianNat:
         mean = _chol_solve(self._prec_chol(nat), nat.eta1)
         g_cov = _sym(view_grad.cov)
         return GaussianNat(view_grad.mean - 2.0 * jnp.einsum("...ij,...j->...i", g_cov, mean), g_cov)
+
+    def fixed_view(self, view: GaussianView) -> GaussianView:
+        """m = 0, Σ = 0: there λ̃ = (∂L/∂m, ∂L/∂Σ) needs no mean, hence no factorisation of
+        the block's precision (a D × D Cholesky per conjugate message)."""
+        return GaussianView(jnp.zeros_like(view.mean), jnp.zeros_like(view.cov))
+
+    def message_from_fixed_view_grad(self, view_grad: GaussianView) -> GaussianNat:
+        return GaussianNat(view_grad.mean, _sym(view_grad.cov))
 
     def update(self, nat: GaussianNat, message: GaussianNat, rho, retract: bool = False) -> GaussianNat:
         """Learning-rule step; for ρ < 1 (and at every ρ where ``retract``, a bool that may be

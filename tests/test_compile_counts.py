@@ -1,0 +1,110 @@
+"""What compiling a fit costs: the model's Python code runs into one traced program
+(``ModelProgram``), the counts a fit reports, keys derived without XLA, and conjugate Gaussian
+messages taken without factorising the block's precision."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpyro
+import numpyro.distributions as dist
+import pytest
+from jax import random
+
+from blrppl import blr_fit
+from blrppl.expressions import ModelProgram
+from blrppl.families import GaussianDense, GaussianDiag, GaussianNat
+from blrppl.families.gaussian import DiagGaussianNat
+from blrppl.graph.data import DataSpec, xla_compilations
+from blrppl.graph.trace import model_runs
+from blrppl.inputs import host_fold_in, host_split
+
+X = np.random.default_rng(0).normal(size=(40, 3))
+Y = X @ np.array([1.0, -0.5, 0.25]) + 0.3 * np.random.default_rng(1).normal(size=40)
+
+
+def regression(X, y=None):
+    beta = numpyro.sample("beta", dist.Normal(0.0, 1.0).expand([X.shape[1]]).to_event(1))
+    sigma = numpyro.sample("sigma", dist.HalfNormal(1.0))
+    with numpyro.plate("n", X.shape[0]):
+        numpyro.sample("y", dist.Normal(X @ beta, sigma), obs=y)
+
+
+def test_a_fit_runs_the_model_at_most_three_times_and_a_refit_compiles_nothing():
+    def model(X, y=None):  # a new function: not in the compiled-fit cache
+        regression(X, y)
+
+    first = blr_fit(model, {"X": X, "y": Y}, rng_key=random.PRNGKey(0), progress_bar=False)
+    assert first.compile_counts.model_runs <= 3
+    again = blr_fit(model, {"X": X, "y": Y}, rng_key=random.PRNGKey(0), progress_bar=False)
+    # the refit traces the model once (is it the same program?) and compiles nothing
+    assert again.compile_counts == (1, 0)
+    np.testing.assert_array_equal(first.elbo, again.elbo)
+
+
+def test_model_program_traces_once_and_prunes_to_the_sites_asked_for():
+    program = ModelProgram(regression)
+    spec, data = DataSpec.split((), {"X": X, "y": Y})
+    full = {"beta": jnp.array([0.5, 0.0, -1.0]), "sigma": jnp.array(2.0)}
+    before = model_runs()
+    sites = program.sites(("y",), full, data, {}, spec)
+    assert model_runs() - before == 1
+    np.testing.assert_allclose(sites["y"]["fn"].loc, X @ np.array([0.5, 0.0, -1.0]), rtol=1e-6)
+    np.testing.assert_allclose(sites["y"]["fn"].scale, 2.0)
+    np.testing.assert_allclose(sites["y"]["value"], Y, rtol=1e-6)
+    # other sites, other values, inside jit and vmap: the same program, no new run
+    prior = program.sites(("beta", "sigma"), {**full, "sigma": jnp.array(3.0)}, data, {}, spec)
+    assert float(prior["sigma"]["value"]) == 3.0
+
+    @jax.jit
+    def log_density(beta):
+        entry = program.sites(("y",), {**full, "beta": beta}, data, {}, spec)["y"]
+        return entry["fn"].log_prob(entry["value"]).sum()
+
+    betas = jnp.stack([full["beta"], jnp.zeros(3)])
+    got = jax.vmap(log_density)(betas)
+    want = [dist.Normal(X @ np.asarray(b), 2.0).log_prob(Y).sum() for b in betas]
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    assert model_runs() - before == 1
+
+
+def test_keys_are_derived_on_the_host_deterministically():
+    key = random.PRNGKey(3)
+    typed = random.wrap_key_data(key)
+    before = xla_compilations()
+    a, b, c = host_split(typed, 3)
+    again = host_split(typed, 3)
+    folded = host_fold_in(typed, 7)
+    assert xla_compilations() == before
+    words = [tuple(np.asarray(random.key_data(k))) for k in (a, b, c, folded)]
+    assert len(set(words)) == 4  # distinct keys
+    assert words[:3] == [tuple(np.asarray(random.key_data(k))) for k in again]
+    assert words[3] != tuple(np.asarray(random.key_data(host_fold_in(typed, 8))))
+
+
+# A conjugate (quadratic) expected log-density of a Gaussian block, with hand-worked message:
+# L(m, Σ) = −½ t (mᵀGm + 2 hᵀm + tr(GΣ))  ⇒  λ̃ = ∇_μ L = (−t h, −½ t G) at every q.
+G = np.array([[2.0, 0.5], [0.5, 1.0]])
+H = np.array([0.3, -1.2])
+T = 1.7
+
+
+def _quadratic(view):
+    return -0.5 * T * (view.mean @ (G @ view.mean) + 2 * H @ view.mean + jnp.sum(G * view.cov))
+
+
+@pytest.mark.parametrize("mean, var", [([0.0, 0.0], [1.0, 1.0]), ([2.0, -3.0], [0.2, 5.0])])
+def test_fixed_view_message_equals_the_message_at_any_q(mean, var):
+    dense = GaussianDense(2)
+    prec = np.diag(1.0 / np.asarray(var))
+    nat = GaussianNat(jnp.asarray(prec @ np.asarray(mean)), jnp.asarray(-0.5 * prec))
+    view = dense.view(nat)
+    at_q = dense.message_from_view_grad(nat, jax.grad(_quadratic)(view))
+    fixed = dense.message_from_fixed_view_grad(jax.grad(_quadratic)(dense.fixed_view(view)))
+    for got in (at_q, fixed):
+        np.testing.assert_allclose(got.eta1, -T * H, atol=1e-6)
+        np.testing.assert_allclose(got.eta2, -0.5 * T * G, atol=1e-6)
+    # elementwise Gaussians have no fixed view: a factor may couple their elements
+    diag = GaussianDiag()
+    assert diag.fixed_view(diag.view(DiagGaussianNat(jnp.zeros(2), -0.5 * jnp.ones(2)))) is None
