@@ -195,6 +195,9 @@ def _site_section(rows) -> list:
         "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        if r.get("error"):
+            lines.append(f"| {r['sites']:,} | {r['error']} |" + " |" * 5)
+            continue
         lines.append(
             f"| {r['sites']:,} | {_f(r.get('compile'))} | {_f(1e3 * r.get('compile', float('nan')) / r['sites'])} | "
             f"{_f(r.get('total'))} | {r.get('steps', '-')} | {r.get('model_runs', '-')} | {r.get('xla_compilations', '-')} |"

@@ -170,11 +170,15 @@ def _curvatures(plan, kwargs) -> str:
     return "; ".join(out)
 
 
-SECOND_PROCESS = r"""
+#: the start of the scripts run in new processes: their one argument, then the dtype
+_SCRIPT_HEADER = r"""
 import json, sys, time
 import numpyro
 if sys.argv[2] == "float64":
     numpyro.enable_x64()
+"""
+
+SECOND_PROCESS = _SCRIPT_HEADER + r"""
 from blrppl import blr_fit
 from blrppl.bench import models
 bm = models.load(sys.argv[1])
@@ -203,17 +207,21 @@ def fresh_process_fit(bm: BenchModel) -> dict:
     return _in_new_process(SECOND_PROCESS, [bm.name], {CACHE_ENV: "0"})
 
 
-def _in_new_process(script: str, args: list, env: dict) -> dict:
+def _in_new_process(script: str, args: list, env: dict, timeout: float = 1800) -> dict:
     """Run ``script`` (which prints ``RESULT<json>``) in a new Python process with the
-    current dtype as its last argument; its JSON, or NaNs when it failed."""
+    current dtype as its last argument; its JSON, or NaNs and an ``error`` when it failed or
+    did not finish within ``timeout`` seconds."""
     import subprocess
     import sys
 
     dtype = "float64" if jnp.result_type(float) == jnp.float64 else "float32"
-    proc = subprocess.run(
-        [sys.executable, "-c", script, *map(str, args), dtype], capture_output=True, text=True,
-        env={**os.environ, **env}, timeout=1800,
-    )
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", script, *map(str, args), dtype], capture_output=True, text=True,
+            env={**os.environ, **env}, timeout=timeout,
+        )
+    except subprocess.TimeoutExpired:
+        return {"compile": float("nan"), "total": float("nan"), "error": f"did not finish within {timeout:g} s"}
     line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT")), None)
     if proc.returncode != 0 or line is None:
         tail = (proc.stderr.strip().splitlines() or [""])[-1][:200]
@@ -500,11 +508,7 @@ def dense_regression(d: int = 2_000, n: int = 3_000, seed: int = 0, log=print) -
 
 # ------------------------------------------------------------- compile time per site
 
-SITE_SCALING = r"""
-import json, sys, time
-import numpyro
-if sys.argv[2] == "float64":
-    numpyro.enable_x64()
+SITE_SCALING = _SCRIPT_HEADER + r"""
 from blrppl import blr_fit
 from blrppl.bench.runner import ar2_data, ar2_loop_model
 y = ar2_data(int(sys.argv[1]))
@@ -535,27 +539,24 @@ def ar2_data(num_sites: int, seed: int = 0) -> np.ndarray:
     return y
 
 
-def site_scaling(sizes=(10, 100, 1_000), log=print) -> list:
+def site_scaling(sizes=(10, 100, 1_000), log=print, timeout: float = 600) -> list:
     """``blr_fit``'s first fit of :func:`ar2_loop_model` with ``sizes`` per-step sites, each in
-    a fresh process without compilation cache: compile seconds and seconds per site."""
+    a fresh process without compilation cache (given up after ``timeout`` seconds): compile
+    seconds and seconds per site."""
     rows = []
     for n in sizes:
-        row = {"sites": int(n), **_in_new_process(SITE_SCALING, [n], {CACHE_ENV: "0"})}
+        row = {"sites": int(n), **_in_new_process(SITE_SCALING, [n], {CACHE_ENV: "0"}, timeout)}
         rows.append(row)
         log(
             f"  AR(2) loop, {n:>5} sites: compile {row['compile']:7.2f} s ({row['compile'] / n * 1e3:.1f} ms/site), "
-            f"model runs {row.get('model_runs')}, XLA compilations {row.get('xla_compilations')}"
+            f"model runs {row.get('model_runs')}, XLA compilations {row.get('xla_compilations')} {row.get('error', '')}"
         )
     return rows
 
 
 # ------------------------------------------------- a hand-written BLR loop, for scale
 
-HAND_LOGISTIC = r"""
-import json, sys, time
-import numpyro
-if sys.argv[2] == "float64":
-    numpyro.enable_x64()
+HAND_LOGISTIC = _SCRIPT_HEADER + r"""
 import jax, numpy as np
 from blrppl.bench.models import logistic_data
 from blrppl.bench.runner import hand_blr_logistic
@@ -567,11 +568,7 @@ print("RESULT" + json.dumps({"total": total, "steps": steps, "mean": np.asarray(
                              "sd": np.asarray(sd).tolist()}))
 """
 
-BLR_LOGISTIC = r"""
-import json, sys, time
-import numpyro
-if sys.argv[2] == "float64":
-    numpyro.enable_x64()
+BLR_LOGISTIC = _SCRIPT_HEADER + r"""
 import numpy as np
 from blrppl import blr_fit
 from blrppl.bench.models import logistic_data, logistic_model
