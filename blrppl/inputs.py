@@ -94,29 +94,60 @@ def seed_key(seed: int):
     return jax.random.wrap_key_data(words)
 
 
-def host_split(key, num: int) -> list:
-    """``num`` independent typed keys derived from a concrete typed ``key`` on the host (no
-    XLA computation: a fit's setup would otherwise compile a split program in every new
-    process): the key's words seed a NumPy ``SeedSequence`` whose output words are the new
-    keys' data, in the key's implementation. (A traced key is split by ``jax.random``.)"""
-    if isinstance(key, jax.core.Tracer):
-        return list(jax.random.split(key, num))
+_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
+
+
+def _threefry2x32(k1, k2, x1, x2):
+    """The Threefry-2x32 block cipher with 20 rounds (Salmon et al. 2011, "Parallel random
+    numbers: as easy as 1, 2, 3"), on NumPy ``uint32`` arrays (arithmetic modulo 2³²): the
+    hash under JAX's default PRNG."""
+    k1, k2 = np.uint32(k1), np.uint32(k2)
+    ks = (k1, k2, k1 ^ k2 ^ np.uint32(0x1BD11BDA))
+    x = [np.asarray(x1, np.uint32) + ks[0], np.asarray(x2, np.uint32) + ks[1]]
+    for i in range(5):
+        for r in _ROTATIONS[i % 2]:
+            x[0] = x[0] + x[1]
+            x[1] = (x[1] << np.uint32(r)) | (x[1] >> np.uint32(32 - r))
+            x[1] = x[0] ^ x[1]
+        x[0] = x[0] + ks[(i + 1) % 3]
+        x[1] = x[1] + ks[(i + 2) % 3] + np.uint32(i + 1)
+    return x
+
+
+def _threefry_words(key):
+    """The two key words of a concrete threefry key, or None for other keys."""
+    if isinstance(key, jax.core.Tracer) or str(jax.random.key_impl(key)) not in ("threefry2x32", "fry"):
+        return None
     data = np.asarray(jax.random.key_data(key))
-    seq = np.random.SeedSequence([int(w) for w in data.ravel()])
-    words = seq.generate_state(num * data.size, np.uint32).reshape((num,) + data.shape)
-    impl = jax.random.key_impl(key)
-    return [jax.random.wrap_key_data(w, impl=impl) for w in words]
+    return (data[0], data[1]) if data.shape == (2,) else None
+
+
+def host_split(key, num: int) -> list:
+    """``list(jax.random.split(key, num))`` computed on the host (no XLA computation: a
+    fit's setup would otherwise compile a split program in every new process); the same
+    keys as ``jax.random.split`` for threefry keys (others, and traced keys, are split by
+    ``jax.random``)."""
+    words = _threefry_words(key)
+    if words is None:
+        return list(jax.random.split(key, num))
+    with np.errstate(over="ignore"):
+        if jax.config.jax_threefry_partitionable:
+            hi, lo = _threefry2x32(*words, np.zeros(num, np.uint32), np.arange(num, dtype=np.uint32))
+            data = np.stack([hi, lo], axis=1)
+        else:
+            counts = np.arange(2 * num, dtype=np.uint32)
+            data = np.concatenate(_threefry2x32(*words, counts[:num], counts[num:])).reshape(num, 2)
+    return [jax.random.wrap_key_data(d) for d in data]
 
 
 def host_fold_in(key, value: int):
-    """A typed key derived from a concrete ``key`` and an int on the host (see
-    :func:`host_split`)."""
-    if isinstance(key, jax.core.Tracer):
+    """``jax.random.fold_in(key, value)`` computed on the host (see :func:`host_split`)."""
+    words = _threefry_words(key)
+    if words is None:
         return jax.random.fold_in(key, value)
-    data = np.asarray(jax.random.key_data(key))
-    seq = np.random.SeedSequence([int(w) for w in data.ravel()] + [int(value)])
-    words = seq.generate_state(data.size, np.uint32).reshape(data.shape)
-    return jax.random.wrap_key_data(words, impl=jax.random.key_impl(key))
+    with np.errstate(over="ignore"):
+        a, b = _threefry2x32(*words, np.zeros(1, np.uint32), np.array([value], np.uint32))
+    return jax.random.wrap_key_data(np.concatenate([a, b]))
 
 
 def _key_message(name, key) -> str:

@@ -69,18 +69,29 @@ def test_model_program_traces_once_and_prunes_to_the_sites_asked_for():
     assert model_runs() - before == 1
 
 
-def test_keys_are_derived_on_the_host_deterministically():
-    key = random.PRNGKey(3)
-    typed = random.wrap_key_data(key)
-    before = xla_compilations()
-    a, b, c = host_split(typed, 3)
-    again = host_split(typed, 3)
-    folded = host_fold_in(typed, 7)
-    assert xla_compilations() == before
-    words = [tuple(np.asarray(random.key_data(k))) for k in (a, b, c, folded)]
-    assert len(set(words)) == 4  # distinct keys
-    assert words[:3] == [tuple(np.asarray(random.key_data(k))) for k in again]
-    assert words[3] != tuple(np.asarray(random.key_data(host_fold_in(typed, 8))))
+@pytest.mark.parametrize("partitionable", [True, False])
+def test_keys_derived_on_the_host_are_jax_random_keys(partitionable):
+    """host_split / host_fold_in / seed_key give exactly jax.random's keys (a fit's random
+    streams do not depend on where its keys were derived), without an XLA computation."""
+    from blrppl.inputs import seed_key
+
+    old = jax.config.jax_threefry_partitionable
+    jax.config.update("jax_threefry_partitionable", partitionable)
+    try:
+        for seed in (0, 3, 2**40 + 7):
+            key = random.key(seed)
+            before = xla_compilations()
+            got = [np.asarray(random.key_data(k)) for k in host_split(key, 5)]
+            folded = [np.asarray(random.key_data(host_fold_in(key, v))) for v in (0, 7, 123_456)]
+            made = np.asarray(random.key_data(seed_key(seed)))
+            assert xla_compilations() == before
+            want = [np.asarray(random.key_data(k)) for k in random.split(key, 5)]
+            np.testing.assert_array_equal(got, want)
+            want = [np.asarray(random.key_data(random.fold_in(key, v))) for v in (0, 7, 123_456)]
+            np.testing.assert_array_equal(folded, want)
+            np.testing.assert_array_equal(made, np.asarray(random.key_data(key)))
+    finally:
+        jax.config.update("jax_threefry_partitionable", old)
 
 
 # A conjugate (quadratic) expected log-density of a Gaussian block, with hand-worked message:
