@@ -169,10 +169,17 @@ def _weak(x) -> bool:
 
 
 def _dce(jaxpr, used_outputs):
-    """``jaxpr`` pruned to the outputs ``used_outputs``: (pruned jaxpr, which inputs it keeps)."""
-    from jax._src.interpreters import partial_eval as pe
+    """``jaxpr`` pruned to the outputs ``used_outputs``: (pruned jaxpr, which inputs it keeps).
+    (JAX's dead-code elimination is internal: without it the whole program is kept, and the
+    unused outputs are computed and dropped.)"""
+    try:
+        from jax._src.interpreters import partial_eval as pe
 
-    return pe.dce_jaxpr(jaxpr, used_outputs)
+        return pe.dce_jaxpr(jaxpr, used_outputs)
+    except (ImportError, AttributeError):  # pragma: no cover - another jax layout
+        outs = list(jaxpr.outvars)
+        pruned = jaxpr.replace(outvars=[v for v, u in zip(outs, used_outputs) if u])
+        return pruned, [True] * len(jaxpr.invars)
 
 
 class _StopAfter(Messenger):
