@@ -470,7 +470,6 @@ def _prepare_locked(model, args, kwargs, options, rng_key, prior, init_values, s
     dyn_data = bundle.run_data(dyn_data, prior_nat)
     dtype = jnp.result_type(float)
     state = initial_state(nat0, k_loop, plan)
-    compiled = bundle.chunk
     if plan.subsampled:
         # local blocks take ρ = 1 and global ones the schedule inside the step (times a
         # constant user ρ); conjugacy detection would need exact ρ = 1 steps: not run
@@ -483,11 +482,15 @@ def _prepare_locked(model, args, kwargs, options, rng_key, prior, init_values, s
         rho = {n: host_array(1.0, dtype) for n in plan.order}
     else:
         rho = {n: host_array(float(learning_rate), dtype) for n in plan.order}
+    if isinstance(bundle.chunk, _Compiling):
+        try:
+            bundle.chunk = bundle.chunk.wait()
+        except Exception:
+            _CACHE.pop(key, None)  # a compilation that failed is not kept: the next fit retries
+            raise
     if any(b.discrete for b in plan.blocks) and not plan.subsampled:
         state = _discrete_start(bundle, plan, init_records, state, dyn_data, start, rng, block_values)
     jax.block_until_ready(state)
-    if isinstance(bundle.chunk, _Compiling):
-        bundle.chunk = bundle.chunk.wait()
     counts = CompileCounts(model_runs() - runs0, xla_compilations() - compilations0)
     return _Prepared(
         bundle, plan, records, data_spec, dyn_data, state, rho, tol, CHUNK_SIZE, t0, options.iterate_average, counts

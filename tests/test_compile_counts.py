@@ -119,3 +119,22 @@ def test_fixed_view_message_equals_the_message_at_any_q(mean, var):
     # elementwise Gaussians have no fixed view: a factor may couple their elements
     diag = GaussianDiag()
     assert diag.fixed_view(diag.view(DiagGaussianNat(jnp.zeros(2), -0.5 * jnp.ones(2)))) is None
+
+
+def test_a_compilation_that_fails_is_not_kept(monkeypatch):
+    """The chunk compiles on a worker thread after the compiled fit is cached: when that
+    compilation fails, the fit raises and the next fit compiles again."""
+    import blrppl.api as api
+
+    def model(X, y=None):
+        regression(X, y)
+
+    def broken(lowered, options):
+        raise RuntimeError("XLA failed")
+
+    with monkeypatch.context() as m:
+        m.setattr(api, "compile_lowered", broken)
+        with pytest.raises(RuntimeError, match="XLA failed"):
+            blr_fit(model, {"X": X, "y": Y}, progress_bar=False)
+    result = blr_fit(model, {"X": X, "y": Y}, progress_bar=False)
+    assert result.converged and np.all(np.isfinite(result.elbo))
