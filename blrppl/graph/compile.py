@@ -627,13 +627,13 @@ def _audit_dependencies(model, data_spec, data, records, deps, site_init, plate_
     if not latent:
         return
     rng = np.random.default_rng(np.asarray(jax.random.key_data(rng_key)).ravel())
-    fill = {}
-    for r in latent:
-        t = biject_to(r.support)
-        u = t.inv(jnp.asarray(site_init[r.name]))
-        fill[r.name] = t(u + 0.1 * rng.normal(size=np.shape(u)))
-    tangents = {r.name: rng.normal(size=np.shape(fill[r.name])) for r in latent}
-    fns = ModelFunctions(model, data_spec, {**site_init, **fill}, plate_indices=plate_indices, program=program)
+    # the random point is built inside the one compiled call (op by op, every operation of
+    # the bijections would compile a program of its own)
+    noise = {r.name: 0.1 * rng.normal(size=np.shape(r.unconstrained_init if r.unconstrained_init is not None
+                                                    else biject_to(r.support).inv(jnp.asarray(site_init[r.name]))))
+             for r in latent}
+    tangents = {r.name: rng.normal(size=np.shape(site_init[r.name])) for r in latent}
+    fns = ModelFunctions(model, data_spec, site_init, plate_indices=plate_indices, program=program)
     names = tuple(n for n in records if n in deps)
 
     def log_probs(values, data):
@@ -647,12 +647,18 @@ def _audit_dependencies(model, data_spec, data, records, deps, site_init, plate_
     }
 
     def derivatives(data):
+        fill = {}
+        for r in latent:
+            t = biject_to(r.support)
+            fill[r.name] = t(t.inv(jnp.asarray(site_init[r.name])) + noise[r.name])
+
         def along(t):
-            return jax.jvp(lambda x: log_probs(x, data), ({n: fill[n] for n in order},), (t,))
+            return jax.jvp(lambda x: log_probs(x, data), (fill,), (t,))
 
         return jax.vmap(along)(stacked)
 
     values, slopes = compile_lowered(jax.jit(derivatives).lower(data), compiler_options(data))(data)
+    values, slopes = jax.tree.map(np.asarray, (values, slopes))  # (indexed on the host)
     for k, latent_name in enumerate(order):
         for site in names:
             slope, value = float(slopes[site][k]), float(values[site][k])
