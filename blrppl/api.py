@@ -24,6 +24,7 @@ from blrppl.engine.step import BLRState, initial_state, make_step
 from blrppl.errors import BLRError
 from blrppl.graph.compile import _block_init_values, compile_model, conjugate_blocks, init_nat
 from blrppl.estimators import gram
+from blrppl.graph.stack import stack_table
 from blrppl.expressions import canonical_leaves
 from blrppl.diagnostics import KHAT_WARN, Diagnostics, make_log_weights, psis_khat
 from blrppl.graph.data import DataSpec, RunData, split_run_data
@@ -122,6 +123,8 @@ class _Compiled:
     #: data → the precomputed statistics of the plan's ``gram_block`` factors (None: none)
     statistics_fn: Callable | None = None
     _statistics_compiled: Any = None
+    #: data → the tables of the plan's stacked factors (:mod:`blrppl.graph.stack`; None: none)
+    tables_fn: Callable | None = None
 
     #: (nat, model data, key) → importance log-weights of q (None: not computed for this plan)
     log_weights_fn: Callable | None = None
@@ -145,16 +148,17 @@ class _Compiled:
         backend optimisations off: matrix products, as fast without), traced inside a
         user's ``jit``. On a CPU the Gram matrices AᵀA are then formed by the host's BLAS
         (a symmetric rank-k update: half the work of XLA's general product)."""
+        tables = self.tables_fn(dyn) if self.tables_fn is not None else {}
         if self.statistics_fn is None:
-            return {}
+            return tables
         if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(dyn)):
-            return self.statistics_fn(dyn)
+            return {**self.statistics_fn(dyn), **tables}
         host = jax.default_backend() == "cpu"
         if self._statistics_compiled is None:
             lowered = jax.jit(functools.partial(self.statistics_fn, rows=host)).lower(dyn)
             self._statistics_compiled = compile_lowered(lowered, _compiler_options(dyn, 0))
         stats = self._statistics_compiled(dyn)
-        return {k: gram.gram_on_host(v) for k, v in stats.items()} if host else stats
+        return {**({k: gram.gram_on_host(v) for k, v in stats.items()} if host else stats), **tables}
 
     def run_data(self, dyn, previous=None):
         """What the compiled chunk reads: the model's array data, and the previous
@@ -208,9 +212,10 @@ def _elementwise_work(plan, records) -> int:
     """The number of factor elements a step evaluates one by one (factors with precomputed
     statistics excluded): the measure of the data a compiled step works through."""
     return sum(
-        int(np.prod(records[f.name].value_shape)) if f.name in records else 0
+        int(np.prod(records[n].value_shape)) if n in records else 0
         for f in plan.factors
         if not f.gram_block
+        for n in (f.members or (f.name,))
     )
 
 
@@ -327,6 +332,11 @@ def _compile(model, records, data_spec, dyn_data, tracer, options, prior_spec, k
 
         statistics_fn = statistics
     stats = jax.eval_shape(statistics_fn, dyn_data) if statistics_fn is not None else {}
+    tables_fn = None
+    if fns.stacks:
+        # (evaluated op by op, never compiled: see blrppl.graph.stack)
+        tables_fn = functools.partial(fns.stack_tables, compute=stack_table)
+        stats = {**stats, **jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tables_fn(dyn_data))}
     previous = {n: state.nat[n] for n in online}
     run_data = RunData(dyn_data, previous, stats) if (online or stats) else dyn_data
     lowered = jax.jit(chunk).lower(state, run_data, steps, rho, history)
@@ -340,11 +350,11 @@ def _compile(model, records, data_spec, dyn_data, tracer, options, prior_spec, k
     bundle = _Compiled(
         tracer, plan, graph, init_fn, None, posterior_fn, window,
         chunk_fn=chunk, elbo_fn=jax.jit(elbo_fn), online=online, statistics_fn=statistics_fn,
-        log_weights_fn=log_weights_fn,
+        log_weights_fn=log_weights_fn, tables_fn=tables_fn,
     )
     if log_weights_fn is not None and not (len(plan.blocks) == 1 and exact_block is not None):
         # (a lone conjugate block needs no draws, see _diagnose)
-        bundle.compile_log_weights(state.nat, dyn_data, state.rng_key)
+        bundle.compile_log_weights(state.nat, _model_data(plan, run_data), state.rng_key)
     if not plan.subsampled:  # (subsampled plans export their local blocks at full size)
         posterior_fn.prepare(state.nat)
     # (the fit's setup, e.g. its data statistics, runs while the chunk compiles)
@@ -579,6 +589,14 @@ def _stop_message(outcome, plan, window: int, tol: float, num_steps: int) -> str
     return message
 
 
+def _model_data(plan, run_data):
+    """What the model functions read of a fit's run-time data: the model's data, and the
+    tables of the plan's stacked factors when it has some."""
+    model, _, statistics = split_run_data(run_data)
+    stacked = {f.name: statistics[f.name] for f in plan.factors if f.members}
+    return RunData(model, {}, stacked) if stacked else model
+
+
 def _diagnose(prepared, outcome, nat) -> Diagnostics:
     """The fit's :class:`blrppl.diagnostics.Diagnostics`: PSIS k̂ of q from one compiled call,
     and what the ELBO trace says."""
@@ -594,9 +612,8 @@ def _diagnose(prepared, outcome, nat) -> Diagnostics:
         # the model's only latent block is conjugate: its closed-form step is the exact
         # posterior, whose importance weights are all equal (k̂ = −∞) without drawing any
         return Diagnostics(khat=-math.inf, num_draws=0, note="one conjugate block in closed form: no draws needed", **base)
-    model_data = split_run_data(prepared.dyn_data)[0]
     key = host_fold_in(outcome.state.rng_key, 7)
-    log_weights = np.asarray(bundle.log_weights(nat, model_data, key))
+    log_weights = np.asarray(bundle.log_weights(nat, _model_data(plan, prepared.dyn_data), key))
     return Diagnostics(khat=psis_khat(log_weights), num_draws=int(log_weights.size), **base)
 
 

@@ -181,6 +181,9 @@ def make_log_weights(plan, fns, records, data_shapes, batch: int = BATCH):
     fixed = [b for b in plan.blocks if not b.discrete and b.point]
     groups = _components(plan)
     sites = tuple(n for n, r in records.items() if r.observed or not r.is_param)
+    # a stacked factor's sites are evaluated as the one stacked site (blrppl.graph.stack)
+    stacked = {m: f.name for f in plan.factors for m in f.members}
+    sites = tuple(dict.fromkeys(stacked.get(n, n) for n in sites))
     site_discrete = {f.name: set(f.discrete) for f in plan.factors if f.name in records}
     for f in plan.factors:
         for d in f.discrete:

@@ -43,7 +43,7 @@ from numpyro.primitives import Messenger
 
 from blrppl import moments as mom
 from blrppl.graph import forms as fm
-from blrppl.graph.data import DataSpec, compile_lowered, compiler_options
+from blrppl.graph.data import DataSpec, RunData, compile_lowered, compiler_options
 from blrppl.graph.plan import Block
 from blrppl.graph.trace import PlateIndices, count_model_run, unwrap, value_mask
 
@@ -264,6 +264,9 @@ class ModelFunctions:
         plate_indices: plate name → minibatch indices used for subsampled plates when the
             data carry none (:class:`MinibatchData`), e.g. while compiling.
         program: the model's :class:`ModelProgram` (a new one if None).
+        stacks: stacked factors (:mod:`blrppl.graph.stack`) by name: their entries are built
+            from per-fit tables that ``data`` carries (a :class:`blrppl.graph.data.RunData`
+            whose ``statistics`` hold them), not from the program.
     """
 
     def __init__(
@@ -275,6 +278,7 @@ class ModelFunctions:
         joints: dict | None = None,
         plate_indices: dict | None = None,
         program: ModelProgram | None = None,
+        stacks: dict | None = None,
     ):
         self.model = model
         self.program = program if program is not None and program.model is model else ModelProgram(model)
@@ -283,15 +287,31 @@ class ModelFunctions:
         self.transforms = dict(transforms or {})
         self.joints = dict(joints or {})
         self.plate_indices = dict(plate_indices or {})
+        self.stacks = dict(stacks or {})
 
-    def sites(self, names, values: dict, data) -> dict:
-        """Run the model with ``values`` (block space: unconstrained for transformed blocks)
-        substituted; the messages of the sites ``names``. ``data`` may be a
-        :class:`MinibatchData` (the minibatch of each subsampled plate)."""
-        indices = self.plate_indices
-        if isinstance(data, MinibatchData):
-            indices = {**indices, **data.indices}
-            data = data.leaves
+    def with_stacks(self, stacks: dict, data=None, tables=None) -> "ModelFunctions":
+        """These functions with the stacked factors ``stacks`` (by name), and their
+        ``tables`` for the data leaves ``data`` when already computed."""
+        out = ModelFunctions.__new__(ModelFunctions)
+        out.__dict__.update(self.__dict__)
+        out.stacks = dict(stacks)
+        out._tables = (tuple(jax.tree.leaves(data)), tables) if tables is not None else ((), None)
+        return out
+
+    def stack_tables(self, data, compute) -> dict:
+        """The stacked factors' tables for the data leaves ``data``: ``compute(stack, self,
+        data)`` per stack, unless the last tables were computed for these very arrays."""
+        leaves = tuple(jax.tree.leaves(data))
+        known, tables = getattr(self, "_tables", ((), None))
+        if tables is None or len(known) != len(leaves) or any(a is not b for a, b in zip(known, leaves)):
+            tables = {name: compute(stack, self, data) for name, stack in self.stacks.items()}
+            if not any(isinstance(x, jax.core.Tracer) for x in leaves):
+                self._tables = (leaves, tables)
+        return tables
+
+    def site_values(self, values: dict) -> dict:
+        """Every latent site's value (its own, constrained space) with ``values`` (block
+        space) substituted and the fill values elsewhere."""
         full = dict(self.fill_values)
         for n, v in values.items():
             if n in self.joints:
@@ -300,7 +320,27 @@ class ModelFunctions:
                 full[n] = v
         for n, t in self.transforms.items():
             full[n] = t(full[n])
-        return self.program.sites(names, full, data, indices, self.data_spec)
+        return full
+
+    def sites(self, names, values: dict, data) -> dict:
+        """Run the model with ``values`` (block space: unconstrained for transformed blocks)
+        substituted; the messages of the sites ``names``. ``data`` may be a
+        :class:`MinibatchData` (the minibatch of each subsampled plate), or a
+        :class:`blrppl.graph.data.RunData` carrying the stacked factors' tables."""
+        tables = {}
+        if isinstance(data, RunData):
+            tables, data = data.statistics, data.model
+        indices = self.plate_indices
+        if isinstance(data, MinibatchData):
+            indices = {**indices, **data.indices}
+            data = data.leaves
+        full = self.site_values(values)
+        plain = tuple(n for n in names if n not in self.stacks)
+        out = self.program.sites(plain, full, data, indices, self.data_spec) if plain else {}
+        for n in names:
+            if n in self.stacks:
+                out[n] = self.stacks[n].site(tables[n], full)
+        return {n: out[n] for n in names}
 
     @staticmethod
     def rule_args(site: dict, arg_names) -> dict:

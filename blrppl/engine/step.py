@@ -228,18 +228,20 @@ def make_objective(plan, fns, curvature="auto"):
 
     ``data`` may be a :class:`blrppl.graph.data.RunData`: in an online fit it carries the
     previous posterior's natural parameters, read by the ``"<block>:previous"``
-    pseudo-factors, and factors with a ``gram_block`` read their precomputed statistics
-    from it (:mod:`blrppl.estimators.gram`).
+    pseudo-factors, factors with a ``gram_block`` read their precomputed statistics
+    from it (:mod:`blrppl.estimators.gram`), and stacked factors their tables
+    (:mod:`blrppl.graph.stack`).
     """
     blocks = {b.name: b for b in plan.blocks}
 
     def objective(views, data, factor_names=None, key=None):
+        run = data
         data, previous, statistics = split_run_data(data)
         factors = [f for f in plan.factors if factor_names is None or f.name in factor_names]
         total = expected_log_factors(
             fns,
             [f for f in factors if not is_previous_posterior(f) and not f.gram_block],
-            blocks, views, data, key, curvature,
+            blocks, views, run if fns.stacks else data, key, curvature,
         )
         for f in factors:
             if is_previous_posterior(f):

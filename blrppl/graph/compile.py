@@ -23,6 +23,7 @@ from blrppl.graph.data import compile_lowered, compiler_options
 from blrppl.graph.deps import output_forms
 from blrppl.graph.forms import Const, Power, inverse_link
 from blrppl.graph.plan import Block, Factor, LocalAxis, Plan
+from blrppl.graph.stack import stack_factors
 from blrppl.graph.trace import SiteRecord, finite_support_values
 from blrppl.rules import find_rule
 
@@ -326,6 +327,10 @@ def compile_model(
         factors = _check_subsampled(factors, records, blocks, {p.name for p in subsampled})
     else:
         factors = [dataclasses.replace(f, gram_block=gram.eligible(f, blocks) or "") for f in factors]
+        # sites of one structure (one per step of a Python loop) become one stacked factor
+        factors, stacks, tables = stack_factors(factors, records, forms, blocks, fns, data, np.random.default_rng(0))
+        if stacks:
+            fns = fns.with_stacks(stacks, data, tables)
     graph = nx.Graph()
     for name, b in blocks.items():
         graph.add_node(("block", name), kind=b.kind, shape=b.value_shape)

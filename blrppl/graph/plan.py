@@ -267,6 +267,8 @@ class Factor:
             (:mod:`blrppl.estimators.gram`) instead of the elementwise moments.
         why: for a factor without a closed form, why (the argument whose form no rule
             reads, and what that form is: read off the model's program).
+        members: for a stacked factor (:mod:`blrppl.graph.stack`), the sites it holds (its
+            elements along a new leading axis); empty for one site.
     """
 
     name: str
@@ -285,6 +287,7 @@ class Factor:
     subsampled: tuple = ()
     gram_block: str = ""
     why: str = ""
+    members: tuple = ()
 
     @property
     def kinds(self) -> dict:
@@ -369,6 +372,8 @@ class Plan:
         for f in self.factors:
             args = ", ".join(f"{k}:{v}" for k, v in f.arg_kinds)
             estimator = f"{f.estimator} (data statistics)" if f.gram_block else f.estimator
+            if f.members:
+                estimator += f" ({len(f.members)} sites stacked)"
             row = (f.name, f.dist_name, ", ".join(f.neighbours) or "-", estimator, args)
             if sub:
                 scale = math.prod(self.plate(p).scale for p in f.subsampled)

@@ -259,12 +259,36 @@ class ModelTracer:
         self._traced = jitted.trace(dyn, rng_key)
         self.fingerprint = program_fingerprint(self._traced.jaxpr)
         self._compiled = None
+        # a long program (one site per step of a Python loop) runs operation by operation:
+        # XLA's compile time grows faster than the program, the run's time only with it
+        self.eager = equation_count(self._traced.jaxpr.jaxpr) > EAGER_EQUATIONS
 
     def __call__(self, dyn, rng_key):
+        if self.eager:
+            closed = self._traced.jaxpr
+            outs = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *jax.tree.leaves((dyn, rng_key)))
+            return jax.tree.unflatten(jax.tree.structure(self._traced.out_info), outs)
         if self._compiled is None:
             self._compiled = compile_lowered(self._traced.lower(), compiler_options(dyn))
             self._traced = None
         return self._compiled(dyn, rng_key)
+
+
+#: a traced run with more equations than this is evaluated eagerly, not compiled
+EAGER_EQUATIONS = 3000
+
+
+def equation_count(jaxpr) -> int:
+    """The number of equations of a jaxpr, its sub-programs' included."""
+    total = 0
+    for eqn in jaxpr.eqns:
+        total += 1
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    total += equation_count(inner)
+    return total
 
 
 def program_fingerprint(closed_jaxpr) -> str:
