@@ -31,7 +31,7 @@ from numpyro.distributions import biject_to
 from numpyro.infer import autoguide as ag
 
 from blrppl.errors import UnsupportedGuideError
-from blrppl.result import point_value
+from blrppl.export import point_value
 
 #: autoguides whose family BLR fits (most specific first)
 SUPPORTED = (

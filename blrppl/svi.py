@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from blrppl import autoguides
-from blrppl.api import _prepare, _run
+from blrppl.engine import fit
 from blrppl.engine.step import BLRState
 from blrppl.errors import BLRError, UnsupportedGuideError
 from blrppl.graph.data import DataSpec, split_run_data
@@ -156,7 +156,7 @@ class BLR:
         elif init_params:
             init_values = dict(init_params)
         checked = fit_options(num_steps=num_steps, **options)
-        self._prepared = _prepare(self.model, args, kwargs, checked, rng_key, init_values=init_values)
+        self._prepared = fit.prepare(self.model, args, kwargs, checked, rng_key, init_values=init_values)
         self._checked = _arrays_of(args, kwargs)
         if self._autoguide is None:
             self.guide.plan = self._prepared.plan
@@ -317,7 +317,7 @@ class BLR:
             # its ELBO may be of other data: recomputed for these before the first step
             init_state = init_state._replace(elbo=jnp.full_like(init_state.elbo, jnp.nan))
         state = prepared.state if init_state is None else init_state
-        result = _run(prepared, state, num_steps, progress_bar)
+        result = fit.run(prepared, state, num_steps, progress_bar)
         self.result = result
         params = self.get_params(result.state)
         if self._autoguide is None:

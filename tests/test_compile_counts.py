@@ -124,7 +124,7 @@ def test_fixed_view_message_equals_the_message_at_any_q(mean, var):
 def test_a_compilation_that_fails_is_not_kept(monkeypatch):
     """The chunk compiles on a worker thread after the compiled fit is cached: when that
     compilation fails, the fit raises and the next fit compiles again."""
-    import blrppl.api as api
+    import blrppl.engine.fit as api
 
     def model(X, y=None):
         regression(X, y)

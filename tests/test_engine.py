@@ -16,10 +16,11 @@ import numpyro
 import numpyro.distributions as dist
 import pytest
 
-import blrppl.api as api
+import blrppl.engine.fit as api
+from blrppl.api import blr_fit
 from blrppl.engine import loop as engine_loop
 from blrppl.engine import step as engine_step
-from blrppl.result import site_distribution
+from blrppl.export import site_distribution
 
 M0, S0, SIGMA = 1.0, 2.0, 0.5
 
@@ -70,7 +71,7 @@ def captured():
     mp.setattr(api, "run_loop", capturing_run_loop)
     try:
         y = 3.0 + SIGMA * np.random.default_rng(0).normal(size=20)
-        result = api.blr_fit(
+        result = blr_fit(
             normal_normal, {"y": y}, learning_rate=1.0, rng_key=jax.random.key(0), progress_bar=False
         )
     finally:

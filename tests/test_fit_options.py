@@ -7,7 +7,7 @@ import numpyro
 import numpyro.distributions as dist
 import pytest
 
-import blrppl.api as api
+import blrppl.engine.fit as api
 from blrppl import BLRError, blr_fit
 
 A0, B0, MU0, LAM0 = 2.0, 1.0, 0.0, 0.5

@@ -27,7 +27,7 @@ import pytest
 from scipy.special import gammaln, betaln
 from scipy.stats import multivariate_normal
 
-import blrppl.api as api
+import blrppl.engine.fit as api
 from blrppl.api import blr_fit
 from blrppl.errors import BLRError, OnlinePriorError
 from describe_table import factor_rows

@@ -17,7 +17,7 @@ import numpyro.distributions as dist
 import pytest
 from jax import random
 
-from blrppl import api
+from blrppl.engine import fit as engine
 from blrppl.api import blr_fit, plan_of
 from blrppl.graph import stack
 
@@ -83,7 +83,7 @@ def unknown_scale_fits():
     stacked = blr_fit(ar2_unknown_scale, {"y": y}, rng_key=random.PRNGKey(0), progress_bar=False)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(stack, "MIN_MEMBERS", 10**9)
-        mp.setattr(api, "_CACHE", collections.OrderedDict())  # (compiled anew, per site)
+        mp.setattr(engine, "_CACHE", collections.OrderedDict())  # (compiled anew, per site)
         single = blr_fit(ar2_unknown_scale, {"y": y}, rng_key=random.PRNGKey(0), progress_bar=False)
     return stacked, single
 

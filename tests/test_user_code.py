@@ -76,7 +76,7 @@ def test_cache_sees_module_globals():
 
 
 def test_cache_sees_closures_and_reuses_identical_programs():
-    import blrppl.api as api
+    import blrppl.engine.fit as api
 
     def make(scale):
         def model(y):

@@ -36,7 +36,7 @@ def _clear_compiled():
 
     import jax
 
-    from blrppl import api
+    from blrppl.engine import fit as api
 
     api._CACHE.clear()
     jax.clear_caches()

@@ -191,15 +191,20 @@ def _site_section(rows) -> list:
         "ar2_loop_model`): `blr_fit`'s first fit in a fresh process without compilation cache. Target: "
         "compile time linear in the number of sites.",
         "",
-        "| sites | compile s | ms / site | total s | steps | model runs | XLA compilations |",
-        "|---|---|---|---|---|---|---|",
+        "| sites | compile s | ms / site | ms per added site | total s | steps | model runs | XLA compilations |",
+        "|---|---|---|---|---|---|---|---|",
     ]
+    previous = None
     for r in rows:
         if r.get("error"):
-            lines.append(f"| {r['sites']:,} | {r['error']} |" + " |" * 5)
+            lines.append(f"| {r['sites']:,} | {r['error']} |" + " |" * 6)
             continue
+        compile_s = r.get("compile", float("nan"))
+        # the slope from the previous row: constant when compile time is linear in the sites
+        added = "-" if previous is None else _f(1e3 * (compile_s - previous[1]) / (r["sites"] - previous[0]))
+        previous = (r["sites"], compile_s)
         lines.append(
-            f"| {r['sites']:,} | {_f(r.get('compile'))} | {_f(1e3 * r.get('compile', float('nan')) / r['sites'])} | "
+            f"| {r['sites']:,} | {_f(r.get('compile'))} | {_f(1e3 * compile_s / r['sites'])} | {added} | "
             f"{_f(r.get('total'))} | {r.get('steps', '-')} | {r.get('model_runs', '-')} | {r.get('xla_compilations', '-')} |"
         )
     return lines

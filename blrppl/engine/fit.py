@@ -1,0 +1,640 @@
+"""The compiled fit: a model's plan, its jitted chunk of steps and its exports, compiled once
+per (model program, data layout, options) and cached; preparing a fit (trace, compile or
+reuse, initial state) and running it to a :class:`blrppl.result.BLRResult`.
+
+:func:`blrppl.api.blr_fit` and :class:`blrppl.svi.BLR` both fit through :func:`prepare`
+and :func:`run`. XLA compilations run on worker threads (:data:`_COMPILER`): XLA releases
+the GIL, so a fit's programs compile while its setup runs.
+"""
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import functools
+import math
+import threading
+import time
+import warnings
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpyro
+
+from blrppl.engine.loop import BAD_RATE, CONVERGED, NONFINITE, STATIONARY, STATIONARY_STEPS, empty_history, history_size, make_chunk, run_loop
+from blrppl.engine import start as start_mod
+from blrppl.engine.step import BLRState, initial_state, make_step
+from blrppl.errors import BLRError
+from blrppl.graph.compile import _block_init_values, compile_model, conjugate_blocks, init_nat
+from blrppl.estimators import gram
+from blrppl.graph.stack import stack_table
+from blrppl.diagnostics import KHAT_WARN, Diagnostics, make_log_weights, psis_khat
+from blrppl.graph.data import DataSpec, RunData, split_run_data
+from blrppl.graph.data import compile_lowered, compiler_options as _compiler_options, host_array, xla_compilations
+from blrppl.engine.subsample import averaged_nat, svi_rate
+from blrppl.graph.trace import (
+    check_plate_sizes, full_size_model, model_runs, subsampled_plates, trace_model, trace_program,
+)
+from blrppl.inputs import FitOptions, host_fold_in, host_split
+from blrppl.online import online_plan, previous_nat, previous_spec
+from blrppl.export import posterior_builder
+from blrppl.result import BLRResult, CompileCounts
+
+#: default initial ρ of blocks with Monte Carlo messages (then decaying); other blocks start
+#: at ρ = 1 (exact coordinate steps for conjugate blocks, Newton-like natural-gradient
+#: steps for the others), backtracking on the exact ELBO when a step does not improve it
+MONTE_CARLO_RHO = 0.5
+#: window of the windowed-mean convergence test when the ELBO is a Monte Carlo estimate
+MC_WINDOW = 25
+#: steps per compiled chunk (the progress bar updates between chunks); fixed, so that fits
+#: with different ``num_steps`` share one compiled chunk
+CHUNK_SIZE = 100
+
+
+@dataclasses.dataclass
+class CompiledFit:
+    """Everything built once per (model, data shapes, options) and reused across fits."""
+
+    tracer: Any
+    plan: Any
+    graph: Any
+    init_fn: Callable
+    chunk: Callable
+    posterior_fn: Callable
+    window: int = 0
+    chunk_fn: Callable | None = None  # the chunk before compilation (traceable inside a user's jit)
+    elbo_fn: Callable | None = None  # jitted ELBO(nat, data, key)
+    #: online fits: the blocks whose prior is the previous posterior (run-time data)
+    online: tuple = ()
+    #: for models with subsampled plates: the tracer of the model at full plate sizes
+    full_tracer: Any = None
+    #: the latents' support parameters the bijections were compiled with
+    supports: tuple = ()
+    #: data → the precomputed statistics of the plan's ``gram_block`` factors (None: none)
+    statistics_fn: Callable | None = None
+    _statistics_compiled: Any = None
+    #: data → the tables of the plan's stacked factors (:mod:`blrppl.graph.stack`; None: none)
+    tables_fn: Callable | None = None
+
+    #: (nat, model data, key) → importance log-weights of q (None: not computed for this plan)
+    log_weights_fn: Callable | None = None
+    _log_weights_compiled: Any = None
+
+    def compile_log_weights(self, nat, dyn, key) -> None:
+        """Start compiling :meth:`log_weights` for arguments of these shapes (on a worker
+        thread: the fit runs meanwhile)."""
+        with numpyro.validation_enabled(False):
+            lowered = jax.jit(self.log_weights_fn).lower(nat, dyn, key)
+        self._log_weights_compiled = _COMPILER.submit(compile_lowered, lowered, _compiler_options(dyn))
+
+    def log_weights(self, nat, dyn, key):
+        """The importance log-weights of q (:mod:`blrppl.diagnostics`): one compiled call."""
+        if self._log_weights_compiled is None:
+            self.compile_log_weights(nat, dyn, key)
+        return self._log_weights_compiled.result()(nat, dyn, key)
+
+    def statistics(self, dyn) -> dict:
+        """The data statistics of the plan's ``gram_block`` factors: one compiled call (XLA's
+        backend optimisations off: matrix products, as fast without), traced inside a
+        user's ``jit``. On a CPU the Gram matrices AᵀA are then formed by the host's BLAS
+        (a symmetric rank-k update: half the work of XLA's general product)."""
+        tables = self.tables_fn(dyn) if self.tables_fn is not None else {}
+        if self.statistics_fn is None:
+            return tables
+        if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(dyn)):
+            return {**self.statistics_fn(dyn), **tables}
+        host = jax.default_backend() == "cpu"
+        if self._statistics_compiled is None:
+            lowered = jax.jit(functools.partial(self.statistics_fn, rows=host)).lower(dyn)
+            self._statistics_compiled = compile_lowered(lowered, _compiler_options(dyn, 0))
+        stats = self._statistics_compiled(dyn)
+        return {**({k: gram.gram_on_host(v) for k, v in stats.items()} if host else stats), **tables}
+
+    def run_data(self, dyn, previous=None):
+        """What the compiled chunk reads: the model's array data, and the previous
+        posterior (online fits) and data statistics when the plan has them."""
+        stats = self.statistics(dyn)
+        if not (previous or stats):
+            return dyn
+        return RunData(dyn, dict(previous or {}), stats)
+
+
+#: held while a model is traced and compiled, and while posteriors are exported (numpyro's
+#: effect handlers live on one process-wide stack: two threads must not run models at once)
+COMPILE_LOCK = threading.RLock()
+
+#: worker threads for XLA compilations (which release the GIL): a fit's programs compile
+#: while the next one is traced, or while the fit runs
+_COMPILER = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="blrppl-compile")
+
+#: compiled fits, most recent last
+_CACHE: "collections.OrderedDict" = collections.OrderedDict()
+CACHE_SIZE = 16
+
+
+def _cache_key(model, tracer, dyn, options, prior_spec):
+    """Hashable key of what the compiled fit depends on, or None if something is unhashable
+    (then nothing is cached): the model, the fingerprint of its traced program (its code
+    path and every value it closes over), the data's structure, static values and array
+    shapes, the options and the previous fit's block layout (online fits)."""
+    spec = tracer.spec
+    if spec.all_static:
+        return None  # the model needed concrete data: the compiled fit holds this data
+    shapes = tuple((jnp.shape(x), jnp.result_type(x)) for x in dyn)
+    key = (
+        model,
+        tracer.fingerprint,
+        spec.treedef,
+        spec.static,
+        shapes,
+        options.compiled(),
+        prior_spec,
+        jnp.result_type(float),
+    )
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _elementwise_work(plan, records) -> int:
+    """The number of factor elements a step evaluates one by one (factors with precomputed
+    statistics excluded): the measure of the data a compiled step works through."""
+    return sum(
+        int(np.prod(records[n].value_shape)) if n in records else 0
+        for f in plan.factors
+        if not f.gram_block
+        for n in (f.members or (f.name,))
+    )
+
+
+def _support_signature(records) -> tuple:
+    """The values of every latent's support parameters (those computed from the data differ
+    between data sets of the same shape; a compiled fit holds the bijections they give)."""
+    out = []
+    for name, r in records.items():
+        if r.observed:
+            continue
+        for x in jax.tree.leaves(r.support):
+            arr = np.asarray(x)
+            out.append((name, arr.shape, arr.tobytes()))
+    return tuple(out)
+
+
+def _remember(key, bundle):
+    _CACHE[key] = bundle
+    while len(_CACHE) > CACHE_SIZE:
+        _CACHE.popitem(last=False)
+
+
+def plan_model(model, records, data_spec, dyn_data, options, prior_spec, k_probe):
+    """The plan of a traced model (blocks, factors, estimators, conjugacy) and what
+    :func:`compile_model` builds with it."""
+    plan, fns, dyn_data, init_values, graph = compile_model(
+        model,
+        records,
+        data_spec,
+        dyn_data,
+        families=options.families_dict,
+        rng_key=k_probe,
+        structure=options.structure,
+        point=options.point,
+        point_space=options.point_space,
+        subsampled=subsampled_plates(records),
+    )
+    online = ()
+    if prior_spec is not None:
+        plan, graph, online = online_plan(plan, graph, records, prior_spec)
+    plan = dataclasses.replace(plan, conjugate=conjugate_blocks(plan))
+    return plan, fns, dyn_data, init_values, graph, online
+
+
+def _compile(model, records, data_spec, dyn_data, tracer, options, prior_spec, k_probe):
+    """Compile a model: plan, initialisation, the jitted chunk of steps, posterior export."""
+    rate_fn, tol, chunk_size, curvature = options.rate_fn, options.tol, CHUNK_SIZE, options.mc_curvature
+    default_rate = options.learning_rate is None
+    plan, fns, dyn_data, init_values, graph, online = plan_model(
+        model, records, data_spec, dyn_data, options, prior_spec, k_probe
+    )
+    blocks = {b.name: b.full for b in plan.blocks}
+
+    def init(values, probs):
+        return {n: init_nat(b, values[n], probs.get(n)) for n, b in blocks.items()}
+
+    init_fn = jax.jit(init)
+    sampled = [f for f in plan.factors if f.estimator == "monte_carlo"]
+    decay = {n for f in sampled for n in f.neighbours} if default_rate else set()
+    window = MC_WINDOW if sampled else 0
+    epoch = 0
+    if plan.subsampled:
+        # windows of whole epochs (the longest plate's), at least MC_WINDOW steps
+        epoch = max(p.steps_per_epoch for p in plan.subsampled)
+        window = epoch * -(-MC_WINDOW // epoch)
+    step, elbo_fn, _ = make_step(
+        plan,
+        fns,
+        options.schedule,
+        rate_fn,
+        decay_blocks=decay,
+        curvature=curvature,
+        global_rate=svi_rate if default_rate else None,
+    )
+    exact_block = _one_exact_block(plan)
+    chunk = make_chunk(
+        step, chunk_size, tol, window, epoch, rate_fn, () if plan.subsampled else tuple(plan.order),
+        elbo_fn=None if plan.subsampled else elbo_fn, exact_block=exact_block,
+    )
+    init_shapes = {
+        n: jax.ShapeDtypeStruct(blocks[n].value_shape, jnp.result_type(v)) if blocks[n].local else v
+        for n, v in init_values.items()
+    }
+    dtype = jnp.result_type(float)
+    state = jax.eval_shape(
+        lambda v, p: initial_state(init_fn(v, p), jax.random.key(0), plan),
+        init_shapes,
+        {b.name: np.ones(b.value_shape + (len(b.support_values),)) for b in blocks.values() if b.discrete},
+    )
+    rho = {n: jax.ShapeDtypeStruct((), dtype) for n in plan.order}
+    steps = jax.ShapeDtypeStruct((), jnp.int32)
+    history = jax.ShapeDtypeStruct((history_size(window),), dtype)
+    gram_factors = [f for f in plan.factors if f.gram_block]
+    statistics_fn = None
+    if gram_factors:
+        full_blocks = {b.name: b for b in plan.blocks}
+
+        def statistics(data, rows=False):
+            return {
+                f.name: gram.statistics(fns, f, full_blocks[f.gram_block], data, rows=rows) for f in gram_factors
+            }
+
+        statistics_fn = statistics
+    stats = jax.eval_shape(statistics_fn, dyn_data) if statistics_fn is not None else {}
+    tables_fn = None
+    if fns.stacks:
+        # (evaluated op by op, never compiled: see blrppl.graph.stack)
+        tables_fn = functools.partial(fns.stack_tables, compute=stack_table)
+        stats = {**stats, **jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tables_fn(dyn_data))}
+    previous = {n: state.nat[n] for n in online}
+    run_data = RunData(dyn_data, previous, stats) if (online or stats) else dyn_data
+    lowered = jax.jit(chunk).lower(state, run_data, steps, rho, history)
+    # XLA compiles outside the GIL: the chunk compiles on a worker thread while the
+    # diagnostics' program is traced here, then both compile at once
+    chunk_future = _COMPILER.submit(
+        compile_lowered, lowered, _compiler_options(dyn_data, _elementwise_work(plan, records))
+    )
+    log_weights_fn = None if plan.subsampled or online else make_log_weights(plan, fns, records, dyn_data)
+    posterior_fn = posterior_builder(plan, records, _COMPILER.submit)
+    bundle = CompiledFit(
+        tracer, plan, graph, init_fn, None, posterior_fn, window,
+        chunk_fn=chunk, elbo_fn=jax.jit(elbo_fn), online=online, statistics_fn=statistics_fn,
+        log_weights_fn=log_weights_fn, tables_fn=tables_fn,
+    )
+    if log_weights_fn is not None and not (len(plan.blocks) == 1 and exact_block is not None):
+        # (a lone conjugate block needs no draws, see _diagnose)
+        bundle.compile_log_weights(state.nat, _model_data(plan, run_data), state.rng_key)
+    if not plan.subsampled:  # (subsampled plans export their local blocks at full size)
+        posterior_fn.prepare(state.nat)
+    # (the fit's setup, e.g. its data statistics, runs while the chunk compiles)
+    bundle.chunk = _Compiling(chunk_future)
+    return bundle
+
+
+class _Compiling:
+    """A compiled function still compiling on a worker thread: calls wait for it."""
+
+    def __init__(self, future):
+        self.future = future
+
+    def wait(self):
+        """The compiled function (once its compilation has finished)."""
+        return self.future.result()
+
+    def __call__(self, *args):
+        return self.future.result()(*args)
+
+
+@dataclasses.dataclass
+class Prepared:
+    """A fit ready to run: the compiled bundle, the data it runs on and its first state."""
+
+    bundle: CompiledFit
+    plan: Any
+    records: dict
+    data_spec: DataSpec
+    dyn_data: tuple
+    state: BLRState
+    rho: dict
+    tol: float
+    chunk_size: int
+    start_time: float
+    iterate_average: bool = True
+    compile_counts: CompileCounts | None = None
+
+    def history(self):
+        """An empty ring buffer of recent ELBOs for the convergence tests."""
+        return empty_history(self.bundle.window)
+
+
+def prepare(model, args, kwargs, options: FitOptions, rng_key, prior=None, init_values=None, start=0) -> Prepared:
+    """Trace and compile (or fetch from the cache) a model and build its first state.
+
+    ``args``/``kwargs`` are the model's arguments after :func:`blrppl.inputs.model_arguments`,
+    ``options`` the checked :class:`blrppl.inputs.FitOptions` and ``rng_key`` a typed key;
+    ``init_values`` optionally maps sites to starting values in their constrained space;
+    ``start`` numbers the starting point of fits with enumerated latents (0: an E-step
+    under the prior; others: k-means++ seeds, see :mod:`blrppl.engine.start`).
+    Tracing and compilation hold :data:`COMPILE_LOCK` (numpyro's effect handlers keep a
+    process-wide stack, so two models cannot be traced at once).
+    """
+    with COMPILE_LOCK:
+        return _prepare_locked(model, args, kwargs, options, rng_key, prior, init_values, start)
+
+
+def _prepare_locked(model, args, kwargs, options, rng_key, prior, init_values, start) -> Prepared:
+    t0 = time.perf_counter()
+    runs0, compilations0 = model_runs(), xla_compilations()
+    k_trace, k_probe, k_host, k_loop = host_split(rng_key, 4)
+    rng = np.random.default_rng(np.asarray(jax.random.key_data(k_host)).ravel())
+    learning_rate, tol = options.learning_rate, options.tol
+    prior_spec = None if prior is None else previous_spec(prior)
+
+    # one trace of the model's program (cheap: no compilation) gives its fingerprint; a
+    # compiled fit is reused only for the same program, data layout and options
+    tracer = trace_program(model, args, kwargs, k_trace)
+    dyn_now = DataSpec.split(args, kwargs, all_static=tracer.spec.all_static)[1]
+    key = _cache_key(model, tracer, dyn_now, options, prior_spec)
+    bundle = _CACHE.get(key) if key is not None else None
+    records, data_spec, dyn_data, tracer = trace_model(
+        model, args, kwargs, k_trace, tracer=bundle.tracer if bundle else tracer
+    )
+    plates = subsampled_plates(records)
+    init_records = records
+    if plates:
+        # every observed value is checked and every element of a local latent initialised
+        # from one run of the model at the full plate sizes
+        check_plate_sizes(plates, args, kwargs, records)
+        full_tracer = bundle.full_tracer if bundle else None
+        init_records, _, _, full_tracer = trace_model(
+            full_size_model(model, plates), args, kwargs, k_trace, tracer=full_tracer
+        )
+    supports = _support_signature(records)
+    if bundle is not None and bundle.supports != supports:
+        # a latent's support computed from the data changed: its bijection is compiled in
+        bundle = None
+        records, data_spec, dyn_data, tracer = trace_model(model, args, kwargs, k_trace, tracer=tracer)
+    if bundle is None:
+        # the model was run with validation above; its many internal re-runs skip it (each
+        # check of a constant argument would otherwise compile on its own)
+        with numpyro.validation_enabled(False):
+            bundle = _compile(model, records, data_spec, dyn_data, tracer, options, prior_spec, k_probe)
+        bundle.supports = supports
+        if key is not None:
+            _remember(key, bundle)
+    if plates:
+        bundle.full_tracer = full_tracer
+    plan = bundle.plan
+    site_values = {n: np.asarray(init_records[n].init_value) for b in plan.blocks for n in b.sites}
+    unconstrained = {
+        n: init_records[n].unconstrained_init
+        for n in site_values
+        if init_records[n].unconstrained_init is not None and n not in (init_values or {})
+    }
+    for name, value in (init_values or {}).items():
+        if name not in site_values:
+            raise BLRError(f"init value given for '{name}', which is not a latent site", site=name)
+        site_values[name] = jnp.broadcast_to(
+            jnp.asarray(value, jnp.result_type(float)), init_records[name].value_shape
+        )
+    block_values = _block_init_values({b.name: b.full for b in plan.blocks}, site_values, unconstrained)
+    probs0 = {
+        b.name: rng.dirichlet(np.ones(len(b.support_values)), size=b.full.value_shape)
+        for b in plan.blocks
+        if b.discrete
+    }
+    nat0 = bundle.init_fn(block_values, probs0)
+    prior_nat = {}
+    if bundle.online:  # the previous posterior is run-time data, and the starting point
+        prior_nat = previous_nat(prior, bundle.online, nat0)
+        nat0 = {**nat0, **prior_nat}
+    dyn_data = bundle.run_data(dyn_data, prior_nat)
+    dtype = jnp.result_type(float)
+    state = initial_state(nat0, k_loop, plan)
+    if plan.subsampled:
+        # local blocks take ρ = 1 and global ones the schedule inside the step (times a
+        # constant user ρ); conjugacy detection would need exact ρ = 1 steps: not run
+        base = 1.0 if learning_rate is None or callable(learning_rate) else float(learning_rate)
+        rho = {n: host_array(base, dtype) for n in plan.order}
+    elif learning_rate is None:
+        sampled = {n for f in plan.factors if f.estimator == "monte_carlo" for n in f.neighbours}
+        rho = {n: host_array(MONTE_CARLO_RHO if n in sampled else 1.0, dtype) for n in plan.order}
+    elif callable(learning_rate):
+        rho = {n: host_array(1.0, dtype) for n in plan.order}
+    else:
+        rho = {n: host_array(float(learning_rate), dtype) for n in plan.order}
+    if isinstance(bundle.chunk, _Compiling):
+        try:
+            bundle.chunk = bundle.chunk.wait()
+        except Exception:
+            _CACHE.pop(key, None)  # a compilation that failed is not kept: the next fit retries
+            raise
+    if any(b.discrete for b in plan.blocks) and not plan.subsampled:
+        state = _discrete_start(bundle, plan, init_records, state, dyn_data, start, rng, block_values)
+    jax.block_until_ready(state)
+    counts = CompileCounts(model_runs() - runs0, xla_compilations() - compilations0)
+    return Prepared(
+        bundle, plan, records, data_spec, dyn_data, state, rho, tol, CHUNK_SIZE, t0, options.iterate_average, counts
+    )
+
+
+def _discrete_start(bundle, plan, records, state, data, start, rng, block_values):
+    """The starting state of a fit with enumerated latents (see :mod:`blrppl.engine.start`):
+    start 0 takes an E-step under the prior means unless it leaves two values of a
+    discrete block tied; other starts, and tied ones, start from k-means++ responsibilities."""
+    history = empty_history(bundle.window)
+    if start == 0:
+        after = start_mod.estep_first(bundle.chunk, plan, state, data, history)
+        probs = start_mod.discrete_probs(plan, after.nat)
+        if not any(start_mod.tied(p) for p in probs.values()):
+            return after
+    seeded = start_mod.seeded_probs(plan, records, rng)
+    nat = bundle.init_fn(block_values, seeded)
+    return state._replace(nat={**state.nat, **{n: nat[n] for n in seeded}})
+
+
+def _one_exact_block(plan) -> str | None:
+    """The plan's only updated block when it is conjugate and not a point block (one step at
+    ρ = 1 is then its exact posterior), else None."""
+    if plan.subsampled or len(plan.order) != 1:
+        return None
+    (name,) = plan.order
+    return name if dict(plan.conjugate).get(name) and not plan.block(name).point else None
+
+
+def _stop_message(outcome, plan, window: int, tol: float, num_steps: int) -> str:
+    if outcome.stop == CONVERGED and plan.subsampled:
+        message = (
+            f"converged after {outcome.num_steps} steps (minibatch ELBO: the mean over the last "
+            f"{window} steps, whole epochs, changed by less than {tol:g} relative to the "
+            f"{window} before)"
+        )
+    elif outcome.stop == CONVERGED and window:
+        message = (
+            f"converged after {outcome.num_steps} steps (Monte Carlo ELBO: the mean over the "
+            f"last {window} steps no longer improves on the {window} before)"
+        )
+    elif outcome.stop == CONVERGED and _one_exact_block(plan) and outcome.num_steps == 1:
+        message = (
+            "converged after 1 step (the model's only block is conjugate: one step with ρ = 1 is "
+            "its exact posterior)"
+        )
+    elif outcome.stop == CONVERGED:
+        message = f"converged after {outcome.num_steps} steps (relative ELBO change below {tol:g})"
+    elif outcome.stop == STATIONARY:
+        message = (
+            f"converged after {outcome.num_steps} steps (the ELBO moved by less than {tol:g} relative "
+            f"over the last {STATIONARY_STEPS} accepted steps; some natural parameters still move by "
+            f"more than {math.sqrt(tol):.1g}, along directions the ELBO hardly sees)"
+        )
+    elif outcome.stop == NONFINITE:
+        message = (
+            f"stopped after {outcome.num_steps} steps: no step size found that keeps the ELBO "
+            "and the natural parameters finite (and, for exact ELBOs, does not lower it); check "
+            "the data for NaN or infinite values and the priors for expectations that do not "
+            "exist; the last valid state is returned"
+        )
+    elif outcome.stop == BAD_RATE:
+        message = (
+            f"stopped after {outcome.num_steps} steps: learning_rate(step) gave a step size that "
+            "is not a finite number ≥ 0 for the next step; the last valid state is returned"
+        )
+    else:
+        message = f"reached num_steps={num_steps} without meeting the convergence test"
+        if plan.subsampled:
+            epochs = outcome.num_steps / max(p.steps_per_epoch for p in plan.subsampled)
+            message += (
+                f" ({epochs:g} epochs of minibatches; the minibatch noise of the global "
+                "blocks shrinks with more steps)"
+            )
+    improper = _improper_blocks(outcome, plan)
+    if improper:
+        message += "; " + _improper_note(plan, outcome.state.nat, improper)
+    if outcome.invalid_steps:
+        message += (
+            f"; in {outcome.invalid_steps} step(s) a block found no valid update and kept its "
+            "parameters"
+        )
+    return message
+
+
+def _model_data(plan, run_data):
+    """What the model functions read of a fit's run-time data: the model's data, and the
+    tables of the plan's stacked factors when it has some."""
+    model, _, statistics = split_run_data(run_data)
+    stacked = {f.name: statistics[f.name] for f in plan.factors if f.members}
+    return RunData(model, {}, stacked) if stacked else model
+
+
+def _diagnose(prepared, outcome, nat) -> Diagnostics:
+    """The fit's :class:`blrppl.diagnostics.Diagnostics`: PSIS k̂ of q from one compiled call,
+    and what the ELBO trace says."""
+    bundle, plan = prepared.bundle, prepared.plan
+    elbo = np.asarray(outcome.elbo, dtype=float)
+    change = float(abs(elbo[-1] - elbo[-2]) / max(1.0, abs(elbo[-1]))) if elbo.size >= 2 else math.nan
+    noise = float(np.std(elbo[-bundle.window :])) if bundle.window and elbo.size else 0.0
+    base = dict(elbo_rel_change=change, rejected_steps=int(outcome.rejected_steps), elbo_noise=noise)
+    if bundle.log_weights_fn is None:
+        why = "subsampled plates" if plan.subsampled else "online fit (prior=)"
+        return Diagnostics(khat=math.nan, num_draws=0, note=f"not computed: {why}", **base)
+    if outcome.stop == CONVERGED and len(plan.blocks) == 1 and _one_exact_block(plan):
+        # the model's only latent block is conjugate: its closed-form step is the exact
+        # posterior, whose importance weights are all equal (k̂ = −∞) without drawing any
+        return Diagnostics(khat=-math.inf, num_draws=0, note="one conjugate block in closed form: no draws needed", **base)
+    key = host_fold_in(outcome.state.rng_key, 7)
+    log_weights = np.asarray(bundle.log_weights(nat, _model_data(plan, prepared.dyn_data), key))
+    return Diagnostics(khat=psis_khat(log_weights), num_draws=int(log_weights.size), **base)
+
+
+def _improper_blocks(outcome, plan) -> tuple:
+    """Blocks whose exact posterior is improper: every factor of the block has a closed form
+    (so its messages do not depend on its own q: they sum to the exact conditional
+    posterior's natural parameter) and at the last step that sum was not a valid natural
+    parameter. (Other blocks with invalid messages were merely not at a fixed point.)"""
+    if outcome.converged:
+        return ()
+    return tuple(
+        n for n in outcome.improper if all(f.estimator == "exact" for f in plan.factors_of(n))
+    )
+
+
+def _improper_note(plan, nat, names) -> str:
+    """Which latents an improper (or not yet valid) posterior is about: for a Gaussian block,
+    the sites that the direction of its smallest precision eigenvalue moves."""
+    sites = []
+    for n in names:
+        b = plan.block(n)
+        if b.kind == "gaussian" and b.members:
+            prec = -2.0 * np.asarray(nat[n].eta2)
+            _, vecs = np.linalg.eigh(0.5 * (prec + prec.T))
+            v = np.abs(vecs[:, 0])
+            offset = 0
+            for m in b.members:
+                if v[offset : offset + m.size].max() > 0.1:
+                    sites.append(m.name)
+                offset += m.size
+        else:
+            sites.extend(b.sites)
+    listed = ", ".join(f"'{x}'" for x in sites)
+    return (
+        f"the posterior of {listed} is improper: the closed-form messages to it do not form a "
+        "valid distribution (a singular precision), e.g. flat (ImproperUniform) priors the data "
+        "do not identify (only a sum or difference of them is); give them proper priors"
+    )
+
+
+def run(prepared: Prepared, state: BLRState, num_steps: int, progress_bar: bool) -> BLRResult:
+    """Run the jitted loop from ``state`` and package the result."""
+    bundle = prepared.bundle
+    t1 = time.perf_counter()
+    outcome = run_loop(
+        bundle.chunk, state, prepared.dyn_data, prepared.rho, num_steps, prepared.chunk_size, progress_bar,
+        bundle.window,
+    )
+    jax.block_until_ready(outcome.state)
+    t2 = time.perf_counter()
+    plan = prepared.plan
+    nat = averaged_nat(plan, outcome.state) if prepared.iterate_average and plan.subsampled else outcome.state.nat
+    with COMPILE_LOCK:
+        posterior = bundle.posterior_fn(nat)
+        diagnostics = _diagnose(prepared, outcome, nat)
+    t3 = time.perf_counter()
+    improper = _improper_blocks(outcome, plan)
+    if improper:
+        warnings.warn("blr_fit: " + _improper_note(plan, outcome.state.nat, improper), UserWarning, stacklevel=3)
+    message = _stop_message(outcome, plan, bundle.window, prepared.tol, num_steps)
+    if diagnostics.khat > KHAT_WARN:
+        note = (
+            f"q may be a poor approximation of the posterior (PSIS k-hat = {diagnostics.khat:.2f} > "
+            f"{KHAT_WARN}): compare with NUTS, or try structure='joint' or other families="
+        )
+        message += "; " + note
+        warnings.warn("blr_fit: " + note, UserWarning, stacklevel=3)
+    result = BLRResult(
+        posterior=posterior,
+        elbo=np.asarray(outcome.elbo),
+        num_steps=outcome.num_steps,
+        converged=outcome.converged,
+        message=message,
+        diagnostics=diagnostics,
+        diagnostic_time=t3 - t2,
+        plan=prepared.plan,
+        nat=nat,
+        compile_time=t1 - prepared.start_time,
+        run_time=t2 - t1,
+        graph=bundle.graph,
+        state=outcome.state,
+        compile_counts=prepared.compile_counts,
+    )
+    return result
