@@ -249,6 +249,12 @@ class MinibatchData(NamedTuple):
     indices: dict
 
 
+def table_key(name: str) -> str:
+    """Where run-time data (:class:`blrppl.graph.data.RunData`) keep a stacked factor's table
+    (its name would be the key of the data statistics of the same factor)."""
+    return f"{name}:table"
+
+
 class ModelFunctions:
     """Evaluates factors' arguments as a function of the latent values.
 
@@ -295,7 +301,8 @@ class ModelFunctions:
         out = ModelFunctions.__new__(ModelFunctions)
         out.__dict__.update(self.__dict__)
         out.stacks = dict(stacks)
-        out._tables = (tuple(jax.tree.leaves(data)), tables) if tables is not None else ((), None)
+        known = {table_key(n): t for n, t in tables.items()} if tables is not None else None
+        out._tables = (tuple(jax.tree.leaves(data)), known) if known is not None else ((), None)
         return out
 
     def stack_tables(self, data, compute) -> dict:
@@ -304,7 +311,7 @@ class ModelFunctions:
         leaves = tuple(jax.tree.leaves(data))
         known, tables = getattr(self, "_tables", ((), None))
         if tables is None or len(known) != len(leaves) or any(a is not b for a, b in zip(known, leaves)):
-            tables = {name: compute(stack, self, data) for name, stack in self.stacks.items()}
+            tables = {table_key(name): compute(stack, self, data) for name, stack in self.stacks.items()}
             if not any(isinstance(x, jax.core.Tracer) for x in leaves):
                 self._tables = (leaves, tables)
         return tables
@@ -339,7 +346,7 @@ class ModelFunctions:
         out = self.program.sites(plain, full, data, indices, self.data_spec) if plain else {}
         for n in names:
             if n in self.stacks:
-                out[n] = self.stacks[n].site(tables[n], full)
+                out[n] = self.stacks[n].site(tables[table_key(n)], full)
         return {n: out[n] for n in names}
 
     @staticmethod

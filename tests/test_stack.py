@@ -190,3 +190,30 @@ def test_stacked_fit_matches_two_kinds_exactly():
     shape, rate = 2.0 + COUNTS.sum(), 1.0 + N
     np.testing.assert_allclose(float(result.posterior["rate"].mean), shape / rate, rtol=1e-8)
     np.testing.assert_allclose(float(result.posterior["rate"].variance), shape / rate**2, rtol=1e-8)
+
+
+def random_walk_per_step(y):
+    x = 0.0
+    for t in range(len(y)):
+        x = numpyro.sample(f"x_{t}", dist.Normal(x, 1.0))
+        numpyro.sample(f"y_{t}", dist.Normal(x, 0.5), obs=y[t])
+
+
+def test_per_step_latents_in_a_joint_block_are_read_by_one_stacked_factor():
+    """A random walk with one latent and one observed site per step: the observed sites read
+    one site each of the joint block (J is 30 × 30); the fit is the exact posterior, whose
+    precision is tridiagonal (written here from the model's densities)."""
+    n = 30
+    rng = np.random.default_rng(3)
+    y = np.cumsum(rng.normal(size=n)) + 0.5 * rng.normal(size=n)
+    result = blr_fit(random_walk_per_step, {"y": y}, rng_key=random.PRNGKey(0), progress_bar=False)
+    (row,) = stacked_rows(result.plan)
+    assert len(row.members) == n
+    precision = np.diag(np.full(n, 1.0 + 4.0)) + np.diag(np.r_[np.ones(n - 1), 0.0])
+    precision -= np.diag(np.ones(n - 1), 1) + np.diag(np.ones(n - 1), -1)
+    cov = np.linalg.inv(precision)
+    mean = cov @ (4.0 * y)
+    got_mean = np.array([float(result.posterior[f"x_{t}"].mean) for t in range(n)])
+    got_var = np.array([float(result.posterior[f"x_{t}"].variance) for t in range(n)])
+    np.testing.assert_allclose(got_mean, mean, atol=1e-8)
+    np.testing.assert_allclose(got_var, np.diag(cov), atol=1e-8)

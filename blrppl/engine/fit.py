@@ -29,6 +29,7 @@ from blrppl.engine.step import BLRState, initial_state, make_step
 from blrppl.errors import BLRError
 from blrppl.graph.compile import _block_init_values, compile_model, conjugate_blocks, init_nat
 from blrppl.estimators import gram
+from blrppl.expressions import table_key
 from blrppl.graph.stack import stack_table
 from blrppl.diagnostics import KHAT_WARN, Diagnostics, make_log_weights, psis_khat
 from blrppl.graph.data import DataSpec, RunData, split_run_data
@@ -103,13 +104,14 @@ class CompiledFit:
         tables = self.tables_fn(dyn) if self.tables_fn is not None else {}
         if self.statistics_fn is None:
             return tables
-        if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(dyn)):
-            return {**self.statistics_fn(dyn), **tables}
+        data = RunData(dyn, {}, tables) if tables else dyn  # (stacked factors read their tables)
+        if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(data)):
+            return {**self.statistics_fn(data), **tables}
         host = jax.default_backend() == "cpu"
         if self._statistics_compiled is None:
-            lowered = jax.jit(functools.partial(self.statistics_fn, rows=host)).lower(dyn)
+            lowered = jax.jit(functools.partial(self.statistics_fn, rows=host)).lower(data)
             self._statistics_compiled = compile_lowered(lowered, _compiler_options(dyn, 0))
-        stats = self._statistics_compiled(dyn)
+        stats = self._statistics_compiled(data)
         return {**({k: gram.gram_on_host(v) for k, v in stats.items()} if host else stats), **tables}
 
     def run_data(self, dyn, previous=None):
@@ -271,12 +273,14 @@ def _compile(model, records, data_spec, dyn_data, tracer, options, prior_spec, k
             }
 
         statistics_fn = statistics
-    stats = jax.eval_shape(statistics_fn, dyn_data) if statistics_fn is not None else {}
-    tables_fn = None
+    tables_fn, tables = None, {}
     if fns.stacks:
         # (evaluated op by op, never compiled: see blrppl.graph.stack)
         tables_fn = functools.partial(fns.stack_tables, compute=stack_table)
-        stats = {**stats, **jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tables_fn(dyn_data))}
+        tables = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tables_fn(dyn_data))
+    stats = dict(tables)
+    if statistics_fn is not None:
+        stats.update(jax.eval_shape(statistics_fn, RunData(dyn_data, {}, tables) if tables else dyn_data))
     previous = {n: state.nat[n] for n in online}
     run_data = RunData(dyn_data, previous, stats) if (online or stats) else dyn_data
     lowered = jax.jit(chunk).lower(state, run_data, steps, rho, history)
@@ -533,7 +537,7 @@ def _model_data(plan, run_data):
     """What the model functions read of a fit's run-time data: the model's data, and the
     tables of the plan's stacked factors when it has some."""
     model, _, statistics = split_run_data(run_data)
-    stacked = {f.name: statistics[f.name] for f in plan.factors if f.members}
+    stacked = {table_key(f.name): statistics[table_key(f.name)] for f in plan.factors if f.members}
     return RunData(model, {}, stacked) if stacked else model
 
 

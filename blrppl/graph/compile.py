@@ -326,11 +326,11 @@ def compile_model(
     if subsampled:
         factors = _check_subsampled(factors, records, blocks, {p.name for p in subsampled})
     else:
-        factors = [dataclasses.replace(f, gram_block=gram.eligible(f, blocks) or "") for f in factors]
         # sites of one structure (one per step of a Python loop) become one stacked factor
         factors, stacks, tables = stack_factors(factors, records, forms, blocks, fns, data, np.random.default_rng(0))
         if stacks:
             fns = fns.with_stacks(stacks, data, tables)
+        factors = [dataclasses.replace(f, gram_block=gram.eligible(f, blocks) or "") for f in factors]
     graph = nx.Graph()
     for name, b in blocks.items():
         graph.add_node(("block", name), kind=b.kind, shape=b.value_shape)

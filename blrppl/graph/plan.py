@@ -13,6 +13,7 @@ import itertools
 import math
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -116,12 +117,14 @@ class Block:
 
     def split(self, x):
         """Block value (site layout, optional leading dims) → {member site: block-space value}."""
-        out, offset = {}, 0
         lead = jnp.shape(x)[:-1]
-        for m in self.members:
-            out[m.name] = jnp.reshape(x[..., offset : offset + m.size], lead + m.value_shape)
-            offset += m.size
-        return out
+        # one split operation, not a slice per member (a joint block may hold many sites)
+        sizes = [m.size for m in self.members]
+        if hasattr(jax.lax, "split"):  # (JAX ≥ 0.4.36)
+            pieces = jax.lax.split(x, sizes, axis=len(lead)) if sizes else []
+        else:
+            pieces = jnp.split(x, np.cumsum(sizes)[:-1], axis=len(lead))
+        return {m.name: jnp.reshape(p, lead + m.value_shape) for m, p in zip(self.members, pieces)}
 
     def member_views(self, view):
         """(member block, its marginal Gaussian view) for each member of a joint block."""

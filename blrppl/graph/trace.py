@@ -261,7 +261,7 @@ class ModelTracer:
         self._compiled = None
         # a long program (one site per step of a Python loop) runs operation by operation:
         # XLA's compile time grows faster than the program, the run's time only with it
-        self.eager = equation_count(self._traced.jaxpr.jaxpr) > EAGER_EQUATIONS
+        self.eager = equation_count(self._traced.jaxpr.jaxpr) > EAGER_EQUATIONS and hasattr(self._traced, "out_info")
 
     def __call__(self, dyn, rng_key):
         if self.eager:
