@@ -19,7 +19,7 @@ from jax import random
 
 from blrppl.engine import fit as engine
 from blrppl.api import blr_fit, plan_of
-from blrppl.graph import stack
+from blrppl.graph import stack, trace
 
 numpyro.enable_x64()
 
@@ -217,3 +217,17 @@ def test_per_step_latents_in_a_joint_block_are_read_by_one_stacked_factor():
     got_var = np.array([float(result.posterior[f"x_{t}"].variance) for t in range(n)])
     np.testing.assert_allclose(got_mean, mean, atol=1e-8)
     np.testing.assert_allclose(got_var, np.diag(cov), atol=1e-8)
+
+
+def test_a_long_trace_run_is_evaluated_op_by_op_with_the_same_result(monkeypatch):
+    """Every traced run counts as long here: evaluated operation by operation instead of
+    compiled, it gives the records the compiled run gives (the fit is the closed form)."""
+    monkeypatch.setattr(trace, "EAGER_EQUATIONS", 0)
+    monkeypatch.setattr(engine, "_CACHE", collections.OrderedDict())
+    y = ar2_series(4)
+    result = blr_fit(ar2_known_scale, {"y": y}, rng_key=random.PRNGKey(0), progress_bar=False)
+    (bundle,) = engine._CACHE.values()
+    assert bundle.tracer.eager
+    mean, cov = closed_form(y)
+    np.testing.assert_allclose(result.posterior["phi"].mean, mean, atol=1e-8)
+    np.testing.assert_allclose(result.posterior["phi"].covariance_matrix, cov, atol=1e-8)
