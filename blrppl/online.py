@@ -195,10 +195,12 @@ def online_plan(plan, graph, records, spec):
     for name in matched:
         block = plan.block(name)
         replaced |= set(block.sites) | {f"{name}:jacobian"}
-    factors = [f for f in plan.factors if f.observed or f.name not in replaced]
+    # (a stacked factor of latents' priors is replaced with its members' block)
+    dropped = {f.name for f in plan.factors if not f.observed and ({f.name, *f.members} & replaced)}
+    factors = [f for f in plan.factors if f.name not in dropped]
     added = [_previous_factor(plan.block(n)) for n in matched]
     graph = graph.copy()
-    graph.remove_nodes_from(("factor", f.name) for f in plan.factors if f.name in replaced and not f.observed)
+    graph.remove_nodes_from(("factor", n) for n in dropped)
     for f in added:
         graph.add_node(("factor", f.name), dist=f.dist_name, estimator=f.estimator)
         graph.add_edge(("factor", f.name), ("block", f.neighbours[0]))

@@ -19,6 +19,7 @@ from jax import random
 
 from blrppl.engine import fit as engine
 from blrppl.api import blr_fit, plan_of
+from blrppl.bench.runner import ar2_loop_model as ar2_unknown_scale  # the bench's AR(2): a1, a2, sigma
 from blrppl.graph import stack, trace
 
 numpyro.enable_x64()
@@ -39,14 +40,6 @@ def ar2_known_scale(y):
     phi = numpyro.sample("phi", dist.Normal(jnp.zeros(2), 0.5).to_event(1))
     for t in range(2, len(y)):
         numpyro.sample(f"y_{t}", dist.Normal(phi[0] * y[t - 1] + phi[1] * y[t - 2], SIGMA), obs=y[t])
-
-
-def ar2_unknown_scale(y):
-    a1 = numpyro.sample("a1", dist.Normal(0.0, 0.5))
-    a2 = numpyro.sample("a2", dist.Normal(0.0, 0.5))
-    sigma = numpyro.sample("sigma", dist.HalfNormal(1.0))
-    for t in range(2, len(y)):
-        numpyro.sample(f"y_{t}", dist.Normal(a1 * y[t - 1] + a2 * y[t - 2], sigma), obs=y[t])
 
 
 def closed_form(y):
@@ -199,24 +192,33 @@ def random_walk_per_step(y):
         numpyro.sample(f"y_{t}", dist.Normal(x, 0.5), obs=y[t])
 
 
-def test_per_step_latents_in_a_joint_block_are_read_by_one_stacked_factor():
-    """A random walk with one latent and one observed site per step: the observed sites read
-    one site each of the joint block (J is 30 × 30); the fit is the exact posterior, whose
-    precision is tridiagonal (written here from the model's densities)."""
+def test_per_step_latents_and_observations_are_two_stacked_factors_and_update_online():
+    """A random walk with one latent and one observed site per step: the latents' priors
+    x_t ~ Normal(x_{t-1}, 1) (t ≥ 1) are one stacked factor and the observations another,
+    each reading sites of the joint block (J is 29 × 30 and 30 × 30). The fit is the exact
+    posterior, whose precision is tridiagonal (written here from the model's densities); an
+    online update with a second series of observations (prior=) replaces the stacked priors
+    by the previous posterior: the precisions add."""
     n = 30
     rng = np.random.default_rng(3)
     y = np.cumsum(rng.normal(size=n)) + 0.5 * rng.normal(size=n)
+    y2 = y + 0.5 * rng.normal(size=n)
     result = blr_fit(random_walk_per_step, {"y": y}, rng_key=random.PRNGKey(0), progress_bar=False)
-    (row,) = stacked_rows(result.plan)
-    assert len(row.members) == n
+    assert sorted((f.observed, len(f.members)) for f in stacked_rows(result.plan)) == [(False, n - 1), (True, n)]
     precision = np.diag(np.full(n, 1.0 + 4.0)) + np.diag(np.r_[np.ones(n - 1), 0.0])
     precision -= np.diag(np.ones(n - 1), 1) + np.diag(np.ones(n - 1), -1)
-    cov = np.linalg.inv(precision)
-    mean = cov @ (4.0 * y)
-    got_mean = np.array([float(result.posterior[f"x_{t}"].mean) for t in range(n)])
-    got_var = np.array([float(result.posterior[f"x_{t}"].variance) for t in range(n)])
-    np.testing.assert_allclose(got_mean, mean, atol=1e-8)
-    np.testing.assert_allclose(got_var, np.diag(cov), atol=1e-8)
+
+    def check(fit, precision, information):
+        cov = np.linalg.inv(precision)
+        got_mean = np.array([float(fit.posterior[f"x_{t}"].mean) for t in range(n)])
+        got_var = np.array([float(fit.posterior[f"x_{t}"].variance) for t in range(n)])
+        np.testing.assert_allclose(got_mean, cov @ information, atol=1e-8)
+        np.testing.assert_allclose(got_var, np.diag(cov), atol=1e-8)
+
+    check(result, precision, 4.0 * y)
+    online = blr_fit(random_walk_per_step, {"y": y2}, prior=result, rng_key=random.PRNGKey(0), progress_bar=False)
+    assert [f.observed for f in stacked_rows(online.plan)] == [True]
+    check(online, precision + 4.0 * np.eye(n), 4.0 * (y + y2))
 
 
 def test_a_long_trace_run_is_evaluated_op_by_op_with_the_same_result(monkeypatch):

@@ -3,9 +3,9 @@
 A model written with a Python loop (``numpyro.sample(f"y_{t}", ...)`` at every step) has
 one factor per site, and a compiled step would hold every site's operations, and their
 derivatives, once per site: XLA's compile time grows faster than the number of sites.
-Observed sites whose distributions have one type and one layout, whose leaves (and
-values) are affine in the latents' values, and which meet the same blocks in the same
-way, become one *stacked* factor. Every leaf ℓ of member i's distribution, and its value, is
+Sites (observed, or latents' own priors) whose distributions have one type and one layout,
+whose leaves (and values) are affine in the latents' values, and which meet the same blocks
+in the same way, become one *stacked* factor. Every leaf ℓ of member i's distribution, and its value, is
 
     ℓ_i(s) = c_i + J_i s,     s = the values of the latent sites they read (flattened),
 
@@ -61,6 +61,7 @@ class Stack:
     tree: CanonicalTree
     batch_shape: tuple
     affine: tuple
+    observed: bool = True
 
     @property
     def size(self) -> int:
@@ -73,7 +74,7 @@ class Stack:
         items = [c if j is None else c + j @ s for c, j in zip(table.offsets, table.jacobians)]
         fn = self.tree.unflatten(items[:-1])
         fn._batch_shape = (len(self.members),) + tuple(self.batch_shape)
-        return {"name": self.name, "type": "sample", "fn": fn, "value": items[-1], "scale": None, "is_observed": True}
+        return {"name": self.name, "type": "sample", "fn": fn, "value": items[-1], "scale": None, "is_observed": self.observed}
 
 
 class StackTable(NamedTuple):
@@ -149,7 +150,7 @@ def _is_affine(form) -> bool:
 
 
 def _candidate(f, record, forms: dict, blocks: dict) -> bool:
-    if f.name not in forms or record is None or not record.observed or record.is_factor:
+    if f.name not in forms or record is None or record.is_factor or record.is_param:
         return False
     if f.discrete or f.gram_block or f.subsampled or f.estimator not in _ESTIMATORS:
         return False
@@ -165,6 +166,16 @@ def _candidate(f, record, forms: dict, blocks: dict) -> bool:
     return all(isinstance(v, fm.Const) or _is_affine(v) for v in items.values())
 
 
+class _Layout(NamedTuple):
+    """A member distribution's layout: its tree, batch shape, each item's (shape, dtype),
+    and which items are affine (leaves, then the value)."""
+
+    tree: CanonicalTree
+    batch_shape: tuple
+    items: tuple
+    affine: tuple
+
+
 def _signature(f, entry, forms: dict):
     """What members of one stack share: the factor's classification, the distribution's
     layout (tree, leaf shapes and dtypes) and which items are affine."""
@@ -175,11 +186,9 @@ def _signature(f, entry, forms: dict):
     items = [jnp.asarray(x) for x in leaves] + [jnp.asarray(entry["value"])]
     keys = [f"leaf:{i}" for i in range(len(leaves))] + ["value"]
     affine = tuple(not isinstance(forms[f.name].get(k, fm.Opaque("unknown")), fm.Const) for k in keys)
-    layout = tuple((x.shape, x.dtype) for x in items)
-    return (
-        f.estimator, id(f.rule), f.arg_kinds, f.arg_blocks, f.columns, f.neighbours, f.links, f.powers,
-        f.dist_name, f.why, tree, tuple(base.batch_shape), layout, affine,
-    )
+    layout = _Layout(tree, tuple(base.batch_shape), tuple((x.shape, x.dtype) for x in items), affine)
+    factor = (f.observed, f.estimator, id(f.rule), f.arg_kinds, f.arg_blocks, f.columns, f.neighbours, f.links, f.powers, f.dist_name, f.why)
+    return factor, layout
 
 
 def _read_sites(f, forms: dict) -> set:
@@ -230,9 +239,9 @@ def stack_factors(factors, records: dict, forms: dict, blocks: dict, fns, data, 
         names = tuple(f.name for f in members)
         stack = Stack(
             name=f"{names[0]}…{names[-1]}", members=names, sites=sites, site_shapes=shapes, tree=tree,
-            batch_shape=key[11], affine=key[13],
+            batch_shape=key[1].batch_shape, affine=key[1].affine, observed=members[0].observed,
         )
-        largest = max((int(np.prod(shape)) for shape, _ in key[12]), default=1)
+        largest = max((int(np.prod(shape)) for shape, _ in key[1].items), default=1)
         if len(names) * largest * stack.size > MAX_TABLE:
             continue
         table = stack_table(stack, fns, data)
