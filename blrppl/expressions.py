@@ -800,80 +800,21 @@ def run_probes(probes: dict, data) -> dict:
 # -- moments at run time ------------------------------------------------------------------
 
 
-def gaussian_columns(block: Block, view, full: bool):
-    """Tangents (site layout) of the unit columns and of the covariance columns of a
-    Gaussian block: ``left`` and ``right`` inputs of :class:`blrppl.moments.AffineGaussian`."""
-    if block.kind == "gaussian-diag":
-        var = view.var
-        if not full:
-            return jnp.ones((1,) + var.shape, var.dtype), var[None]
-        n = var.size
-        eye = jnp.eye(n, dtype=var.dtype)
-        return eye.reshape((n,) + var.shape), (eye * var.reshape(-1)).reshape((n,) + var.shape)
-    cov = view.cov  # (*B, D, D)
-    bshape = cov.shape[:-2]
-    dim = cov.shape[-1]
-    if not full:
-        eye = jnp.eye(dim, dtype=cov.dtype)
-        basis = eye.reshape((dim,) + (1,) * len(bshape) + (dim,))
-        basis = jnp.broadcast_to(basis, (dim,) + bshape + (dim,))
-        cols = jnp.moveaxis(cov, -1, 0)  # (D, *B, D): column j of each Σ_p
-        return jax.vmap(block.to_site)(basis), jax.vmap(block.to_site)(cols)
-    nb = math.prod(bshape)
-    n = nb * dim
-    eye = jnp.eye(n, dtype=cov.dtype).reshape((n,) + bshape + (dim,))
-    cov_flat = cov.reshape((nb, dim, dim))
-    # column (p, j): Σ_p[:, j] at plate element p, zero elsewhere
-    sel = jnp.eye(nb, dtype=cov.dtype)  # (nb, nb)
-    right = jnp.einsum("pq,qdj->pjqd", sel, cov_flat).reshape((n,) + bshape + (dim,))
-    return jax.vmap(block.to_site)(eye), jax.vmap(block.to_site)(right)
-
-
 def _base_point(block: Block, view):
-    """Where the model is linearised: Gaussian blocks at their mean, Gamma blocks at
-    log τ = 0 (so a power c·τ^a reads c), Beta/Dirichlet blocks at their mean."""
-    if block.kind == "gaussian":
-        return block.to_site(view.mean)
-    if block.kind == "gaussian-diag":
-        return view.mean
-    if block.kind == "gamma":
-        return jnp.zeros(block.value_shape, view.shape.dtype)
-    if block.kind == "beta":
-        return view.alpha / (view.alpha + view.beta)
-    return view.concentration / view.concentration.sum(-1, keepdims=True)
+    """Where the model is linearised, in the block's site layout (Gaussian blocks at their
+    mean, Gamma blocks at log τ = 0 so a power c·τ^a reads c, Beta/Dirichlet blocks at
+    their mean: :meth:`blrppl.families.Family.linearisation_point`)."""
+    return block.to_site(block.family.linearisation_point(view))
 
 
 def base_values(blocks: dict, views: dict, names) -> dict:
     """Block values at the base point (see :func:`_base_point`), Gamma blocks as τ = 1."""
-    out = {}
-    for n in names:
-        x = _base_point(blocks[n], views[n])
-        out[n] = jnp.exp(x) if blocks[n].kind == "gamma" else x
-    return out
+    return {n: blocks[n].family.from_linearisation(_base_point(blocks[n], views[n])) for n in names}
 
 
 def _tangent_sets(block: Block, view, full: bool) -> dict:
     """Stacks of tangents (site layout) to push through the linearised model."""
-    if block.kind in ("gaussian", "gaussian-diag"):
-        left, right = gaussian_columns(block, view, full)
-        return {"left": left, "right": right}
-    if block.kind == "gamma":
-        ones = jnp.ones(block.value_shape, view.shape.dtype)
-        rows = [ones, view.shape, view.rate]
-        if getattr(view, "mean_log", None) is not None:  # GammaRuleView: E[log τ], E[τ] leaves
-            rows += [jnp.broadcast_to(view.mean_log, ones.shape), jnp.broadcast_to(view.mean, ones.shape)]
-        return {"gamma": jnp.stack(rows)}
-    if block.kind == "beta":
-        rows = [view.alpha, view.beta]
-        if getattr(view, "mean_log", None) is not None:  # BetaRuleView: E[log p], E[log(1 − p)]
-            rows += [view.mean_log, view.mean_log1m]
-        return {"beta": jnp.stack(jnp.broadcast_arrays(*rows))}
-    a = view.concentration
-    total = jnp.broadcast_to(a.sum(-1, keepdims=True), a.shape)
-    rows = [a, total]
-    if getattr(view, "mean_log", None) is not None:  # DirichletRuleView: E[log π]
-        rows.append(view.mean_log)
-    return {"dirichlet": jnp.stack(rows)}
+    return {tag: jax.vmap(block.to_site)(stack) for tag, stack in block.family.tangent_sets(view, full).items()}
 
 
 def group_moments(fns: ModelFunctions, factors, blocks: dict, views: dict, discrete_values: dict, data) -> dict:
@@ -894,14 +835,13 @@ def group_moments(fns: ModelFunctions, factors, blocks: dict, views: dict, discr
     cont = []
     for f in factors:
         cont += [n for n in f.neighbours if n not in f.discrete and n not in cont]
-    gamma_names = {n for n in cont if blocks[n].kind == "gamma"}
     wanted = {f.name: factor_arguments(f) for f in factors}
     point = {n: _base_point(blocks[n], views[n]) for n in cont}
 
     def model_args(x):
         vals = dict(discrete_values)
         for n in cont:
-            vals[n] = jnp.exp(x[n]) if n in gamma_names else x[n]
+            vals[n] = blocks[n].family.from_linearisation(x[n])
         return fns.args_of(wanted, vals, data)
 
     if not cont:

@@ -27,17 +27,22 @@ from blrppl.families import (
     BernoulliNat,
     Beta,
     BetaNat,
+    BetaView,
     Categorical,
     CategoricalNat,
     Dirichlet,
     DirichletNat,
+    DirichletView,
     Family,
     Gamma,
     GammaNat,
+    GammaView,
     GaussianDense,
     GaussianDiag,
     GaussianNat,
+    GaussianView,
     DiagGaussianNat,
+    DiagGaussianView,
 )
 
 D = 3  # dense Gaussian dimension
@@ -728,3 +733,41 @@ def test_float32_message_is_accurate_over_a_wide_range(name):
     m32 = np.stack([np.asarray(leaf).reshape(300, -1) for leaf in solve(to32(nat), to32(view_grad))], -1)
     err = np.abs(m32.reshape(300, -1) - m64).max(-1) / np.abs(m64).max(-1)
     assert err.max() < 1e-4
+
+
+# -- linearising the model: what each family pushes through it (hand-worked) ----------------
+
+#: family, view, (linearisation point, block value there), {tag: tangent stack} by default
+LINEARISATION = [
+    (Gamma(), GammaView(jnp.array(2.0), jnp.array(3.0)), (0.0, 1.0), {"gamma": [1.0, 2.0, 3.0]}),
+    (Beta(), BetaView(jnp.array(2.0), jnp.array(6.0)), (0.25, 0.25), {"beta": [2.0, 6.0]}),
+    (Dirichlet(2), DirichletView(jnp.array([1.0, 3.0])), ([0.25, 0.75], [0.25, 0.75]),
+     {"dirichlet": [[1.0, 3.0], [4.0, 4.0]]}),
+    (GaussianDiag(), DiagGaussianView(jnp.array([1.0, 2.0]), jnp.array([4.0, 9.0])), ([1.0, 2.0], [1.0, 2.0]),
+     {"left": [[1.0, 1.0]], "right": [[4.0, 9.0]]}),
+    # columns j of Σ = [[2, 1], [1, 3]]: Σ e_0 = (2, 1), Σ e_1 = (1, 3)
+    (GaussianDense(2), GaussianView(jnp.array([1.0, 2.0]), jnp.array([[2.0, 1.0], [1.0, 3.0]])), ([1.0, 2.0], [1.0, 2.0]),
+     {"left": [[1.0, 0.0], [0.0, 1.0]], "right": [[2.0, 1.0], [1.0, 3.0]]}),
+]
+
+
+@pytest.mark.parametrize("family,view,point,tangents", LINEARISATION, ids=[type(c[0]).__name__ for c in LINEARISATION])
+def test_linearisation_point_and_tangents(family, view, point, tangents):
+    x = family.linearisation_point(view)
+    np.testing.assert_allclose(x, point[0])
+    np.testing.assert_allclose(family.from_linearisation(x), point[1])
+    got = family.tangent_sets(view, full=False)
+    assert set(got) == set(tangents)
+    for tag, want in tangents.items():
+        np.testing.assert_allclose(got[tag], want)
+
+
+def test_full_columns_of_a_plated_dense_gaussian_are_one_per_scalar():
+    """Two plate elements of a 2-D Gaussian: four columns, each nonzero at its own element."""
+    cov = jnp.stack([jnp.array([[2.0, 1.0], [1.0, 3.0]]), jnp.array([[5.0, 0.0], [0.0, 7.0]])])
+    got = GaussianDense(2).tangent_sets(GaussianView(jnp.zeros((2, 2)), cov), full=True)
+    assert got["left"].shape == got["right"].shape == (4, 2, 2)
+    np.testing.assert_allclose(got["left"].reshape(4, 4), np.eye(4))
+    want = np.zeros((4, 2, 2))
+    want[0, 0], want[1, 0], want[2, 1], want[3, 1] = [2.0, 1.0], [1.0, 3.0], [5.0, 0.0], [0.0, 7.0]
+    np.testing.assert_allclose(got["right"], want)

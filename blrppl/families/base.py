@@ -132,6 +132,23 @@ class Family:
         """Scalar bool: every leaf finite and λ inside the natural-parameter domain."""
         raise NotImplementedError
 
+    # -- linearising the model (moments of arguments, blrppl.expressions) ----------------
+    def linearisation_point(self, view: View) -> jax.Array:
+        """Where the model is linearised to read the moments of affine arguments (canonical
+        layout, in the variable :meth:`from_linearisation` maps to the block's value)."""
+        raise NotImplementedError
+
+    def from_linearisation(self, x: jax.Array) -> jax.Array:
+        """The block's value at the linearisation variable ``x`` (the identity unless the
+        family linearises in a transformed variable)."""
+        return x
+
+    def tangent_sets(self, view: View, full: bool) -> dict:
+        """Stacks of tangents (canonical layout, leading axis: the tangents) pushed through
+        the linearised model: tag → stack. What each family's argument moments read back
+        from them (:func:`blrppl.expressions.group_moments`)."""
+        raise NotImplementedError
+
     # -- sampling and export ----------------------------------------------------------
     def sample(self, nat: Nat, rng_key: jax.Array, sample_shape: tuple[int, ...] = ()) -> jax.Array:
         """Draws of shape ``sample_shape + batch_shape + event_shape`` (reparameterised

@@ -126,6 +126,17 @@ class Beta(Family):
         shape = tuple(sample_shape) + jnp.broadcast_shapes(alpha.shape, beta.shape)
         return jax.random.beta(rng_key, alpha, beta, shape=shape, dtype=alpha.dtype)
 
+    def linearisation_point(self, view) -> jax.Array:
+        return view.alpha / (view.alpha + view.beta)
+
+    def tangent_sets(self, view, full: bool) -> dict:
+        """Rows α, β (and E[log p], E[log(1 − p)] for a rule view), gathered by the
+        indexing map (:class:`blrppl.moments.BetaIdentity`)."""
+        rows = [view.alpha, view.beta]
+        if getattr(view, "mean_log", None) is not None:  # BetaRuleView: E[log p], E[log(1 − p)]
+            rows += [view.mean_log, view.mean_log1m]
+        return {"beta": jnp.stack(jnp.broadcast_arrays(*rows))}
+
     def to_numpyro(self, nat: BetaNat) -> dist.Beta:
         alpha, beta = self.view(nat)
         return dist.Beta(alpha, beta)

@@ -113,5 +113,17 @@ class Dirichlet(Family):
         shape = tuple(sample_shape) + alpha.shape[:-1]
         return jax.random.dirichlet(rng_key, alpha, shape=shape, dtype=alpha.dtype)
 
+    def linearisation_point(self, view) -> jax.Array:
+        return view.concentration / view.concentration.sum(-1, keepdims=True)
+
+    def tangent_sets(self, view, full: bool) -> dict:
+        """Rows α, Σα (and E[log π] for a rule view), gathered by the indexing map
+        (:class:`blrppl.moments.DirichletIdentity`)."""
+        a = view.concentration
+        rows = [a, jnp.broadcast_to(a.sum(-1, keepdims=True), a.shape)]
+        if getattr(view, "mean_log", None) is not None:  # DirichletRuleView: E[log π]
+            rows.append(view.mean_log)
+        return {"dirichlet": jnp.stack(rows)}
+
     def to_numpyro(self, nat: DirichletNat) -> dist.Dirichlet:
         return dist.Dirichlet(nat.eta + 1.0)

@@ -127,6 +127,22 @@ class Gamma(Family):
         shape = tuple(sample_shape) + jnp.broadcast_shapes(a.shape, b.shape)
         return jax.random.gamma(rng_key, a, shape=shape, dtype=a.dtype) / b
 
+    def linearisation_point(self, view) -> jax.Array:
+        """log τ = 0: a power c·τ^a of the block then reads c."""
+        return jnp.zeros(jnp.broadcast_shapes(jnp.shape(view.shape), jnp.shape(view.rate)), view.shape.dtype)
+
+    def from_linearisation(self, x: jax.Array) -> jax.Array:
+        return jnp.exp(x)  # linearised in log τ
+
+    def tangent_sets(self, view, full: bool) -> dict:
+        """Rows 1, α, β (and E[log τ], E[τ] for a rule view) pushed through x = c τ^a at
+        τ = 1 come back multiplied by the slope c a (:class:`blrppl.moments.PowerGamma`)."""
+        ones = jnp.ones(jnp.broadcast_shapes(jnp.shape(view.shape), jnp.shape(view.rate)), view.shape.dtype)
+        rows = [ones, view.shape, view.rate]
+        if getattr(view, "mean_log", None) is not None:  # GammaRuleView: E[log τ], E[τ] leaves
+            rows += [jnp.broadcast_to(view.mean_log, ones.shape), jnp.broadcast_to(view.mean, ones.shape)]
+        return {"gamma": jnp.stack(jnp.broadcast_arrays(*rows))}
+
     def to_numpyro(self, nat: GammaNat) -> dist.Gamma:
         a, b = self.view(nat)
         return dist.Gamma(a, b)

@@ -218,6 +218,28 @@ class GaussianDense(Family):
         z = jnp.moveaxis(z, -1, 0).reshape(tuple(sample_shape) + batch + (self.dim,))
         return mean + z
 
+    def linearisation_point(self, view: GaussianView) -> jax.Array:
+        return view.mean
+
+    def tangent_sets(self, view: GaussianView, full: bool) -> dict:
+        """``left``: unit columns, ``right``: the covariance columns Σ e_j (the inputs of
+        :class:`blrppl.moments.AffineGaussian`). By default one column per scalar of an
+        element (D per plate element, every element at once); ``full``: one per scalar of
+        the whole block (arguments that mix plate elements), each nonzero at one element."""
+        cov = view.cov  # (*B, D, D)
+        bshape, dim = cov.shape[:-2], cov.shape[-1]
+        if not full:
+            eye = jnp.eye(dim, dtype=cov.dtype)
+            basis = jnp.broadcast_to(eye.reshape((dim,) + (1,) * len(bshape) + (dim,)), (dim,) + bshape + (dim,))
+            return {"left": basis, "right": jnp.moveaxis(cov, -1, 0)}  # column j of each Σ_p
+        nb = math.prod(bshape)
+        n = nb * dim
+        eye = jnp.eye(n, dtype=cov.dtype).reshape((n,) + bshape + (dim,))
+        # column (p, j): Σ_p[:, j] at plate element p, zero elsewhere
+        sel = jnp.eye(nb, dtype=cov.dtype)
+        right = jnp.einsum("pq,qdj->pjqd", sel, cov.reshape((nb, dim, dim))).reshape((n,) + bshape + (dim,))
+        return {"left": eye, "right": right}
+
     def to_numpyro(self, nat: GaussianNat) -> dist.MultivariateNormal:
         """N(m, Σ) with Σ = T Tᵀ, T the lower Cholesky factor of Σ = S⁻¹ (numpyro's own
         precision-to-scale map: one Cholesky and one triangular inverse), m = T Tᵀ η₁."""
@@ -301,6 +323,19 @@ class GaussianDiag(Family):
         mean, var = self.view(nat)
         eps = jax.random.normal(rng_key, tuple(sample_shape) + mean.shape, dtype=mean.dtype)
         return mean + jnp.sqrt(var) * eps
+
+    def linearisation_point(self, view: DiagGaussianView) -> jax.Array:
+        return view.mean
+
+    def tangent_sets(self, view: DiagGaussianView, full: bool) -> dict:
+        """``left``/``right`` as for the dense family: elementwise, one column of ones and
+        the variances; ``full``: one unit column per scalar."""
+        var = view.var
+        if not full:
+            return {"left": jnp.ones((1,) + var.shape, var.dtype), "right": var[None]}
+        n = var.size
+        eye = jnp.eye(n, dtype=var.dtype)
+        return {"left": eye.reshape((n,) + var.shape), "right": (eye * var.reshape(-1)).reshape((n,) + var.shape)}
 
     def to_numpyro(self, nat: DiagGaussianNat) -> dist.Normal:
         mean, var = self.view(nat)
