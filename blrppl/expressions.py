@@ -890,7 +890,10 @@ def group_moments(fns: ModelFunctions, factors, blocks: dict, views: dict, discr
                 # each row pushed through x = c τ^a at τ = 1 is multiplied by the slope c a
                 slope, shape_t, rate_t, *mean_t = rows_of(used[0], "gamma", f.name, arg)
                 mean_params = [m / slope for m in mean_t] if mean_t else [None, None]
-                moments[arg] = mom.PowerGamma(value, slope / value, shape_t / slope, rate_t / slope, *mean_params)
+                # the exponent a is the argument form's, known at trace time
+                power = dict(f.powers).get(arg)
+                power = slope / value if power is None else float(power)
+                moments[arg] = mom.PowerGamma(value, power, shape_t / slope, rate_t / slope, *mean_params)
             elif kind == "beta":
                 alpha, beta, *mean_params = rows_of(used[0], "beta", f.name, arg)
                 moments[arg] = mom.BetaIdentity(alpha, beta, *mean_params)

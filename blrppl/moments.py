@@ -41,6 +41,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.scipy.special import digamma, gammaln
 
 #: the kinds a compiler may assign to an argument; rules declare which they support
@@ -219,12 +220,24 @@ class AffineGaussian(NamedTuple):
         raise NotImplementedError
 
 
+def _static_positive_integer(x, largest: int = 4) -> int | None:
+    """``x`` as an int in 1…``largest`` when it is a concrete number equal to one, else None."""
+    if isinstance(x, jax.core.Tracer) or np.ndim(x) != 0:
+        return None
+    try:
+        value = float(x)
+    except TypeError:
+        return None
+    return int(value) if value.is_integer() and 1 <= value <= largest else None
+
+
 class PowerGamma(NamedTuple):
     """x = c · τ^a elementwise, τ ~ Gamma(shape, rate) a Gamma block gathered to x's shape.
 
     Attributes:
         coef: c (> 0), shape of x.
-        power: a (≠ 0), shape of x.
+        power: a (≠ 0), shape of x, or a Python number (then powers of x that are integer
+            powers of τ need no Gamma functions, see :meth:`expect_pow`).
         shape_param: Gamma shape α of the τ each element of x uses.
         rate: Gamma rate β of that τ.
         tau_mean_log: E[log τ] = ψ(α) − log β of that τ, or None (then computed from α, β).
@@ -253,9 +266,22 @@ class PowerGamma(NamedTuple):
 
         With the mean parameter E[τ] = α/β at hand it is evaluated as
         c^k E[τ] · Γ(α + a k) / Γ(α + 1) · β^(1 − a k), whose second factor is exactly 1,
-        with exactly zero derivatives in (α, β), when a k = 1.
+        with exactly zero derivatives in (α, β), when a k = 1. When a k is a small positive
+        integer known at trace time (``power`` a Python number, as the compiler passes it),
+        the Gamma-function ratio is the rising product α (α + 1) ⋯ (α + a k − 1).
         """
         ak = self.power * k
+        n = _static_positive_integer(ak)
+        if n is not None:
+            # E[τⁿ] = α (α + 1) ⋯ (α + n − 1) / βⁿ: no log-gamma in the program; with E[τ] at
+            # hand it carries the first factor α / β (and is all of it when a k = 1)
+            if self.tau_mean is None:
+                out, first = jnp.ones_like(self.shape_param), 0
+            else:
+                out, first = self.tau_mean, 1
+            for j in range(first, n):
+                out = out * (self.shape_param + j) / self.rate
+            return jnp.power(self.coef, k) * out
         if self.tau_mean is None:
             return jnp.power(self.coef, k) * jnp.exp(
                 gammaln(self.shape_param + ak) - gammaln(self.shape_param) - ak * jnp.log(self.rate)

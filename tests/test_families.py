@@ -515,9 +515,10 @@ def test_entropy_and_log_prob_match_numpyro(case, case_name, nat):
             fam.entropy(nat),
             d.entropy(),
             Family.entropy(fam, nat),
+            fam.rule_view_and_entropy(nat)[1],  # from the mean parameters the rule view holds
         )
 
-    (lp, lp_ref, lp_default), (ent, ent_ref, ent_default) = compare(nat, x)
+    (lp, lp_ref, lp_default), (ent, ent_ref, ent_default, ent_elbo) = compare(nat, x)
     assert lp.shape == (7,) + case.batch
     assert np.all(np.isfinite(lp))
     np.testing.assert_allclose(lp, lp_ref, rtol=1e-9, atol=1e-10)
@@ -526,6 +527,7 @@ def test_entropy_and_log_prob_match_numpyro(case, case_name, nat):
     # log q = <λ, T(x)> − A(λ) and H = A(λ) − <λ, μ>
     np.testing.assert_allclose(lp, lp_default, rtol=1e-9, atol=1e-9)
     np.testing.assert_allclose(ent, ent_default, rtol=1e-9, atol=1e-10)
+    np.testing.assert_allclose(ent_elbo, ent_ref, rtol=1e-9, atol=1e-10)
 
 
 def test_entropy_and_log_prob_match_scipy(case, case_name, nat):

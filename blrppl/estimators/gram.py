@@ -162,7 +162,7 @@ def expected_log(factor, block_name, stats: GramStatistics, views) -> jax.Array:
         power = dict(factor.powers)["scale"]
         gv = views[gamma]
         tau = mom.PowerGamma(
-            jnp.ones(()), jnp.asarray(power), jnp.reshape(gv.shape, ()), jnp.reshape(gv.rate, ()),
+            jnp.ones(()), float(power), jnp.reshape(gv.shape, ()), jnp.reshape(gv.rate, ()),
             *(jnp.reshape(x, ()) if x is not None else None for x in (getattr(gv, "mean_log", None), getattr(gv, "mean", None))),
         )
         t = tau.expect_pow(-2.0)  # E[σ⁻²] / c⁻² = E[τ^(−2a)]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.scipy.special import digamma, polygamma
+from jax.scipy.special import digamma
 
 _EULER = 0.5772156649015329
 
@@ -18,9 +18,26 @@ GAMMA_NEWTON_STEPS = 5
 DIRICHLET_NEWTON_STEPS = 16
 
 
+#: ψ′ is shifted up by this many steps of its recurrence before its asymptotic series is read
+_TRIGAMMA_SHIFT = 10
+
+
 def trigamma(x: jax.Array) -> jax.Array:
-    """ψ′(x)."""
-    return polygamma(1, x)
+    """ψ′(x) for x > 0 (NaN elsewhere), in a few dozen operations (``polygamma(1, x)`` is
+    about ten times the program, in every fit that holds a Gamma block).
+
+    The recurrence ψ′(x) = 1/x² + ψ′(x + 1), applied ``_TRIGAMMA_SHIFT`` times (a sum of
+    positive terms, no cancellation), brings the argument to z ≥ 10, where the asymptotic
+    series ψ′(z) = 1/z + 1/(2z²) + Σₖ B₂ₖ / z²ᵏ⁺¹ (k = 1…6) is below float64's precision.
+    """
+    x = jnp.asarray(x)
+    z = x + _TRIGAMMA_SHIFT
+    w = 1.0 / jnp.square(z)
+    # B₂ = 1/6, B₄ = −1/30, B₆ = 1/42, B₈ = −1/30, B₁₀ = 5/66, B₁₂ = −691/2730
+    out = (1.0 + 0.5 / z + w * (1 / 6 + w * (-1 / 30 + w * (1 / 42 + w * (-1 / 30 + w * (5 / 66 - w * 691 / 2730)))))) / z
+    for k in reversed(range(_TRIGAMMA_SHIFT)):  # smallest terms first
+        out = out + 1.0 / jnp.square(x + k)
+    return jnp.where(x > 0, out, jnp.nan)
 
 
 def x_trigamma_minus_one(a: jax.Array) -> jax.Array:

@@ -59,8 +59,15 @@ class Family:
 
     def rule_view_and_entropy(self, nat: Nat) -> tuple:
         """(:meth:`rule_view`, :meth:`entropy`): what the ELBO reads of a block; a family whose
-        two share a factorisation computes it once."""
-        return self.rule_view(nat), self.entropy(nat)
+        two share a factorisation computes it once, and the entropy reuses the mean
+        parameters a rule view holds (:meth:`mean_params_in`)."""
+        view = self.rule_view(nat)
+        mean_params = self.mean_params_in(view)
+        return view, self.entropy(nat) if mean_params is None else self.entropy(nat, mean_params)
+
+    def mean_params_in(self, view: View) -> Nat | None:
+        """The mean parameters μ a :meth:`rule_view` holds as leaves, or None."""
+        return None
 
     def nat_from_view(self, view: View) -> Nat:
         """Human parameters → natural parameters (inverse of :meth:`view`)."""
@@ -94,9 +101,9 @@ class Family:
         )
         return inner - log_z
 
-    def entropy(self, nat: Nat) -> jax.Array:
-        """H(q) = A(λ) − <λ, μ>, one value per batch element."""
-        mean_params = self.mean_params(nat)
+    def entropy(self, nat: Nat, mean_params: Nat | None = None) -> jax.Array:
+        """H(q) = A(λ) − <λ, μ>, one value per batch element (μ = ``mean_params`` when given)."""
+        mean_params = self.mean_params(nat) if mean_params is None else mean_params
         log_z = self.log_partition(nat)
         inner = sum(
             _sum_event(m * l, m.ndim - log_z.ndim)

@@ -83,6 +83,10 @@ class Beta(Family):
         mean_params = self.mean_params(nat)
         return BetaRuleView(alpha, beta, mean_params.eta1, mean_params.eta2)
 
+    def mean_params_in(self, view) -> BetaNat | None:
+        """(E[log p], E[log(1 − p)]) of a :class:`BetaRuleView`."""
+        return BetaNat(view.mean_log, view.mean_log1m) if isinstance(view, BetaRuleView) else None
+
     def nat_from_view(self, view: BetaView) -> BetaNat:
         return BetaNat(view.alpha - 1.0, view.beta - 1.0)
 

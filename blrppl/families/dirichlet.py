@@ -81,6 +81,10 @@ class Dirichlet(Family):
         """(α, ψ(α) − ψ(α₀)): the view with the mean parameters as an extra leaf."""
         return DirichletRuleView(nat.eta + 1.0, self.mean_params(nat).eta)
 
+    def mean_params_in(self, view) -> DirichletNat | None:
+        """E[log p] of a :class:`DirichletRuleView`."""
+        return DirichletNat(view.mean_log) if isinstance(view, DirichletRuleView) else None
+
     def nat_from_view(self, view: DirichletView) -> DirichletNat:
         return DirichletNat(view.concentration - 1.0)
 

@@ -88,6 +88,10 @@ class Gamma(Family):
         a, b = self.view(nat)
         return GammaRuleView(a, b, digamma(a) - jnp.log(b), a / b)
 
+    def mean_params_in(self, view) -> GammaNat | None:
+        """(E[log x], E[x]) of a :class:`GammaRuleView`."""
+        return GammaNat(view.mean_log, view.mean) if isinstance(view, GammaRuleView) else None
+
     def nat_from_view(self, view: GammaView) -> GammaNat:
         return GammaNat(view.shape - 1.0, -view.rate)
 
