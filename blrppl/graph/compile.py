@@ -285,6 +285,16 @@ def compile_model(
             break
         moved |= to_move
 
+    # a factor that mixes the plate elements of a Gaussian block (a difference of neighbours,
+    # a sum over the plate) couples them: the block is dense over all its scalars, exact,
+    # unless the user asked for its family or for mean-field, or it is too large (then its
+    # elements are fitted mean-field, iterated: see conjugate_blocks)
+    densified = [
+        n for n in _plate_coupled(blocks, factors)
+        if n not in families and structure != "mean-field" and blocks[n].size <= JOINT_MAX_DIM
+    ]
+    for n in densified:
+        blocks[n] = dataclasses.replace(blocks[n], family=fam.GaussianDense(blocks[n].size), plate_axes=())
     # a site the user gave a family keeps its own block, unless structure="joint" asks for
     # every dense Gaussian in one; local blocks of a subsampled plate are never merged
     members = [
@@ -294,7 +304,7 @@ def compile_model(
     size = sum(blocks[n].size for n in members)
     merge = len(members) > 1 and (structure == "joint" or (structure is None and size <= JOINT_MAX_DIM))
     coupled = _coupled_discrete(blocks, factors)
-    if not merge and not coupled:
+    if not merge and not coupled and not densified:
         factors = _classify_factors(
             records, rules, deps, blocks, fns, data, rng_key, cache=probe_cache, elementwise=elementwise, forms=forms
         )
@@ -549,6 +559,19 @@ def _replace_members(blocks: dict, members, joint: Block) -> dict:
             out[joint.name] = joint
         elif n not in members:
             out[n] = b
+    return out
+
+
+def _plate_coupled(blocks: dict, factors: list) -> list:
+    """The Gaussian blocks with independent elements (plate elements, or a diagonal
+    family's scalars) that some closed-form factor mixes (its arguments use them through
+    ``"full"`` columns, see :class:`blrppl.graph.plan.Factor`)."""
+    out = []
+    for f in factors:
+        for n, columns in f.columns:
+            b = blocks[n]
+            if columns == "full" and b.kind in _GAUSSIAN and b.batch_shape and n not in out:
+                out.append(n)
     return out
 
 
@@ -1004,7 +1027,9 @@ def conjugate_blocks(plan) -> tuple:
             continue
         conj = not b.point
         for f in plan.factors_of(b.name):
-            if f.estimator != "exact":
+            if f.estimator != "exact" or (b.batch_shape and (b.name, "full") in f.columns):
+                # (a factor mixing independent elements of the block: its message to one
+                # element depends on the others' q, mean-field coordinate steps iterate)
                 conj = False
                 break
             if b.kind == "gamma":
