@@ -138,3 +138,34 @@ def test_a_compilation_that_fails_is_not_kept(monkeypatch):
             blr_fit(model, {"X": X, "y": Y}, progress_bar=False)
     result = blr_fit(model, {"X": X, "y": Y}, progress_bar=False)
     assert result.converged and np.all(np.isfinite(result.elbo))
+
+
+def _splits_in_step(model, data):
+    """How many ``random_split`` the jitted step of ``model`` holds (each one a threefry
+    program lowered and compiled with the fit)."""
+    from blrppl.engine.step import initial_state, make_step
+    from blrppl.graph.compile import compile_model, init_nat
+    from blrppl.graph.trace import trace_model
+
+    records, spec, dyn, _ = trace_model(model, (), data, jax.random.key(0))
+    plan, fns, dyn, init, _ = compile_model(model, records, spec, dyn, rng_key=jax.random.key(1))
+    step, _, _ = make_step(plan, fns, "sequential")
+    nat = {b.name: init_nat(b, init[b.name]) for b in plan.blocks}
+    rho = {n: jnp.asarray(1.0) for n in plan.order}
+    jaxpr = jax.make_jaxpr(step)(initial_state(nat, jax.random.key(2)), dyn, rho)
+    return str(jaxpr).count("random_split"), plan
+
+
+def test_a_closed_form_step_splits_no_key_but_its_own():
+    def conjugate(X, y):
+        beta = numpyro.sample("beta", dist.Normal(0.0, 1.0).expand([X.shape[1]]).to_event(1))
+        tau = numpyro.sample("tau", dist.Gamma(2.0, 2.0))
+        with numpyro.plate("n", X.shape[0]):
+            numpyro.sample("y", dist.Normal(X @ beta, 1.0 / jnp.sqrt(tau)), obs=y)
+
+    splits, plan = _splits_in_step(conjugate, {"X": X, "y": Y})
+    assert all(f.estimator == "exact" for f in plan.factors)
+    assert splits == 1  # the state's key, advanced once per step
+    # a Monte Carlo factor draws: its key is split off
+    splits, plan = _splits_in_step(regression, {"X": X, "y": Y})
+    assert any(f.estimator != "exact" for f in plan.factors) and splits > 1

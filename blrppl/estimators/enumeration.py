@@ -68,6 +68,9 @@ def expected_log_factors(fns, factors, blocks, views, data, key=None, curvature=
     if not factors:
         return 0.0
     key = jax.random.key(0) if key is None else key
+    # only Monte Carlo factors and log|det J| terms draw: without them no key is split (each
+    # split is a threefry program that every fit's programs would lower and compile)
+    draws = any(is_jacobian(f) or f.estimator == "monte_carlo" for f in factors)
     total = 0.0
     for f in factors:
         if is_jacobian(f):
@@ -85,7 +88,7 @@ def expected_log_factors(fns, factors, blocks, views, data, key=None, curvature=
     for f in factors:
         groups.setdefault(f.discrete, []).append(f)
     for names, group in groups.items():
-        key, sub = jax.random.split(key)
+        key, sub = jax.random.split(key) if draws else (key, key)
         if not names:
             els, scales, extra = _elementwise(fns, group, blocks, views, {}, data, wrappers, sub, curvature)
             total = total + extra
