@@ -489,15 +489,7 @@ def random_point(block: Block, rng: np.random.Generator) -> np.ndarray:
     shape = block.value_shape
     if block.discrete:
         return rng.choice(np.asarray(block.support_values), size=shape)
-    if block.kind in ("gaussian", "gaussian-diag"):
-        return rng.normal(size=shape)
-    if block.kind == "gamma":
-        return np.exp(0.5 * rng.normal(size=shape))
-    if block.kind == "beta":
-        return rng.uniform(0.2, 0.8, size=shape)
-    if block.kind == "dirichlet":
-        return rng.dirichlet(np.ones(shape[-1]), size=shape[:-1])
-    raise ValueError(block.kind)
+    return block.family.random_value(rng, shape)
 
 
 def _second_derivative(fn, point, tangent):
@@ -581,10 +573,9 @@ def probe_argument(fn, deps: frozenset, blocks: dict, rng: np.random.Generator) 
         # point blocks are seen at their mean: the argument is a constant of the factor's
         # expectation (its value, at the points, still depends on them for their updates)
         return ArgumentProbe("const", (), {}, None, lambda out: ArgumentClass("const", ()))
-    kinds = {blocks[n].kind for n in cont}
-    if kinds <= {"gaussian", "gaussian-diag"}:
+    if all(blocks[n].family.gaussian for n in cont):
         group = "gaussian"
-    elif len(cont) == 1 and blocks[cont[0]].kind in ("gamma", "beta", "dirichlet"):
+    elif len(cont) == 1:  # one Gamma, Beta or Dirichlet block: probed by its family's name
         group = blocks[cont[0]].kind
     else:
         reason = "depends on several non-Gaussian blocks" if len(cont) > 1 else "unsupported block"
@@ -598,7 +589,7 @@ def probe_argument(fn, deps: frozenset, blocks: dict, rng: np.random.Generator) 
         inputs["tangents"].append({n: rng.normal(size=blocks[n].value_shape) for n in cont})
         signs = {}
         for n in cont:
-            elementwise = group != "gaussian" or blocks[n].kind != "gaussian"
+            elementwise = group != "gaussian" or not blocks[n].family.dense_event
             if _needs_gather_test(blocks[n], elementwise):
                 signs[n] = _sign_tangents(blocks[n], rng, elementwise)
         inputs["signs"].append(signs)
@@ -871,7 +862,7 @@ def group_moments(fns: ModelFunctions, factors, blocks: dict, views: dict, discr
         lo, hi = rows[(n, tag)]
         return pushed[fname][arg][lo:hi]
 
-    gauss = [n for n in cont if blocks[n].kind in ("gaussian", "gaussian-diag")]
+    gauss = [n for n in cont if blocks[n].family.gaussian]
     result = {}
     for f in factors:
         kinds, arg_blocks = f.kinds, dict(f.arg_blocks)
@@ -940,7 +931,7 @@ def classify_form(form, deps, blocks: dict, site_blocks: dict) -> tuple:
         """No mixing, or no block that the gather test applies to."""
         if not fm.mixes(form):
             return True
-        return not any(_needs_gather_test(blocks[n], elementwise or blocks[n].kind != "gaussian") for n in cont)
+        return not any(_needs_gather_test(blocks[n], elementwise or not blocks[n].family.dense_event) for n in cont)
 
     def decided(kind, **kw):
         return (ArgumentClass(kind, cont, **kw), "") if gathered(kind != "affine_gaussian") else (None, "")
