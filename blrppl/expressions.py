@@ -521,12 +521,17 @@ def _needs_gather_test(block: Block, elementwise: bool) -> bool:
     return math.prod(block.value_shape if elementwise else block.batch_shape) > 1
 
 
+#: the kind of an argument no closed-form rule reads (beside :data:`blrppl.moments.KINDS`)
+OPAQUE = "opaque"
+
+
 @dataclasses.dataclass(frozen=True)
 class ArgumentClass:
     """Result of classifying one argument.
 
     Attributes:
-        kind: one of :data:`blrppl.moments.KINDS` or ``"opaque"``.
+        kind: one of :data:`blrppl.moments.KINDS` (the ``kind`` of its moment class) or
+            :data:`OPAQUE`.
         blocks: continuous blocks it depends on.
         full: Gaussian blocks whose plate elements mix in this argument.
         reason: why the argument is opaque (empty otherwise).
@@ -538,6 +543,11 @@ class ArgumentClass:
     full: tuple = ()
     reason: str = ""
     power: float | None = None
+
+    @property
+    def opaque(self) -> bool:
+        """Whether no closed-form rule reads the argument."""
+        return self.kind == OPAQUE
 
 
 @dataclasses.dataclass
@@ -871,21 +881,21 @@ def group_moments(fns: ModelFunctions, factors, blocks: dict, views: dict, discr
         for arg, _ in f.arg_kinds:
             kind, value = kinds[arg], out[f.name][arg]
             used = arg_blocks[arg]
-            if kind == "const":
+            if kind == mom.Const.kind:
                 moments[arg] = mom.Const(value)
-            elif kind == "affine_gaussian":
+            elif kind == mom.AffineGaussian.kind:
                 left = tuple(rows_of(n, "left", f.name, arg) if n in used else None for n in fgauss)
                 right = tuple(rows_of(n, "right", f.name, arg) if n in used else None for n in fgauss)
                 moments[arg] = mom.AffineGaussian(value, left, right)
-            elif kind == "power_gamma":
+            elif kind == mom.PowerGamma.kind:
                 # each row pushed through x = c τ^a at τ = 1 is multiplied by the slope c a
                 slope, shape_t, rate_t, *mean_t = rows_of(used[0], "gamma", f.name, arg)
                 mean_params = [m / slope for m in mean_t] if mean_t else [None, None]
                 moments[arg] = mom.PowerGamma(value, slope / value, shape_t / slope, rate_t / slope, *mean_params)
-            elif kind == "beta":
+            elif kind == mom.BetaIdentity.kind:
                 alpha, beta, *mean_params = rows_of(used[0], "beta", f.name, arg)
                 moments[arg] = mom.BetaIdentity(alpha, beta, *mean_params)
-            elif kind == "dirichlet":
+            elif kind == mom.DirichletIdentity.kind:
                 conc, tot, *mean_params = rows_of(used[0], "dirichlet", f.name, arg)
                 moments[arg] = mom.DirichletIdentity(conc, tot, *mean_params)
             else:
@@ -934,7 +944,7 @@ def classify_form(form, deps, blocks: dict, site_blocks: dict) -> tuple:
         return not any(_needs_gather_test(blocks[n], elementwise or not blocks[n].family.dense_event) for n in cont)
 
     def decided(kind, **kw):
-        return (ArgumentClass(kind, cont, **kw), "") if gathered(kind != "affine_gaussian") else (None, "")
+        return (ArgumentClass(kind, cont, **kw), "") if gathered(kind != mom.AffineGaussian.kind) else (None, "")
 
     reason = fm.why_not_exact(form)
     if isinstance(form, fm.Affine) or (isinstance(form, fm.Power) and form.power == 1.0 and set(spaces.values()) == {"affine"}):

@@ -67,18 +67,18 @@ def eligible(factor, blocks) -> str | None:
     b = blocks[name]
     if not b.family.dense_event or b.point or b.batch_shape or b.size < MIN_DIM:
         return None
-    if kinds["scale"] == "power_gamma":
+    if kinds["scale"] == mom.PowerGamma.kind:
         (g,) = arg_blocks["scale"]
         power = dict(factor.powers).get("scale")
         if blocks[g].size != 1 or power is None:
             return None
-    elif kinds["scale"] != "const":
+    elif kinds["scale"] != mom.Const.kind:
         return None
     return name
 
 
 def _scale_block(factor):
-    return dict(factor.arg_blocks)["scale"][0] if factor.kinds["scale"] == "power_gamma" else None
+    return dict(factor.arg_blocks)["scale"][0] if factor.kinds["scale"] == mom.PowerGamma.kind else None
 
 
 def statistics(fns, factor, block, data, rows: bool = False) -> GramStatistics:
@@ -219,7 +219,7 @@ def _linear_map(jaxpr, consts, dim, inputs=None) -> list:
         for v, o in zip(eqn.outvars, outs):
             env[v] = o
     out = [read(v) for v in jaxpr.outvars]
-    if any(kind != "lin" for kind, _ in out):
+    if any(tag != "lin" for tag, _ in out):
         raise _NotRead
     return [m for _, m in out]
 

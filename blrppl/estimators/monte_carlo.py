@@ -145,11 +145,11 @@ def monte_carlo_elementwise(
 
         grads = jax.vmap(jax.grad(f_n))(xs, others)
         g = jnp.mean(jax.vmap(block.to_canonical)(grads), 0)
-        kind = auto_curvature(block) if curvature == "auto" else curvature
-        if kind == "gauss-newton":
+        estimator = auto_curvature(block) if curvature == "auto" else curvature
+        if estimator == "gauss-newton":
             h = _gauss_newton(block, per_element, xs, others)
         else:
-            h = _curvature(kind, block, view, f_n, xs, others, grads, probe_key)
+            h = _curvature(estimator, block, view, f_n, xs, others, grads, probe_key)
         # control variate: E[x − m] = 0, so subtracting Ĥ·mean(x − m) removes the part of
         # the gradient's noise that is linear in the draws (exact for quadratic log f)
         dx = jnp.mean(jax.vmap(block.to_canonical)(xs), 0) - view.mean
@@ -169,19 +169,19 @@ def _gauss_newton(block, per_element, xs, others):
     return -jnp.mean(jnp.sum(jnp.square(jac), axis=1), 0)
 
 
-def _curvature(kind, block, view, f_n, xs, others, grads, key):
+def _curvature(estimator, block, view, f_n, xs, others, grads, key):
     """Mean over draws of the curvature estimate of F in block ``block`` (canonical layout:
     (*B, D, D) for dense blocks, the value shape for diagonal ones)."""
     if block.family.dense_event:
         dim = view.mean.shape[-1]
         bshape = view.mean.shape[:-1]
-        if kind == "stein":
+        if estimator == "stein":
             dx = jax.vmap(block.to_canonical)(xs) - view.mean
             prec_dx = jnp.linalg.solve(view.cov, dx[..., None])[..., 0]
             gc = jax.vmap(block.to_canonical)(grads)
             h = jnp.einsum("s...i,s...j->...ij", prec_dx, gc) / xs.shape[0]
             return 0.5 * (h + jnp.swapaxes(h, -1, -2))
-        if kind == "diagonal":
+        if estimator == "diagonal":
             z = jax.random.rademacher(key, xs.shape, dtype=xs.dtype)
             hz = jax.vmap(lambda x, r, t: jax.jvp(lambda y: jax.grad(f_n)(y, r), (x,), (t,))[1])(xs, others, z)
             diag = jnp.mean(jax.vmap(block.to_canonical)(z * hz), 0)
@@ -197,7 +197,7 @@ def _curvature(kind, block, view, f_n, xs, others, grads, key):
         cols = jnp.mean(jax.vmap(hess_cols)(xs, others), 0)
         return jnp.moveaxis(cols, 0, -1)
     # diagonal Gaussian: elementwise curvature
-    if kind == "stein":
+    if estimator == "stein":
         return jnp.mean(grads * (xs - view.mean) / view.var, 0)
     z = jax.random.rademacher(key, xs.shape, dtype=xs.dtype)
     hz = jax.vmap(lambda x, r, t: jax.jvp(lambda y: jax.grad(f_n)(y, r), (x,), (t,))[1])(xs, others, z)

@@ -14,6 +14,7 @@ import numpyro.distributions as dist
 from numpyro.distributions import biject_to, constraints
 
 from blrppl import families as fam
+from blrppl import moments as mom
 from blrppl.errors import FamilyError, UnsupportedFactorError, UnsupportedLatentError
 from blrppl.estimators import gram
 from blrppl.expressions import (
@@ -806,7 +807,7 @@ def _classify_factors(
     found = run_probes({**probes, **{("quadrature",) + k: p for k, p in quad_probes.items()}}, data)
     found = {
         # an opaque argument's form names what makes it so
-        k: dataclasses.replace(c, reason=reasons[k]) if c.kind == "opaque" and reasons.get(k) else c
+        k: dataclasses.replace(c, reason=reasons[k]) if c.opaque and reasons.get(k) else c
         for k, c in found.items()
     }
     found.update(decided)
@@ -903,7 +904,7 @@ def _factors(records, rules, blocks, nbrs, classes, exact, candidates, quad_clas
                 kinds.append((arg, cls.kind))
                 arg_blocks.append((arg, cls.blocks))
                 full.update(cls.full)
-                if cls.kind == "power_gamma":
+                if cls.kind == mom.PowerGamma.kind:
                     powers.append((arg, cls.power))
             columns = tuple((n, "full" if n in full else "gather") for n in gauss)
             estimator, links = "exact", ()
@@ -919,7 +920,8 @@ def _factors(records, rules, blocks, nbrs, classes, exact, candidates, quad_clas
                 found = next(
                     (
                         link for link in LINKS
-                        if (name, index, link) in quad_classes and quad_classes[(name, index, link)].kind == "affine_gaussian"
+                        if (name, index, link) in quad_classes
+                        and quad_classes[(name, index, link)].kind == mom.AffineGaussian.kind
                     ),
                     None,
                 )
@@ -928,7 +930,7 @@ def _factors(records, rules, blocks, nbrs, classes, exact, candidates, quad_clas
                     break
                 cls = quad_classes[(name, index, found)]
                 links.append((f"eta{k}", index, found))
-                kinds.append((f"eta{k}", "affine_gaussian"))
+                kinds.append((f"eta{k}", mom.AffineGaussian.kind))
                 arg_blocks.append((f"eta{k}", cls.blocks))
                 full.update(cls.full)
             if links:
@@ -969,7 +971,7 @@ def _why_not_exact(name, record, rule, classes) -> str:
         return "a numpyro.factor term" if record.is_factor else f"no closed-form rule for {record.dist_name}"
     for arg in ("value",) + rule.arg_names:
         cls = classes[(name, arg)]
-        if cls.kind == "opaque":
+        if cls.opaque:
             return f"{arg}: {cls.reason}" if cls.reason else f"{arg}: opaque"
     kinds = ", ".join(f"{arg}:{classes[(name, arg)].kind}" for arg in ("value",) + rule.arg_names)
     return f"the rule has no closed form for {kinds}"
