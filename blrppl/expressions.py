@@ -588,7 +588,7 @@ def probe_argument(fn, deps: frozenset, blocks: dict, rng: np.random.Generator) 
     elif len(cont) == 1:  # one Gamma, Beta or Dirichlet block: probed by its family's name
         group = blocks[cont[0]].kind
     else:
-        reason = "depends on several non-Gaussian blocks" if len(cont) > 1 else "unsupported block"
+        reason = "depends on several non-Gaussian blocks"
         return ArgumentProbe(
             "opaque", cont, {}, None, lambda out: ArgumentClass("opaque", cont, reason=reason)
         )

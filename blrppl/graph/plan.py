@@ -71,7 +71,8 @@ class Block:
     Attributes:
         name: site name.
         family: the candidate family (static configuration).
-        kind: family name (``"gaussian"``, ``"gamma"``, ...).
+        kind: family name (``"gaussian"``, ``"gamma"``, ...), for display and messages: what
+            the code reads of a block's family are the family's own flags and methods.
         value_shape: shape of the site value.
         plate_axes: for dense Gaussian blocks, axes of the value that are independent plate
             elements (batch dims of the canonical layout); the remaining axes are flattened
