@@ -47,7 +47,7 @@ SUPPORTED = (
 LOW_RANK_ITERATIONS = 200
 
 
-def _kind(guide):
+def _guide_class(guide):
     for cls in SUPPORTED:
         if type(guide) is cls:
             return cls
@@ -56,7 +56,7 @@ def _kind(guide):
 
 def check_supported(guide) -> None:
     """Raise :class:`UnsupportedGuideError` unless ``guide`` is one of :data:`SUPPORTED`."""
-    if _kind(guide) is None:
+    if _guide_class(guide) is None:
         names = ", ".join(c.__name__ for c in SUPPORTED)
         raise UnsupportedGuideError(
             f"BLR cannot fit a guide of type {type(guide).__name__}; supported: {names}, or "
@@ -87,13 +87,13 @@ def setup(guide, model, rng_key, args, kwargs) -> dict:
 
 def fit_options(guide, sites) -> dict:
     """The ``blr_fit`` options that give the autoguide's family."""
-    kind = _kind(guide)
+    guide_class = _guide_class(guide)
     names = list(sites)
-    if kind in (ag.AutoNormal, ag.AutoDiagonalNormal):
+    if guide_class in (ag.AutoNormal, ag.AutoDiagonalNormal):
         return {"families": {n: "gaussian-diag" for n in names}, "structure": "mean-field"}
-    if kind in (ag.AutoMultivariateNormal, ag.AutoLowRankMultivariateNormal):
+    if guide_class in (ag.AutoMultivariateNormal, ag.AutoLowRankMultivariateNormal):
         return {"families": {n: "gaussian" for n in names}, "structure": "joint"}
-    if kind is ag.AutoLaplaceApproximation:
+    if guide_class is ag.AutoLaplaceApproximation:
         return {"point": tuple(names), "structure": "mean-field"}
     return {"point": tuple(names), "structure": "mean-field", **POINT_SPACE}
 
@@ -108,15 +108,15 @@ def _site_support(guide, name):
 
 def init_values(guide, init_params: dict) -> dict:
     """Starting site values (constrained) from an autoguide's location parameters."""
-    kind = _kind(guide)
+    guide_class = _guide_class(guide)
     prefix = guide.prefix
     out = {}
-    if kind in (ag.AutoNormal, ag.AutoDelta):
+    if guide_class in (ag.AutoNormal, ag.AutoDelta):
         for name in guide._init_locs:
             key = f"{name}_{prefix}_loc"
             if key in init_params:
                 loc = jnp.asarray(init_params[key])
-                out[name] = loc if kind is ag.AutoDelta else biject_to(_site_support(guide, name))(loc)
+                out[name] = loc if guide_class is ag.AutoDelta else biject_to(_site_support(guide, name))(loc)
         return out
     key = f"{prefix}_loc"
     if key in init_params:
@@ -136,9 +136,9 @@ def _groups(plan, nat, full: bool):
         if b.members:
             var = view.cov if full else jnp.diagonal(view.cov)
             out.append(([(m.name, m.value_shape) for m in b.members], view.mean, var))
-        elif b.kind == "gaussian-diag":
+        elif b.family.gaussian and not b.family.dense_event:
             out.append(([(b.name, b.value_shape)], view.mean.reshape(-1), view.var.reshape(-1)))
-        elif b.kind == "gaussian":
+        elif b.family.dense_event:
             index = np.asarray(b.to_site(np.arange(b.size).reshape(b.batch_shape + (-1,)))).reshape(-1)
             mean = view.mean.reshape(-1)[index]
             if b.point:
@@ -219,12 +219,12 @@ def params(guide, plan, nat) -> dict:
 
 
 def _guide_params(guide, plan, nat) -> dict:
-    kind = _kind(guide)
+    guide_class = _guide_class(guide)
     prefix = guide.prefix
-    if kind in (ag.AutoNormal, ag.AutoDelta):
+    if guide_class in (ag.AutoNormal, ag.AutoDelta):
         mean, var = _flat_moments(guide, plan, nat, full=False)
         locs = _per_site(guide, mean)
-        if kind is ag.AutoDelta:
+        if guide_class is ag.AutoDelta:
             return {
                 f"{n}_{prefix}_loc": biject_to(_site_support(guide, n))(u) for n, u in locs.items()
             }
@@ -234,14 +234,14 @@ def _guide_params(guide, plan, nat) -> dict:
             out[f"{n}_{prefix}_loc"] = locs[n]
             out[f"{n}_{prefix}_scale"] = scales[n]
         return out
-    if kind is ag.AutoDiagonalNormal:
+    if guide_class is ag.AutoDiagonalNormal:
         mean, var = _flat_moments(guide, plan, nat, full=False)
         return {f"{prefix}_loc": mean, f"{prefix}_scale": jnp.sqrt(var)}
-    if kind is ag.AutoLaplaceApproximation:
+    if guide_class is ag.AutoLaplaceApproximation:
         mean, _ = _flat_moments(guide, plan, nat, full=False)
         return {f"{prefix}_loc": mean}
     mean, cov = _flat_moments(guide, plan, nat, full=True)
-    if kind is ag.AutoMultivariateNormal:
+    if guide_class is ag.AutoMultivariateNormal:
         return {f"{prefix}_loc": mean, f"{prefix}_scale_tril": jnp.linalg.cholesky(cov)}
     rank = int(round(guide.latent_dim**0.5)) if guide.rank is None else guide.rank
     factor, scale = low_rank(cov, rank)

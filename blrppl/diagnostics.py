@@ -193,7 +193,7 @@ def make_log_weights(plan, fns, records, data_shapes, batch: int = BATCH):
     def site_values(b, x):
         """Block draw (canonical layout) → {site: value in block space} (the model functions
         apply each site's bijection), and log|det J| of those bijections."""
-        parts = b.split(x) if b.members else {b.name: b.to_site(x) if b.kind == "gaussian" else x}
+        parts = b.split(x) if b.members else {b.name: b.to_site(x)}
         log_det = 0.0
         for m in b.members or (b,):
             if m.transform is not None:

@@ -119,22 +119,20 @@ def site_distribution(block: Block, nat, event_ndim: int) -> dist.Distribution:
     if block.param:
         return dist.Delta(point_value(block, nat), event_dim=event_ndim)
     if block.transform is not None:
-        base = _layout_distribution(block, nat, len(block.value_shape) - len(block.batch_shape) if block.kind == "gaussian" else 0)
+        base = _layout_distribution(block, nat, len(block.value_shape) - len(block.batch_shape) if block.family.dense_event else 0)
         return TransformedPosterior(base, block.transform)
     return _layout_distribution(block, nat, event_ndim)
 
 
 def point_value(block: Block, nat):
     """The constrained value, in the site's layout, of a point block's mean."""
-    mean = block.family.view(nat).mean
-    if block.kind == "gaussian":
-        mean = block.to_site(mean)
+    mean = block.to_site(block.family.view(nat).mean)
     return block.transform(mean) if block.transform is not None else mean
 
 
 def _layout_distribution(block: Block, nat, event_ndim: int) -> dist.Distribution:
     inner = block.family.to_numpyro(nat)
-    if block.kind == "gaussian":
+    if block.family.dense_event:
         bshape, dim = block.batch_shape, inner.event_shape[-1]
         if tuple(block.value_shape) == bshape + (dim,) and block.plate_axes == tuple(range(len(bshape))):
             out = inner
@@ -144,7 +142,7 @@ def _layout_distribution(block: Block, nat, event_ndim: int) -> dist.Distributio
             return _SiteLayout(inner, block)
         extra = event_ndim - len(out.event_shape)
         return out.to_event(extra) if extra > 0 else out
-    if block.kind == "categorical":
+    if block.family.indexes_support:
         out = EnumeratedPosterior(inner.probs, block.support_values)
         extra = event_ndim - len(out.event_shape)
         return out.to_event(extra) if extra > 0 else out
@@ -192,7 +190,7 @@ def posterior_builder(plan, records, submit):
         except TypeError:  # a distribution that is not a pytree
             return False
         # (dense blocks: D² elementwise work, which XLA's backend optimisations speed up)
-        work = sum(b.size * b.family.dim for b in blocks.values() if b.kind == "gaussian")
+        work = sum(b.size * b.family.dim for b in blocks.values() if b.family.dense_event)
         compiled.append((tree, submit(compile_lowered, lowered, compiler_options((), work))))
         return True
 

@@ -489,15 +489,7 @@ def random_point(block: Block, rng: np.random.Generator) -> np.ndarray:
     shape = block.value_shape
     if block.discrete:
         return rng.choice(np.asarray(block.support_values), size=shape)
-    if block.kind in ("gaussian", "gaussian-diag"):
-        return rng.normal(size=shape)
-    if block.kind == "gamma":
-        return np.exp(0.5 * rng.normal(size=shape))
-    if block.kind == "beta":
-        return rng.uniform(0.2, 0.8, size=shape)
-    if block.kind == "dirichlet":
-        return rng.dirichlet(np.ones(shape[-1]), size=shape[:-1])
-    raise ValueError(block.kind)
+    return block.family.random_value(rng, shape)
 
 
 def _second_derivative(fn, point, tangent):
@@ -529,12 +521,17 @@ def _needs_gather_test(block: Block, elementwise: bool) -> bool:
     return math.prod(block.value_shape if elementwise else block.batch_shape) > 1
 
 
+#: the kind of an argument no closed-form rule reads (beside :data:`blrppl.moments.KINDS`)
+OPAQUE = "opaque"
+
+
 @dataclasses.dataclass(frozen=True)
 class ArgumentClass:
     """Result of classifying one argument.
 
     Attributes:
-        kind: one of :data:`blrppl.moments.KINDS` or ``"opaque"``.
+        kind: one of :data:`blrppl.moments.KINDS` (the ``kind`` of its moment class) or
+            :data:`OPAQUE`.
         blocks: continuous blocks it depends on.
         full: Gaussian blocks whose plate elements mix in this argument.
         reason: why the argument is opaque (empty otherwise).
@@ -546,6 +543,11 @@ class ArgumentClass:
     full: tuple = ()
     reason: str = ""
     power: float | None = None
+
+    @property
+    def opaque(self) -> bool:
+        """Whether no closed-form rule reads the argument."""
+        return self.kind == OPAQUE
 
 
 @dataclasses.dataclass
@@ -581,13 +583,12 @@ def probe_argument(fn, deps: frozenset, blocks: dict, rng: np.random.Generator) 
         # point blocks are seen at their mean: the argument is a constant of the factor's
         # expectation (its value, at the points, still depends on them for their updates)
         return ArgumentProbe("const", (), {}, None, lambda out: ArgumentClass("const", ()))
-    kinds = {blocks[n].kind for n in cont}
-    if kinds <= {"gaussian", "gaussian-diag"}:
+    if all(blocks[n].family.gaussian for n in cont):
         group = "gaussian"
-    elif len(cont) == 1 and blocks[cont[0]].kind in ("gamma", "beta", "dirichlet"):
+    elif len(cont) == 1:  # one Gamma, Beta or Dirichlet block: probed by its family's name
         group = blocks[cont[0]].kind
     else:
-        reason = "depends on several non-Gaussian blocks" if len(cont) > 1 else "unsupported block"
+        reason = "depends on several non-Gaussian blocks"
         return ArgumentProbe(
             "opaque", cont, {}, None, lambda out: ArgumentClass("opaque", cont, reason=reason)
         )
@@ -598,7 +599,7 @@ def probe_argument(fn, deps: frozenset, blocks: dict, rng: np.random.Generator) 
         inputs["tangents"].append({n: rng.normal(size=blocks[n].value_shape) for n in cont})
         signs = {}
         for n in cont:
-            elementwise = group != "gaussian" or blocks[n].kind != "gaussian"
+            elementwise = group != "gaussian" or not blocks[n].family.dense_event
             if _needs_gather_test(blocks[n], elementwise):
                 signs[n] = _sign_tangents(blocks[n], rng, elementwise)
         inputs["signs"].append(signs)
@@ -871,7 +872,7 @@ def group_moments(fns: ModelFunctions, factors, blocks: dict, views: dict, discr
         lo, hi = rows[(n, tag)]
         return pushed[fname][arg][lo:hi]
 
-    gauss = [n for n in cont if blocks[n].kind in ("gaussian", "gaussian-diag")]
+    gauss = [n for n in cont if blocks[n].family.gaussian]
     result = {}
     for f in factors:
         kinds, arg_blocks = f.kinds, dict(f.arg_blocks)
@@ -880,13 +881,13 @@ def group_moments(fns: ModelFunctions, factors, blocks: dict, views: dict, discr
         for arg, _ in f.arg_kinds:
             kind, value = kinds[arg], out[f.name][arg]
             used = arg_blocks[arg]
-            if kind == "const":
+            if kind == mom.Const.kind:
                 moments[arg] = mom.Const(value)
-            elif kind == "affine_gaussian":
+            elif kind == mom.AffineGaussian.kind:
                 left = tuple(rows_of(n, "left", f.name, arg) if n in used else None for n in fgauss)
                 right = tuple(rows_of(n, "right", f.name, arg) if n in used else None for n in fgauss)
                 moments[arg] = mom.AffineGaussian(value, left, right)
-            elif kind == "power_gamma":
+            elif kind == mom.PowerGamma.kind:
                 # each row pushed through x = c τ^a at τ = 1 is multiplied by the slope c a
                 slope, shape_t, rate_t, *mean_t = rows_of(used[0], "gamma", f.name, arg)
                 mean_params = [m / slope for m in mean_t] if mean_t else [None, None]
@@ -894,10 +895,10 @@ def group_moments(fns: ModelFunctions, factors, blocks: dict, views: dict, discr
                 power = dict(f.powers).get(arg)
                 power = slope / value if power is None else float(power)
                 moments[arg] = mom.PowerGamma(value, power, shape_t / slope, rate_t / slope, *mean_params)
-            elif kind == "beta":
+            elif kind == mom.BetaIdentity.kind:
                 alpha, beta, *mean_params = rows_of(used[0], "beta", f.name, arg)
                 moments[arg] = mom.BetaIdentity(alpha, beta, *mean_params)
-            elif kind == "dirichlet":
+            elif kind == mom.DirichletIdentity.kind:
                 conc, tot, *mean_params = rows_of(used[0], "dirichlet", f.name, arg)
                 moments[arg] = mom.DirichletIdentity(conc, tot, *mean_params)
             else:
@@ -943,10 +944,10 @@ def classify_form(form, deps, blocks: dict, site_blocks: dict) -> tuple:
         """No mixing, or no block that the gather test applies to."""
         if not fm.mixes(form):
             return True
-        return not any(_needs_gather_test(blocks[n], elementwise or blocks[n].kind != "gaussian") for n in cont)
+        return not any(_needs_gather_test(blocks[n], elementwise or not blocks[n].family.dense_event) for n in cont)
 
     def decided(kind, **kw):
-        return (ArgumentClass(kind, cont, **kw), "") if gathered(kind != "affine_gaussian") else (None, "")
+        return (ArgumentClass(kind, cont, **kw), "") if gathered(kind != mom.AffineGaussian.kind) else (None, "")
 
     reason = fm.why_not_exact(form)
     if isinstance(form, fm.Affine) or (isinstance(form, fm.Power) and form.power == 1.0 and set(spaces.values()) == {"affine"}):

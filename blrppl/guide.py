@@ -92,7 +92,7 @@ class PlanGuide:
                 continue  # a model param, not a latent: params= carries its value
             view = self._view(b)
             if b.point:
-                u = b.to_site(view.mean) if b.kind == "gaussian" else view.mean
+                u = b.to_site(view.mean)
                 value, _ = _site_value(b, u)
                 out[b.name] = numpyro.sample(b.name, _delta(value))
             elif b.members and b.discrete:
@@ -120,7 +120,7 @@ class PlanGuide:
     def _view(self, block):
         """The block's view from its parameters (``numpyro.param``, so that substituted
         values are used)."""
-        view_type = _view_types()[block.kind]
+        view_type = block.family.view_type
         fields = view_type._fields[:1] if block.point else view_type._fields
         values = []
         for field in fields:
@@ -131,18 +131,3 @@ class PlanGuide:
         if block.point:
             return GaussianView(values[0], None)
         return view_type(*values)
-
-
-def _view_types() -> dict:
-    """Family kind → view type (the fields of the guide's parameters)."""
-    from blrppl import families as fam
-
-    return {
-        "gaussian": fam.GaussianView,
-        "gaussian-diag": fam.DiagGaussianView,
-        "gamma": fam.GammaView,
-        "beta": fam.BetaView,
-        "dirichlet": fam.DirichletView,
-        "categorical": fam.CategoricalView,
-        "bernoulli": fam.CategoricalView,
-    }

@@ -53,9 +53,10 @@ import numpy as np
 
 from blrppl import families as fam
 from blrppl.errors import OnlinePriorError
-from blrppl.graph.plan import Factor
+from blrppl.graph.plan import Factor, FactorRole
 
-#: suffix of the pseudo-factor holding a block's previous posterior
+#: suffix of the name of the pseudo-factor holding a block's previous posterior (for
+#: display: the factor is recognised by its :attr:`~blrppl.graph.plan.Factor.role`)
 PREVIOUS_SUFFIX = ":previous"
 
 
@@ -193,10 +194,13 @@ def online_plan(plan, graph, records, spec):
 
     replaced = set()
     for name in matched:
-        block = plan.block(name)
-        replaced |= set(block.sites) | {f"{name}:jacobian"}
+        replaced |= set(plan.block(name).sites)
     # (a stacked factor of latents' priors is replaced with its members' block)
-    dropped = {f.name for f in plan.factors if not f.observed and ({f.name, *f.members} & replaced)}
+    dropped = {
+        f.name for f in plan.factors
+        if not f.observed
+        and ({f.name, *f.members} & replaced or (f.role == FactorRole.JACOBIAN and f.neighbours[0] in matched))
+    }
     factors = [f for f in plan.factors if f.name not in dropped]
     added = [_previous_factor(plan.block(n)) for n in matched]
     graph = graph.copy()
@@ -221,6 +225,7 @@ def _previous_factor(block) -> Factor:
         arg_blocks=(),
         columns=(),
         reinterpreted_ndim=0,
+        role=FactorRole.PREVIOUS,
     )
 
 

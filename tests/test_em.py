@@ -18,6 +18,7 @@ from numpyro.distributions import constraints
 from scipy.special import logsumexp
 
 from blrppl import BLRError, FamilyError, ModelTraceError, blr_fit
+from blrppl.graph.plan import FactorRole
 from describe_table import factor_rows
 
 
@@ -421,6 +422,8 @@ def test_point_space(space, mode):
     np.testing.assert_allclose(res.point_estimates()["lam"], mode, atol=1e-8)
     names = {f.name for f in res.plan.factors}
     assert ("lam:jacobian" in names) == (space == "unconstrained")
+    jacobians = {f.name for f in res.plan.factors if f.role == FactorRole.JACOBIAN}
+    assert jacobians == ({"lam:jacobian"} if space == "unconstrained" else set())
     assert block_roles(res.plan.describe())["lam"] == f"point ({space})"
     # Laplace's precision on the unconstrained space: −d²/du² of the objective at the mode
     a = A0 + Y_POIS.sum() - (space == "constrained")

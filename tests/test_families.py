@@ -30,6 +30,7 @@ from blrppl.families import (
     BetaView,
     Categorical,
     CategoricalNat,
+    CategoricalView,
     Dirichlet,
     DirichletNat,
     DirichletView,
@@ -773,3 +774,106 @@ def test_full_columns_of_a_plated_dense_gaussian_are_one_per_scalar():
     want = np.zeros((4, 2, 2))
     want[0, 0], want[1, 0], want[2, 1], want[3, 1] = [2.0, 1.0], [1.0, 3.0], [5.0, 0.0], [0.0, 7.0]
     np.testing.assert_allclose(got["right"], want)
+
+
+# -- what each family tells the code outside it (hand-worked) --------------------------------
+
+#: family, (gaussian, dense_event, indexes_support), view type, canonical batch shape of a
+#: value of shape (2, 5, 3) whose axis 0 is a plate
+KNOWLEDGE = [
+    (GaussianDense(15), (True, True, False), GaussianView, (2,)),
+    (GaussianDiag(), (True, False, False), DiagGaussianView, (2, 5, 3)),
+    (Gamma(), (False, False, False), GammaView, (2, 5, 3)),
+    (Beta(), (False, False, False), BetaView, (2, 5, 3)),
+    (Dirichlet(3), (False, False, False), DirichletView, (2, 5)),
+    (Categorical(4), (False, False, True), CategoricalView, (2, 5, 3)),
+    (Bernoulli(), (False, False, False), CategoricalView, (2, 5, 3)),
+]
+
+
+@pytest.mark.parametrize("family,flags,view_type,batch", KNOWLEDGE, ids=[type(c[0]).__name__ for c in KNOWLEDGE])
+def test_family_flags_view_type_and_canonical_batch_shape(family, flags, view_type, batch):
+    assert (family.gaussian, family.dense_event, family.indexes_support) == flags
+    assert family.view_type is view_type
+    assert isinstance(family.view(family.nat_from_view(_some_view(family))), view_type)
+    assert family.canonical_batch_shape((2, 5, 3), (0,)) == batch
+
+
+def test_dense_canonical_batch_shape_follows_the_plate_axes_order():
+    assert GaussianDense(5).canonical_batch_shape((2, 5, 3), (2, 0)) == (3, 2)
+    assert GaussianDense(30).canonical_batch_shape((2, 5, 3), ()) == ()
+
+
+def _some_view(family):
+    """A valid view of one element (two for the elementwise families)."""
+    return {
+        GaussianDense: lambda: GaussianView(jnp.zeros(family.event_shape), jnp.eye(*family.event_shape)),
+        GaussianDiag: lambda: DiagGaussianView(jnp.zeros(2), jnp.ones(2)),
+        Gamma: lambda: GammaView(jnp.ones(2), jnp.ones(2)),
+        Beta: lambda: BetaView(jnp.ones(2), jnp.ones(2)),
+        Dirichlet: lambda: DirichletView(jnp.ones(family.event_shape)),
+        Categorical: lambda: CategoricalView(jnp.full((4,), 0.25)),
+        Bernoulli: lambda: CategoricalView(jnp.array([0.5, 0.5])),
+    }[type(family)]()
+
+
+#: family, initial value (canonical layout), the view of its initial natural parameters
+INITIAL = [
+    (GaussianDense(2), [1.0, 2.0], GaussianView(jnp.array([1.0, 2.0]), jnp.eye(2))),
+    (GaussianDiag(), [1.0, 2.0], DiagGaussianView(jnp.array([1.0, 2.0]), jnp.ones(2))),
+    # shape 10, rate 10/x: mean x
+    (Gamma(), [2.0, 0.5], GammaView(jnp.array([10.0, 10.0]), jnp.array([5.0, 20.0]))),
+    # α = 2x + ½, β = 2(1 − x) + ½
+    (Beta(), [0.25, 0.5], BetaView(jnp.array([1.0, 1.5]), jnp.array([2.0, 1.5]))),
+    # α = K x + ½
+    (Dirichlet(2), [0.25, 0.75], DirichletView(jnp.array([1.0, 2.0]))),
+]
+
+
+@pytest.mark.parametrize("family,x,view", INITIAL, ids=[type(c[0]).__name__ for c in INITIAL])
+def test_initial_nat(family, x, view):
+    got = family.view(family.initial_nat(jnp.asarray(x)))
+    for a, b in zip(got, view):
+        np.testing.assert_allclose(a, b, rtol=1e-12)
+
+
+@pytest.mark.parametrize("family", [GaussianDense(3), GaussianDiag(), Gamma(), Beta(), Dirichlet(3)], ids=type)
+def test_random_value_is_inside_the_support(family):
+    x = family.random_value(np.random.default_rng(0), (4, 3))
+    assert np.shape(x) == (4, 3) and np.all(np.isfinite(x))
+    if isinstance(family, Gamma):
+        assert np.all(x > 0)
+    if isinstance(family, Beta):
+        assert np.all((0.2 <= x) & (x <= 0.8))
+    if isinstance(family, Dirichlet):
+        assert np.all(x > 0) and np.allclose(x.sum(-1), 1.0)
+
+
+def test_gaussian_curvature_algebra_dense():
+    """P = [[2, 1], [1, 3]]: P (1, 2) = (4, 7); an indefinite P gets |eigenvalues|."""
+    fam = GaussianDense(2)
+    prec, x = jnp.array([[2.0, 1.0], [1.0, 3.0]]), jnp.array([1.0, 2.0])
+    np.testing.assert_allclose(fam.precision_times(prec, x), [4.0, 7.0])
+    np.testing.assert_allclose(fam.solve_precision(prec, jnp.array([4.0, 7.0])), x, rtol=1e-12)
+    np.testing.assert_allclose(fam.identity_precision(jnp.zeros((3, 2))), np.broadcast_to(np.eye(2), (3, 2, 2)))
+    view = GaussianView(x, prec)
+    np.testing.assert_allclose(fam.view_covariance(view), prec)
+    np.testing.assert_allclose(fam.marginal_variance(view), [2.0, 3.0])
+    np.testing.assert_allclose(fam.positive_curvature(prec), prec)  # positive definite: kept
+    np.testing.assert_allclose(fam.positive_curvature(jnp.diag(jnp.array([1.0, -4.0]))), np.diag([1.0, 4.0]))
+    # two plate elements of dimension 2: the Hessian's diagonal 2×2 blocks, couplings dropped
+    h = jnp.arange(16.0).reshape(4, 4)
+    np.testing.assert_allclose(fam.curvature_of_hessian(h, (2, 2)), [[[0, 1], [4, 5]], [[10, 11], [14, 15]]])
+
+
+def test_gaussian_curvature_algebra_diagonal():
+    fam = GaussianDiag()
+    prec, x = jnp.array([2.0, 4.0]), jnp.array([1.0, 2.0])
+    np.testing.assert_allclose(fam.precision_times(prec, x), [2.0, 8.0])
+    np.testing.assert_allclose(fam.solve_precision(prec, jnp.array([2.0, 8.0])), x)
+    np.testing.assert_allclose(fam.identity_precision(x), [1.0, 1.0])
+    view = DiagGaussianView(x, prec)
+    np.testing.assert_allclose(fam.view_covariance(view), prec)
+    np.testing.assert_allclose(fam.marginal_variance(view), prec)
+    np.testing.assert_allclose(fam.positive_curvature(jnp.array([1.0, -4.0])), [1.0, 4.0])
+    np.testing.assert_allclose(fam.curvature_of_hessian(jnp.arange(4.0).reshape(2, 2), (2,)), [0.0, 3.0])

@@ -30,6 +30,7 @@ from scipy.stats import multivariate_normal
 import blrppl.engine.fit as api
 from blrppl.api import blr_fit
 from blrppl.errors import BLRError, OnlinePriorError
+from blrppl.graph.plan import FactorRole
 from describe_table import factor_rows
 
 ATOL = 1e-8
@@ -271,6 +272,12 @@ def test_two_halves_equal_batch(fits):
         assert f"{block.name}:jacobian" not in rows
         for site in block.sites:
             assert site not in rows
+    # the pseudo-factors are told by their role (their names are for display)
+    roles = {f.name: f.role for f in fits.online.plan.factors}
+    assert {n for n, r in roles.items() if r == FactorRole.PREVIOUS} == {
+        f"{b.name}:previous" for b in fits.online.plan.blocks
+    }
+    assert FactorRole.JACOBIAN not in roles.values()
     observed = {f.name for f in fits.batch.plan.factors if f.observed}
     assert {f.name for f in fits.online.plan.factors if f.observed} == observed
 
@@ -296,7 +303,7 @@ def test_user_data_and_previous_result_not_mutated(fits):
     nat_before, data_before = fits.snapshot
     for a, b in zip(jax.tree.leaves(fits.previous.nat), jax.tree.leaves(nat_before)):
         np.testing.assert_array_equal(np.asarray(a), b)
-    assert not any(f.name.endswith(":previous") for f in fits.previous.plan.factors)
+    assert not any(f.role == FactorRole.PREVIOUS for f in fits.previous.plan.factors)
     for k in fits.second:
         np.testing.assert_array_equal(fits.second[k], data_before[k])
 

@@ -165,7 +165,7 @@ def _curvatures(plan, kwargs) -> str:
     chosen = kwargs.get("mc_curvature", "auto")
     out = []
     for b in plan.blocks:
-        if b.kind in ("gaussian", "gaussian-diag") and any(f.estimator == "monte_carlo" for f in plan.factors_of(b.name)):
+        if b.family.gaussian and any(f.estimator == "monte_carlo" for f in plan.factors_of(b.name)):
             out.append(f"{b.name}: {auto_curvature(b) if chosen == 'auto' else chosen}")
     return "; ".join(out)
 

@@ -579,7 +579,7 @@ def _improper_note(plan, nat, names) -> str:
     sites = []
     for n in names:
         b = plan.block(n)
-        if b.kind == "gaussian" and b.members:
+        if b.family.dense_event and b.members:
             prec = -2.0 * np.asarray(nat[n].eta2)
             _, vecs = np.linalg.eigh(0.5 * (prec + prec.T))
             v = np.abs(vecs[:, 0])

@@ -111,12 +111,7 @@ def _value_grad_hessian(block, objective_of_mean, mean):
         return g, (value, g)
 
     h, (value, g) = jax.jacfwd(grad_and_aux, has_aux=True)(flat)
-    if block.kind == "gaussian-diag":
-        return value, g.reshape(shape), jnp.diagonal(h).reshape(shape)
-    dim = shape[-1]
-    nb = flat.size // dim
-    hb = h.reshape(nb, dim, nb, dim)[jnp.arange(nb), :, jnp.arange(nb), :]  # per plate element
-    return value, g.reshape(shape), hb.reshape(shape[:-1] + (dim, dim))
+    return value, g.reshape(shape), block.family.curvature_of_hessian(h, shape)
 
 
 def newton_message(block, nat, objective_of_mean, mean):
@@ -124,31 +119,7 @@ def newton_message(block, nat, objective_of_mean, mean):
     log factors at x = m, λ̃ = (g − H m, ½ H); at ρ = 1 the update is Newton's step
     m ← m − H⁻¹ g with precision −H (Laplace's method at convergence)."""
     _, g, h = _value_grad_hessian(block, objective_of_mean, mean)
-    if block.kind == "gaussian-diag":
-        return type(nat)(g - h * mean, 0.5 * h)
-    return type(nat)(g - jnp.einsum("...ij,...j->...i", h, mean), 0.5 * h)
-
-
-def _positive_curvature(block, h):
-    """P = −H made positive definite: unchanged where it is (per plate element), else with
-    its eigenvalues replaced by their absolute values, floored at √ε · max(1, max|eig|)."""
-    eps = jnp.finfo(h.dtype).eps
-    prec = -h
-    if block.kind == "gaussian-diag":
-        floor = jnp.sqrt(eps) * jnp.maximum(1.0, jnp.max(jnp.abs(prec)))
-        return jnp.where(prec > floor, prec, jnp.maximum(jnp.abs(prec), floor))
-    prec = 0.5 * (prec + jnp.swapaxes(prec, -1, -2))
-    pd = jnp.all(jnp.isfinite(jnp.linalg.cholesky(prec)), axis=(-2, -1))
-    w, v = jnp.linalg.eigh(prec)
-    floor = jnp.sqrt(eps) * jnp.maximum(1.0, jnp.max(jnp.abs(w), axis=-1, keepdims=True))
-    modified = jnp.einsum("...ij,...j,...kj->...ik", v, jnp.maximum(jnp.abs(w), floor), v)
-    return jnp.where(pd[..., None, None], prec, modified)
-
-
-def _solve(block, prec, g):
-    if block.kind == "gaussian-diag":
-        return g / prec
-    return jnp.linalg.solve(prec, g[..., None])[..., 0]
+    return type(nat)(g - block.family.precision_times(h, mean), 0.5 * h)
 
 
 def newton_maximise(block, nat, objective_of_mean, mean, max_iter=NEWTON_MAX_ITER):
@@ -156,8 +127,8 @@ def newton_maximise(block, nat, objective_of_mean, mean, max_iter=NEWTON_MAX_ITE
     at the point m, on its unconstrained space) by Newton's method to convergence.
 
     Each iteration takes the step d = P⁻¹ g, P = −∇²L made positive definite where it is not
-    (:func:`_positive_curvature`), halving its length until L does not decrease (up to
-    rounding); it stops when the Newton step is at most √ε/100 · (1 + max|m|) (L is then
+    (:meth:`~blrppl.families.base.Family.positive_curvature`), halving its length until L
+    does not decrease (up to rounding); it stops when the Newton step is at most √ε/100 · (1 + max|m|) (L is then
     maximised to machine precision: Newton converges quadratically), when no halving
     helps, or after ``max_iter`` iterations (every accepted iterate raises L, so a capped
     M-step is still a generalised EM step). For a concave L (every exponential-family
@@ -180,8 +151,8 @@ def newton_maximise(block, nat, objective_of_mean, mean, max_iter=NEWTON_MAX_ITE
     def body(carry):
         m, _, it, _ = carry
         value, g, h = _value_grad_hessian(block, objective_of_mean, m)
-        prec = _positive_curvature(block, h)
-        step = _solve(block, prec, g)
+        prec = block.family.positive_curvature(-h)
+        step = block.family.solve_precision(prec, g)
         step = jnp.where(jnp.isfinite(step), step, 0.0)
         slack = 16.0 * eps * jnp.maximum(1.0, jnp.abs(value))
 
@@ -206,21 +177,11 @@ def newton_maximise(block, nat, objective_of_mean, mean, max_iter=NEWTON_MAX_ITE
         small = jnp.max(jnp.abs(step)) <= xtol * (1.0 + jnp.max(jnp.abs(new_m)))
         return new_m, prec, it + 1, ~accepted | small
 
-    prec0 = _initial_curvature(block, mean)
+    prec0 = block.family.identity_precision(mean)
     init = (mean, prec0, jnp.zeros((), jnp.int32), jnp.array(False))
     # the curvature kept is the last one computed: at the iterate before the last (tiny) step
     m, prec, _, _ = jax.lax.while_loop(cond, body, init)
-    if block.kind == "gaussian-diag":
-        return type(nat)(prec * m, -0.5 * prec)
-    return type(nat)(jnp.einsum("...ij,...j->...i", prec, m), -0.5 * prec)
-
-
-def _initial_curvature(block, mean):
-    """A placeholder curvature (identity) of the loop carry; replaced at the first iteration."""
-    if block.kind == "gaussian-diag":
-        return jnp.ones_like(mean)
-    dim = mean.shape[-1]
-    return jnp.broadcast_to(jnp.eye(dim, dtype=mean.dtype), mean.shape + (dim,))
+    return type(nat)(block.family.precision_times(prec, m), -0.5 * prec)
 
 
 def make_objective(plan, fns, curvature="auto"):
@@ -370,12 +331,12 @@ def make_step(
     conjugate = dict(plan.conjugate)
     retracted = {
         b.name for b in plan.blocks
-        if b.kind in ("gaussian", "gaussian-diag") and not b.point and not conjugate.get(b.name, False)
+        if b.family.gaussian and not b.point and not conjugate.get(b.name, False)
     }
     # conjugate Gaussian blocks: their validity at ρ = 1 is read off the ELBO's factorisation
     exact_gaussian = {
         b.name for b in plan.blocks
-        if b.kind in ("gaussian", "gaussian-diag") and not b.point and conjugate.get(b.name, False)
+        if b.family.gaussian and not b.point and conjugate.get(b.name, False)
     }
 
     def messages(nat, names, data, key=None):

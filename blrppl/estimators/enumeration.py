@@ -23,11 +23,12 @@ from blrppl.estimators.exact import elementwise_expected_log_prob, reduce_factor
 from blrppl.estimators.monte_carlo import expected_log_jacobian, monte_carlo_elementwise
 from blrppl.estimators.quadrature import quadrature_elementwise
 from blrppl.expressions import group_moments
+from blrppl.graph.plan import FactorRole
 
 
 def is_jacobian(factor) -> bool:
     """Whether a factor is the log|det J| term of an unconstrained block (not a site)."""
-    return factor.rule is None and factor.name.endswith(":jacobian")
+    return factor.role == FactorRole.JACOBIAN
 
 
 def _elementwise(fns, group, blocks, views, dvals, data, wrappers, key, curvature="auto"):

@@ -65,20 +65,20 @@ def eligible(factor, blocks) -> str | None:
         return None
     (name,) = gauss
     b = blocks[name]
-    if b.kind != "gaussian" or b.point or b.batch_shape or b.size < MIN_DIM:
+    if not b.family.dense_event or b.point or b.batch_shape or b.size < MIN_DIM:
         return None
-    if kinds["scale"] == "power_gamma":
+    if kinds["scale"] == mom.PowerGamma.kind:
         (g,) = arg_blocks["scale"]
         power = dict(factor.powers).get("scale")
         if blocks[g].size != 1 or power is None:
             return None
-    elif kinds["scale"] != "const":
+    elif kinds["scale"] != mom.Const.kind:
         return None
     return name
 
 
 def _scale_block(factor):
-    return dict(factor.arg_blocks)["scale"][0] if factor.kinds["scale"] == "power_gamma" else None
+    return dict(factor.arg_blocks)["scale"][0] if factor.kinds["scale"] == mom.PowerGamma.kind else None
 
 
 def statistics(fns, factor, block, data, rows: bool = False) -> GramStatistics:
@@ -219,15 +219,15 @@ def _linear_map(jaxpr, consts, dim, inputs=None) -> list:
         for v, o in zip(eqn.outvars, outs):
             env[v] = o
     out = [read(v) for v in jaxpr.outvars]
-    if any(kind != "lin" for kind, _ in out):
+    if any(tag != "lin" for tag, _ in out):
         raise _NotRead
     return [m for _, m in out]
 
 
 def _linear_rule(eqn, ins, dim) -> list:
     name = eqn.primitive.name
-    kinds = [k for k, _ in ins]
-    if all(k == "const" for k in kinds):
+    tags = [k for k, _ in ins]
+    if all(k == "const" for k in tags):
         raise _NotRead  # constants are folded into the jaxpr's consts by linearize
     sub = eqn.params.get("jaxpr")
     if name in ("pjit", "jit") and sub is not None:
@@ -244,7 +244,7 @@ def _linear_rule(eqn, ins, dim) -> list:
         if batch_a or batch_b:
             raise _NotRead
         (c,), (m,) = consts, lins
-        lin_first = kinds[0] == "lin"
+        lin_first = tags[0] == "lin"
         contract_c, contract_m = (contract_b, contract_a) if lin_first else (contract_a, contract_b)
         if isinstance(m, str):
             # C · u: the Jacobian is C with its contracted axis last (and the output's order)
@@ -260,7 +260,7 @@ def _linear_rule(eqn, ins, dim) -> list:
     if name in ("convert_element_type", "copy", "copy_p") and len(lins) == 1:
         m = lins[0]  # the identity stays symbolic
         return [("lin", m if isinstance(m, str) else m.astype(out_aval.dtype))]
-    if name in ("mul", "div") and len(lins) == 1 and not (name == "div" and kinds[1] == "lin"):
+    if name in ("mul", "div") and len(lins) == 1 and not (name == "div" and tags[1] == "lin"):
         (c,), m = consts, full(lins[0])
         c = jnp.asarray(c)[..., None]
         return [("lin", m * c if name == "mul" else m / c)]

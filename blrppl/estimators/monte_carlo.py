@@ -43,13 +43,13 @@ def sample_block(block, view, key, num_samples: int):
     """Reparameterised draws of a Gaussian block in its site layout (block space); a point
     (delta-method) block is its mean."""
     if block.point:
-        mean = view.mean if block.kind == "gaussian-diag" else block.to_site(view.mean)
+        mean = block.to_site(view.mean)
         return jnp.broadcast_to(mean, (num_samples,) + mean.shape)
-    if block.kind not in ("gaussian", "gaussian-diag"):
+    if not block.family.gaussian:
         # Gamma, Beta, Dirichlet: implicit reparameterisation (jax.random.gamma is
         # differentiable in its shape); the family's Fisher solve turns ∇_view into ∇_μ
         return block.family.sample(block.family.nat_from_view(view), key, (num_samples,))
-    if block.kind == "gaussian-diag":
+    if not block.family.dense_event:
         eps = jax.random.normal(key, (num_samples,) + view.mean.shape, view.mean.dtype)
         return view.mean + jnp.sqrt(view.var) * eps
     chol = jnp.linalg.cholesky(view.cov)
@@ -60,10 +60,7 @@ def sample_block(block, view, key, num_samples: int):
 
 def marginal_moments(block, view):
     """Per-element mean and variance of a Gaussian block in its site layout."""
-    if block.kind == "gaussian-diag":
-        return view.mean, view.var
-    var = jnp.diagonal(view.cov, axis1=-2, axis2=-1)
-    return block.to_site(view.mean), block.to_site(var)
+    return block.to_site(view.mean), block.to_site(block.family.marginal_variance(view))
 
 
 #: curvature estimators of Monte Carlo messages to Gaussian blocks
@@ -78,7 +75,7 @@ def auto_curvature(block) -> str:
     (``"hessian"``; for a diagonal block its Hutchinson diagonal) when the block has at most
     :data:`AUTO_HESSIAN_DIM` scalars per plate element (D Hessian-vector products a draw,
     cheap there), else Stein's Σ⁻¹(x − m)∇ log fᵀ (no second derivatives)."""
-    if block.kind == "gaussian-diag":
+    if not block.family.dense_event:
         return "diagonal"
     dim = block.size // max(math.prod(block.batch_shape), 1)
     return "hessian" if dim <= AUTO_HESSIAN_DIM else "stein"
@@ -106,7 +103,7 @@ def monte_carlo_elementwise(
     for f in factors:
         cont += [n for n in f.neighbours if n not in f.discrete and n not in cont]
     keys = jax.random.split(key, max(len(cont), 1) + 1)
-    gauss = [n for n in cont if blocks[n].kind in ("gaussian", "gaussian-diag") and not blocks[n].point]
+    gauss = [n for n in cont if blocks[n].family.gaussian and not blocks[n].point]
     explicit = curvature != "reparam" and not discrete_values and len(gauss) == len(cont)
     live = views
     if explicit:  # draws and estimates carry no gradient: the surrogate below does
@@ -147,21 +144,18 @@ def monte_carlo_elementwise(
             return elements({**rest, n: xn})
 
         grads = jax.vmap(jax.grad(f_n))(xs, others)
-        g = jnp.mean(jax.vmap(block.to_canonical)(grads) if block.kind == "gaussian" else grads, 0)
-        kind = auto_curvature(block) if curvature == "auto" else curvature
-        if kind == "gauss-newton":
+        g = jnp.mean(jax.vmap(block.to_canonical)(grads), 0)
+        estimator = auto_curvature(block) if curvature == "auto" else curvature
+        if estimator == "gauss-newton":
             h = _gauss_newton(block, per_element, xs, others)
         else:
-            h = _curvature(kind, block, view, f_n, xs, others, grads, probe_key)
+            h = _curvature(estimator, block, view, f_n, xs, others, grads, probe_key)
         # control variate: E[x − m] = 0, so subtracting Ĥ·mean(x − m) removes the part of
         # the gradient's noise that is linear in the draws (exact for quadratic log f)
-        if block.kind == "gaussian":
-            dx = jnp.mean(jax.vmap(block.to_canonical)(xs), 0) - view.mean
-            g = g - jnp.einsum("...ij,...j->...i", h, dx)
-        else:
-            g = g - h * (jnp.mean(xs, 0) - view.mean)
+        dx = jnp.mean(jax.vmap(block.to_canonical)(xs), 0) - view.mean
+        g = g - block.family.precision_times(h, dx)
         lv = live[n]
-        spread = lv.cov - view.cov if block.kind == "gaussian" else lv.var - view.var
+        spread = block.family.view_covariance(lv) - block.family.view_covariance(view)
         correction = correction + jnp.sum(g * (lv.mean - view.mean)) + 0.5 * jnp.sum(h * spread)
     return els, scales, correction
 
@@ -169,25 +163,25 @@ def monte_carlo_elementwise(
 def _gauss_newton(block, per_element, xs, others):
     """−mean over draws of Σ_i J_i J_iᵀ, J_i the gradient of element i (canonical layout)."""
     jac = jax.vmap(jax.jacrev(per_element))(xs, others)  # (S, elements, *site shape)
-    if block.kind == "gaussian":
+    if block.family.dense_event:
         jc = jax.vmap(jax.vmap(block.to_canonical))(jac)  # (S, elements, *B, D)
         return -jnp.einsum("se...i,se...j->...ij", jc, jc) / xs.shape[0]
     return -jnp.mean(jnp.sum(jnp.square(jac), axis=1), 0)
 
 
-def _curvature(kind, block, view, f_n, xs, others, grads, key):
+def _curvature(estimator, block, view, f_n, xs, others, grads, key):
     """Mean over draws of the curvature estimate of F in block ``block`` (canonical layout:
     (*B, D, D) for dense blocks, the value shape for diagonal ones)."""
-    if block.kind == "gaussian":
+    if block.family.dense_event:
         dim = view.mean.shape[-1]
         bshape = view.mean.shape[:-1]
-        if kind == "stein":
+        if estimator == "stein":
             dx = jax.vmap(block.to_canonical)(xs) - view.mean
             prec_dx = jnp.linalg.solve(view.cov, dx[..., None])[..., 0]
             gc = jax.vmap(block.to_canonical)(grads)
             h = jnp.einsum("s...i,s...j->...ij", prec_dx, gc) / xs.shape[0]
             return 0.5 * (h + jnp.swapaxes(h, -1, -2))
-        if kind == "diagonal":
+        if estimator == "diagonal":
             z = jax.random.rademacher(key, xs.shape, dtype=xs.dtype)
             hz = jax.vmap(lambda x, r, t: jax.jvp(lambda y: jax.grad(f_n)(y, r), (x,), (t,))[1])(xs, others, z)
             diag = jnp.mean(jax.vmap(block.to_canonical)(z * hz), 0)
@@ -203,7 +197,7 @@ def _curvature(kind, block, view, f_n, xs, others, grads, key):
         cols = jnp.mean(jax.vmap(hess_cols)(xs, others), 0)
         return jnp.moveaxis(cols, 0, -1)
     # diagonal Gaussian: elementwise curvature
-    if kind == "stein":
+    if estimator == "stein":
         return jnp.mean(grads * (xs - view.mean) / view.var, 0)
     z = jax.random.rademacher(key, xs.shape, dtype=xs.dtype)
     hz = jax.vmap(lambda x, r, t: jax.jvp(lambda y: jax.grad(f_n)(y, r), (x,), (t,))[1])(xs, others, z)

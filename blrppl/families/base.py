@@ -40,11 +40,46 @@ class Family:
     name: ClassVar[str] = "family"
     #: whether the family is over a finite discrete set (enumerated by the engine)
     discrete: ClassVar[bool] = False
+    #: whether the family is a Gaussian over real values: its view holds a ``mean`` and a
+    #: ``cov`` (dense) or ``var`` (diagonal), and its point blocks take Newton steps
+    gaussian: ClassVar[bool] = False
+    #: whether the canonical layout moves the value's plate axes first (the batch dims) and
+    #: flattens the other axes into one event axis (a dense Gaussian's); otherwise the
+    #: canonical layout is the value layout
+    dense_event: ClassVar[bool] = False
+    #: whether the family's value is an index into its block's enumerated values (the site's
+    #: value is ``support_values[x]``), not the site's value itself
+    indexes_support: ClassVar[bool] = False
+    #: the NamedTuple type of :meth:`view` (its fields name the guide's parameters)
+    view_type: ClassVar[type] = tuple
 
     @property
     def event_shape(self) -> tuple[int, ...]:
         """Event shape of one batch element in the canonical layout."""
         return ()
+
+    def canonical_batch_shape(self, value_shape: tuple, plate_axes: tuple) -> tuple:
+        """Batch shape of the canonical layout of a value of shape ``value_shape``.
+
+        Args:
+            value_shape: shape of the block's value.
+            plate_axes: the value's axes that are plate elements (read by families whose
+                canonical layout flattens the other axes, see :attr:`dense_event`).
+
+        Returns:
+            The value's leading dims, without the family's event dims.
+        """
+        return tuple(value_shape[: len(value_shape) - len(self.event_shape)])
+
+    def initial_nat(self, x: jax.Array) -> Nat:
+        """Broad natural parameters centred on the initial value ``x`` (canonical layout)."""
+        raise NotImplementedError
+
+    def random_value(self, rng, shape: tuple):
+        """A random value of shape ``shape`` inside the family's support (host-side numpy,
+        ``rng`` a ``numpy.random.Generator``): the points where the compiler probes the
+        model."""
+        raise NotImplementedError
 
     # -- parameter maps ---------------------------------------------------------------
     def view(self, nat: Nat) -> View:
@@ -154,6 +189,40 @@ class Family:
         """Stacks of tangents (canonical layout, leading axis: the tangents) pushed through
         the linearised model: tag → stack. What each family's argument moments read back
         from them (:func:`blrppl.expressions.group_moments`)."""
+        raise NotImplementedError
+
+    # -- Gaussian families: covariances and Newton steps (engine, Monte Carlo) ----------
+    def view_covariance(self, view: View) -> jax.Array:
+        """The covariance a Gaussian view holds, in the family's curvature layout: per plate
+        element ``(*B, D, D)`` (dense) or the variances (diagonal)."""
+        raise NotImplementedError
+
+    def marginal_variance(self, view: View) -> jax.Array:
+        """Per-scalar variances of a Gaussian view (canonical layout, shape of the mean)."""
+        raise NotImplementedError
+
+    def curvature_of_hessian(self, hessian: jax.Array, shape: tuple) -> jax.Array:
+        """The family's curvature layout of the Hessian ``(n, n)`` of a function of the
+        flattened mean (shape ``shape``): its per-plate-element blocks (dense) or its
+        diagonal (diagonal), the couplings a Gaussian of the family cannot hold dropped."""
+        raise NotImplementedError
+
+    def precision_times(self, prec: jax.Array, x: jax.Array) -> jax.Array:
+        """P x for a curvature ``prec`` in the family's layout and a mean-shaped ``x``."""
+        raise NotImplementedError
+
+    def solve_precision(self, prec: jax.Array, g: jax.Array) -> jax.Array:
+        """P⁻¹ g for a curvature ``prec`` in the family's layout and a mean-shaped ``g``."""
+        raise NotImplementedError
+
+    def identity_precision(self, mean: jax.Array) -> jax.Array:
+        """The identity curvature (family layout) for a mean of this shape."""
+        raise NotImplementedError
+
+    def positive_curvature(self, prec: jax.Array) -> jax.Array:
+        """``prec`` made positive definite: unchanged where it is (per plate element), else
+        with its eigenvalues replaced by their absolute values, floored at
+        √ε · max(1, max|eig|)."""
         raise NotImplementedError
 
     # -- sampling and export ----------------------------------------------------------

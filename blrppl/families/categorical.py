@@ -75,6 +75,8 @@ class Categorical(Family):
     dim: int
     name: ClassVar[str] = "categorical"
     discrete: ClassVar[bool] = True
+    indexes_support: ClassVar[bool] = True
+    view_type: ClassVar[type] = CategoricalView
 
     def view(self, nat: CategoricalNat) -> CategoricalView:
         return CategoricalView(jax.nn.softmax(_pad_zero(nat.logits), axis=-1))
@@ -141,6 +143,7 @@ class Bernoulli(Family):
 
     name: ClassVar[str] = "bernoulli"
     discrete: ClassVar[bool] = True
+    view_type: ClassVar[type] = CategoricalView
 
     def view(self, nat: BernoulliNat) -> CategoricalView:
         return CategoricalView(jnp.stack([jax.nn.sigmoid(-nat.logit), jax.nn.sigmoid(nat.logit)], axis=-1))

@@ -7,6 +7,7 @@ from typing import ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import numpyro.distributions as dist
 from jax.scipy.special import digamma, gammaln
 
@@ -69,6 +70,14 @@ class Dirichlet(Family):
 
     dim: int
     name: ClassVar[str] = "dirichlet"
+    view_type: ClassVar[type] = DirichletView
+
+    def initial_nat(self, x: jax.Array) -> DirichletNat:
+        """Concentrations α = K x + ½ (mean near x, broad)."""
+        return self.nat_from_view(DirichletView(x * x.shape[-1] + 0.5))
+
+    def random_value(self, rng, shape: tuple):
+        return rng.dirichlet(np.ones(shape[-1]), size=shape[:-1])
 
     @property
     def event_shape(self) -> tuple[int, ...]:

@@ -7,6 +7,7 @@ from typing import ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import numpyro.distributions as dist
 from jax.scipy.special import digamma, gammaln
 
@@ -79,6 +80,14 @@ class Gamma(Family):
     """
 
     name: ClassVar[str] = "gamma"
+    view_type: ClassVar[type] = GammaView
+
+    def initial_nat(self, x: jax.Array) -> GammaNat:
+        """Mean x, shape 10."""
+        return self.nat_from_view(GammaView(jnp.full_like(x, 10.0), 10.0 / x))
+
+    def random_value(self, rng, shape: tuple):
+        return np.exp(0.5 * rng.normal(size=shape))
 
     def view(self, nat: GammaNat) -> GammaView:
         return GammaView(nat.eta1 + 1.0, -nat.eta2)

@@ -104,10 +104,57 @@ class GaussianDense(Family):
 
     dim: int
     name: ClassVar[str] = "gaussian"
+    gaussian: ClassVar[bool] = True
+    dense_event: ClassVar[bool] = True
+    view_type: ClassVar[type] = GaussianView
 
     @property
     def event_shape(self) -> tuple[int, ...]:
         return (self.dim,)
+
+    def canonical_batch_shape(self, value_shape: tuple, plate_axes: tuple) -> tuple:
+        """The plate axes' sizes: the other axes of the value are flattened into the event."""
+        return tuple(value_shape[a] for a in plate_axes)
+
+    def initial_nat(self, x: jax.Array) -> GaussianNat:
+        """Mean x, covariance I: the natural parameters (x, −½ I) directly (no factorisation of I)."""
+        dim = x.shape[-1]
+        eye = jnp.broadcast_to(jnp.eye(dim, dtype=x.dtype), x.shape + (dim,))
+        return GaussianNat(x, -0.5 * eye)
+
+    def random_value(self, rng, shape: tuple):
+        return rng.normal(size=shape)
+
+    def view_covariance(self, view: GaussianView) -> jax.Array:
+        return view.cov
+
+    def marginal_variance(self, view: GaussianView) -> jax.Array:
+        return jnp.diagonal(view.cov, axis1=-2, axis2=-1)
+
+    def curvature_of_hessian(self, hessian: jax.Array, shape: tuple) -> jax.Array:
+        dim = shape[-1]
+        nb = math.prod(shape) // dim
+        hb = hessian.reshape(nb, dim, nb, dim)[jnp.arange(nb), :, jnp.arange(nb), :]  # per plate element
+        return hb.reshape(tuple(shape[:-1]) + (dim, dim))
+
+    def precision_times(self, prec: jax.Array, x: jax.Array) -> jax.Array:
+        return jnp.einsum("...ij,...j->...i", prec, x)
+
+    def solve_precision(self, prec: jax.Array, g: jax.Array) -> jax.Array:
+        return jnp.linalg.solve(prec, g[..., None])[..., 0]
+
+    def identity_precision(self, mean: jax.Array) -> jax.Array:
+        dim = mean.shape[-1]
+        return jnp.broadcast_to(jnp.eye(dim, dtype=mean.dtype), mean.shape + (dim,))
+
+    def positive_curvature(self, prec: jax.Array) -> jax.Array:
+        eps = jnp.finfo(prec.dtype).eps
+        prec = 0.5 * (prec + jnp.swapaxes(prec, -1, -2))
+        pd = jnp.all(jnp.isfinite(jnp.linalg.cholesky(prec)), axis=(-2, -1))
+        w, v = jnp.linalg.eigh(prec)
+        floor = jnp.sqrt(eps) * jnp.maximum(1.0, jnp.max(jnp.abs(w), axis=-1, keepdims=True))
+        modified = jnp.einsum("...ij,...j,...kj->...ik", v, jnp.maximum(jnp.abs(w), floor), v)
+        return jnp.where(pd[..., None, None], prec, modified)
 
     def _prec_chol(self, nat: GaussianNat) -> jax.Array:
         # S = −2 sym(η₂) = −(η₂ + η₂ᵀ); the Cholesky factor of S.
@@ -266,6 +313,38 @@ class GaussianDiag(Family):
     """
 
     name: ClassVar[str] = "gaussian-diag"
+    gaussian: ClassVar[bool] = True
+    view_type: ClassVar[type] = DiagGaussianView
+
+    def initial_nat(self, x: jax.Array) -> DiagGaussianNat:
+        """Mean x, variance 1."""
+        return self.nat_from_view(DiagGaussianView(x, jnp.ones_like(x)))
+
+    def random_value(self, rng, shape: tuple):
+        return rng.normal(size=shape)
+
+    def view_covariance(self, view: DiagGaussianView) -> jax.Array:
+        return view.var
+
+    def marginal_variance(self, view: DiagGaussianView) -> jax.Array:
+        return view.var
+
+    def curvature_of_hessian(self, hessian: jax.Array, shape: tuple) -> jax.Array:
+        return jnp.diagonal(hessian).reshape(shape)
+
+    def precision_times(self, prec: jax.Array, x: jax.Array) -> jax.Array:
+        return prec * x
+
+    def solve_precision(self, prec: jax.Array, g: jax.Array) -> jax.Array:
+        return g / prec
+
+    def identity_precision(self, mean: jax.Array) -> jax.Array:
+        return jnp.ones_like(mean)
+
+    def positive_curvature(self, prec: jax.Array) -> jax.Array:
+        eps = jnp.finfo(prec.dtype).eps
+        floor = jnp.sqrt(eps) * jnp.maximum(1.0, jnp.max(jnp.abs(prec)))
+        return jnp.where(prec > floor, prec, jnp.maximum(jnp.abs(prec), floor))
 
     def view(self, nat: DiagGaussianNat) -> DiagGaussianView:
         var = -0.5 / nat.eta2

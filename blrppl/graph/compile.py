@@ -14,6 +14,7 @@ import numpyro.distributions as dist
 from numpyro.distributions import biject_to, constraints
 
 from blrppl import families as fam
+from blrppl import moments as mom
 from blrppl.errors import FamilyError, UnsupportedFactorError, UnsupportedLatentError
 from blrppl.estimators import gram
 from blrppl.expressions import (
@@ -22,7 +23,7 @@ from blrppl.expressions import (
 from blrppl.graph.data import compile_lowered, compiler_options
 from blrppl.graph.deps import output_forms
 from blrppl.graph.forms import Const, Power, inverse_link
-from blrppl.graph.plan import Block, Factor, LocalAxis, Plan
+from blrppl.graph.plan import Block, Factor, FactorRole, LocalAxis, Plan
 from blrppl.graph.stack import stack_factors
 from blrppl.graph.trace import SiteRecord, finite_support_values
 from blrppl.rules import find_rule
@@ -64,9 +65,9 @@ def choose_family(record: SiteRecord, override: str | None, unconstrained: bool 
     Gaussian on the unconstrained space (``biject_to(support)``) when ``unconstrained`` or
     when the support has no native family (intervals, ordered vectors, Cholesky factors...).
     """
-    kind = _support_kind(record.support)
+    support = _support_kind(record.support)
     shape = record.value_shape
-    if kind == "discrete":
+    if support == "discrete":
         values = finite_support_values(record.support)
         if values is None:  # checked at trace time already
             raise UnsupportedLatentError("unbounded discrete support", site=record.name)
@@ -84,19 +85,22 @@ def choose_family(record: SiteRecord, override: str | None, unconstrained: bool 
         raise FamilyError(
             f"unknown family '{override}'; families: {sorted(_FITS)}", site=record.name
         )
-    gaussian = override in _GAUSSIAN or (override is None and (unconstrained or kind not in native or kind == "real"))
+    if override is not None:
+        gaussian = fam.FAMILIES[override].gaussian
+    else:
+        gaussian = unconstrained or support not in native or support == "real"
     if gaussian:
         name = override or "gaussian"
-        transform = None if kind == "real" else biject_to(record.support)
+        transform = None if support == "real" else biject_to(record.support)
         ushape = shape if transform is None else tuple(transform.inverse_shape(shape))
-        if name == "gaussian-diag":
+        if not fam.FAMILIES[name].dense_event:
             return Block(record.name, fam.GaussianDiag(), name, ushape, (), None, transform, shape)
         axes = record.plate_axes()
         dim = int(np.prod([s for a, s in enumerate(ushape) if a not in axes]))
         return Block(record.name, fam.GaussianDense(dim), name, ushape, axes, None, transform, shape)
-    name = override or native[kind]
-    if _FITS[name] != kind:
-        fits = sorted(k for k, v in _FITS.items() if v in (kind, "real"))
+    name = override or native[support]
+    if _FITS[name] != support:
+        fits = sorted(k for k, v in _FITS.items() if v in (support, "real"))
         raise FamilyError(
             f"family '{name}' cannot represent a latent with support {record.support}; "
             f"families that fit it: {fits}",
@@ -117,23 +121,9 @@ def init_nat(block: Block, init_value, probs=None):
     dtype = jnp.result_type(float)
     if block.discrete:
         return family.nat_from_view(fam.CategoricalView(jnp.asarray(probs, dtype)))
-    x = x.astype(dtype)
-    if block.kind == "gaussian":
-        mean = block.to_canonical(x)
-        dim = mean.shape[-1]
-        # covariance I: the natural parameters (m, −½ I) directly (no factorisation of I)
-        eye = jnp.broadcast_to(jnp.eye(dim, dtype=dtype), mean.shape + (dim,))
-        return fam.GaussianNat(mean, -0.5 * eye)
-    if block.kind == "gaussian-diag":
-        return family.nat_from_view(fam.DiagGaussianView(x, jnp.ones_like(x)))
-    if block.kind == "gamma":
-        return family.nat_from_view(fam.GammaView(jnp.full_like(x, 10.0), 10.0 / x))
-    if block.kind == "beta":
-        return family.nat_from_view(fam.BetaView(2.0 * x + 0.5, 2.0 * (1.0 - x) + 0.5))
-    return family.nat_from_view(fam.DirichletView(x * x.shape[-1] + 0.5))
+    return family.initial_nat(block.to_canonical(x.astype(dtype)))
 
 
-_GAUSSIAN = ("gaussian", "gaussian-diag")
 #: the most scalar projections per element a quadrature factor may have
 MAX_PROJECTIONS = 2
 #: by default, the dense Gaussian blocks are merged into one joint dense Gaussian when
@@ -215,7 +205,8 @@ def compile_model(
             raise FamilyError(f"point= names '{name}', which is not a latent sample site", site=name)
         if records[name].support.is_discrete:
             raise FamilyError("a discrete latent cannot be a point (delta-method) block", site=name)
-        if families.get(name) not in (None, "gaussian", "gaussian-diag"):
+        asked = families.get(name)
+        if asked is not None and not (asked in fam.FAMILIES and fam.FAMILIES[asked].gaussian):
             raise FamilyError(f"a point block is Gaussian, not '{families[name]}'", site=name)
     if point_space not in ("unconstrained", "constrained"):
         raise FamilyError(f"point_space must be 'unconstrained' or 'constrained', not {point_space!r}")
@@ -276,7 +267,7 @@ def compile_model(
                 continue
             for n in f.neighbours:
                 b = blocks[n]
-                if b.discrete or b.kind in _GAUSSIAN:
+                if b.discrete or b.family.gaussian:
                     continue
                 if n in families:
                     continue  # the user's family is kept: Monte Carlo messages
@@ -299,7 +290,7 @@ def compile_model(
     # every dense Gaussian in one; local blocks of a subsampled plate are never merged
     members = [
         n for n, b in blocks.items()
-        if b.kind == "gaussian" and not b.point and b.local is None and (n not in families or structure == "joint")
+        if b.family.dense_event and not b.point and b.local is None and (n not in families or structure == "joint")
     ]
     size = sum(blocks[n].size for n in members)
     merge = len(members) > 1 and (structure == "joint" or (structure is None and size <= JOINT_MAX_DIM))
@@ -423,7 +414,7 @@ def _check_subsampled(factors, records, blocks, plates) -> list:
     its own plate, element by element."""
     out = []
     for f in factors:
-        if f.name.endswith(":jacobian") and f.rule is None and f.name not in records:
+        if f.role == FactorRole.JACOBIAN:
             b = blocks[f.neighbours[0]]
             inside = (b.local.plate,) if b.local is not None else ()
         else:
@@ -570,7 +561,7 @@ def _plate_coupled(blocks: dict, factors: list) -> list:
     for f in factors:
         for n, columns in f.columns:
             b = blocks[n]
-            if columns == "full" and b.kind in _GAUSSIAN and b.batch_shape and n not in out:
+            if columns == "full" and b.family.gaussian and b.batch_shape and n not in out:
                 out.append(n)
     return out
 
@@ -771,6 +762,7 @@ def _jacobian_factor(block: Block) -> Factor:
         arg_blocks=(),
         columns=(),
         reinterpreted_ndim=0,
+        role=FactorRole.JACOBIAN,
     )
 
 
@@ -838,7 +830,7 @@ def _classify_factors(
     found = run_probes({**probes, **{("quadrature",) + k: p for k, p in quad_probes.items()}}, data)
     found = {
         # an opaque argument's form names what makes it so
-        k: dataclasses.replace(c, reason=reasons[k]) if c.kind == "opaque" and reasons.get(k) else c
+        k: dataclasses.replace(c, reason=reasons[k]) if c.opaque and reasons.get(k) else c
         for k, c in found.items()
     }
     found.update(decided)
@@ -889,7 +881,7 @@ def _quadrature_probes(records, deps, blocks, fns, rng, nbrs, names, elementwise
             name not in names
             or r.is_factor
             or not cont
-            or any(blocks[n].kind not in _GAUSSIAN for n in cont)
+            or any(not blocks[n].family.gaussian for n in cont)
             or all(blocks[n].point for n in cont)
         ):
             continue
@@ -926,7 +918,7 @@ def _factors(records, rules, blocks, nbrs, classes, exact, candidates, quad_clas
     for name, r in records.items():
         rule = rules[name]
         neighbours, discrete = nbrs[name]
-        gauss = [n for n in neighbours if blocks[n].kind in _GAUSSIAN]
+        gauss = [n for n in neighbours if blocks[n].family.gaussian]
         if exact[name]:
             kinds, arg_blocks, full = [], [], set()
             powers = []
@@ -935,7 +927,7 @@ def _factors(records, rules, blocks, nbrs, classes, exact, candidates, quad_clas
                 kinds.append((arg, cls.kind))
                 arg_blocks.append((arg, cls.blocks))
                 full.update(cls.full)
-                if cls.kind == "power_gamma":
+                if cls.kind == mom.PowerGamma.kind:
                     powers.append((arg, cls.power))
             columns = tuple((n, "full" if n in full else "gather") for n in gauss)
             estimator, links = "exact", ()
@@ -951,7 +943,8 @@ def _factors(records, rules, blocks, nbrs, classes, exact, candidates, quad_clas
                 found = next(
                     (
                         link for link in LINKS
-                        if (name, index, link) in quad_classes and quad_classes[(name, index, link)].kind == "affine_gaussian"
+                        if (name, index, link) in quad_classes
+                        and quad_classes[(name, index, link)].kind == mom.AffineGaussian.kind
                     ),
                     None,
                 )
@@ -960,7 +953,7 @@ def _factors(records, rules, blocks, nbrs, classes, exact, candidates, quad_clas
                     break
                 cls = quad_classes[(name, index, found)]
                 links.append((f"eta{k}", index, found))
-                kinds.append((f"eta{k}", "affine_gaussian"))
+                kinds.append((f"eta{k}", mom.AffineGaussian.kind))
                 arg_blocks.append((f"eta{k}", cls.blocks))
                 full.update(cls.full)
             if links:
@@ -1001,7 +994,7 @@ def _why_not_exact(name, record, rule, classes) -> str:
         return "a numpyro.factor term" if record.is_factor else f"no closed-form rule for {record.dist_name}"
     for arg in ("value",) + rule.arg_names:
         cls = classes[(name, arg)]
-        if cls.kind == "opaque":
+        if cls.opaque:
             return f"{arg}: {cls.reason}" if cls.reason else f"{arg}: opaque"
     kinds = ", ".join(f"{arg}:{classes[(name, arg)].kind}" for arg in ("value",) + rule.arg_names)
     return f"the rule has no closed form for {kinds}"
@@ -1032,14 +1025,14 @@ def conjugate_blocks(plan) -> tuple:
                 # element depends on the others' q, mean-field coordinate steps iterate)
                 conj = False
                 break
-            if b.kind == "gamma":
-                blocks_of = dict(f.arg_blocks)
-                for arg, power in f.powers:
-                    if b.name not in blocks_of.get(arg, ()):
-                        continue
-                    allowed = f.rule.conjugate_powers.get(arg, ()) if f.rule is not None else ()
-                    if power is None or not any(np.isclose(power, a) for a in allowed):
-                        conj = False
+            # the powers c·τ^a of the factor's arguments: each reads one Gamma block
+            blocks_of = dict(f.arg_blocks)
+            for arg, power in f.powers:
+                if b.name not in blocks_of.get(arg, ()):
+                    continue
+                allowed = f.rule.conjugate_powers.get(arg, ()) if f.rule is not None else ()
+                if power is None or not any(np.isclose(power, a) for a in allowed):
+                    conj = False
         out.append((b.name, conj))
     return tuple(out)
 

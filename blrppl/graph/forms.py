@@ -641,7 +641,7 @@ def site_space(block) -> str:
     """How a site's value relates to its block's: ``"affine"`` (a Gaussian on the site's own
     space), ``"exp"`` / ``"sigmoid"`` (a Gaussian on log / logit space), ``"other"`` (another
     bijection), or the block's kind (``"gamma"``, ``"beta"``, ``"dirichlet"``)."""
-    if block.kind in ("gaussian", "gaussian-diag"):
+    if block.family.gaussian:
         transform = _scaled_exp(_unwrap_transform(block.transform))
         if transform is None:
             return "affine"

@@ -71,7 +71,8 @@ class Block:
     Attributes:
         name: site name.
         family: the candidate family (static configuration).
-        kind: family name (``"gaussian"``, ``"gamma"``, ...).
+        kind: family name (``"gaussian"``, ``"gamma"``, ...), for display and messages: what
+            the code reads of a block's family are the family's own flags and methods.
         value_shape: shape of the site value.
         plate_axes: for dense Gaussian blocks, axes of the value that are independent plate
             elements (batch dims of the canonical layout); the remaining axes are flattened
@@ -182,7 +183,7 @@ class Block:
         families keep the value layout, with event dims last)."""
         if self.local is None:
             raise ValueError(f"block '{self.name}' is not local")
-        if self.kind == "gaussian":
+        if self.family.dense_event:
             return self.plate_axes.index(self.local.axis)
         return self.local.axis
 
@@ -207,11 +208,7 @@ class Block:
     @property
     def batch_shape(self) -> tuple:
         """Batch shape of the canonical layout."""
-        if self.kind == "gaussian":
-            return tuple(self.value_shape[a] for a in self.plate_axes)
-        if self.kind == "dirichlet":
-            return tuple(self.value_shape[:-1])
-        return tuple(self.value_shape)
+        return self.family.canonical_batch_shape(tuple(self.value_shape), tuple(self.plate_axes))
 
     @property
     def size(self) -> int:
@@ -220,7 +217,7 @@ class Block:
 
     def to_canonical(self, x):
         """Site layout → canonical layout (``x`` may carry leading sample dims)."""
-        if self.kind != "gaussian":
+        if not self.family.dense_event:
             return x
         xp = np if isinstance(x, np.ndarray) else jnp
         lead = xp.ndim(x) - len(self.value_shape)
@@ -230,7 +227,7 @@ class Block:
 
     def to_site(self, x):
         """Canonical layout → site layout (``x`` may carry leading sample dims)."""
-        if self.kind != "gaussian":
+        if not self.family.dense_event:
             return x
         xp = np if isinstance(x, np.ndarray) else jnp
         lead = xp.ndim(x) - len(self.batch_shape) - 1
@@ -238,6 +235,17 @@ class Block:
         x = xp.reshape(x, xp.shape(x)[:lead] + permuted)
         inv = np.argsort(self._perm)
         return xp.transpose(x, tuple(range(lead)) + tuple(lead + int(a) for a in inv))
+
+
+class FactorRole:
+    """What a factor's term is (:attr:`Factor.role`)."""
+
+    #: a sample site's log-density (or, stacked, several sites')
+    SITE = "site"
+    #: the log|det J| term of a Gaussian block on an unconstrained space (a pseudo-factor)
+    JACOBIAN = "jacobian"
+    #: the previous posterior of an online update, the prior of its block (a pseudo-factor)
+    PREVIOUS = "previous"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -272,6 +280,10 @@ class Factor:
             reads, and what that form is: read off the model's program).
         members: for a stacked factor (:mod:`blrppl.graph.stack`), the sites it holds (its
             elements along a new leading axis); empty for one site.
+        role: what the term is, a :class:`FactorRole` (a site's log-density, or a
+            pseudo-factor: a block's log|det J| term or an online update's previous
+            posterior; pseudo-factors are named ``"<block>:jacobian"`` and
+            ``"<block>:previous"`` for display only).
     """
 
     name: str
@@ -291,6 +303,7 @@ class Factor:
     gram_block: str = ""
     why: str = ""
     members: tuple = ()
+    role: str = FactorRole.SITE
 
     @property
     def kinds(self) -> dict:
@@ -347,7 +360,7 @@ class Plan:
         if b.param:
             return "param (M-step)"
         if b.point:
-            jacobian = any(f.name == f"{name}:jacobian" for f in self.factors)
+            jacobian = any(f.role == FactorRole.JACOBIAN and f.neighbours == (name,) for f in self.factors)
             return "point (unconstrained)" if jacobian or b.transform is None else "point (constrained)"
         return "posterior"
 

@@ -160,7 +160,7 @@ def _candidate(f, record, forms: dict, blocks: dict) -> bool:
         b = blocks[n]
         # (a batched or elementwise block: its elements' columns would have to follow the
         # members' axis; left one factor per site)
-        if b.discrete or b.batch_shape or (b.kind != "gaussian" and b.value_shape != ()):
+        if b.discrete or b.batch_shape or (not b.family.dense_event and b.value_shape != ()):
             return False
     items = {k: v for k, v in forms[f.name].items() if k == "value" or k.startswith("leaf:")}
     return all(isinstance(v, fm.Const) or _is_affine(v) for v in items.values())

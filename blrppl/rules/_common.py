@@ -8,13 +8,15 @@ import jax.numpy as jnp
 from jax import lax
 from jax.scipy.special import xlog1py, xlogy
 
+from blrppl.moments import Const
+
 #: log(2π)
 LOG_2PI = math.log(2.0 * math.pi)
 
 
 def const_value(arg):
     """The array of an argument the rule only accepts as :class:`~blrppl.moments.Const`."""
-    if arg.kind != "const":
+    if not isinstance(arg, Const):
         raise TypeError(f"expected a constant argument, got kind {arg.kind!r}")
     return arg.value
 
@@ -29,14 +31,14 @@ def _floating(x):
 
 def x_expect_log(x, arg):
     """x · E[log arg], with 0 · log 0 = 0 for a constant ``arg`` (as numpyro's ``xlogy``)."""
-    if arg.kind == "const":
+    if isinstance(arg, Const):
         return xlogy(_floating(x), arg.value)
     return x * arg.expect_log()
 
 
 def x_expect_log1m(x, arg):
     """x · E[log(1 − arg)], with 0 · log 0 = 0 for a constant ``arg``."""
-    if arg.kind == "const":
+    if isinstance(arg, Const):
         return xlog1py(_floating(x), -arg.value)
     return x * arg.expect_log1m()
 

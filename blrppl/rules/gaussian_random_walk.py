@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpyro.distributions as dist
 
+from blrppl.moments import AffineGaussian
 from blrppl.rules._common import LOG_2PI, broadcast_batch
 from blrppl.rules.registry import register_rule
 
@@ -39,7 +40,7 @@ def gaussian_random_walk_expected_log_prob(value, scale):
     mean = jnp.asarray(value.mean())
     steps = jnp.concatenate([mean[..., :1], jnp.diff(mean, axis=-1)], axis=-1)
     sq = jnp.sum(jnp.square(steps), axis=-1)
-    if value.kind == "affine_gaussian":
+    if isinstance(value, AffineGaussian):
         cov = value.cov_event(1)
         diag = jnp.diagonal(cov, axis1=-2, axis2=-1)
         sub = jnp.diagonal(cov, offset=-1, axis1=-2, axis2=-1)  # C_{t, t−1}

@@ -75,7 +75,7 @@ def multivariate_normal_expected_log_prob(value, loc, scale_tril):
     quad = jnp.sum(jnp.square(z), axis=-1)
     half_log_det = jnp.sum(jnp.log(jnp.diagonal(chol, axis1=-2, axis2=-1)), axis=-1)
     out = -0.5 * size * LOG_2PI - half_log_det - 0.5 * quad
-    if d.kind == "affine_gaussian":
+    if isinstance(d, AffineGaussian):
         cov = _random_part(d, size).cov_event(1)
         y = _solve_lower(chol, cov)  # L⁻¹ C
         w = _solve_lower(chol, jnp.swapaxes(y, -1, -2))  # L⁻¹ C L⁻ᵀ
