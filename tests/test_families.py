@@ -799,6 +799,36 @@ def test_family_flags_view_type_and_canonical_batch_shape(family, flags, view_ty
     assert family.canonical_batch_shape((2, 5, 3), (0,)) == batch
 
 
+#: family, (support, native), the family built for a value of shape (2, 5, 3) whose axis 0 is
+#: a plate (with 4 enumerated values for the discrete ones), enumerated values it fits
+CHOICE = [
+    (GaussianDense, ("real", True), GaussianDense(15), [None]),
+    (GaussianDiag, ("real", False), GaussianDiag(), [None]),
+    (Gamma, ("positive", True), Gamma(), [None]),
+    (Beta, ("unit_interval", True), Beta(), [None]),
+    (Dirichlet, ("simplex", True), Dirichlet(3), [None]),
+    (Categorical, ("discrete", True), Categorical(4), [(0, 1), (0, 1, 2, 3), (1, 2)]),
+    (Bernoulli, ("discrete", True), Bernoulli(), [(0, 1)]),
+]
+
+
+@pytest.mark.parametrize("cls,support,built,fits", CHOICE, ids=[c[0].__name__ for c in CHOICE])
+def test_family_support_and_configuration_for_a_block(cls, support, built, fits):
+    assert (cls.support, cls.native) == support
+    assert cls.for_value((2, 5, 3), (0,), 4) == built
+    assert all(cls.fits(values) for values in fits)
+    assert FAMILIES[cls.name] is cls
+    if cls is Bernoulli:  # only a 0/1 latent
+        assert not cls.fits((1, 2)) and not cls.fits((0, 1, 2))
+
+
+def test_default_family_is_the_first_native_one_that_fits():
+    natives = [c for c in FAMILIES.values() if c.native]
+    for support, values, want in [("discrete", (0, 1), Bernoulli), ("discrete", (0, 1, 2), Categorical),
+                                  ("real", None, GaussianDense), ("positive", None, Gamma)]:
+        assert next(c for c in natives if c.support == support and c.fits(values)) is want
+
+
 def test_dense_canonical_batch_shape_follows_the_plate_axes_order():
     assert GaussianDense(5).canonical_batch_shape((2, 5, 3), (2, 0)) == (3, 2)
     assert GaussianDense(30).canonical_batch_shape((2, 5, 3), ()) == ()

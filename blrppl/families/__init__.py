@@ -15,15 +15,12 @@ from blrppl.families.gaussian import (
 )
 
 #: family name → family class (``GaussianDense``, ``Dirichlet`` and ``Categorical`` take
-#: the event dimension as their one argument, the others none)
+#: the event dimension as their one argument, the others none; ``Family.for_value`` builds
+#: one for a block). A latent's default family is the first native one that fits its
+#: support: the more specific before the more general (Bernoulli before Categorical).
 FAMILIES: dict[str, type[Family]] = {
-    "gaussian": GaussianDense,
-    "gaussian-diag": GaussianDiag,
-    "gamma": Gamma,
-    "beta": Beta,
-    "dirichlet": Dirichlet,
-    "categorical": Categorical,
-    "bernoulli": Bernoulli,
+    family.name: family
+    for family in (GaussianDense, GaussianDiag, Gamma, Beta, Dirichlet, Bernoulli, Categorical)
 }
 
 __all__ = [

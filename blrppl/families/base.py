@@ -52,6 +52,26 @@ class Family:
     indexes_support: ClassVar[bool] = False
     #: the NamedTuple type of :meth:`view` (its fields name the guide's parameters)
     view_type: ClassVar[type] = tuple
+    #: the support of the latents the family represents: ``"real"``, ``"positive"``,
+    #: ``"unit_interval"``, ``"simplex"`` or ``"discrete"`` (a Gaussian also represents any
+    #: other support on its unconstrained space)
+    support: ClassVar[str] = "real"
+    #: whether the family is the default for latents of its support (the first native family
+    #: in :data:`blrppl.families.FAMILIES` that :meth:`fits` them)
+    native: ClassVar[bool] = False
+
+    @classmethod
+    def fits(cls, support_values: tuple | None) -> bool:
+        """Whether the family can represent a latent of its support with these enumerated
+        values (``None`` for a continuous latent)."""
+        return True
+
+    @classmethod
+    def for_value(cls, value_shape: tuple, plate_axes: tuple = (), num_values: int | None = None) -> "Family":
+        """The family's configuration for a block with values of shape ``value_shape``
+        (``plate_axes``: the value's plate axes; ``num_values``: a discrete block's number of
+        enumerated values)."""
+        return cls()
 
     @property
     def event_shape(self) -> tuple[int, ...]:

@@ -74,6 +74,8 @@ class Beta(Family):
 
     name: ClassVar[str] = "beta"
     view_type: ClassVar[type] = BetaView
+    support: ClassVar[str] = "unit_interval"
+    native: ClassVar[bool] = True
 
     def initial_nat(self, x: jax.Array) -> BetaNat:
         """Mean near x: α = 2x + ½, β = 2(1 − x) + ½."""

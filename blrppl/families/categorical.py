@@ -77,6 +77,13 @@ class Categorical(Family):
     discrete: ClassVar[bool] = True
     indexes_support: ClassVar[bool] = True
     view_type: ClassVar[type] = CategoricalView
+    support: ClassVar[str] = "discrete"
+    native: ClassVar[bool] = True
+
+    @classmethod
+    def for_value(cls, value_shape: tuple, plate_axes: tuple = (), num_values: int | None = None) -> "Categorical":
+        """Over the block's ``num_values`` enumerated values."""
+        return cls(num_values)
 
     def view(self, nat: CategoricalNat) -> CategoricalView:
         return CategoricalView(jax.nn.softmax(_pad_zero(nat.logits), axis=-1))
@@ -144,6 +151,13 @@ class Bernoulli(Family):
     name: ClassVar[str] = "bernoulli"
     discrete: ClassVar[bool] = True
     view_type: ClassVar[type] = CategoricalView
+    support: ClassVar[str] = "discrete"
+    native: ClassVar[bool] = True
+
+    @classmethod
+    def fits(cls, support_values: tuple | None) -> bool:
+        """Two enumerated values, the first 0 (a 0/1 latent)."""
+        return support_values is not None and len(support_values) == 2 and support_values[0] == 0
 
     def view(self, nat: BernoulliNat) -> CategoricalView:
         return CategoricalView(jnp.stack([jax.nn.sigmoid(-nat.logit), jax.nn.sigmoid(nat.logit)], axis=-1))

@@ -71,6 +71,13 @@ class Dirichlet(Family):
     dim: int
     name: ClassVar[str] = "dirichlet"
     view_type: ClassVar[type] = DirichletView
+    support: ClassVar[str] = "simplex"
+    native: ClassVar[bool] = True
+
+    @classmethod
+    def for_value(cls, value_shape: tuple, plate_axes: tuple = (), num_values: int | None = None) -> "Dirichlet":
+        """Over the value's last axis (K categories)."""
+        return cls(value_shape[-1])
 
     def initial_nat(self, x: jax.Array) -> DirichletNat:
         """Concentrations α = K x + ½ (mean near x, broad)."""

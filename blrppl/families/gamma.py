@@ -81,6 +81,8 @@ class Gamma(Family):
 
     name: ClassVar[str] = "gamma"
     view_type: ClassVar[type] = GammaView
+    support: ClassVar[str] = "positive"
+    native: ClassVar[bool] = True
 
     def initial_nat(self, x: jax.Array) -> GammaNat:
         """Mean x, shape 10."""

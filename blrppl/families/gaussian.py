@@ -107,6 +107,12 @@ class GaussianDense(Family):
     gaussian: ClassVar[bool] = True
     dense_event: ClassVar[bool] = True
     view_type: ClassVar[type] = GaussianView
+    native: ClassVar[bool] = True
+
+    @classmethod
+    def for_value(cls, value_shape: tuple, plate_axes: tuple = (), num_values: int | None = None) -> "GaussianDense":
+        """Dense over the value's non-plate axes (D = their product)."""
+        return cls(math.prod(s for a, s in enumerate(value_shape) if a not in plate_axes))
 
     @property
     def event_shape(self) -> tuple[int, ...]:

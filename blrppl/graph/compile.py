@@ -28,18 +28,6 @@ from blrppl.graph.stack import stack_factors
 from blrppl.graph.trace import SiteRecord, finite_support_values
 from blrppl.rules import find_rule
 
-#: families a user may ask for, by the support they fit
-_FITS = {
-    "gaussian": "real",
-    "gaussian-diag": "real",
-    "gamma": "positive",
-    "beta": "unit_interval",
-    "dirichlet": "simplex",
-    "categorical": "discrete",
-    "bernoulli": "discrete",
-}
-
-
 def _support_kind(support) -> str:
     base = support
     while isinstance(base, constraints.independent):
@@ -67,50 +55,44 @@ def choose_family(record: SiteRecord, override: str | None, unconstrained: bool 
     """
     support = _support_kind(record.support)
     shape = record.value_shape
+    if override is not None and override not in fam.FAMILIES:
+        raise FamilyError(f"unknown family '{override}'; families: {sorted(fam.FAMILIES)}", site=record.name)
     if support == "discrete":
         values = finite_support_values(record.support)
         if values is None:  # checked at trace time already
             raise UnsupportedLatentError("unbounded discrete support", site=record.name)
-        name = override or ("bernoulli" if len(values) == 2 and values[0] == 0 else "categorical")
-        if name not in ("categorical", "bernoulli") or (name == "bernoulli" and len(values) != 2):
-            raise FamilyError(
-                f"family '{name}' cannot represent a discrete latent with {len(values)} values; "
-                "use 'categorical'",
-                site=record.name,
-            )
-        family = fam.Bernoulli() if name == "bernoulli" else fam.Categorical(len(values))
-        return Block(record.name, family, name, shape, (), tuple(int(v) for v in values))
-    native = {"real": "gaussian", "positive": "gamma", "unit_interval": "beta", "simplex": "dirichlet"}
-    if override is not None and override not in _FITS:
-        raise FamilyError(
-            f"unknown family '{override}'; families: {sorted(_FITS)}", site=record.name
-        )
+        values = tuple(int(v) for v in values)
+        if override is None:
+            cls = next(c for c in fam.FAMILIES.values() if c.support == "discrete" and c.native and c.fits(values))
+        else:
+            cls = fam.FAMILIES[override]
+            if cls.support != "discrete" or not cls.fits(values):
+                raise FamilyError(
+                    f"family '{override}' cannot represent a discrete latent with {len(values)} values; "
+                    "use 'categorical'",
+                    site=record.name,
+                )
+        return Block(record.name, cls.for_value(shape, (), len(values)), cls.name, shape, (), values)
+    native = {c.support: c for c in reversed(fam.FAMILIES.values()) if c.native and c.support != "discrete"}
     if override is not None:
-        gaussian = fam.FAMILIES[override].gaussian
+        cls = fam.FAMILIES[override]
+    elif unconstrained or support not in native:
+        cls = native["real"]
     else:
-        gaussian = unconstrained or support not in native or support == "real"
-    if gaussian:
-        name = override or "gaussian"
+        cls = native[support]
+    if cls.gaussian:
         transform = None if support == "real" else biject_to(record.support)
         ushape = shape if transform is None else tuple(transform.inverse_shape(shape))
-        if not fam.FAMILIES[name].dense_event:
-            return Block(record.name, fam.GaussianDiag(), name, ushape, (), None, transform, shape)
-        axes = record.plate_axes()
-        dim = int(np.prod([s for a, s in enumerate(ushape) if a not in axes]))
-        return Block(record.name, fam.GaussianDense(dim), name, ushape, axes, None, transform, shape)
-    name = override or native[support]
-    if _FITS[name] != support:
-        fits = sorted(k for k, v in _FITS.items() if v in (support, "real"))
+        axes = record.plate_axes() if cls.dense_event else ()
+        return Block(record.name, cls.for_value(ushape, axes), cls.name, ushape, axes, None, transform, shape)
+    if cls.support != support:
+        fits = sorted(n for n, c in fam.FAMILIES.items() if c.support in (support, "real"))
         raise FamilyError(
-            f"family '{name}' cannot represent a latent with support {record.support}; "
+            f"family '{cls.name}' cannot represent a latent with support {record.support}; "
             f"families that fit it: {fits}",
             site=record.name,
         )
-    if name == "gamma":
-        return Block(record.name, fam.Gamma(), name, shape)
-    if name == "beta":
-        return Block(record.name, fam.Beta(), name, shape)
-    return Block(record.name, fam.Dirichlet(shape[-1]), name, shape)
+    return Block(record.name, cls.for_value(shape), cls.name, shape)
 
 
 def init_nat(block: Block, init_value, probs=None):
@@ -536,7 +518,7 @@ def _merge_discrete(blocks: dict, members: tuple) -> dict:
     parts = tuple(blocks[n] for n in members)
     states = math.prod(len(b.support_values) for b in parts)
     joint = Block(
-        "(" + ", ".join(members) + ")", fam.Categorical(states), "categorical", parts[0].value_shape, (),
+        "(" + ", ".join(members) + ")", fam.Categorical(states), fam.Categorical.name, parts[0].value_shape, (),
         tuple(range(states)), members=parts,
     )
     return _replace_members(blocks, members, joint)
@@ -569,12 +551,12 @@ def _plate_coupled(blocks: dict, factors: list) -> list:
 def _merge_joint(blocks: dict, members: list) -> dict:
     """Replace the blocks ``members`` by one dense Gaussian over all their scalars."""
     parts = tuple(
-        Block(n, fam.GaussianDense(blocks[n].size), "gaussian", blocks[n].value_shape, (), None,
+        Block(n, fam.GaussianDense(blocks[n].size), fam.GaussianDense.name, blocks[n].value_shape, (), None,
               blocks[n].transform, blocks[n].site_shape)
         for n in members
     )
     size = sum(p.size for p in parts)
-    joint = Block("(" + ", ".join(members) + ")", fam.GaussianDense(size), "gaussian", (size,), members=parts)
+    joint = Block("(" + ", ".join(members) + ")", fam.GaussianDense(size), fam.GaussianDense.name, (size,), members=parts)
     return _replace_members(blocks, members, joint)
 
 
