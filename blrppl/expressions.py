@@ -583,10 +583,12 @@ def probe_argument(fn, deps: frozenset, blocks: dict, rng: np.random.Generator) 
         # point blocks are seen at their mean: the argument is a constant of the factor's
         # expectation (its value, at the points, still depends on them for their updates)
         return ArgumentProbe("const", (), {}, None, lambda out: ArgumentClass("const", ()))
-    if all(blocks[n].family.gaussian for n in cont):
-        group = "gaussian"
-    elif len(cont) == 1:  # one Gamma, Beta or Dirichlet block: probed by its family's name
-        group = blocks[cont[0]].kind
+    gaussian = all(blocks[n].family.gaussian for n in cont)
+    if gaussian:
+        group = mom.AffineGaussian.kind
+    elif len(cont) == 1 and blocks[cont[0]].family.argument_kind is not None:
+        # one Gamma, Beta or Dirichlet block: probed for its family's argument kind
+        group = blocks[cont[0]].family.argument_kind
     else:
         reason = "depends on several non-Gaussian blocks"
         return ArgumentProbe(
@@ -599,31 +601,32 @@ def probe_argument(fn, deps: frozenset, blocks: dict, rng: np.random.Generator) 
         inputs["tangents"].append({n: rng.normal(size=blocks[n].value_shape) for n in cont})
         signs = {}
         for n in cont:
-            elementwise = group != "gaussian" or not blocks[n].family.dense_event
+            elementwise = not gaussian or not blocks[n].family.dense_event
             if _needs_gather_test(blocks[n], elementwise):
                 signs[n] = _sign_tangents(blocks[n], rng, elementwise)
         inputs["signs"].append(signs)
     # secant targets from the first point: the second point, a reflection (−x for Gaussian
     # blocks, 1/τ for Gamma blocks: across the kinks of abs, relu, max(τ, 1)), a far point
     first, second = inputs["points"][0], inputs["points"][1]
-    if group == "gaussian":
+    powers = not gaussian and blocks[cont[0]].family.any_power
+    if gaussian:
         inputs["secants"] = [
             {n: second[n] for n in cont},
             {n: -first[n] for n in cont},
             {n: 3.0 * second[n] for n in cont},
         ]
-    elif group == "gamma":
+    elif powers:
         inputs["secants"] = [
             {n: second[n] for n in cont},
             {n: 1.0 / first[n] for n in cont},
             {n: second[n] ** 3 for n in cont},
         ]
-    if group == "gaussian":
+    if gaussian:
         compute, decide = _gaussian_probe(fn, cont, blocks)
-    elif group == "gamma":
+    elif powers:
         compute, decide = _gamma_probe(fn, cont[0])
     else:
-        compute, decide = _identity_probe(fn, cont[0], group)
+        compute, decide = _identity_probe(fn, cont[0], blocks[cont[0]].family)
     return ArgumentProbe(group, cont, inputs, compute, decide)
 
 
@@ -743,7 +746,7 @@ def _gamma_probe(fn, name):
     return compute, decide
 
 
-def _identity_probe(fn, name, kind):
+def _identity_probe(fn, name, family):
     def compute(inputs, data):
         out = []
         for point, signs in zip(inputs["points"], inputs["signs"]):
@@ -766,10 +769,10 @@ def _identity_probe(fn, name, kind):
                 o["slope_1"], 1.0, rtol=1e-6
             )
             if not ok:
-                return ArgumentClass("opaque", (name,), reason=f"not the {kind} block itself")
+                return ArgumentClass("opaque", (name,), reason=f"not the {family.name} block itself")
             if "sq" in o and not _gather_ok(o["sq"]):
-                return ArgumentClass("opaque", (name,), reason=f"mixes elements of its {kind} block")
-        return ArgumentClass(kind, (name,))
+                return ArgumentClass("opaque", (name,), reason=f"mixes elements of its {family.name} block")
+        return ArgumentClass(family.argument_kind, (name,))
 
     return compute, decide
 
@@ -964,12 +967,14 @@ def classify_form(form, deps, blocks: dict, site_blocks: dict) -> tuple:
     elif isinstance(form, fm.Logit) and set(spaces.values()) == {"sigmoid"}:
         return decided("affine_gaussian")  # logit of sigmoid(u)
     elif isinstance(form, fm.Power):
+        ((_, own),) = atoms.values()
         (space,) = spaces.values()
-        if space == "gamma":
-            return decided("power_gamma", power=form.power)
-        if space in ("beta", "dirichlet") and form.power == 1.0:
+        family = own.family
+        if family.argument_kind is not None and family.any_power:
+            return decided(family.argument_kind, power=form.power)
+        if family.argument_kind is not None and form.power == 1.0:
             if form.unit:
-                return decided(space)
+                return decided(family.argument_kind)
             return None, reason  # c times the latent: the probes tell whether c is 1
         if space in ("exp", "sigmoid", "other"):
             where = {"exp": "log space", "sigmoid": "logit space", "other": "a transformed space"}[space]

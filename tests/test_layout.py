@@ -10,6 +10,7 @@ import re
 import pytest
 
 import blrppl
+import blrppl.families
 
 PACKAGE = pathlib.Path(blrppl.__file__).parent
 
@@ -21,6 +22,13 @@ FORBIDDEN = [
     re.compile(r"""\bkinds?\b(\[[^\]]*\])?\s+(not\s+)?in\s*[(\[{]\s*["']"""),
     re.compile(r"""\.endswith\(\s*f?["'][^"']*:"""),
     re.compile(r"""name\s*(==|!=)\s*f?["'][^"']*:(jacobian|previous)"""),
+]
+#: whatever is compared with, or looked up in, a family's name (a probe "group", a site's "space")
+_NAMES = "|".join(re.escape(n) for n in blrppl.families.FAMILIES)
+FORBIDDEN += [
+    re.compile(rf"""(==|!=)\s*["']({_NAMES})["']"""),
+    re.compile(rf"""["']({_NAMES})["']\s*(==|!=)"""),
+    re.compile(rf"""\bin\s*[(\[{{]\s*(["'][\w-]*["']\s*,\s*)*["']({_NAMES})["']"""),
 ]
 
 
@@ -42,6 +50,8 @@ def _offences(text: str) -> list:
         'elif "dirichlet" == block.kind:',
         'if f.name.endswith(":jacobian"):',
         'jacobian = any(f.name == f"{name}:jacobian" for f in factors)',
+        'elif group == "gamma":',
+        'if space in ("exp", "beta", "dirichlet") and form.power == 1.0:',
     ],
 )
 def test_the_scan_finds_literal_kind_tests(line):

@@ -56,6 +56,12 @@ class Family:
     #: ``"unit_interval"``, ``"simplex"`` or ``"discrete"`` (a Gaussian also represents any
     #: other support on its unconstrained space)
     support: ClassVar[str] = "real"
+    #: the kind of moments (:mod:`blrppl.moments`) of an argument that is the latent itself,
+    #: or None (a Gaussian's arguments are affine forms of it: ``"affine_gaussian"``)
+    argument_kind: ClassVar[str | None] = None
+    #: whether any power c·x^a of the latent (not only x itself) has closed-form moments of
+    #: :attr:`argument_kind` (a Gamma's E[x^k] and E[log x])
+    any_power: ClassVar[bool] = False
     #: whether the family is the default for latents of its support (the first native family
     #: in :data:`blrppl.families.FAMILIES` that :meth:`fits` them)
     native: ClassVar[bool] = False

@@ -76,6 +76,7 @@ class Beta(Family):
     view_type: ClassVar[type] = BetaView
     support: ClassVar[str] = "unit_interval"
     native: ClassVar[bool] = True
+    argument_kind: ClassVar[str] = "beta"
 
     def initial_nat(self, x: jax.Array) -> BetaNat:
         """Mean near x: α = 2x + ½, β = 2(1 − x) + ½."""

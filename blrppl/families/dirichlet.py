@@ -73,6 +73,7 @@ class Dirichlet(Family):
     view_type: ClassVar[type] = DirichletView
     support: ClassVar[str] = "simplex"
     native: ClassVar[bool] = True
+    argument_kind: ClassVar[str] = "dirichlet"
 
     @classmethod
     def for_value(cls, value_shape: tuple, plate_axes: tuple = (), num_values: int | None = None) -> "Dirichlet":

@@ -83,6 +83,8 @@ class Gamma(Family):
     view_type: ClassVar[type] = GammaView
     support: ClassVar[str] = "positive"
     native: ClassVar[bool] = True
+    argument_kind: ClassVar[str] = "power_gamma"
+    any_power: ClassVar[bool] = True
 
     def initial_nat(self, x: jax.Array) -> GammaNat:
         """Mean x, shape 10."""
