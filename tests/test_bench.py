@@ -89,14 +89,15 @@ def test_report_sections_for_first_fits_sites_and_the_hand_written_loop():
         {"sites": 100, "compile": 3.8, "total": 4.5, "steps": 12, "model_runs": 2, "xla_compilations": 30},
     ]
     hand = [{"N": 5000, "blr_total": 3.0, "blr_compile": 2.0, "blr_steps": 8, "hand_total": 2.0, "hand_steps": 8,
-             "ratio": 1.5, "max_mean_diff_sd": 1e-5, "max_sd_rel_diff": 2e-5}]
+             "ratio": 1.5, "max_mean_diff_sd": 1e-5, "max_sd_rel_diff": 2e-5, "nuts_total": 8.0}]
     text = report.markdown([run], site_rows=sites, hand_rows=hand)
     # first fit 2 s against NUTS's 8 s: ratio 0.25
     assert "| m | 2 | 1.5 | 8 | 0.25 | 2 | 4 | 0.25 / 0.5 |" in text
     # 2 s over 10 sites: 200 ms per site; then 1.8 s more for 90 more sites: 20 ms per added site
     assert "| 10 | 2 | 200 | - | 2.5 | 12 | 2 | 5 |" in text
     assert "| 100 | 3.8 | 38 | 20 | 4.5 | 12 | 2 | 30 |" in text
-    assert "| 5,000 | 3 | 2 | 8 | 2 | 8 | 1.50 | 1e-05 | 2e-05 |" in text
+    # the hand-written loop takes 2 / 8 of NUTS's time, blr_fit 3 / 8
+    assert "| 5,000 | 3 | 2 | 8 | 2 | 8 | 1.50 | 1e-05 | 2e-05 | 8 | 0.25 | 0.38 |" in text
     run.results["blr"].fresh_process = {}
     assert "First fit in a fresh process" not in report.markdown([run])
 

@@ -582,6 +582,16 @@ print("RESULT" + json.dumps({"total": total, "compile": r.compile_time, "steps":
                              "mean": mean.tolist(), "sd": sd.tolist()}))
 """
 
+NUTS_LOGISTIC = _SCRIPT_HEADER + r"""
+import jax
+from blrppl.bench.models import logistic_data, logistic_model
+from blrppl.bench.runner import NUTS_SAMPLES, NUTS_WARMUP, _mcmc
+data = logistic_data(int(sys.argv[1]))
+t0 = time.perf_counter()
+_mcmc(logistic_model, NUTS_WARMUP, NUTS_SAMPLES, 1, jax.random.key(0), data)
+print("RESULT" + json.dumps({"total": time.perf_counter() - t0}))
+"""
+
 
 def hand_blr_logistic(X, y, prior_sd: float = 2.5, tol: float = 1e-8, max_steps: int = 1000, nodes: int = 20):
     """The Bayesian learning rule for logistic regression written by hand: q(β) = N(m, S),
@@ -660,17 +670,21 @@ def hand_blr_logistic(X, y, prior_sd: float = 2.5, tol: float = 1e-8, max_steps:
 def hand_logistic_comparison(n: int = 5_000, log=print) -> dict:
     """``blr_fit``'s first fit of logistic regression (D = 10) and the hand-written BLR loop
     (:func:`hand_blr_logistic`), each in a fresh process without compilation cache: their
-    wall times (compilation included), the ratio, and how far apart their posteriors are."""
+    wall times (compilation included), the ratio, and how far apart their posteriors are; and
+    NUTS on the same data in the same way (the floor a jitted loop sets on the ratio to NUTS)."""
     hand = _in_new_process(HAND_LOGISTIC, [n], {CACHE_ENV: "0"})
     blr = _in_new_process(BLR_LOGISTIC, [n], {CACHE_ENV: "0"})
+    nuts = _in_new_process(NUTS_LOGISTIC, [n], {CACHE_ENV: "0"})
     row = {"N": n, "blr_total": blr["total"], "blr_compile": blr.get("compile"), "blr_steps": blr.get("steps"),
-           "hand_total": hand["total"], "hand_steps": hand.get("steps"), "ratio": blr["total"] / hand["total"]}
+           "hand_total": hand["total"], "hand_steps": hand.get("steps"), "ratio": blr["total"] / hand["total"],
+           "nuts_total": nuts["total"]}
     if "mean" in hand and "mean" in blr:
         sd = np.asarray(hand["sd"])
         row["max_mean_diff_sd"] = float(np.max(np.abs(np.asarray(blr["mean"]) - np.asarray(hand["mean"])) / sd))
         row["max_sd_rel_diff"] = float(np.max(np.abs(np.asarray(blr["sd"]) / sd - 1.0)))
     log(
         f"  logistic N={n}: blr_fit first fit {row['blr_total']:.2f} s, hand-written BLR loop {row['hand_total']:.2f} s, "
-        f"ratio {row['ratio']:.2f}, posteriors {row.get('max_mean_diff_sd', float('nan')):.2g} sd apart"
+        f"ratio {row['ratio']:.2f}, posteriors {row.get('max_mean_diff_sd', float('nan')):.2g} sd apart; "
+        f"NUTS {row['nuts_total']:.2f} s"
     )
     return row
