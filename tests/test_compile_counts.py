@@ -169,3 +169,35 @@ def test_a_closed_form_step_splits_no_key_but_its_own():
     # a Monte Carlo factor draws: its key is split off
     splits, plan = _splits_in_step(regression, {"X": X, "y": Y})
     assert any(f.estimator != "exact" for f in plan.factors) and splits > 1
+
+
+def test_starting_values_are_computed_on_the_host():
+    """A fit's initial natural parameters, from concrete values, compile nothing and equal
+    the traced computation's (which ``jax.eval_shape`` of the start still uses)."""
+    from blrppl.graph.compile import choose_family, init_nat
+    from blrppl.graph.trace import trace_model
+
+    def model():
+        with numpyro.plate("n", 3):
+            numpyro.sample("a", dist.Normal(0.0, 1.0))
+            numpyro.sample("b", dist.Gamma(2.0, 1.0))
+            numpyro.sample("c", dist.Beta(2.0, 2.0))
+            numpyro.sample("z", dist.Bernoulli(0.3))
+        numpyro.sample("d", dist.Dirichlet(jnp.ones(4)))
+        numpyro.sample("k", dist.Categorical(jnp.ones(3) / 3))
+
+    records, _, _, _ = trace_model(model, (), {}, jax.random.key(0))
+    rng = np.random.default_rng(0)
+    for name, record in records.items():
+        for override in ([None, "gaussian-diag"] if name == "a" else [None]):
+            block = choose_family(record, override)
+            value = np.asarray(record.init_value)
+            probs = rng.dirichlet(np.ones(len(block.support_values)), size=block.value_shape) if block.discrete else None
+            before = xla_compilations()
+            host = init_nat(block, value, probs)
+            assert xla_compilations() == before, name
+            assert all(isinstance(leaf, np.ndarray) for leaf in jax.tree.leaves(host)), name
+            traced = jax.jit(lambda v, p, block=block: init_nat(block, v, p))(value, probs)
+            for got, want in zip(jax.tree.leaves(host), jax.tree.leaves(traced)):
+                assert got.dtype == want.dtype
+                np.testing.assert_allclose(got, want, rtol=1e-12)

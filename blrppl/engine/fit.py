@@ -223,10 +223,12 @@ def _compile(model, records, data_spec, dyn_data, tracer, options, prior_spec, k
     )
     blocks = {b.name: b.full for b in plan.blocks}
 
-    def init(values, probs):
-        return {n: init_nat(b, values[n], probs.get(n)) for n, b in blocks.items()}
+    def init_fn(values, probs):
+        # on the host for concrete values (numpy, then placed on the device): no XLA program
+        # before the first step but the trace run's and the chunk's
+        nat = {n: init_nat(b, values[n], probs.get(n)) for n, b in blocks.items()}
+        return jax.tree.map(host_array, nat)
 
-    init_fn = jax.jit(init)
     sampled = [f for f in plan.factors if f.estimator == "monte_carlo"]
     decay = {n for f in sampled for n in f.neighbours} if default_rate else set()
     window = MC_WINDOW if sampled else 0

@@ -98,7 +98,8 @@ class Family:
         return tuple(value_shape[: len(value_shape) - len(self.event_shape)])
 
     def initial_nat(self, x: jax.Array) -> Nat:
-        """Broad natural parameters centred on the initial value ``x`` (canonical layout)."""
+        """Broad natural parameters centred on the initial value ``x`` (canonical layout); a
+        numpy ``x`` gives numpy parameters, computed on the host (no XLA program)."""
         raise NotImplementedError
 
     def random_value(self, rng, shape: tuple):

@@ -7,6 +7,7 @@ from typing import ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import numpyro.distributions as dist
 
 from blrppl.families.base import Family
@@ -89,7 +90,7 @@ class Categorical(Family):
         return CategoricalView(jax.nn.softmax(_pad_zero(nat.logits), axis=-1))
 
     def nat_from_view(self, view: CategoricalView) -> CategoricalNat:
-        log_p = jnp.log(view.probs)
+        log_p = (np if isinstance(view.probs, np.ndarray) else jnp).log(view.probs)
         return CategoricalNat(log_p[..., :-1] - log_p[..., -1:])
 
     def mean_params(self, nat: CategoricalNat) -> CategoricalNat:
@@ -163,7 +164,8 @@ class Bernoulli(Family):
         return CategoricalView(jnp.stack([jax.nn.sigmoid(-nat.logit), jax.nn.sigmoid(nat.logit)], axis=-1))
 
     def nat_from_view(self, view: CategoricalView) -> BernoulliNat:
-        return BernoulliNat(jnp.log(view.probs[..., 1]) - jnp.log(view.probs[..., 0]))
+        log = (np if isinstance(view.probs, np.ndarray) else jnp).log
+        return BernoulliNat(log(view.probs[..., 1]) - log(view.probs[..., 0]))
 
     def mean_params(self, nat: BernoulliNat) -> BernoulliNat:
         return BernoulliNat(jax.nn.sigmoid(nat.logit))

@@ -88,7 +88,7 @@ class Gamma(Family):
 
     def initial_nat(self, x: jax.Array) -> GammaNat:
         """Mean x, shape 10."""
-        return self.nat_from_view(GammaView(jnp.full_like(x, 10.0), 10.0 / x))
+        return self.nat_from_view(GammaView((np if isinstance(x, np.ndarray) else jnp).full_like(x, 10.0), 10.0 / x))
 
     def random_value(self, rng, shape: tuple):
         return np.exp(0.5 * rng.normal(size=shape))

@@ -8,6 +8,7 @@ from typing import ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import numpyro.distributions as dist
 from jax.scipy.linalg import solve_triangular
 from numpyro.distributions.util import cholesky_of_inverse
@@ -124,8 +125,9 @@ class GaussianDense(Family):
 
     def initial_nat(self, x: jax.Array) -> GaussianNat:
         """Mean x, covariance I: the natural parameters (x, −½ I) directly (no factorisation of I)."""
+        xp = np if isinstance(x, np.ndarray) else jnp
         dim = x.shape[-1]
-        eye = jnp.broadcast_to(jnp.eye(dim, dtype=x.dtype), x.shape + (dim,))
+        eye = xp.broadcast_to(xp.eye(dim, dtype=x.dtype), x.shape + (dim,))
         return GaussianNat(x, -0.5 * eye)
 
     def random_value(self, rng, shape: tuple):
@@ -324,7 +326,7 @@ class GaussianDiag(Family):
 
     def initial_nat(self, x: jax.Array) -> DiagGaussianNat:
         """Mean x, variance 1."""
-        return self.nat_from_view(DiagGaussianView(x, jnp.ones_like(x)))
+        return self.nat_from_view(DiagGaussianView(x, (np if isinstance(x, np.ndarray) else jnp).ones_like(x)))
 
     def random_value(self, rng, shape: tuple):
         return rng.normal(size=shape)

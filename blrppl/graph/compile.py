@@ -97,13 +97,14 @@ def choose_family(record: SiteRecord, override: str | None, unconstrained: bool 
 
 def init_nat(block: Block, init_value, probs=None):
     """Initial natural parameters: centred on the initial value, broad; discrete blocks
-    start from the given random ``probs`` (breaking the symmetry of mixtures)."""
+    start from the given random ``probs`` (breaking the symmetry of mixtures). Concrete
+    values give numpy parameters, computed on the host: starting a fit compiles nothing."""
     family = block.family
-    x = jnp.asarray(init_value)
     dtype = jnp.result_type(float)
+    xp = jnp if any(isinstance(v, jax.core.Tracer) for v in (init_value, probs)) else np
     if block.discrete:
-        return family.nat_from_view(fam.CategoricalView(jnp.asarray(probs, dtype)))
-    return family.initial_nat(block.to_canonical(x.astype(dtype)))
+        return family.nat_from_view(fam.CategoricalView(xp.asarray(probs, dtype)))
+    return family.initial_nat(block.to_canonical(xp.asarray(init_value).astype(dtype)))
 
 
 #: the most scalar projections per element a quadrature factor may have
