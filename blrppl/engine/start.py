@@ -22,7 +22,6 @@ and keeps the fit with the best ELBO.
 
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -37,14 +36,9 @@ SEED_WEIGHT = 0.9
 
 
 def discrete_probs(plan, nat) -> dict:
-    """Block → responsibilities ``(*batch, K)`` of every discrete block."""
-    return {b.name: np.asarray(_probs(b.family, nat[b.name])) for b in plan.blocks if b.discrete}
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _probs(family, nat):
-    """A discrete block's probabilities (one compiled program, not one per operation)."""
-    return family.view(nat).probs
+    """Block → responsibilities ``(*batch, K)`` of every discrete block (on the host: no
+    program compiled for them)."""
+    return {b.name: b.family.view(jax.tree.map(np.asarray, nat[b.name])).probs for b in plan.blocks if b.discrete}
 
 
 def tied(probs: np.ndarray) -> bool:

@@ -42,7 +42,8 @@ class CategoricalView(NamedTuple):
 
 def _pad_zero(logits: jax.Array) -> jax.Array:
     """(λ₁, …, λ_{K−1}) → (λ₁, …, λ_{K−1}, 0): the logits of all K outcomes."""
-    return jnp.concatenate([logits, jnp.zeros_like(logits[..., :1])], axis=-1)
+    xp = np if isinstance(logits, np.ndarray) else jnp
+    return xp.concatenate([logits, xp.zeros_like(logits[..., :1])], axis=-1)
 
 
 def _stats_dtype(x: jax.Array):
@@ -87,7 +88,12 @@ class Categorical(Family):
         return cls(num_values)
 
     def view(self, nat: CategoricalNat) -> CategoricalView:
-        return CategoricalView(jax.nn.softmax(_pad_zero(nat.logits), axis=-1))
+        """Softmax of the padded logits (on the host for numpy ``nat``)."""
+        logits = _pad_zero(nat.logits)
+        if isinstance(logits, np.ndarray):
+            e = np.exp(logits - logits.max(-1, keepdims=True))
+            return CategoricalView(e / e.sum(-1, keepdims=True))
+        return CategoricalView(jax.nn.softmax(logits, axis=-1))
 
     def nat_from_view(self, view: CategoricalView) -> CategoricalNat:
         log_p = (np if isinstance(view.probs, np.ndarray) else jnp).log(view.probs)
@@ -161,6 +167,10 @@ class Bernoulli(Family):
         return support_values is not None and len(support_values) == 2 and support_values[0] == 0
 
     def view(self, nat: BernoulliNat) -> CategoricalView:
+        """(σ(−logit), σ(logit)) (on the host for a numpy ``nat``)."""
+        if isinstance(nat.logit, np.ndarray):
+            p1 = 0.5 * (1.0 + np.tanh(0.5 * nat.logit))  # σ(x), without overflow
+            return CategoricalView(np.stack([1.0 - p1, p1], axis=-1))
         return CategoricalView(jnp.stack([jax.nn.sigmoid(-nat.logit), jax.nn.sigmoid(nat.logit)], axis=-1))
 
     def nat_from_view(self, view: CategoricalView) -> BernoulliNat:
