@@ -261,11 +261,13 @@ def compile_model(
 
     # a factor that mixes the plate elements of a Gaussian block (a difference of neighbours,
     # a sum over the plate) couples them: the block is dense over all its scalars, exact,
-    # unless the user asked for its family or for mean-field, or it is too large for the
-    # default (then its elements are fitted mean-field, iterated: see conjugate_blocks)
+    # unless the user asked for its family or for mean-field, it is too large for the
+    # default, or it is a local block of a subsampled plate (then its elements are fitted
+    # mean-field, iterated: see conjugate_blocks)
     densified = [
         n for n in _plate_coupled(blocks, factors)
-        if n not in families and (structure == "joint" or (structure is None and blocks[n].size <= JOINT_MAX_DIM))
+        if n not in families and blocks[n].local is None
+        and (structure == "joint" or (structure is None and blocks[n].size <= JOINT_MAX_DIM))
     ]
     for n in densified:
         blocks[n] = dataclasses.replace(blocks[n], family=fam.GaussianDense(blocks[n].size), plate_axes=())
