@@ -125,10 +125,7 @@ class GaussianDense(Family):
 
     def initial_nat(self, x: jax.Array) -> GaussianNat:
         """Mean x, covariance I: the natural parameters (x, −½ I) directly (no factorisation of I)."""
-        xp = np if isinstance(x, np.ndarray) else jnp
-        dim = x.shape[-1]
-        eye = xp.broadcast_to(xp.eye(dim, dtype=x.dtype), x.shape + (dim,))
-        return GaussianNat(x, -0.5 * eye)
+        return GaussianNat(x, -0.5 * self.identity_precision(x))
 
     def random_value(self, rng, shape: tuple):
         return rng.normal(size=shape)
@@ -152,8 +149,9 @@ class GaussianDense(Family):
         return jnp.linalg.solve(prec, g[..., None])[..., 0]
 
     def identity_precision(self, mean: jax.Array) -> jax.Array:
+        xp = np if isinstance(mean, np.ndarray) else jnp
         dim = mean.shape[-1]
-        return jnp.broadcast_to(jnp.eye(dim, dtype=mean.dtype), mean.shape + (dim,))
+        return xp.broadcast_to(xp.eye(dim, dtype=mean.dtype), mean.shape + (dim,))
 
     def positive_curvature(self, prec: jax.Array) -> jax.Array:
         eps = jnp.finfo(prec.dtype).eps
@@ -326,7 +324,7 @@ class GaussianDiag(Family):
 
     def initial_nat(self, x: jax.Array) -> DiagGaussianNat:
         """Mean x, variance 1."""
-        return self.nat_from_view(DiagGaussianView(x, (np if isinstance(x, np.ndarray) else jnp).ones_like(x)))
+        return self.nat_from_view(DiagGaussianView(x, self.identity_precision(x)))
 
     def random_value(self, rng, shape: tuple):
         return rng.normal(size=shape)
@@ -347,7 +345,7 @@ class GaussianDiag(Family):
         return g / prec
 
     def identity_precision(self, mean: jax.Array) -> jax.Array:
-        return jnp.ones_like(mean)
+        return (np if isinstance(mean, np.ndarray) else jnp).ones_like(mean)
 
     def positive_curvature(self, prec: jax.Array) -> jax.Array:
         eps = jnp.finfo(prec.dtype).eps
