@@ -156,7 +156,7 @@ def _splits_in_step(model, data):
     return str(jaxpr).count("random_split"), plan
 
 
-def test_a_closed_form_step_splits_no_key_but_its_own():
+def test_a_closed_form_step_splits_no_key():
     def conjugate(X, y):
         beta = numpyro.sample("beta", dist.Normal(0.0, 1.0).expand([X.shape[1]]).to_event(1))
         tau = numpyro.sample("tau", dist.Gamma(2.0, 2.0))
@@ -165,7 +165,7 @@ def test_a_closed_form_step_splits_no_key_but_its_own():
 
     splits, plan = _splits_in_step(conjugate, {"X": X, "y": Y})
     assert all(f.estimator == "exact" for f in plan.factors)
-    assert splits == 1  # the state's key, advanced once per step
+    assert splits == 0  # nothing draws: the state's key is kept
     # a Monte Carlo factor draws: its key is split off
     splits, plan = _splits_in_step(regression, {"X": X, "y": Y})
     assert any(f.estimator != "exact" for f in plan.factors) and splits > 1

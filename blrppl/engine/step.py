@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from blrppl.estimators.enumeration import expected_log_factors
+from blrppl.estimators.enumeration import expected_log_factors, is_jacobian
 from blrppl.estimators import gram
 from blrppl.graph.data import host_array, split_run_data
 from blrppl.online import expected_log_previous, is_previous_posterior
@@ -388,11 +388,17 @@ def make_step(
         )
         return step, elbo_fn, messages
 
+    draws = any(is_jacobian(f) or f.estimator == "monte_carlo" for f in plan.factors)
+
     def step(state, data, rho):
         nat = dict(state.nat)
         valid = jnp.array(True)
         proper, deferred = {}, {}
-        key, key_elbo, *keys = jax.random.split(state.rng_key, len(plan.order) + 2)
+        if draws:
+            key, key_elbo, *keys = jax.random.split(state.rng_key, len(plan.order) + 2)
+        else:  # nothing draws: no threefry program in the step (its lowering and compile cost)
+            key = key_elbo = state.rng_key
+            keys = [key] * len(plan.order)
 
         def update(n, msg):
             family = blocks[n].family
