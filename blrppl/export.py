@@ -13,7 +13,8 @@ import numpyro.distributions as dist
 from numpyro.distributions import constraints
 
 from blrppl.expressions import canonical_leaves
-from blrppl.graph.data import compile_lowered, compiler_options
+from blrppl.graph.data import compiler_options
+from blrppl.graph.program_store import compile_program, jit as store_jit, program_key
 from blrppl.graph.plan import Block
 
 
@@ -178,20 +179,24 @@ def posterior_builder(plan, records, submit):
         # order would change with Python's hash seed and miss the persistent cache
         return canonical_leaves(build(nat))[0]
 
-    def prepare(nat):
+    def prepare(nat, key=None):
         """Start compiling the export for natural parameters of these shapes (on a worker
-        thread); False for distributions that are not pytrees (then built op by op)."""
+        thread), or load it from the program store (``key``: the fit's key there, see
+        :mod:`blrppl.graph.program_store`); False for distributions that are not pytrees
+        (then built op by op)."""
         if compiled:
             return True
+        # (dense blocks: D² elementwise work, which XLA's backend optimisations speed up)
+        work = sum(b.size * b.family.dim for b in blocks.values() if b.family.dense_event)
+        options = compiler_options((), work)
         try:
             with numpyro.validation_enabled(False):  # the families' parameters are valid
                 _, tree = canonical_leaves(jax.eval_shape(build, nat))
-                lowered = jax.jit(leaves_of).lower(nat)
+                stored = program_key("export", key, options) if key else None
+                future = compile_program(stored, store_jit(leaves_of, "export").lower, (nat,), options, submit, background=True)
         except TypeError:  # a distribution that is not a pytree
             return False
-        # (dense blocks: D² elementwise work, which XLA's backend optimisations speed up)
-        work = sum(b.size * b.family.dim for b in blocks.values() if b.family.dense_event)
-        compiled.append((tree, submit(compile_lowered, lowered, compiler_options((), work))))
+        compiled.append((tree, future))
         return True
 
     def posteriors(nat):

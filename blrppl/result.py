@@ -17,11 +17,16 @@ class CompileCounts(NamedTuple):
 
     Attributes:
         model_runs: runs of the model's Python code (traces included).
-        xla_compilations: XLA compilations (a persistent-cache hit is none).
+        xla_compilations: XLA compilations the first step waited for (a persistent-cache
+            hit or a program read from blrppl's program store is none).
+        background_compilations: XLA compilations of the fit's diagnostics and posterior
+            export that finished meanwhile on a worker thread (nothing waits for them
+            before the first step).
     """
 
     model_runs: int
     xla_compilations: int
+    background_compilations: int = 0
 
 
 @dataclasses.dataclass

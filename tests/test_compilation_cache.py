@@ -1,5 +1,6 @@
-"""JAX's persistent compilation cache: a second process running the same fit compiles nothing
-with XLA (every compilation is a cache hit, and the fit counts none), and ``BLRPPL_COMPILATION_CACHE=0`` turns it off."""
+"""Persistent compilation: a second process running the same fit compiles nothing with XLA
+(its programs come from blrppl's program store or JAX's persistent cache, and the fit counts
+no compilation), and ``BLRPPL_COMPILATION_CACHE=0`` turns both off."""
 
 from __future__ import annotations
 
@@ -49,9 +50,8 @@ def run(tmp_path, **env_extra):
 def test_second_process_compiles_nothing(tmp_path):
     first = run(tmp_path)
     assert first["dir"] == str(tmp_path / "blrppl" / "jax")
-    assert first["misses"] > 0
     second = run(tmp_path)
-    assert second["misses"] == 0 and second["hits"] == first["misses"]
+    assert second["misses"] == 0  # (JAX's cache compiled nothing either)
     assert second["mean"] == first["mean"]
     # the fit's own count: a cache read is not a compilation (JAX times it as one)
     assert first["counted"] > 0 and second["counted"] == 0

@@ -33,7 +33,8 @@ from blrppl.expressions import table_key
 from blrppl.graph.stack import stack_table
 from blrppl.diagnostics import KHAT_WARN, Diagnostics, make_log_weights, psis_khat
 from blrppl.graph.data import DataSpec, RunData, split_run_data
-from blrppl.graph.data import compile_lowered, compiler_options as _compiler_options, host_array, xla_compilations
+from blrppl.graph.data import background_compilations, compiler_options as _compiler_options, host_array, xla_compilations
+from blrppl.graph.program_store import compile_program, jit as store_jit, program_key
 from blrppl.engine.subsample import averaged_nat, svi_rate
 from blrppl.graph.trace import (
     check_plate_sizes, full_size_model, model_runs, subsampled_plates, trace_model, trace_program,
@@ -82,13 +83,26 @@ class CompiledFit:
     #: (nat, model data, key) → importance log-weights of q (None: not computed for this plan)
     log_weights_fn: Callable | None = None
     _log_weights_compiled: Any = None
+    #: the fit's key in the program store (None: its programs are not stored), see
+    #: :func:`_stored_fit_key`
+    stored_key: str | None = None
+
+    def _stored(self, name: str, options) -> str | None:
+        return _stored_program(self.stored_key, name, options)
 
     def compile_log_weights(self, nat, dyn, key) -> None:
         """Start compiling :meth:`log_weights` for arguments of these shapes (on a worker
-        thread: the fit runs meanwhile)."""
+        thread: the fit runs meanwhile), or load it from the program store."""
+        options = _compiler_options(dyn)
         with numpyro.validation_enabled(False):
-            lowered = jax.jit(self.log_weights_fn).lower(nat, dyn, key)
-        self._log_weights_compiled = _COMPILER.submit(compile_lowered, lowered, _compiler_options(dyn))
+            self._log_weights_compiled = compile_program(
+                self._stored("log_weights", options),
+                store_jit(self.log_weights_fn, "log_weights").lower,
+                (nat, dyn, key),
+                options,
+                _COMPILER.submit,
+                background=True,
+            )
 
     def log_weights(self, nat, dyn, key):
         """The importance log-weights of q (:mod:`blrppl.diagnostics`): one compiled call."""
@@ -109,8 +123,13 @@ class CompiledFit:
             return {**self.statistics_fn(data), **tables}
         host = jax.default_backend() == "cpu"
         if self._statistics_compiled is None:
-            lowered = jax.jit(functools.partial(self.statistics_fn, rows=host)).lower(data)
-            self._statistics_compiled = compile_lowered(lowered, _compiler_options(dyn, 0))
+            options = _compiler_options(dyn, 0)
+            self._statistics_compiled = compile_program(
+                self._stored(f"statistics rows={host}", options),
+                store_jit(functools.partial(self.statistics_fn, rows=host), "statistics").lower,
+                (data,),
+                options,
+            )
         stats = self._statistics_compiled(data)
         return {**({k: gram.gram_on_host(v) for k, v in stats.items()} if host else stats), **tables}
 
@@ -160,6 +179,25 @@ def _cache_key(model, tracer, dyn, options, prior_spec):
     except TypeError:
         return None
     return key
+
+
+def _stored_fit_key(tracer, dyn, options, prior_spec, supports, plan) -> str | None:
+    """The key of a compiled fit's programs in the program store
+    (:mod:`blrppl.graph.program_store`): the model's program fingerprint, data layout and
+    shapes, options, the previous fit's layout, the latents' support values and the plan;
+    None when the fit is not stored (a model that needs concrete data holds them)."""
+    spec = tracer.spec
+    if spec.all_static:
+        return None
+    shapes = tuple((jnp.shape(x), str(jnp.result_type(x))) for x in dyn)
+    return program_key(
+        tracer.fingerprint, spec.treedef, spec.static, shapes, options.compiled(), prior_spec, supports, plan.describe()
+    )
+
+
+def _stored_program(fit_key: str | None, name: str, options) -> str | None:
+    """The program store's key of a fit's program ``name`` compiled with ``options``."""
+    return program_key(name, fit_key, options) if fit_key else None
 
 
 def _elementwise_work(plan, records) -> int:
@@ -214,7 +252,7 @@ def plan_model(model, records, data_spec, dyn_data, options, prior_spec, k_probe
     return plan, fns, dyn_data, init_values, graph, online
 
 
-def _compile(model, records, data_spec, dyn_data, tracer, options, prior_spec, k_probe):
+def _compile(model, records, data_spec, dyn_data, tracer, options, prior_spec, k_probe, supports=()):
     """Compile a model: plan, initialisation, the jitted chunk of steps, posterior export."""
     rate_fn, tol, chunk_size, curvature = options.rate_fn, options.tol, CHUNK_SIZE, options.mc_curvature
     default_rate = options.learning_rate is None
@@ -285,24 +323,30 @@ def _compile(model, records, data_spec, dyn_data, tracer, options, prior_spec, k
         stats.update(jax.eval_shape(statistics_fn, RunData(dyn_data, {}, tables) if tables else dyn_data))
     previous = {n: state.nat[n] for n in online}
     run_data = RunData(dyn_data, previous, stats) if (online or stats) else dyn_data
-    lowered = jax.jit(chunk).lower(state, run_data, steps, rho, history)
+    # a program stored on disk by an earlier process running this fit is loaded, not traced
+    fit_key = _stored_fit_key(tracer, dyn_data, options, prior_spec, supports, plan)
     # XLA compiles outside the GIL: the chunk compiles on a worker thread while the
     # diagnostics' program is traced here, then both compile at once
-    chunk_future = _COMPILER.submit(
-        compile_lowered, lowered, _compiler_options(dyn_data, _elementwise_work(plan, records))
+    chunk_options = _compiler_options(dyn_data, _elementwise_work(plan, records))
+    chunk_future = compile_program(
+        _stored_program(fit_key, "chunk", chunk_options),
+        store_jit(chunk, "chunk").lower,
+        (state, run_data, steps, rho, history),
+        chunk_options,
+        _COMPILER.submit,
     )
     log_weights_fn = None if plan.subsampled or online else make_log_weights(plan, fns, records, dyn_data)
     posterior_fn = posterior_builder(plan, records, _COMPILER.submit)
     bundle = CompiledFit(
         tracer, plan, graph, init_fn, None, posterior_fn, window,
         chunk_fn=chunk, elbo_fn=jax.jit(elbo_fn), online=online, statistics_fn=statistics_fn,
-        log_weights_fn=log_weights_fn, tables_fn=tables_fn,
+        log_weights_fn=log_weights_fn, tables_fn=tables_fn, stored_key=fit_key,
     )
     if log_weights_fn is not None and not (len(plan.blocks) == 1 and exact_block is not None):
         # (a lone conjugate block needs no draws, see _diagnose)
         bundle.compile_log_weights(state.nat, _model_data(plan, run_data), state.rng_key)
     if not plan.subsampled:  # (subsampled plans export their local blocks at full size)
-        posterior_fn.prepare(state.nat)
+        posterior_fn.prepare(state.nat, fit_key)
     # (the fit's setup, e.g. its data statistics, runs while the chunk compiles)
     bundle.chunk = _Compiling(chunk_future)
     return bundle
@@ -361,7 +405,7 @@ def prepare(model, args, kwargs, options: FitOptions, rng_key, prior=None, init_
 
 def _prepare_locked(model, args, kwargs, options, rng_key, prior, init_values, start) -> Prepared:
     t0 = time.perf_counter()
-    runs0, compilations0 = model_runs(), xla_compilations()
+    runs0, compilations0, background0 = model_runs(), xla_compilations(), background_compilations()
     k_trace, k_probe, k_host, k_loop = host_split(rng_key, 4)
     rng = np.random.default_rng(np.asarray(jax.random.key_data(k_host)).ravel())
     learning_rate, tol = options.learning_rate, options.tol
@@ -395,7 +439,7 @@ def _prepare_locked(model, args, kwargs, options, rng_key, prior, init_values, s
         # the model was run with validation above; its many internal re-runs skip it (each
         # check of a constant argument would otherwise compile on its own)
         with numpyro.validation_enabled(False):
-            bundle = _compile(model, records, data_spec, dyn_data, tracer, options, prior_spec, k_probe)
+            bundle = _compile(model, records, data_spec, dyn_data, tracer, options, prior_spec, k_probe, supports)
         bundle.supports = supports
         if key is not None:
             _remember(key, bundle)
@@ -449,7 +493,9 @@ def _prepare_locked(model, args, kwargs, options, rng_key, prior, init_values, s
     if any(b.discrete for b in plan.blocks) and not plan.subsampled:
         state = _discrete_start(bundle, plan, init_records, state, dyn_data, start, rng, block_values)
     jax.block_until_ready(state)
-    counts = CompileCounts(model_runs() - runs0, xla_compilations() - compilations0)
+    counts = CompileCounts(
+        model_runs() - runs0, xla_compilations() - compilations0, background_compilations() - background0
+    )
     return Prepared(
         bundle, plan, records, data_spec, dyn_data, state, rho, tol, CHUNK_SIZE, t0, options.iterate_average, counts
     )

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+import threading
 import pathlib
 from typing import Any, NamedTuple
 
@@ -125,20 +127,27 @@ def host_array(value, dtype=None):
 
 
 #: XLA compilations in this process (a persistent-cache hit is none): read by
-#: :func:`xla_compilations`, counted by a JAX monitoring listener registered at import
-_XLA_COMPILATIONS = [0]
+#: :func:`xla_compilations`, counted by a JAX monitoring listener registered at import;
+#: index 1 counts those run in :func:`background` (programs nothing waits for yet)
+_XLA_COMPILATIONS = [0, 0]
+_THREAD = threading.local()
+
+
+def _counter() -> int:
+    return 1 if getattr(_THREAD, "background", False) else 0
 
 
 def _count_compilation(event: str, duration: float, **_) -> None:
     if event == "/jax/core/compile/backend_compile_duration":
-        _XLA_COMPILATIONS[0] += 1
+        _XLA_COMPILATIONS[_counter()] += 1
 
 
 def _count_cache_hit(event: str, **_) -> None:
     # JAX's backend-compilation event times a persistent-cache read too (it wraps
     # ``compile_or_get_cached``): a hit, recorded before that event ends, is taken back off
     if event == "/jax/compilation_cache/cache_hits":
-        _XLA_COMPILATIONS[0] -= 1
+        _XLA_COMPILATIONS[_counter()] -= 1
+        _THREAD.cache_hits = thread_cache_hits() + 1
 
 
 jax.monitoring.register_event_duration_secs_listener(_count_compilation)
@@ -146,9 +155,33 @@ jax.monitoring.register_event_listener(_count_cache_hit)
 
 
 def xla_compilations() -> int:
-    """The number of XLA compilations in this process since blrppl was imported (every
-    thread's: a fit's count includes other threads' compilations while it compiled)."""
+    """The number of XLA compilations in this process since blrppl was imported, those in
+    :func:`background` left out (every thread's: a fit's count includes other threads'
+    compilations while it compiled)."""
     return _XLA_COMPILATIONS[0]
+
+
+def thread_cache_hits() -> int:
+    """The number of JAX persistent-cache reads in this thread since blrppl was imported."""
+    return getattr(_THREAD, "cache_hits", 0)
+
+
+def background_compilations() -> int:
+    """The number of XLA compilations run in :func:`background` since blrppl was imported."""
+    return _XLA_COMPILATIONS[1]
+
+
+@contextlib.contextmanager
+def background():
+    """Count the XLA compilations in this block (this thread) as background work: programs
+    compiled on a worker thread that a fit does not wait for before its first step (its
+    diagnostics and posterior export)."""
+    before = getattr(_THREAD, "background", False)
+    _THREAD.background = True
+    try:
+        yield
+    finally:
+        _THREAD.background = before
 
 
 #: environment variable that turns the persistent compilation cache off ("0", "off", "false")

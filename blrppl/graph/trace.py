@@ -26,7 +26,8 @@ from numpyro.primitives import Messenger
 from numpyro.infer.initialization import init_to_uniform
 from jax.extend import core as jex_core
 
-from blrppl.graph.data import DataSpec, compile_lowered, compiler_options
+from blrppl.graph.data import DataSpec, compiler_options
+from blrppl.graph.program_store import compile_program, jit as store_jit, program_key
 from blrppl.graph.plan import SubsampledPlate
 from blrppl.errors import ModelTraceError, ObservedDataError, UnsupportedFactorError, UnsupportedLatentError
 
@@ -255,7 +256,7 @@ class ModelTracer:
     def __init__(self, model, spec: DataSpec, init_strategy, dyn, rng_key, meta=None):
         self.spec = spec
         self.meta: dict = {} if meta is None else meta
-        jitted = jax.jit(partial(_run_once, model, spec, init_strategy, self.meta))
+        jitted = store_jit(partial(_run_once, model, spec, init_strategy, self.meta), "model_run")
         self._traced = jitted.trace(dyn, rng_key)
         self.fingerprint = program_fingerprint(self._traced.jaxpr)
         self._compiled = None
@@ -269,7 +270,12 @@ class ModelTracer:
             outs = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *jax.tree.leaves((dyn, rng_key)))
             return jax.tree.unflatten(jax.tree.structure(self._traced.out_info), outs)
         if self._compiled is None:
-            self._compiled = compile_lowered(self._traced.lower(), compiler_options(dyn))
+            options = compiler_options(dyn)
+            spec = self.spec
+            # (a model that needs concrete data holds them: its run is not stored)
+            key = None if spec.all_static else program_key("model run", self.fingerprint, spec.treedef, spec.static, options)
+            traced = self._traced
+            self._compiled = compile_program(key, lambda *_: traced.lower(), (dyn, rng_key), options)
             self._traced = None
         return self._compiled(dyn, rng_key)
 
