@@ -145,7 +145,8 @@ def main(argv=None) -> int:
         sizes = [int(x) for x in args.site_sizes.split(",") if x.strip()]
         sites = runner.site_scaling(sizes, log=lambda s: print(s, flush=True))
         print("a hand-written BLR loop against blr_fit (logistic regression, fresh processes):", flush=True)
-        hand = [runner.hand_logistic_comparison(log=lambda s: print(s, flush=True))]
+        # (N = 200: the size of the small bench models, where compilation is most of any fit)
+        hand = [runner.hand_logistic_comparison(n, log=lambda s: print(s, flush=True)) for n in (200, 5_000)]
     out.mkdir(parents=True, exist_ok=True)
     plots = {} if args.no_plots else report.plots(runs, rows, out / "benchmarks", doc_dir=out)
     settings = {

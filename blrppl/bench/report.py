@@ -147,6 +147,13 @@ def markdown(
     return "\n".join(lines).rstrip() + "\n"
 
 
+def _compilations(row: dict) -> str:
+    """XLA compilations a fit's first step waited for, and in brackets those finished meanwhile
+    in the background."""
+    waited, background = row.get("xla_compilations", "-"), row.get("background_compilations")
+    return f"{waited} (+{background})" if background else f"{waited}"
+
+
 def _first_fit_section(runs) -> list:
     """Each model's first fit in a fresh process (no compilation cache) against NUTS's total."""
     rows = [(run, run.results["blr"]) for run in runs if "blr" in run.results and run.results["blr"].fresh_process]
@@ -159,10 +166,11 @@ def _first_fit_section(runs) -> list:
         "`blr_fit`'s first fit of each model in a new Python process with the compilation cache off "
         "(`BLRPPL_COMPILATION_CACHE=0`): what the first run of a user's script costs, compilation "
         "included, as a ratio to NUTS's total in this run (target ≤ 0.25 where the family can represent "
-        "the posterior); the model's Python code runs and XLA compilations before its first step "
-        "(targets ≤ 3 and ≤ 2; the diagnostics' and the posterior export's programs compile on a worker "
-        "thread meanwhile and are counted too); and the same fit in a second process that reads the "
-        "persistent compilation cache the first one wrote.",
+        "the posterior); the model's Python code runs and the XLA compilations its first step waits for "
+        "(targets ≤ 3 and ≤ 2), and in brackets those of the diagnostics' and the posterior export's "
+        "programs that finished meanwhile on a worker thread; and the same script run twice in new "
+        "processes sharing a new cache directory: the second run's times, its programs loaded from "
+        "blrppl's program store (see `blrppl/graph/program_store.py`).",
         "",
         "| model | first fit s | of which compile s | NUTS total s | ratio | model runs | XLA compilations "
         "| second process: compile s / total s |",
@@ -175,7 +183,7 @@ def _first_fit_section(runs) -> list:
         lines.append(
             f"| {run.name} | {_f(fresh.get('total'))} | {_f(fresh.get('compile'))} | {_f(nuts_total)} | "
             f"{_f(fresh.get('total', float('nan')) / nuts_total)} | {fresh.get('model_runs', '-')} | "
-            f"{fresh.get('xla_compilations', '-')} | {_f(second.get('compile'))} / {_f(second.get('total'))} |"
+            f"{_compilations(fresh)} | {_f(second.get('compile'))} / {_f(second.get('total'))} |"
         )
     return lines
 
@@ -205,7 +213,7 @@ def _site_section(rows) -> list:
         previous = (r["sites"], compile_s)
         lines.append(
             f"| {r['sites']:,} | {_f(r.get('compile'))} | {_f(1e3 * compile_s / r['sites'])} | {added} | "
-            f"{_f(r.get('total'))} | {r.get('steps', '-')} | {r.get('model_runs', '-')} | {r.get('xla_compilations', '-')} |"
+            f"{_f(r.get('total'))} | {r.get('steps', '-')} | {r.get('model_runs', '-')} | {_compilations(r)} |"
         )
     return lines
 
