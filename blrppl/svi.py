@@ -197,7 +197,7 @@ class BLR:
     def _run_data(self, prepared, dyn):
         """The compiled chunk's data for these arrays (with their precomputed statistics,
         recomputed only when the arrays are new)."""
-        if prepared.bundle.statistics_fn is None:
+        if prepared.bundle.statistics_fn is None and prepared.bundle.tables_fn is None:
             return dyn
         if _is_traced(dyn):
             return prepared.bundle.run_data(dyn)

@@ -20,7 +20,7 @@ from blrppl.families import GaussianDense, GaussianDiag, GaussianNat
 from blrppl.families.gaussian import DiagGaussianNat
 from blrppl.graph.data import DataSpec, xla_compilations
 from blrppl.graph.trace import model_runs
-from blrppl.inputs import host_fold_in, host_split
+from blrppl.inputs import fit_options, host_fold_in, host_split
 
 X = np.random.default_rng(0).normal(size=(40, 3))
 Y = X @ np.array([1.0, -0.5, 0.25]) + 0.3 * np.random.default_rng(1).normal(size=40)
@@ -208,3 +208,54 @@ def test_starting_values_are_computed_on_the_host():
             for got, want in zip(jax.tree.leaves(host), jax.tree.leaves(traced)):
                 assert got.dtype == want.dtype
                 np.testing.assert_allclose(got, want, rtol=1e-12)
+
+
+def _varying_intercepts(county, x, num_counties, y=None):
+    mu_a = numpyro.sample("mu_a", dist.Normal(0.0, 10.0))
+    sigma_a = numpyro.sample("sigma_a", dist.HalfNormal(5.0))
+    b = numpyro.sample("b", dist.Normal(0.0, 10.0))
+    sigma = numpyro.sample("sigma", dist.HalfNormal(5.0))
+    with numpyro.plate("county", num_counties):
+        a = numpyro.sample("a", dist.Normal(mu_a, sigma_a))
+    with numpyro.plate("N", x.shape[0]):
+        numpyro.sample("y", dist.Normal(a[county] + b * x, sigma), obs=y)
+
+
+def test_data_statistics_of_priors_compile_no_program_of_their_own(monkeypatch):
+    """A Gaussian prior's data statistics read no data: computed inside the fit's programs
+    (no program compiled for them before the first step), with the same posterior as when
+    they are precomputed."""
+    import blrppl.engine.fit as fit
+
+    # (30 intercepts with μ_a and b: a joint block of 32 scalars, large enough for statistics)
+    rng = np.random.default_rng(4)
+    county = np.concatenate([np.arange(30), rng.integers(0, 30, size=70)])
+    x = rng.integers(0, 2, size=100).astype(float)
+    y = 1.0 + 0.5 * rng.normal(size=30)[county] - 0.6 * x + 0.8 * rng.normal(size=100)
+    data = {"county": county, "x": x, "num_counties": 30, "y": y}
+    monkeypatch.setenv("BLRPPL_COMPILATION_CACHE", "0")  # (nothing from the program store)
+
+    def model(county, x, num_counties, y=None):  # a new function: not in the compiled-fit cache
+        _varying_intercepts(county, x, num_counties, y)
+
+    prepared = fit.prepare(model, (), data, fit_options(), random.PRNGKey(0))
+    gram_factors = [f.name for f in prepared.plan.factors if f.gram_block]
+    assert gram_factors and prepared.bundle.statistics_fn is None  # all of them read no data
+    result = blr_fit(model, data, rng_key=random.PRNGKey(0), progress_bar=False)
+    assert result.compile_counts.xla_compilations <= 2
+
+    def model2(county, x, num_counties, y=None):
+        _varying_intercepts(county, x, num_counties, y)
+
+    original = fit._statistics_fns
+
+    def all_precomputed(plan, fns, data):  # (as before: computed once, before the loop)
+        varying, constant = original(plan, fns, data)
+        assert varying is None and constant is not None
+        return constant, None
+
+    monkeypatch.setattr(fit, "_statistics_fns", all_precomputed)
+    reference = blr_fit(model2, data, rng_key=random.PRNGKey(0), progress_bar=False)
+    for name in ("mu_a", "b", "a"):
+        np.testing.assert_allclose(result.posterior[name].mean, reference.posterior[name].mean, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(result.elbo[-1], reference.elbo[-1], rtol=1e-10)

@@ -70,8 +70,9 @@ def parse(argv=None):
 
 
 def _fresh_compilation_cache() -> str | None:
-    """A new, empty persistent compilation cache for this run (first fits compile for real;
-    the second-process column then reads what they stored), unless it is off."""
+    """A new, empty persistent compilation cache and program store for this run (first fits
+    compile for real), unless they are off."""
+    import os
     import tempfile
 
     import jax
@@ -80,9 +81,11 @@ def _fresh_compilation_cache() -> str | None:
 
     if blrppl.COMPILATION_CACHE is None:
         return None
-    path = pathlib.Path(tempfile.mkdtemp(prefix="blrppl-bench-")) / "blrppl" / "jax"
+    root = pathlib.Path(tempfile.mkdtemp(prefix="blrppl-bench-"))
+    path = root / "blrppl" / "jax"
     path.mkdir(parents=True)
     jax.config.update("jax_compilation_cache_dir", str(path))
+    os.environ["XDG_CACHE_HOME"] = str(root)  # (the program store: blrppl/programs beside it)
     return str(path)
 
 

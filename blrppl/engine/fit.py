@@ -30,6 +30,7 @@ from blrppl.errors import BLRError
 from blrppl.graph.compile import _block_init_values, compile_model, conjugate_blocks, init_nat
 from blrppl.estimators import gram
 from blrppl.expressions import table_key
+from blrppl.graph.deps import output_dependencies
 from blrppl.graph.stack import stack_table
 from blrppl.diagnostics import KHAT_WARN, Diagnostics, make_log_weights, psis_khat
 from blrppl.graph.data import DataSpec, RunData, split_run_data
@@ -195,6 +196,38 @@ def _stored_fit_key(tracer, dyn, options, prior_spec, supports, plan) -> str | N
     )
 
 
+def _statistics_fns(plan, fns, data) -> tuple:
+    """``(statistics, constant)``: data → the statistics of the plan's ``gram_block``
+    factors that read the data (computed once per data set, see :meth:`CompiledFit.statistics`),
+    and → those of the factors that read none (a Gaussian prior's: constants); None for none."""
+    gram_factors = [f for f in plan.factors if f.gram_block]
+    if not gram_factors:
+        return None, None
+    blocks = {b.name: b for b in plan.blocks}
+
+    def of(factors):
+        def statistics(data, rows=False):
+            return {f.name: gram.statistics(fns, f, blocks[f.gram_block], data, rows=rows) for f in factors}
+
+        return statistics
+
+    reads = output_dependencies(lambda d: of(gram_factors)(d["data"]), {"data": data})
+    constant = [f for f in gram_factors if not any(jax.tree.leaves(reads[f.name], is_leaf=lambda x: isinstance(x, frozenset)))]
+    varying = [f for f in gram_factors if f not in constant]
+    return (of(varying) if varying else None), (of(constant) if constant else None)
+
+
+def _with_statistics(fn, constant):
+    """``fn(x, data, *rest)`` reading, besides ``data``'s statistics, those ``constant``
+    computes from it."""
+
+    def with_statistics(x, data, *rest):
+        model, previous, statistics = split_run_data(data)
+        return fn(x, RunData(model, previous, {**statistics, **constant(data)}), *rest)
+
+    return with_statistics
+
+
 def _stored_program(fit_key: str | None, name: str, options) -> str | None:
     """The program store's key of a fit's program ``name`` compiled with ``options``."""
     return program_key(name, fit_key, options) if fit_key else None
@@ -284,6 +317,17 @@ def _compile(model, records, data_spec, dyn_data, tracer, options, prior_spec, k
         curvature=curvature,
         global_rate=svi_rate if default_rate else None,
     )
+    tables_fn, tables = None, {}
+    if fns.stacks:
+        # (evaluated op by op, never compiled: see blrppl.graph.stack)
+        tables_fn = functools.partial(fns.stack_tables, compute=stack_table)
+        tables = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tables_fn(dyn_data))
+    stats_data = RunData(dyn_data, {}, tables) if tables else dyn_data  # (stacked factors read their tables)
+    statistics_fn, constant = _statistics_fns(plan, fns, stats_data)
+    if constant is not None:
+        # statistics that read no data are computed inside the programs (XLA folds them):
+        # no program of their own to compile before the first step
+        step, elbo_fn = _with_statistics(step, constant), _with_statistics(elbo_fn, constant)
     exact_block = _one_exact_block(plan)
     chunk = make_chunk(
         step, chunk_size, tol, window, epoch, rate_fn, () if plan.subsampled else tuple(plan.order),
@@ -302,25 +346,9 @@ def _compile(model, records, data_spec, dyn_data, tracer, options, prior_spec, k
     rho = {n: jax.ShapeDtypeStruct((), dtype) for n in plan.order}
     steps = jax.ShapeDtypeStruct((), jnp.int32)
     history = jax.ShapeDtypeStruct((history_size(window),), dtype)
-    gram_factors = [f for f in plan.factors if f.gram_block]
-    statistics_fn = None
-    if gram_factors:
-        full_blocks = {b.name: b for b in plan.blocks}
-
-        def statistics(data, rows=False):
-            return {
-                f.name: gram.statistics(fns, f, full_blocks[f.gram_block], data, rows=rows) for f in gram_factors
-            }
-
-        statistics_fn = statistics
-    tables_fn, tables = None, {}
-    if fns.stacks:
-        # (evaluated op by op, never compiled: see blrppl.graph.stack)
-        tables_fn = functools.partial(fns.stack_tables, compute=stack_table)
-        tables = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tables_fn(dyn_data))
     stats = dict(tables)
     if statistics_fn is not None:
-        stats.update(jax.eval_shape(statistics_fn, RunData(dyn_data, {}, tables) if tables else dyn_data))
+        stats.update(jax.eval_shape(statistics_fn, stats_data))
     previous = {n: state.nat[n] for n in online}
     run_data = RunData(dyn_data, previous, stats) if (online or stats) else dyn_data
     # a program stored on disk by an earlier process running this fit is loaded, not traced
