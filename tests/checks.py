@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import jax
 import numpy as np
 from numpyro import handlers
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def site_shapes(model, data) -> dict:
@@ -33,3 +41,14 @@ def assert_every_site_exports(result, model, data, num_draws: int = 5):
         assert np.shape(draws[site]) == (num_draws,) + shape, (site, np.shape(draws[site]))
         own = np.asarray(q.sample(jax.random.PRNGKey(2), (num_draws,)))
         assert own.shape == (num_draws,) + shape and np.all(np.isfinite(own)), site
+
+
+def run_in_new_process(code: str, cache, **env_extra) -> dict:
+    """Run ``code`` (which prints ``RESULT<json>``) in a new Python process whose user cache
+    directory is ``cache`` (and no ``$JAX_COMPILATION_CACHE_DIR``): its JSON."""
+    env = dict(os.environ, XDG_CACHE_HOME=str(cache), **env_extra)
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT"))
+    return json.loads(line[len("RESULT"):])

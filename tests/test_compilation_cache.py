@@ -4,13 +4,7 @@ no compilation), and ``BLRPPL_COMPILATION_CACHE=0`` turns both off."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
+from checks import run_in_new_process
 
 CODE = r"""
 import collections, json
@@ -39,12 +33,7 @@ print("RESULT" + json.dumps({
 
 
 def run(tmp_path, **env_extra):
-    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path), **env_extra)
-    env.pop("JAX_COMPILATION_CACHE_DIR", None)
-    proc = subprocess.run([sys.executable, "-c", CODE], capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT"))
-    return json.loads(line[len("RESULT"):])
+    return run_in_new_process(CODE, tmp_path, **env_extra)
 
 
 def test_second_process_compiles_nothing(tmp_path):

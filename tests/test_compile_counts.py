@@ -15,6 +15,7 @@ import pytest
 from jax import random
 
 from blrppl import blr_fit
+from blrppl.bench.models import random_intercepts_model
 from blrppl.expressions import ModelProgram
 from blrppl.families import GaussianDense, GaussianDiag, GaussianNat
 from blrppl.families.gaussian import DiagGaussianNat
@@ -210,17 +211,6 @@ def test_starting_values_are_computed_on_the_host():
                 np.testing.assert_allclose(got, want, rtol=1e-12)
 
 
-def _varying_intercepts(county, x, num_counties, y=None):
-    mu_a = numpyro.sample("mu_a", dist.Normal(0.0, 10.0))
-    sigma_a = numpyro.sample("sigma_a", dist.HalfNormal(5.0))
-    b = numpyro.sample("b", dist.Normal(0.0, 10.0))
-    sigma = numpyro.sample("sigma", dist.HalfNormal(5.0))
-    with numpyro.plate("county", num_counties):
-        a = numpyro.sample("a", dist.Normal(mu_a, sigma_a))
-    with numpyro.plate("N", x.shape[0]):
-        numpyro.sample("y", dist.Normal(a[county] + b * x, sigma), obs=y)
-
-
 def test_data_statistics_of_priors_compile_no_program_of_their_own(monkeypatch):
     """A Gaussian prior's data statistics read no data: computed inside the fit's programs
     (no program compiled for them before the first step), with the same posterior as when
@@ -236,7 +226,7 @@ def test_data_statistics_of_priors_compile_no_program_of_their_own(monkeypatch):
     monkeypatch.setenv("BLRPPL_COMPILATION_CACHE", "0")  # (nothing from the program store)
 
     def model(county, x, num_counties, y=None):  # a new function: not in the compiled-fit cache
-        _varying_intercepts(county, x, num_counties, y)
+        random_intercepts_model(county, x, num_counties, y)
 
     prepared = fit.prepare(model, (), data, fit_options(), random.PRNGKey(0))
     gram_factors = [f.name for f in prepared.plan.factors if f.gram_block]
@@ -245,7 +235,7 @@ def test_data_statistics_of_priors_compile_no_program_of_their_own(monkeypatch):
     assert result.compile_counts.xla_compilations <= 2
 
     def model2(county, x, num_counties, y=None):
-        _varying_intercepts(county, x, num_counties, y)
+        random_intercepts_model(county, x, num_counties, y)
 
     original = fit._statistics_fns
 

@@ -4,11 +4,7 @@ arguments, other data values in the same shapes, or another model."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -17,8 +13,7 @@ import pytest
 
 from blrppl.graph import program_store
 from blrppl.graph.program_store import compile_program, load, program_key, store
-
-ROOT = Path(__file__).resolve().parents[1]
+from checks import run_in_new_process
 
 
 @pytest.fixture
@@ -140,12 +135,7 @@ print("RESULT" + json.dumps({
 
 
 def _fit(cache, data_seed=0, prior_scale=1.0, **env_extra):
-    env = dict(os.environ, XDG_CACHE_HOME=str(cache), DATA_SEED=str(data_seed), PRIOR_SCALE=str(prior_scale), **env_extra)
-    env.pop("JAX_COMPILATION_CACHE_DIR", None)
-    proc = subprocess.run([sys.executable, "-c", CODE], capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT"))
-    return json.loads(line[len("RESULT"):])
+    return run_in_new_process(CODE, cache, DATA_SEED=str(data_seed), PRIOR_SCALE=str(prior_scale), **env_extra)
 
 
 def test_a_second_process_loads_the_fit_and_reuses_it_only_for_the_same_program(tmp_path):

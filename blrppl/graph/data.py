@@ -5,8 +5,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import threading
 import pathlib
+import threading
 from typing import Any, NamedTuple
 
 import jax
