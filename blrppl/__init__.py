@@ -16,6 +16,7 @@ from blrppl.api import blr_fit
 from blrppl.errors import (
     BLRError,
     FamilyError,
+    InitValueError,
     MissingDependencyError,
     ModelTraceError,
     ObservedDataError,
@@ -38,6 +39,7 @@ __all__ = [
     "BLRResult",
     "BLRRunResult",
     "FamilyError",
+    "InitValueError",
     "MissingDependencyError",
     "ModelTraceError",
     "ObservedDataError",

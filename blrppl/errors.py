@@ -51,5 +51,10 @@ class OnlinePriorError(BLRError):
     does not fit the site's block in the new fit (family, shape, grouping)."""
 
 
+class InitValueError(BLRError):
+    """A starting value given for a site (``init_params=``) does not fit it: not a finite
+    number, another shape, or outside the site's support."""
+
+
 class MissingDependencyError(BLRError):
     """An optional dependency a feature needs is not installed."""

@@ -16,6 +16,7 @@ from blrppl.api import blr_fit
 from blrppl.errors import (
     BLRError,
     FamilyError,
+    InitValueError,
     ModelTraceError,
     ObservedDataError,
     UnsupportedLatentError,
@@ -255,3 +256,39 @@ def test_data_not_mutated():
     fit(model2, args, num_steps=2)
     np.testing.assert_array_equal(args[0], x_before)
     np.testing.assert_array_equal(args[1], y_before)
+
+
+def _location_scale(y=None):
+    mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
+    sigma = numpyro.sample("sigma", dist.HalfNormal(1.0))
+    w = numpyro.sample("w", dist.Dirichlet(jnp.ones(3)))
+    with numpyro.plate("n", 5):
+        numpyro.sample("y", dist.Normal(mu + w[0], sigma), obs=y)
+
+
+@pytest.mark.parametrize(
+    "init, message",
+    [
+        ({"sigma": -1.0}, "'sigma': init value -1 is outside the site's support"),
+        ({"sigma": 0.0}, "'sigma': init value 0 is outside the site's support"),
+        ({"sigma": np.nan}, "'sigma': init value is not finite"),
+        ({"mu": jnp.inf}, "'mu': init value is not finite"),
+        ({"mu": [0.0, 1.0]}, r"'mu': init value has shape \(2,\), the site's values have shape \(\)"),
+        ({"mu": "zero"}, "'mu': init value must be numeric"),
+        ({"w": np.array([0.5, 0.6, 0.1])}, "'w': init value .* is outside the site's support"),
+    ],
+)
+def test_a_starting_value_that_does_not_fit_its_site_is_refused(init, message):
+    """A starting value outside its site's support would start the fit from NaN natural
+    parameters and return NaN posteriors: it is refused, naming the site."""
+    y = np.array([0.1, 0.3, -0.2, 0.5, 0.0])
+    with pytest.raises(InitValueError, match=message):
+        blrppl.BLR(_location_scale).run(jax.random.key(0), 5, y=y, init_params=init, progress_bar=False)
+
+
+def test_a_starting_value_inside_the_support_is_used():
+    y = np.array([0.1, 0.3, -0.2, 0.5, 0.0])
+    result = blrppl.BLR(_location_scale).run(
+        jax.random.key(0), 200, y=y, init_params={"sigma": 0.5, "w": np.array([0.2, 0.3, 0.5])}, progress_bar=False
+    )
+    assert all(np.all(np.isfinite(np.asarray(v))) for v in result.params.values())

@@ -26,7 +26,7 @@ import numpyro
 from blrppl.engine.loop import BAD_RATE, CONVERGED, NONFINITE, STATIONARY, STATIONARY_STEPS, empty_history, history_size, make_chunk, run_loop
 from blrppl.engine import start as start_mod
 from blrppl.engine.step import BLRState, initial_state, make_step
-from blrppl.errors import BLRError
+from blrppl.errors import BLRError, InitValueError
 from blrppl.graph.compile import _block_init_values, compile_model, conjugate_blocks, init_nat
 from blrppl.estimators import gram
 from blrppl.expressions import table_key
@@ -483,9 +483,7 @@ def _prepare_locked(model, args, kwargs, options, rng_key, prior, init_values, s
     for name, value in (init_values or {}).items():
         if name not in site_values:
             raise BLRError(f"init value given for '{name}', which is not a latent site", site=name)
-        site_values[name] = jnp.broadcast_to(
-            jnp.asarray(value, jnp.result_type(float)), init_records[name].value_shape
-        )
+        site_values[name] = _checked_init_value(init_records[name], value)
     block_values = _block_init_values({b.name: b.full for b in plan.blocks}, site_values, unconstrained)
     probs0 = {
         b.name: rng.dirichlet(np.ones(len(b.support_values)), size=b.full.value_shape)
@@ -527,6 +525,45 @@ def _prepare_locked(model, args, kwargs, options, rng_key, prior, init_values, s
     return Prepared(
         bundle, plan, records, data_spec, dyn_data, state, rho, tol, CHUNK_SIZE, t0, options.iterate_average, counts
     )
+
+
+def _checked_init_value(record, value):
+    """A user's starting value of a latent site, as an array of the site's shape.
+
+    Raises:
+        InitValueError: the value is not numeric, not finite, of another shape or outside
+            the site's support (which would start the fit from NaN natural parameters).
+    """
+    name, shape = record.name, record.value_shape
+    try:
+        arr = np.asarray(value, dtype=float)
+    except (TypeError, ValueError):
+        raise InitValueError(f"init value must be numeric, not {type(value).__name__}", site=name) from None
+    try:
+        arr = np.broadcast_to(arr, shape)
+    except ValueError:
+        raise InitValueError(f"init value has shape {arr.shape}, the site's values have shape {shape}", site=name) from None
+    if not np.all(np.isfinite(arr)):
+        raise InitValueError(f"init value is not finite ({_some(arr[~np.isfinite(arr)])})", site=name)
+    try:
+        inside = np.asarray(record.support(arr))
+    except Exception:  # (a support with parameters it cannot check here)
+        inside = np.ones((), bool)
+    if not np.all(inside):
+        outside = arr if inside.shape != arr.shape else arr[~inside]
+        raise InitValueError(
+            f"init value {_some(outside)} is outside the site's support ({record.support}); give a value "
+            "inside it (e.g. a positive scale)",
+            site=name,
+        )
+    return jnp.asarray(arr, jnp.result_type(float))
+
+
+def _some(values) -> str:
+    """A few of ``values``, for a message."""
+    flat = np.ravel(values)
+    shown = ", ".join(f"{v:g}" for v in flat[:3])
+    return shown + (", ..." if flat.size > 3 else "")
 
 
 def _discrete_start(bundle, plan, records, state, data, start, rng, block_values):
