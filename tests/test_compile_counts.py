@@ -231,8 +231,9 @@ def test_data_statistics_of_priors_compile_no_program_of_their_own(monkeypatch):
     prepared = fit.prepare(model, (), data, fit_options(), random.PRNGKey(0))
     gram_factors = [f.name for f in prepared.plan.factors if f.gram_block]
     assert gram_factors and prepared.bundle.statistics_fn is None  # all of them read no data
-    result = blr_fit(model, data, rng_key=random.PRNGKey(0), progress_bar=False)
-    assert result.compile_counts.xla_compilations <= 2
+    assert prepared.bundle._statistics_compiled is None  # (no program of their own)
+    assert prepared.compile_counts.xla_compilations <= 2
+    result = fit.run(prepared, prepared.state, 1000, False)
 
     def model2(county, x, num_counties, y=None):
         random_intercepts_model(county, x, num_counties, y)
