@@ -43,7 +43,7 @@ def exact(coupling, d):
 
 @pytest.mark.parametrize("coupling", list(COUPLINGS))
 def test_coupled_plate_is_fitted_dense_and_exact(coupling):
-    d = RNG.normal(size=COUPLINGS[coupling][1].shape[0])
+    d = np.random.default_rng(1).normal(size=COUPLINGS[coupling][1].shape[0])  # (the same in any test order)
     _, mean, cov = exact(coupling, d)
     r = blr_fit(model, {"y": Y, "d": d, "coupling": coupling}, rng_key=random.PRNGKey(0), progress_bar=False)
     assert r.converged
@@ -55,11 +55,13 @@ def test_coupled_plate_is_fitted_dense_and_exact(coupling):
 
 @pytest.mark.parametrize("kwargs", [{"structure": "mean-field"}, {"families": {"x": "gaussian-diag"}}])
 def test_mean_field_over_a_coupled_plate_iterates_to_its_fixed_point(kwargs):
-    d = RNG.normal(size=N - 1)
+    d = np.random.default_rng(2).normal(size=N - 1)
     precision, mean, _ = exact("differences", d)
     r = blr_fit(model, {"y": Y, "d": d, "coupling": "differences"}, rng_key=random.PRNGKey(0),
                 progress_bar=False, tol=1e-10, **kwargs)
     assert r.converged and r.num_steps > 1
-    # (coordinate ascent converges linearly: stopped at a relative change of 1e-10 per step)
-    np.testing.assert_allclose(r.posterior["x"].mean, mean, atol=1e-5)
+    # (coordinate ascent converges linearly: stopped at a relative ELBO change of 1e-10 per
+    # step, an ELBO about 1e-9 short of its optimum, whose square root bounds the means' error
+    # in sds of order 1: a few 1e-5)
+    np.testing.assert_allclose(r.posterior["x"].mean, mean, atol=1e-4)
     np.testing.assert_allclose(r.posterior["x"].variance, 1.0 / np.diag(precision), rtol=1e-8)
