@@ -953,7 +953,8 @@ def classify_form(form, deps, blocks: dict, site_blocks: dict) -> tuple:
         return (ArgumentClass(kind, cont, **kw), "") if gathered(kind != mom.AffineGaussian.kind) else (None, "")
 
     reason = fm.why_not_exact(form)
-    if isinstance(form, fm.Affine) or (isinstance(form, fm.Power) and form.power == 1.0 and set(spaces.values()) == {"affine"}):
+    # (first powers of Gaussian sites: ``A * x_prev`` of a scan's carry over time steps)
+    if isinstance(form, fm.Affine) or (fm.first_powers(form) and set(spaces.values()) == {"affine"}):
         off = sorted(s for s, sp in spaces.items() if sp != "affine")
         if not off:
             return decided("affine_gaussian")

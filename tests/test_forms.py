@@ -59,6 +59,10 @@ TABLE = [
     ("choice of rates", lambda x, d: jnp.where(jnp.arange(4) < x["z"], x["tau"], x["s"]), fm.Choice(S({("tau", 1.0), ("s", 1.0)}))),
     ("discrete index", lambda x, d: x["a"][x["z"]], fm.Power("a", 1.0)),
     ("scan carry", level_scan, fm.Affine(S({"a"}), True)),
+    # a lag carried by a scan: the initial state, then the chain's own values
+    ("carry from another site", lambda x, d: jnp.where(jnp.arange(3) == 0, x["s"], x["w"]), fm.Choice(S({("s", 1.0), ("w", 1.0)}))),
+    ("negated carry", lambda x, d: -jnp.where(jnp.arange(3) == 0, x["s"], x["w"]), fm.Affine(S({"s", "w"}))),
+    ("difference of lags", lambda x, d: 0.6 * x["w"] - 0.2 * jnp.where(jnp.arange(3) == 0, x["s"], x["w"]), fm.Affine(S({"s", "w"}), True)),
     ("softplus", lambda x, d: jax.nn.softplus(x["w"]), fm.Opaque("'softplus' of a latent")),
     ("tanh", lambda x, d: jnp.tanh(x["w"]), fm.Opaque("'tanh' of a latent")),
     ("product of latents", lambda x, d: x["w"] @ x["w"], fm.Opaque("a product of latents")),
@@ -104,6 +108,9 @@ CLASSES = [
     (fm.Affine(S({"w"}), True), ("w",), "affine_gaussian", None),  # X @ w: a dense block may mix
     (fm.Affine(S({"a"}), True), ("a",), None, None),  # a diagonal block mixed: columns, probed
     (fm.Power("a", 1.0), ("a",), "affine_gaussian", None),
+    # a choice between first powers of Gaussian sites is affine; of a Gamma's, a choice of rates
+    (fm.Choice(S({("a", 1.0), ("w", 1.0)})), ("a", "w"), "affine_gaussian", None),
+    (fm.Choice(S({("tau", 1.0), ("a", 1.0)})), ("a", "tau"), "opaque", None),
     (fm.Power("tau", -0.5), ("tau",), "power_gamma", -0.5),
     (fm.LogPower("s", 1.0), ("s",), "affine_gaussian", None),  # log of exp(u)
     (fm.Power("s", 1.0), ("s",), "opaque", None),  # exp(u) itself

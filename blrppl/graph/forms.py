@@ -173,6 +173,13 @@ def _as_affine(form):
     return None
 
 
+def first_powers(form) -> bool:
+    """Whether ``form`` is the first power of a site, or elementwise a choice between first
+    powers of several sites (a scan's carry that starts at one latent and goes on with
+    another): affine when the sites are Gaussian."""
+    return isinstance(form, Power | Choice) and _as_affine(form) is not None
+
+
 def _terms(form) -> dict:
     """site → exponent of a power or product form."""
     if isinstance(form, Power):
@@ -497,8 +504,8 @@ class _Interpreter:
             return _add(ins[0], self.primitive(eqn, "neg", ins[1:]), 1.0)
         if name == "neg":
             a = ins[0]
-            if isinstance(a, Power) and a.power == 1.0:
-                return Affine(frozenset([a.site]), a.mixes)
+            if first_powers(a):  # (−x, and −(a choice between first powers): affine)
+                return _as_affine(a)
             if isinstance(a, Const | Affine | LogPower | LogProduct):
                 return _mul(a, Const(-1.0))
             return a if isinstance(a, Opaque) else Opaque("a negated power or link of a latent")
