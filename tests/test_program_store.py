@@ -111,8 +111,10 @@ numpyro.enable_x64()
 from blrppl import blr_fit
 from blrppl.graph import program_store
 
+SITE = os.environ.get("SITE", "beta")
+
 def model(X, y=None):
-    beta = numpyro.sample("beta", dist.Normal(0.0, 1.0).expand([X.shape[1]]).to_event(1))
+    beta = numpyro.sample(SITE, dist.Normal(0.0, 1.0).expand([X.shape[1]]).to_event(1))
     prior_scale = float(os.environ["PRIOR_SCALE"])
     sigma = numpyro.sample("sigma", dist.HalfNormal(prior_scale))
     with numpyro.plate("n", X.shape[0]):
@@ -128,11 +130,11 @@ if os.environ.get("REFERENCE"):  # the same fit compiled here, without the store
     def model2(X, y=None):  # (a new function: not in the compiled-fit cache either)
         model(X, y)
     reference = blr_fit(model2, {"X": X, "y": y}, rng_key=random.PRNGKey(0), progress_bar=False)
-    reference = {"mean": np.asarray(reference.posterior["beta"].mean).tolist(), "elbo": np.asarray(reference.elbo).tolist()}
+    reference = {"mean": np.asarray(reference.posterior[SITE].mean).tolist(), "elbo": np.asarray(reference.elbo).tolist()}
 print("RESULT" + json.dumps({
     "reference": reference,
-    "mean": np.asarray(r.posterior["beta"].mean).tolist(),
-    "sd": np.sqrt(np.diag(np.asarray(r.posterior["beta"].covariance_matrix))).tolist(),
+    "mean": np.asarray(r.posterior[SITE].mean).tolist(),
+    "sd": np.sqrt(np.diag(np.asarray(r.posterior[SITE].covariance_matrix))).tolist(),
     "elbo": np.asarray(r.elbo).tolist(),
     "khat": r.diagnostics.khat,
     "loaded": program_store.COUNTS["loaded"],
@@ -162,3 +164,6 @@ def test_a_second_process_loads_the_fit_and_reuses_it_only_for_the_same_program(
     # another model program (a prior constant changed): nothing loaded
     changed = _fit(tmp_path, prior_scale=2.0)
     assert changed["loaded"] == 0 and changed["stored"] >= 3
+    # the same program with a site renamed: nothing loaded (the outputs are keyed by name)
+    renamed = _fit(tmp_path, SITE="coef")
+    assert renamed["loaded"] == 0 and renamed["mean"] == first["mean"]

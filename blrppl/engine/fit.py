@@ -184,15 +184,17 @@ def _cache_key(model, tracer, dyn, options, prior_spec):
 
 def _stored_fit_key(tracer, dyn, options, prior_spec, supports, plan) -> str | None:
     """The key of a compiled fit's programs in the program store
-    (:mod:`blrppl.graph.program_store`): the model's program fingerprint, data layout and
-    shapes, options, the previous fit's layout, the latents' support values and the plan;
+    (:mod:`blrppl.graph.program_store`): the model's program fingerprint and its sites'
+    static facts (names, distributions, event dims, plates, supports, ``infer``), data layout
+    and shapes, options, the previous fit's layout, the latents' support values and the plan;
     None when the fit is not stored (a model that needs concrete data holds them)."""
     spec = tracer.spec
     if spec.all_static:
         return None
     shapes = tuple((jnp.shape(x), str(jnp.result_type(x))) for x in dyn)
     return program_key(
-        tracer.fingerprint, spec.treedef, spec.static, shapes, options.compiled(), prior_spec, supports, plan.describe()
+        tracer.fingerprint, tracer.meta.get("sites"), spec.treedef, spec.static, shapes, options.compiled(), prior_spec,
+        supports, plan.describe(),
     )
 
 

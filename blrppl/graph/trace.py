@@ -273,7 +273,14 @@ class ModelTracer:
             options = compiler_options(dyn)
             spec = self.spec
             # (a model that needs concrete data holds them: its run is not stored)
-            key = None if spec.all_static else program_key("model run", self.fingerprint, spec.treedef, spec.static, options)
+            # (its outputs are keyed by site name, which the program's fingerprint does not see)
+            info = getattr(self._traced, "out_info", None)
+            key = None
+            if info is not None and not spec.all_static:
+                outputs = jax.tree.structure(info)
+                key = program_key(
+                    "model run", self.fingerprint, outputs, self.meta.get("sites"), spec.treedef, spec.static, options
+                )
             traced = self._traced
             self._compiled = compile_program(key, lambda *_: traced.lower(), (dyn, rng_key), options)
             self._traced = None
