@@ -14,7 +14,7 @@ from numpyro.distributions import constraints
 
 from blrppl.expressions import canonical_leaves
 from blrppl.graph.data import compiler_options
-from blrppl.graph.program_store import compile_program, jit as store_jit, program_key
+from blrppl.graph.program_store import compile_program, fit_program_key, jit as store_jit
 from blrppl.graph.plan import Block
 
 
@@ -192,7 +192,7 @@ def posterior_builder(plan, records, submit):
         try:
             with numpyro.validation_enabled(False):  # the families' parameters are valid
                 _, tree = canonical_leaves(jax.eval_shape(build, nat))
-                stored = program_key("export", key, options) if key else None
+                stored = fit_program_key(key, "export", options)
                 future = compile_program(stored, store_jit(leaves_of, "export").lower, (nat,), options, submit, background=True)
         except TypeError:  # a distribution that is not a pytree
             return False

@@ -35,7 +35,7 @@ from blrppl.graph.stack import stack_table
 from blrppl.diagnostics import KHAT_WARN, Diagnostics, make_log_weights, psis_khat
 from blrppl.graph.data import DataSpec, RunData, split_run_data
 from blrppl.graph.data import background_compilations, compiler_options as _compiler_options, host_array, xla_compilations
-from blrppl.graph.program_store import compile_program, jit as store_jit, program_key
+from blrppl.graph.program_store import compile_program, fit_program_key, jit as store_jit, program_key
 from blrppl.engine.subsample import averaged_nat, svi_rate
 from blrppl.graph.trace import (
     check_plate_sizes, full_size_model, model_runs, subsampled_plates, trace_model, trace_program,
@@ -89,7 +89,7 @@ class CompiledFit:
     stored_key: str | None = None
 
     def _stored(self, name: str, options) -> str | None:
-        return _stored_program(self.stored_key, name, options)
+        return fit_program_key(self.stored_key, name, options)
 
     def compile_log_weights(self, nat, dyn, key) -> None:
         """Start compiling :meth:`log_weights` for arguments of these shapes (on a worker
@@ -156,25 +156,28 @@ _CACHE: "collections.OrderedDict" = collections.OrderedDict()
 CACHE_SIZE = 16
 
 
-def _cache_key(model, tracer, dyn, options, prior_spec):
-    """Hashable key of what the compiled fit depends on, or None if something is unhashable
-    (then nothing is cached): the model, the fingerprint of its traced program (its code
-    path and every value it closes over), the data's structure, static values and array
-    shapes, the options and the previous fit's block layout (online fits)."""
+def _program_parts(tracer, dyn, options, prior_spec) -> tuple | None:
+    """What a compiled fit depends on besides the model function: the fingerprint of its
+    traced program (its code path and every value it closes over), the data's structure,
+    static values and array shapes, the options, the previous fit's block layout (online
+    fits) and the float precision; None when the model needed concrete data (the compiled
+    fit then holds this data)."""
     spec = tracer.spec
     if spec.all_static:
-        return None  # the model needed concrete data: the compiled fit holds this data
+        return None
     shapes = tuple((jnp.shape(x), jnp.result_type(x)) for x in dyn)
-    key = (
-        model,
-        tracer.fingerprint,
-        spec.treedef,
-        spec.static,
-        shapes,
-        options.compiled(),
-        prior_spec,
-        jnp.result_type(float),
+    return (
+        tracer.fingerprint, spec.treedef, spec.static, shapes, options.compiled(), prior_spec, jnp.result_type(float)
     )
+
+
+def _cache_key(model, tracer, dyn, options, prior_spec):
+    """Hashable key of the compiled-fit cache in memory (the model and
+    :func:`_program_parts`), or None if something is unhashable (then nothing is cached)."""
+    parts = _program_parts(tracer, dyn, options, prior_spec)
+    if parts is None:
+        return None
+    key = (model, *parts)
     try:
         hash(key)
     except TypeError:
@@ -184,18 +187,13 @@ def _cache_key(model, tracer, dyn, options, prior_spec):
 
 def _stored_fit_key(tracer, dyn, options, prior_spec, supports, plan) -> str | None:
     """The key of a compiled fit's programs in the program store
-    (:mod:`blrppl.graph.program_store`): the model's program fingerprint and its sites'
-    static facts (names, distributions, event dims, plates, supports, ``infer``), data layout
-    and shapes, options, the previous fit's layout, the latents' support values and the plan;
-    None when the fit is not stored (a model that needs concrete data holds them)."""
-    spec = tracer.spec
-    if spec.all_static:
+    (:mod:`blrppl.graph.program_store`): :func:`_program_parts`, the sites' static facts
+    (names, distributions, event dims, plates, supports, ``infer``), the latents' support
+    values and the plan; None when the fit is not stored."""
+    parts = _program_parts(tracer, dyn, options, prior_spec)
+    if parts is None:
         return None
-    shapes = tuple((jnp.shape(x), str(jnp.result_type(x))) for x in dyn)
-    return program_key(
-        tracer.fingerprint, tracer.meta.get("sites"), spec.treedef, spec.static, shapes, options.compiled(), prior_spec,
-        supports, plan.describe(),
-    )
+    return program_key(parts, tracer.meta.get("sites"), supports, plan.describe())
 
 
 def _statistics_fns(plan, fns, data) -> tuple:
@@ -228,11 +226,6 @@ def _with_statistics(fn, constant):
         return fn(x, RunData(model, previous, {**statistics, **constant(data)}), *rest)
 
     return with_statistics
-
-
-def _stored_program(fit_key: str | None, name: str, options) -> str | None:
-    """The program store's key of a fit's program ``name`` compiled with ``options``."""
-    return program_key(name, fit_key, options) if fit_key else None
 
 
 def _elementwise_work(plan, records) -> int:
@@ -359,7 +352,7 @@ def _compile(model, records, data_spec, dyn_data, tracer, options, prior_spec, k
     # diagnostics' program is traced here, then both compile at once
     chunk_options = _compiler_options(dyn_data, _elementwise_work(plan, records))
     chunk_future = compile_program(
-        _stored_program(fit_key, "chunk", chunk_options),
+        fit_program_key(fit_key, "chunk", chunk_options),
         store_jit(chunk, "chunk").lower,
         (state, run_data, steps, rho, history),
         chunk_options,

@@ -102,6 +102,12 @@ def program_key(*parts) -> str | None:
     return hashlib.blake2b(text.encode(), digest_size=24).hexdigest()
 
 
+def fit_program_key(fit_key: str | None, name: str, options) -> str | None:
+    """The key of a fit's program ``name`` compiled with XLA ``options``, from the fit's own
+    key (None: not stored)."""
+    return program_key(name, fit_key, options) if fit_key else None
+
+
 def jit(fn, name: str):
     """``jax.jit`` of ``fn`` under the name ``name`` tagged with blrppl's source hash. The name
     is part of JAX's persistent-cache key: a program compiled by this blrppl for the store is
