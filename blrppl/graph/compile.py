@@ -20,12 +20,13 @@ from blrppl.estimators import gram
 from blrppl.expressions import (
     LINKS, ArgumentClass, ModelFunctions, ModelProgram, classify_form, distribution_leaves, probe_argument, projection_args, run_probes,
 )
-from blrppl.graph.data import compile_lowered, compiler_options
+from blrppl.graph.data import compiler_options
+from blrppl.graph.program_store import compile_program, jit as store_jit, program_key
 from blrppl.graph.deps import output_forms
 from blrppl.graph.forms import Const, Power, inverse_link
 from blrppl.graph.plan import Block, Factor, FactorRole, LocalAxis, Plan
 from blrppl.graph.stack import stack_factors
-from blrppl.graph.trace import SiteRecord, finite_support_values
+from blrppl.graph.trace import SiteRecord, finite_support_values, program_fingerprint
 from blrppl.rules import find_rule
 
 def _support_kind(support) -> str:
@@ -661,7 +662,12 @@ def _audit_dependencies(model, data_spec, data, records, deps, site_init, plate_
 
         return jax.vmap(along)(stacked)
 
-    values, slopes = compile_lowered(jax.jit(derivatives).lower(data), compiler_options(data))(data)
+    # (a program of its own, stored like the fit's: keyed by its traced program, whose
+    # fingerprint holds the random point and directions, and its outputs' site names)
+    traced = store_jit(derivatives, "audit").trace(data)
+    options = compiler_options(data)
+    key = program_key("audit", program_fingerprint(traced.jaxpr), jax.tree.structure(traced.out_info), options)
+    values, slopes = compile_program(key, lambda *_: traced.lower(), (data,), options)(data)
     values, slopes = jax.tree.map(np.asarray, (values, slopes))  # (indexed on the host)
     for k, latent_name in enumerate(order):
         for site in names:
