@@ -31,6 +31,7 @@ from numpyro.distributions import biject_to
 from numpyro.infer import autoguide as ag
 
 from blrppl.errors import UnsupportedGuideError
+from blrppl.families._band import to_dense
 from blrppl.export import point_value
 
 #: autoguides whose family BLR fits (most specific first)
@@ -133,7 +134,12 @@ def _groups(plan, nat, full: bool):
         if b.param:
             continue  # the model's own params are not the autoguide's
         view = b.family.view(nat[b.name])
-        if b.members:
+        if b.family.banded:
+            # (the whole covariance of a chain: an autoguide's full-rank scale holds it)
+            var = jnp.linalg.inv(to_dense(-2.0 * nat[b.name].eta2)) if full else view.cov[..., 0]
+            sites = b.members or (b,)
+            out.append(([(m.name, m.value_shape) for m in sites], view.mean, var))
+        elif b.members:
             var = view.cov if full else jnp.diagonal(view.cov)
             out.append(([(m.name, m.value_shape) for m in b.members], view.mean, var))
         elif b.family.gaussian and not b.family.dense_event:

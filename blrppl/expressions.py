@@ -630,6 +630,86 @@ def probe_argument(fn, deps: frozenset, blocks: dict, rng: np.random.Generator) 
     return ArgumentProbe(group, cont, inputs, compute, decide)
 
 
+def too_many_columns(cls: "ArgumentClass", blocks: dict) -> "ArgumentClass":
+    """``cls``, or opaque when it mixes the plate elements of a block with more than
+    :data:`MAX_FULL_COLUMNS` scalars that no banded family holds (one column per scalar of
+    it would be pushed through the model: memory quadratic in its size)."""
+    for n in cls.full:
+        b = blocks[n]
+        if b.size > MAX_FULL_COLUMNS and b.batch_shape and not b.family.banded:
+            return ArgumentClass("opaque", cls.blocks, reason=f"mixes the elements of the large block '{n}'")
+    return cls
+
+
+def pairing_probe(fn, shared: dict, point: dict, blocks: dict, rng: np.random.Generator) -> ArgumentProbe:
+    """Plan the probe that tells which plated Gaussian blocks a factor's arguments read at
+    different elements (``value = x[1:]`` with ``loc = x[:-1]``): each argument alone reads
+    one plate element per output element, yet the pair couples neighbours.
+
+    Along a tangent m and its products s ⊙ m with random sign patterns s over the plate
+    elements, an argument a reading element p_a(n) at output n has J_a(s ⊙ m)_n =
+    s_{p_a(n)} J_a(m)_n; two arguments read the same element exactly when their ratios agree
+    for every pattern.
+
+    Args:
+        fn: maps (latent values, data) to the factor's arguments (a dict).
+        shared: block → the arguments that read it elementwise ("gather").
+        point: the probe point (every neighbour block).
+        blocks: name → :class:`Block`.
+        rng: host random generator.
+
+    Returns:
+        a probe whose decision is the set of blocks whose elements the factor couples.
+    """
+    inputs = {"point": point, "tangents": {}}
+    for n in shared:
+        b = blocks[n]
+        elementwise = not b.family.dense_event
+        if elementwise:
+            base = np.exp(0.3 * rng.normal(size=b.value_shape))
+            signs = rng.choice([-1.0, 1.0], size=(_NUM_SIGN_PATTERNS,) + b.value_shape)
+            inputs["tangents"][n] = np.concatenate([base[None], signs * base])
+        else:
+            dim = math.prod(b.value_shape) // max(math.prod(b.batch_shape), 1)
+            event = rng.normal(size=(dim,))
+            signs = rng.choice([-1.0, 1.0], size=(_NUM_SIGN_PATTERNS,) + b.batch_shape + (1,))
+            canon = np.concatenate([np.ones((1,) + b.batch_shape + (1,)), signs]) * event
+            inputs["tangents"][n] = np.stack([b.to_site(c) for c in canon])
+
+    def compute(inputs, data):
+        out = {}
+        for n, tangents in inputs["tangents"].items():
+            p = inputs["point"]
+
+            def along(t, n=n, p=p):
+                return jax.jvp(lambda x: fn({**p, n: x}, data), (p[n],), (t,))[1]
+
+            pushed = jax.vmap(along)(tangents)
+            out[n] = {a: pushed[a] for a in shared[n]}
+        return out
+
+    def decide(outputs) -> frozenset:
+        coupled = set()
+        for n, args in outputs.items():
+            arrays = [np.asarray(v) for v in args.values()]
+            shape = np.broadcast_shapes(*(a.shape for a in arrays))
+            arrays = [np.broadcast_to(a, shape) for a in arrays]
+            ratios, valid = [], []
+            for a in arrays:
+                base = a[0]
+                ok = np.abs(base) > 1e3 * np.finfo(a.dtype).eps * (np.max(np.abs(base), initial=0.0) + 1e-30)
+                ratios.append(np.where(ok, a[1:] / np.where(ok, base, 1.0), 0.0))
+                valid.append(ok)
+            for i in range(len(arrays)):
+                for j in range(i + 1, len(arrays)):
+                    both = valid[i] & valid[j]
+                    if np.any(both & (np.sign(ratios[i]) != np.sign(ratios[j]))):
+                        coupled.add(n)
+        return frozenset(coupled)
+
+    return ArgumentProbe("pairing", tuple(shared), inputs, compute, decide)
+
+
 def _secant_ok(diff, slope) -> bool:
     """f(x1) − f(x0) == J(x0)(x1 − x0), as for every affine map."""
     diff, slope = np.asarray(diff), np.asarray(slope)
@@ -688,9 +768,6 @@ def _gaussian_probe(fn, cont, blocks):
             if not bool(np.all(np.abs(d2) <= tol)):
                 return ArgumentClass("opaque", cont, reason="not affine in its Gaussian blocks")
             full.update(n for n, sq in o["sq"].items() if not _gather_ok(sq))
-        for n in full:
-            if blocks[n].size > MAX_FULL_COLUMNS:
-                return ArgumentClass("opaque", cont, reason=f"mixes the elements of the large block '{n}'")
         return ArgumentClass("affine_gaussian", cont, tuple(sorted(full)))
 
     return compute, decide
@@ -890,6 +967,11 @@ def group_moments(fns: ModelFunctions, factors, blocks: dict, views: dict, discr
                 left = tuple(rows_of(n, "left", f.name, arg) if n in used else None for n in fgauss)
                 right = tuple(rows_of(n, "right", f.name, arg) if n in used else None for n in fgauss)
                 moments[arg] = mom.AffineGaussian(value, left, right)
+            elif kind == mom.ExpGaussian.kind:
+                # x = exp(a) with a affine: each pushed row is x · (the row of a)
+                left = tuple(rows_of(n, "left", f.name, arg) / value if n in used else None for n in fgauss)
+                right = tuple(rows_of(n, "right", f.name, arg) / value if n in used else None for n in fgauss)
+                moments[arg] = mom.ExpGaussian(mom.AffineGaussian(jnp.log(value), left, right))
             elif kind == mom.PowerGamma.kind:
                 # each row pushed through x = c τ^a at τ = 1 is multiplied by the slope c a
                 slope, shape_t, rate_t, *mean_t = rows_of(used[0], "gamma", f.name, arg)
@@ -977,6 +1059,8 @@ def classify_form(form, deps, blocks: dict, site_blocks: dict) -> tuple:
             if form.unit:
                 return decided(family.argument_kind)
             return None, reason  # c times the latent: the probes tell whether c is 1
+        if space == "exp":
+            return decided(mom.ExpGaussian.kind)  # c · exp(a u): log-normal
         if space in ("exp", "sigmoid", "other"):
             where = {"exp": "log space", "sigmoid": "logit space", "other": "a transformed space"}[space]
             reason = f"{fm.why_not_exact(form)}, whose Gaussian is on {where}"

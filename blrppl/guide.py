@@ -105,9 +105,12 @@ class PlanGuide:
                 for i, m in enumerate(b.members):
                     out[m.name] = numpyro.sample(m.name, _delta(table[state, i]))
             elif b.members:
-                x = numpyro.sample(
-                    JOINT_SITE, dist.MultivariateNormal(view.mean, view.cov), infer={"is_auxiliary": True}
+                joint = (
+                    b.family.to_numpyro(b.family.nat_from_view(view))
+                    if b.family.banded
+                    else dist.MultivariateNormal(view.mean, view.cov)
                 )
+                x = numpyro.sample(JOINT_SITE, joint, infer={"is_auxiliary": True})
                 for m in b.members:
                     value, ldj = _site_value(m, b.split(x)[m.name])
                     out[m.name] = numpyro.sample(m.name, _delta(value, -ldj))

@@ -10,6 +10,8 @@ class                          argument is …
 ============================  =======================================================
 :class:`Const`                 a fixed array (data, or an enumerated discrete value)
 :class:`AffineGaussian`        affine in one or more Gaussian blocks
+:class:`ExpGaussian`           exp of an affine Gaussian (c · σ^a with σ a Gaussian
+                               block on log space: a scale fitted log-normal)
 :class:`PowerGamma`            c · τ^a with τ a Gamma block (possibly indexed)
 :class:`BetaIdentity`          p (possibly indexed) with p a Beta block
 :class:`DirichletIdentity`     π (possibly indexed) with π a Dirichlet block
@@ -45,7 +47,7 @@ import numpy as np
 from jax.scipy.special import digamma, gammaln
 
 #: the kinds a compiler may assign to an argument; rules declare which they support
-KINDS = ("const", "affine_gaussian", "power_gamma", "beta", "dirichlet")
+KINDS = ("const", "affine_gaussian", "exp_gaussian", "power_gamma", "beta", "dirichlet")
 
 
 class Const(NamedTuple):
@@ -217,6 +219,44 @@ class AffineGaussian(NamedTuple):
             return self.mean_value
         if k == 2:
             return self.mean_square()
+        raise NotImplementedError
+
+
+class ExpGaussian(NamedTuple):
+    """x = exp(a) elementwise, a an :class:`AffineGaussian` (so x is log-normal): e.g. a
+    scale c · σ^a whose block is a Gaussian on log σ, a = log c + a u.
+
+    With m = E[a] and v = Var[a]:  E[x^k] = exp(k m + ½ k² v),  E[log x] = m. A rule
+    reading a scale through these has a closed form (not conjugate: the expectation is not
+    linear in the block's mean parameters, and the messages come by autodiff).
+
+    Attributes:
+        log: the moment object of log x.
+    """
+
+    log: AffineGaussian
+    kind = "exp_gaussian"
+
+    @property
+    def shape(self):
+        return self.log.shape
+
+    def expect_pow(self, k):
+        return jnp.exp(k * self.log.mean() + 0.5 * k * k * self.log.var())
+
+    def mean(self):
+        return self.expect_pow(1.0)
+
+    def mean_square(self):
+        return self.expect_pow(2.0)
+
+    def var(self):
+        return self.mean_square() - jnp.square(self.mean())
+
+    def expect_log(self):
+        return self.log.mean()
+
+    def expect_log1m(self):
         raise NotImplementedError
 
 
@@ -415,6 +455,21 @@ def _align_cols(cols_array, ndim):
     if missing <= 0:
         return cols_array
     return cols_array.reshape(cols_array.shape[:1] + (1,) * missing + cols_array.shape[1:])
+
+
+def slice_last(x, start: int, stop: int | None = None):
+    """The moment object of ``x[..., start:stop]`` (a ``Const`` or an ``AffineGaussian``):
+    the elements keep their own columns, so a rule that pairs neighbouring positions of an
+    event (a random walk's increments) reads only those positions' covariances."""
+    if isinstance(x, AffineGaussian):
+        shape = x.shape
+        cut = lambda a: None if a is None else _bcast_cols(a, a.shape[0], shape)[..., start:stop]  # noqa: E731
+        return AffineGaussian(
+            jnp.broadcast_to(x.mean_value, shape)[..., start:stop],
+            tuple(cut(a) for a in x.left),
+            tuple(cut(a) for a in x.right),
+        )
+    return Const(jnp.asarray(x.mean())[..., start:stop])
 
 
 def covariance(a, b):

@@ -13,6 +13,12 @@ from blrppl.families.gaussian import (
     GaussianNat,
     GaussianView,
 )
+from blrppl.families.gaussian_banded import (
+    BandedGaussianNat,
+    BandedGaussianView,
+    BandedPrecisionNormal,
+    GaussianBanded,
+)
 
 #: family name → family class (``GaussianDense``, ``Dirichlet`` and ``Categorical`` take
 #: the event dimension as their one argument, the others none; ``Family.for_value`` builds
@@ -25,6 +31,9 @@ FAMILIES: dict[str, type[Family]] = {
 
 __all__ = [
     "FAMILIES",
+    "BandedGaussianNat",
+    "BandedGaussianView",
+    "BandedPrecisionNormal",
     "Bernoulli",
     "BernoulliNat",
     "Beta",
@@ -45,6 +54,7 @@ __all__ = [
     "GammaNat",
     "GammaRuleView",
     "GammaView",
+    "GaussianBanded",
     "GaussianDense",
     "GaussianDiag",
     "GaussianNat",

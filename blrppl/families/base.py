@@ -47,6 +47,9 @@ class Family:
     #: flattens the other axes into one event axis (a dense Gaussian's); otherwise the
     #: canonical layout is the value layout
     dense_event: ClassVar[bool] = False
+    #: whether the family is a Gaussian with a banded precision (its view holds the band of
+    #: the covariance only: :class:`blrppl.families.GaussianBanded`)
+    banded: ClassVar[bool] = False
     #: whether the family's value is an index into its block's enumerated values (the site's
     #: value is ``support_values[x]``), not the site's value itself
     indexes_support: ClassVar[bool] = False

@@ -18,8 +18,11 @@ from blrppl import moments as mom
 from blrppl.errors import FamilyError, UnsupportedFactorError, UnsupportedLatentError
 from blrppl.estimators import gram
 from blrppl.expressions import (
-    LINKS, ArgumentClass, ModelFunctions, ModelProgram, classify_form, distribution_leaves, probe_argument, projection_args, run_probes,
+    LINKS, ArgumentClass, ModelFunctions, ModelProgram, classify_form, distribution_leaves, pairing_probe, probe_argument,
+    projection_args, random_point, run_probes, too_many_columns,
 )
+from blrppl.expressions import _needs_gather_test as needs_gather_test
+from blrppl.graph.band import chain_bandwidth
 from blrppl.graph.data import compiler_options
 from blrppl.graph.program_store import compile_program, jit as store_jit, program_key
 from blrppl.graph.deps import output_forms
@@ -113,6 +116,9 @@ MAX_PROJECTIONS = 2
 #: by default, the dense Gaussian blocks are merged into one joint dense Gaussian when
 #: their total dimension is at most this
 JOINT_MAX_DIM = 500
+#: Gaussian blocks of at least this many scalars are tested for a chain structure (banded
+#: precision, :mod:`blrppl.graph.band`); smaller ones stay dense (exact, and cheap)
+BANDED_MIN_DIM = 32
 
 
 def compile_model(
@@ -236,7 +242,8 @@ def compile_model(
             program=program,
         )
         factors = _classify_factors(
-            records, rules, deps, blocks, fns, data, rng_key, quadrature=False, cache=probe_cache, forms=forms
+            records, rules, deps, blocks, fns, data, rng_key, quadrature=False, cache=probe_cache, forms=forms,
+            provisional=True,
         )
         to_move = set()
         for f in factors:
@@ -265,28 +272,63 @@ def compile_model(
     # unless the user asked for its family or for mean-field, it is too large for the
     # default, or it is a local block of a subsampled plate (then its elements are fitted
     # mean-field, iterated: see conjugate_blocks)
+    coupled = [n for n in _plate_coupled(blocks, factors) if n not in families and blocks[n].local is None]
     densified = [
-        n for n in _plate_coupled(blocks, factors)
-        if n not in families and blocks[n].local is None
-        and (structure == "joint" or (structure is None and blocks[n].size <= JOINT_MAX_DIM))
+        n for n in coupled if structure == "joint" or (structure is None and blocks[n].size <= JOINT_MAX_DIM)
     ]
-    for n in densified:
-        blocks[n] = dataclasses.replace(blocks[n], family=fam.GaussianDense(blocks[n].size), plate_axes=())
-    # a site the user gave a family keeps its own block, unless structure="joint" asks for
-    # every dense Gaussian in one; local blocks of a subsampled plate are never merged
-    members = [
-        n for n, b in blocks.items()
-        if b.family.dense_event and not b.point and b.local is None and (n not in families or structure == "joint")
-    ]
+    dense = {n: dataclasses.replace(blocks[n], family=fam.GaussianDense(blocks[n].size), plate_axes=()) for n in coupled}
+
+    def joinable(n, b):
+        # a site the user gave a family keeps its own block, unless structure="joint" asks
+        # for every dense Gaussian in one; local blocks of a subsampled plate are never merged
+        return b.family.dense_event and not b.point and b.local is None and (n not in families or structure == "joint")
+
+    members = [n for n, b in {**blocks, **{n: dense[n] for n in densified}}.items() if joinable(n, b)]
     size = sum(blocks[n].size for n in members)
     merge = len(members) > 1 and (structure == "joint" or (structure is None and size <= JOINT_MAX_DIM))
-    coupled = _coupled_discrete(blocks, factors)
-    if not merge and not coupled and not densified:
+    # chains (each factor element reads a few consecutive scalars: a random walk, an AR(p), a
+    # state-space model with its initial state) get a banded precision at any size: first
+    # every dense Gaussian together (in model order), else each block alone unless it joins
+    # the dense joint block
+    chains = {}
+    if structure is None:
+        every = [n for n, b in {**blocks, **dense}.items() if joinable(n, b)]
+        if len(every) > 1 and sum(blocks[n].size for n in every) >= BANDED_MIN_DIM:
+            trial = _merge_joint({**blocks, **dense}, every)
+            joint = next(n for n, b in trial.items() if b.members and not b.discrete)
+            trial_fns = ModelFunctions(
+                model, data_spec, _site_fill(trial, site_init, unconstrained), _transforms(trial), {joint: trial[joint]},
+                plate_indices, program,
+            )
+            site_block = {m: joint for m in trial[joint].sites}
+            b = chain_bandwidth(joint, trial, factors, trial_fns, data, np.random.default_rng(0), site_block)
+            if b is not None and 3 * (2 * b + 1) <= trial[joint].size:
+                blocks = {**trial, joint: _banded(trial[joint], b)}
+                chains[joint], merge, densified = b, False, []
+        candidates = [
+            n for n, b in blocks.items()
+            if b.family.gaussian and not b.point and not b.members and b.local is None and n not in families
+            and b.size >= BANDED_MIN_DIM and (n in coupled or (b.family.dense_event and not b.batch_shape))
+        ]
+        for n in candidates if not chains else ():
+            if not (merge and n in members):
+                b = chain_bandwidth(n, {**blocks, n: dense.get(n, blocks[n])}, factors, fns, data, np.random.default_rng(0))
+                if b is not None and 3 * (2 * b + 1) <= blocks[n].size:
+                    chains[n] = b
+                    blocks[n] = _banded(blocks[n], b)
+    densified = [n for n in densified if n not in chains]
+    if merge:
+        members = [n for n in members if n not in chains]
+        merge = len(members) > 1
+    for n in densified:
+        blocks[n] = dense[n]
+    coupled_discrete = _coupled_discrete(blocks, factors)
+    if not merge and not coupled_discrete and not densified and not chains:
         factors = _classify_factors(
             records, rules, deps, blocks, fns, data, rng_key, cache=probe_cache, elementwise=elementwise, forms=forms
         )
     else:
-        for group in coupled:
+        for group in coupled_discrete:
             blocks = _merge_discrete(blocks, group)
         if merge:
             blocks = _merge_joint(blocks, members)
@@ -552,6 +594,18 @@ def _plate_coupled(blocks: dict, factors: list) -> list:
     return out
 
 
+def _banded(block: Block, bandwidth: int) -> Block:
+    """A Gaussian block (or joint block) with a banded precision over its scalars in C order
+    (each member's part too: the marginal of a stretch of a chain is a chain)."""
+    family = fam.GaussianBanded(block.size, bandwidth)
+    parts = tuple(
+        dataclasses.replace(m, family=fam.GaussianBanded(m.size, bandwidth), kind=family.name)
+        if m.size > bandwidth + 1 else m
+        for m in block.members
+    )
+    return dataclasses.replace(block, family=family, kind=family.name, plate_axes=(), members=parts)
+
+
 def _merge_joint(blocks: dict, members: list) -> dict:
     """Replace the blocks ``members`` by one dense Gaussian over all their scalars."""
     parts = tuple(
@@ -759,7 +813,7 @@ def _jacobian_factor(block: Block) -> Factor:
 
 def _classify_factors(
     records, rules, deps, blocks, fns, data, rng_key, *, quadrature=True, cache=None, guess=None, elementwise=None,
-    forms=None,
+    forms=None, provisional=False,
 ):
     """Classify every factor's arguments and choose its estimator.
 
@@ -779,6 +833,9 @@ def _classify_factors(
         forms: site → item → form (:mod:`blrppl.graph.forms`): an argument whose form
             decides its class is not probed (:func:`blrppl.expressions.classify_form`), and
             the form names what makes the others opaque.
+        provisional: the blocks may still change (the family policy iterates, chains are
+            not found yet): an argument mixing the elements of a large plated block stays
+            affine (:func:`blrppl.expressions.too_many_columns` decides on the final blocks).
     """
     elementwise = elementwise or {}
     rng = np.random.default_rng(np.asarray(jax.random.key_data(rng_key)).ravel())
@@ -828,6 +885,9 @@ def _classify_factors(
     classes = {k: (known[keys[k]] if k not in found else found[k]) for k in keys}
     if key_of is not None:
         known.update({keys[k]: found[k] for k in list(probes) + list(decided)})
+    classes = _paired(records, rules, classes, blocks, fns, nbrs, data, rng)
+    if not provisional:
+        classes = {k: too_many_columns(c, blocks) if c.kind in _GAUSSIAN_KINDS else c for k, c in classes.items()}
     quad_classes = {k[1:]: v for k, v in found.items() if len(k) == 4}  # ("quadrature", name, index, link)
     quad_classes.update(quad_decided)
 
@@ -851,6 +911,48 @@ def _classify_factors(
             quad_classes.update(run_probes(more_probes, data))
         candidates.update(more)
     return _factors(records, rules, blocks, nbrs, classes, exact, candidates, quad_classes, quadrature)
+
+
+_GAUSSIAN_KINDS = (mom.AffineGaussian.kind, mom.ExpGaussian.kind)
+
+
+def _paired(records, rules, classes, blocks, fns, nbrs, data, rng) -> dict:
+    """``classes`` with the plated Gaussian blocks that a factor's arguments read at
+    different elements (each argument "gather") added to those arguments' ``full`` blocks:
+    the factor couples those elements (:func:`blrppl.expressions.pairing_probe`)."""
+    probes, shared_of = {}, {}
+    for name in records:
+        rule = rules[name]
+        if rule is None or rule.event_ndim:
+            continue
+        shared = {}
+        for arg in ("value",) + rule.arg_names:
+            cls = classes[(name, arg)]
+            if cls.kind not in _GAUSSIAN_KINDS:
+                continue
+            for n in cls.blocks:
+                b = blocks[n]
+                if b.family.gaussian and n not in cls.full and needs_gather_test(b, not b.family.dense_event):
+                    shared.setdefault(n, []).append(arg)
+        shared = {n: args for n, args in shared.items() if len(args) > 1}
+        if not shared:
+            continue
+
+        def fn(values, data, name=name, rule=rule):
+            return fns.factor_args(name, rule.arg_names, values, data)
+
+        point = {m: random_point(blocks[m], rng) for m in nbrs[name][0]}
+        probes[("pairing", name)] = pairing_probe(fn, shared, point, blocks, rng)
+        shared_of[name] = shared
+    if not probes:
+        return classes
+    out = dict(classes)
+    for (_, name), coupled in run_probes(probes, data).items():
+        for n in coupled:
+            for arg in shared_of[name][n]:
+                cls = out[(name, arg)]
+                out[(name, arg)] = dataclasses.replace(cls, full=tuple(sorted(set(cls.full) | {n})))
+    return out
 
 
 def _split_decided(probes: dict) -> tuple:
@@ -1016,8 +1118,11 @@ def conjugate_blocks(plan) -> tuple:
                 # element depends on the others' q, mean-field coordinate steps iterate)
                 conj = False
                 break
-            # the powers c·τ^a of the factor's arguments: each reads one Gamma block
             blocks_of = dict(f.arg_blocks)
+            if any(k == mom.ExpGaussian.kind and b.name in blocks_of.get(a, ()) for a, k in f.arg_kinds):
+                conj = False  # (a log-normal scale: E[σ⁻²] = exp(−2m + 2v) is not linear in μ)
+                break
+            # the powers c·τ^a of the factor's arguments: each reads one Gamma block
             for arg, power in f.powers:
                 if b.name not in blocks_of.get(arg, ()):
                     continue

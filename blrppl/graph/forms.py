@@ -471,7 +471,7 @@ class _Interpreter:
             if any(not isinstance(f, Const) for f in ins[1:]):
                 return Opaque(f"an index computed from a latent ({name})")
             return ins[0]
-        if name in ("concatenate", "pad"):
+        if name in ("concatenate", "pad", "stack"):
             out = ins[0]
             for f in ins[1:]:
                 out = join(out, f)

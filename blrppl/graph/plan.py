@@ -130,11 +130,23 @@ class Block:
     def member_views(self, view):
         """(member block, its marginal Gaussian view) for each member of a joint block."""
         from blrppl.families.gaussian import GaussianView
+        from blrppl.families._band import to_dense
+        from blrppl.families.gaussian_banded import BandedGaussianView
 
         out, offset = [], 0
         for m in self.members:
             sl = slice(offset, offset + m.size)
-            out.append((m, GaussianView(view.mean[sl], view.cov[sl, sl])))
+            if self.family.banded:
+                # the band rows of the member's stretch, without the entries past its end (a
+                # member within one band is dense: every covariance of it is in the band)
+                inside = np.arange(m.size)[:, None] + np.arange(view.cov.shape[-1])[None, :] < m.size
+                band = jnp.where(inside, view.cov[sl], 0.0)
+                if m.family.banded:
+                    out.append((m, BandedGaussianView(view.mean[sl], band)))
+                else:
+                    out.append((m, GaussianView(view.mean[sl], to_dense(band[:, : m.size]))))
+            else:
+                out.append((m, GaussianView(view.mean[sl], view.cov[sl, sl])))
             offset += m.size
         return out
 
@@ -372,7 +384,8 @@ class Plan:
         rows = [("block", "family", "shape", "size", "conjugate", "role") + (("scope",) if sub else ())]
         for b in self.blocks:
             full = b.full
-            row = (b.name, b.kind, str(full.value_shape), str(full.size), str(conj.get(b.name, "-")), self.role(b.name))
+            kind = f"{b.kind} (bandwidth {b.family.bandwidth})" if b.family.banded else b.kind
+            row = (b.name, kind, str(full.value_shape), str(full.size), str(conj.get(b.name, "-")), self.role(b.name))
             if sub:
                 if b.local is None:
                     scope = "global"

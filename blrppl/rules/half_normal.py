@@ -12,7 +12,7 @@ from blrppl.rules.registry import register_rule
 
 @register_rule(
     dist.HalfNormal,
-    kinds={"value": ("const", "power_gamma"), "scale": ("const", "power_gamma")},
+    kinds={"value": ("const", "power_gamma", "exp_gaussian"), "scale": ("const", "power_gamma", "exp_gaussian")},
     conjugate_powers={"value": (0.5,), "scale": (-0.5,)},
 )
 def half_normal_expected_log_prob(value, scale):
@@ -31,7 +31,7 @@ def half_normal_expected_log_prob(value, scale):
 
     Args:
         value: x, const or power_gamma.
-        scale: σ, const or power_gamma.
+        scale: σ, const, power_gamma or exp_gaussian.
 
     Returns:
         L with the broadcast batch shape of the arguments.

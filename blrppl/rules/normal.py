@@ -13,7 +13,7 @@ from blrppl.rules.registry import register_rule
     kinds={
         "value": ("const", "affine_gaussian"),
         "loc": ("const", "affine_gaussian"),
-        "scale": ("const", "power_gamma"),
+        "scale": ("const", "power_gamma", "exp_gaussian"),
     },
     conjugate_powers={"scale": (-0.5,)},
 )
@@ -38,7 +38,7 @@ def normal_expected_log_prob(value, loc, scale):
     Args:
         value: x, const or affine_gaussian.
         loc: const or affine_gaussian.
-        scale: σ, const or power_gamma.
+        scale: σ, const, power_gamma or exp_gaussian.
 
     Returns:
         L with the broadcast batch shape of the arguments.

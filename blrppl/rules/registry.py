@@ -30,6 +30,10 @@ class Rule:
         conjugate_powers: for arguments that may be a power c·τ^a of a Gamma block, the
             exponents a for which L is linear in τ's expectation parameters (E log τ, E τ),
             i.e. the factor is conjugate to the Gamma block (e.g. a Normal scale τ^−½).
+        event_window: for a rule with event dims, w when it reads covariances of the value
+            only between positions of the last axis at most w − 1 apart (a random walk's
+            increments: 2), else None (any two positions of an event). A chain's banded
+            block (:mod:`blrppl.graph.band`) holds only nearby covariances.
     """
 
     dist_type: type
@@ -38,6 +42,7 @@ class Rule:
     expected_log_prob: Callable
     event_ndim: int = 0
     conjugate_powers: Mapping[str, tuple] = dataclasses.field(default_factory=dict)
+    event_window: int | None = None
 
     def supports(self, kinds: Mapping[str, str]) -> bool:
         """Whether the rule has a closed form for arguments of these kinds."""
@@ -50,12 +55,14 @@ def register_rule(
     kinds: Mapping[str, tuple[str, ...]],
     event_ndim: int = 0,
     conjugate_powers: Mapping[str, tuple] | None = None,
+    event_window: int | None = None,
 ):
     """Decorator registering ``f(value, **args)`` as the rule of ``dist_type``.
 
     ``kinds`` maps ``"value"`` and every argument name to the moment kinds accepted; its
     keys other than ``"value"`` are the argument names, in order. ``conjugate_powers``
-    maps arguments to the Gamma-block exponents for which the rule is conjugate.
+    maps arguments to the Gamma-block exponents for which the rule is conjugate;
+    ``event_window`` see :class:`Rule`.
     """
 
     def decorate(fn):
@@ -67,6 +74,7 @@ def register_rule(
             expected_log_prob=fn,
             event_ndim=event_ndim,
             conjugate_powers=dict(conjugate_powers or {}),
+            event_window=event_window,
         )
         return fn
 

@@ -1,0 +1,191 @@
+"""Chains: the bandwidth of a Gaussian block's coupling, found by probing the factors.
+
+A Gaussian block of n scalars (a site's value flattened in C order) is a *chain* of
+half-bandwidth b when every element of every factor touching it reads, through all the
+arguments it pairs, scalars within b + 1 consecutive positions (a random walk: b = 1; an
+AR(p) or a p-lag ``scan``: b = p; a state-space model with a d-dimensional state stored
+time-major: b ≤ 2d − 1). Its posterior precision is then banded with half-bandwidth b and
+:class:`blrppl.families.GaussianBanded` holds it exactly.
+
+The test is the moment computation itself. For each factor, a random combination u of its
+arguments (per element of its batch shape) is linearised in the block, and Var[u_n] is
+computed twice under a random covariance Σ = Z Zᵀ: from the Jacobian along the columns of
+Z (exact), and from the 2(2b + 1) colour tangents of the banded family
+(:meth:`blrppl.families.GaussianBanded.tangent_sets`), which read Σ within the band only.
+The two agree for every element exactly when each element's scalars fit in b + 1
+consecutive positions (otherwise a product a_j a_k Σ_jk with |j − k| > b is lost or
+misplaced, which a random Z reveals with probability 1).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from blrppl.expressions import factor_arguments, random_point
+from blrppl.graph.data import compile_lowered, compiler_options
+from blrppl.graph.plan import FactorRole
+from blrppl.graph.trace import unwrap
+
+#: half-bandwidths tried: the largest first (a block that is no chain of it is no chain of
+#: any smaller one: one compiled probe), then the smaller ones together
+CANDIDATES = (1, 2, 3, 4, 6, 8)
+#: columns of the random covariance factor Z
+_REFERENCE_COLUMNS = 3
+
+
+class _Unpaired(Exception):
+    """A factor's arguments do not share the element layout the test assumes."""
+
+
+def _event_dims(base, arg: str, rule: bool) -> int:
+    """Event dims of a rule argument of an unwrapped distribution (its constraint's; a
+    quadrature factor's projections: the distribution's event dims)."""
+    base_event = len(base.event_shape)
+    if arg == "value" or not rule:
+        return base_event
+    constraint = getattr(base, "arg_constraints", {}).get(arg)
+    return getattr(constraint, "event_dim", base_event) if constraint is not None else base_event
+
+
+def _combiner(site: dict, args: dict, rule, rng: np.random.Generator):
+    """A function of the factor's argument arrays → u with one element per group of
+    positions the rule pairs: a random combination of every floating argument.
+
+    The groups are the distribution's batch elements (each argument summed over its event
+    dims), except for a rule with an ``event_window`` w (:class:`blrppl.rules.registry.Rule`):
+    there every position t of the value's last axis is a group, with positions t − w + 1 … t
+    of the value and the batch element's other arguments.
+    """
+    base, _, _ = unwrap(site["fn"])
+    full = tuple(site["fn"].batch_shape) + tuple(site["fn"].event_shape)
+    event = len(base.event_shape)
+    window = getattr(rule, "event_window", None) if event == 1 else None
+    elements = full if window else full[: len(full) - event]
+    batch_ndim = len(full) - event
+    plan = []
+    for name, value in args.items():
+        value = jnp.asarray(value)
+        if not jnp.issubdtype(value.dtype, jnp.floating):
+            continue
+        ed = min(_event_dims(base, name, rule is not None), value.ndim)
+        if window and name == "value":
+            plan.append((name, "window", rng.normal(size=window)))
+            continue
+        if window and ed:
+            raise _Unpaired(name)
+        batch, tail = value.shape[: value.ndim - ed], value.shape[value.ndim - ed :]
+        try:
+            paired = np.broadcast_shapes(batch, full[:batch_ndim]) == tuple(full[:batch_ndim])
+        except ValueError:
+            paired = False
+        if not paired:  # (an argument with more elements than the factor)
+            raise _Unpaired(name)
+        plan.append((name, ed, rng.normal(size=tail) if tail else float(rng.normal())))
+
+    def combine(values: dict):
+        u = jnp.zeros(elements)
+        for name, ed, weight in plan:
+            x = jnp.asarray(values[name])
+            if ed == "window":
+                x = jnp.broadcast_to(x, elements)
+                part = sum(
+                    w * jnp.concatenate([jnp.zeros(elements[:-1] + (k,), x.dtype), x[..., : elements[-1] - k]], -1)
+                    for k, w in enumerate(weight)
+                    if k < elements[-1]
+                )
+            else:
+                part = x * weight
+                if ed:
+                    part = jnp.sum(part, axis=tuple(range(-ed, 0)))
+                if window:
+                    part = part[..., None]
+            u = u + jnp.broadcast_to(part, elements)
+        return u
+
+    return combine
+
+
+def chain_bandwidth(
+    name: str, blocks: dict, factors, fns, data, rng: np.random.Generator, site_block: dict | None = None
+) -> int | None:
+    """The smallest half-bandwidth b in :data:`CANDIDATES` such that the block ``name`` is a
+    chain of bandwidth b (see the module docstring), or None.
+
+    Only blocks whose factors all have closed-form or quadrature messages qualify (those read
+    the block through the moments of their arguments). ``site_block`` maps the sites the
+    factors name as neighbours to the block holding them, when ``blocks`` merges some.
+    """
+    block = blocks[name]
+    n = block.size
+    site_block = site_block or {}
+    neighbours_of = {f.name: {site_block.get(m, m) for m in f.neighbours} for f in factors}
+    touching = [f for f in factors if name in neighbours_of[f.name] and f.role == FactorRole.SITE]
+    if n < 3 or not touching or any(f.estimator not in ("exact", "quadrature") for f in touching):
+        return None
+    neighbours = set().union(*(neighbours_of[f.name] for f in touching))
+    values = {m: np.asarray(random_point(blocks[m], rng)) for m in neighbours}
+    wanted = {f.name: factor_arguments(f) for f in touching}
+    combiners = {}  # built while tracing (they read only static shapes): no model run on the host
+
+    def combined(x, data):
+        point = {**values, name: x.reshape(block.value_shape)}
+        out = fns.args_of(wanted, point, data)
+        if not combiners:
+            sites = fns.sites(tuple(wanted), point, data)
+            combiners.update({f.name: _combiner(sites[f.name], out[f.name], f.rule, rng) for f in touching})
+        return [combiners[f.name](out[f.name]) for f in touching]
+
+    def pushed(x, tangents, data):
+        return jax.vmap(lambda t: jax.jvp(lambda y: combined(y, data), (x,), (t,))[1])(tangents)
+
+    x0 = np.asarray(values[name], dtype=jnp.result_type(float)).reshape(-1)
+    z = rng.normal(size=(n, _REFERENCE_COLUMNS))
+    candidates = [b for b in CANDIDATES if 2 * b + 1 < n]
+    if not candidates:
+        return None
+
+    def fitting(stage) -> list:
+        stacks, offsets = [z.T], {}
+        for b in stage:
+            offsets[b] = sum(len(s) for s in stacks)
+            stacks += list(_colour_sets(z, b))
+        tangents = np.concatenate(stacks, 0).astype(x0.dtype)
+        lowered = jax.jit(pushed).lower(x0, tangents, data)
+        outs = [np.asarray(o) for o in compile_lowered(lowered, compiler_options(data))(x0, tangents, data)]
+        return [b for b in stage if all(_agrees(o, offsets[b], 2 * b + 1) for o in outs)]
+
+    try:
+        if not fitting(candidates[-1:]):
+            return None
+    except _Unpaired:
+        return None
+    smaller = fitting(candidates[:-1]) if len(candidates) > 1 else []
+    return smaller[0] if smaller else candidates[-1]
+
+
+def _colour_sets(z: np.ndarray, b: int) -> tuple:
+    """The banded family's colour tangents (:meth:`GaussianBanded.tangent_sets`) for the
+    covariance Z Zᵀ within half-bandwidth b, on the host."""
+    n, k = z.shape[0], 2 * b + 1
+    full = np.zeros((n, 2 * b + 1))  # full[i, b + d] = (Z Zᵀ)[i, i + d]
+    for d in range(-b, b + 1):
+        lo, hi = max(0, -d), min(n, n - d)
+        full[lo:hi, b + d] = np.sum(z[lo:hi] * z[lo + d : hi + d], 1)
+    cls = np.arange(n) % k
+    left = (cls[None, :] == np.arange(k)[:, None]).astype(float)
+    offset = (np.arange(k)[:, None] - cls[None, :] + b) % k
+    right = full[np.arange(n)[None, :], offset]
+    return left, right
+
+
+def _agrees(out: np.ndarray, start: int, k: int) -> bool:
+    """Whether the colour formula (``k`` left rows from ``start``, then ``k`` right rows)
+    reproduces the exact variances (the first rows of ``out``: the reference columns)."""
+    exact = np.sum(out[:_REFERENCE_COLUMNS] ** 2, 0)
+    formula = np.sum(out[start : start + k] * out[start + k : start + 2 * k], 0)
+    scale = np.abs(exact) + 1e-3 * np.max(np.abs(exact), initial=0.0) + np.finfo(out.dtype).tiny
+    return bool(np.all(np.abs(formula - exact) <= math.sqrt(np.finfo(out.dtype).eps) * scale))

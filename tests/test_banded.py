@@ -1,0 +1,284 @@
+"""Chains of Gaussian latents: the banded family against the dense one, the bandwidth the
+compiler finds for the models users write, and exact fits of long chains.
+
+The family rows compare every map of :class:`blrppl.families.GaussianBanded` with the dense
+Gaussian on the same precision (float64, 1e-10). The model rows are random walks, AR(p)
+and state-space models written with ``scan``, ``GaussianRandomWalk`` or vectors of sites,
+and models that are no chain (a global sum, random indexing), which must stay dense or
+mean-field.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpyro
+import numpyro.distributions as dist
+import pytest
+from jax import random
+from numpyro.contrib.control_flow import scan
+
+from blrppl import blr_fit
+from blrppl.families import (
+    BandedGaussianNat,
+    GaussianBanded,
+    GaussianDense,
+    GaussianNat,
+    GaussianView,
+)
+from blrppl.families import _band
+from blrppl.graph.compile import compile_model
+from blrppl.graph.trace import trace_model
+
+
+def _banded_spd(rng, n, b):
+    a = rng.normal(size=(n, n))
+    near = np.abs(np.subtract.outer(np.arange(n), np.arange(n))) <= b
+    s = np.where(near, a @ a.T, 0.0)
+    return s + np.eye(n) * (np.abs(s).sum(1).max() + 1.0)  # diagonally dominant: SPD
+
+
+SHAPES = [(1, 1), (2, 1), (5, 1), (7, 2), (12, 3), (6, 5), (9, 0), (40, 2)]
+
+
+@pytest.mark.parametrize("n,b", SHAPES)
+def test_band_linear_algebra_equals_dense(n, b):
+    rng = np.random.default_rng(n * 10 + b)
+    s = _banded_spd(rng, n, b)
+    upper = _band.from_dense(s, b)
+    np.testing.assert_array_equal(_band.to_dense(upper), s)
+    rows = _band.cholesky(jnp.asarray(upper))
+    chol = np.linalg.cholesky(s)
+    want_rows = np.array([[chol[i, i - d] if i >= d else 0.0 for d in range(b + 1)] for i in range(n)])
+    np.testing.assert_allclose(rows, want_rows, atol=1e-12)
+    v = rng.normal(size=n)
+    np.testing.assert_allclose(_band.solve(rows, jnp.asarray(v)), np.linalg.solve(s, v), rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(_band.matvec(jnp.asarray(upper), jnp.asarray(v)), s @ v, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(_band.inverse_band(rows), _band.from_dense(np.linalg.inv(s), b), atol=1e-12)
+    np.testing.assert_allclose(_band.logdet(rows), np.linalg.slogdet(s)[1], rtol=1e-12)
+    full = _band.full_band(jnp.asarray(upper))
+    want = np.array([[s[i, i + d] if 0 <= i + d < n else 0.0 for d in range(-b, b + 1)] for i in range(n)])
+    np.testing.assert_array_equal(full, want)
+
+
+def test_band_cholesky_of_an_indefinite_matrix_is_not_finite():
+    s = np.diag([1.0, -1.0, 1.0])
+    assert not np.all(np.isfinite(_band.cholesky(jnp.asarray(_band.from_dense(s, 1)))))
+
+
+@pytest.mark.parametrize("n,b", [(6, 1), (9, 2), (3, 2), (1, 1), (40, 3)])
+def test_banded_family_equals_dense_family(n, b):
+    rng = np.random.default_rng(n + 100 * b)
+    s, m = _banded_spd(rng, n, b), rng.normal(size=n)
+    banded, dense = GaussianBanded(n, b), GaussianDense(n)
+    nat_b = BandedGaussianNat(jnp.asarray(s @ m), jnp.asarray(-0.5 * _band.from_dense(s, b)))
+    nat_d = GaussianNat(jnp.asarray(s @ m), jnp.asarray(-0.5 * s))
+    view_b, view_d = banded.view(nat_b), dense.view(nat_d)
+    np.testing.assert_allclose(view_b.mean, view_d.mean, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(view_b.cov, _band.from_dense(np.asarray(view_d.cov), b), atol=1e-12)
+    np.testing.assert_allclose(banded.entropy(nat_b), dense.entropy(nat_d), rtol=1e-12)
+    np.testing.assert_allclose(banded.log_partition(nat_b), dense.log_partition(nat_d), rtol=1e-12)
+    x = rng.normal(size=(4, n))
+    np.testing.assert_allclose(banded.log_prob(nat_b, x), dense.log_prob(nat_d, x), rtol=1e-12)
+    # the exponential-family identities with the leafwise inner product
+    stats, mean_params = banded.sufficient_stats(jnp.asarray(x)), banded.mean_params(nat_b)
+    inner = (stats.eta1 * nat_b.eta1).sum(-1) + (stats.eta2 * nat_b.eta2).sum((-1, -2))
+    np.testing.assert_allclose(inner - banded.log_partition(nat_b), banded.log_prob(nat_b, x), rtol=1e-10)
+    inner_mu = (mean_params.eta1 * nat_b.eta1).sum() + (mean_params.eta2 * nat_b.eta2).sum()
+    np.testing.assert_allclose(banded.log_partition(nat_b) - inner_mu, banded.entropy(nat_b), rtol=1e-10)
+    # the band of Σ determines the chain: round trips through the view and the mean parameters
+    for back in (banded.nat_from_view(view_b), banded.nat_from_mean(mean_params)):
+        np.testing.assert_allclose(back.eta1, nat_b.eta1, rtol=1e-8, atol=1e-10)
+        np.testing.assert_allclose(back.eta2, nat_b.eta2, rtol=1e-8, atol=1e-10)
+    np.testing.assert_allclose(banded.to_numpyro(nat_b).log_prob(x), dense.log_prob(nat_d, x), rtol=1e-12)
+
+
+def test_banded_message_is_the_dense_message_restricted_to_the_band():
+    n, b = 8, 2
+    rng = np.random.default_rng(3)
+    s, m = _banded_spd(rng, n, b), rng.normal(size=n)
+    near = np.abs(np.subtract.outer(np.arange(n), np.arange(n))) <= b
+    weights, g = rng.normal(size=(n, n)), rng.normal(size=n)
+    weights = np.where(near, weights + weights.T, 0.0)
+
+    def objective(view):  # linear in m and in the band of Σ, as a conjugate factor's E log f
+        return jnp.dot(g, view.mean) + jnp.sum(jnp.asarray(weights) * view.cov)
+
+    banded, dense = GaussianBanded(n, b), GaussianDense(n)
+    nat_b = BandedGaussianNat(jnp.asarray(s @ m), jnp.asarray(-0.5 * _band.from_dense(s, b)))
+    nat_d = GaussianNat(jnp.asarray(s @ m), jnp.asarray(-0.5 * s))
+    view_b = banded.view(nat_b)
+    grad_b = jax.grad(lambda v: objective(GaussianView(v.mean, _band.to_dense(v.cov))))(view_b)
+    msg_b = banded.message_from_view_grad(nat_b, grad_b)
+    msg_d = dense.message_from_view_grad(nat_d, jax.grad(objective)(dense.view(nat_d)))
+    np.testing.assert_allclose(msg_b.eta1, msg_d.eta1, rtol=1e-10)
+    np.testing.assert_allclose(msg_b.eta2, _band.from_dense(np.asarray(msg_d.eta2), b), rtol=1e-10)
+    fixed = banded.message_from_fixed_view_grad(
+        jax.grad(lambda v: objective(GaussianView(v.mean, _band.to_dense(v.cov))))(banded.fixed_view(view_b))
+    )
+    np.testing.assert_allclose(fixed.eta2, msg_b.eta2, rtol=1e-12)
+
+
+@pytest.mark.parametrize("b", [1, 2, 3])
+def test_colour_tangents_give_every_windowed_covariance(b):
+    """Σ_c (aᵀ left_c)(a'ᵀ right_c) = aᵀ Σ a' whenever a and a' share a window of b + 1."""
+    n = 23
+    rng = np.random.default_rng(b)
+    s = _banded_spd(rng, n, b)
+    family = GaussianBanded(n, b)
+    view = family.view(BandedGaussianNat(jnp.zeros(n), jnp.asarray(-0.5 * _band.from_dense(s, b))))
+    sets = family.tangent_sets(view, True)
+    left, right = np.asarray(sets["left"]), np.asarray(sets["right"])
+    sigma = np.linalg.inv(s)
+    for t in range(n):
+        lo = max(0, t - b)
+        a, a2 = np.zeros(n), np.zeros(n)
+        a[lo : t + 1], a2[lo : t + 1] = rng.normal(size=t + 1 - lo), rng.normal(size=t + 1 - lo)
+        np.testing.assert_allclose((left @ a) @ (right @ a2), a @ sigma @ a2, rtol=1e-10)
+
+
+def test_banded_draws_have_the_chain_covariance():
+    n, b, draws = 6, 1, 100_000
+    rng = np.random.default_rng(5)
+    s = _banded_spd(rng, n, b)
+    family = GaussianBanded(n, b)
+    nat = BandedGaussianNat(jnp.asarray(s @ np.ones(n)), jnp.asarray(-0.5 * _band.from_dense(s, b)))
+    x = np.asarray(family.sample(nat, random.PRNGKey(0), (draws,)))
+    sigma = np.linalg.inv(s)
+    # each entry of the sample covariance has sd ≈ √((Σ_ii Σ_jj + Σ_ij²)/N): 5 sd of the largest
+    tol = 5 * np.sqrt(2 * np.max(np.diag(sigma)) ** 2 / draws)
+    np.testing.assert_allclose(np.cov(x.T), sigma, atol=tol)
+    np.testing.assert_allclose(x.mean(0), np.ones(n), atol=5 * np.sqrt(np.max(np.diag(sigma)) / draws))
+
+
+# -- the bandwidth of the models users write ---------------------------------------------------
+
+T = 60
+
+
+def rw_scan(y):
+    def step(prev, y_t):
+        x = numpyro.sample("x", dist.Normal(prev, 0.3))
+        numpyro.sample("y", dist.Normal(x, 0.5), obs=y_t)
+        return x, x
+
+    scan(step, 0.0, y)
+
+
+def rw_grw(y):
+    x = numpyro.sample("x", dist.GaussianRandomWalk(0.3, num_steps=len(y)))
+    with numpyro.plate("t", len(y)):
+        numpyro.sample("y", dist.Normal(x, 0.5), obs=y)
+
+
+def rw_vector(y):
+    """Steps as a plated vector, the walk written with slices (no scan)."""
+    with numpyro.plate("t", len(y)):
+        x = numpyro.sample("x", dist.Normal(0.0, 10.0))
+        numpyro.sample("y", dist.Normal(x, 0.5), obs=y)
+    numpyro.sample("walk", dist.Normal(x[:-1], 0.3), obs=x[1:])
+
+
+def ar2_scan(y):
+    def step(carry, y_t):
+        lag1, lag2 = carry
+        x = numpyro.sample("x", dist.Normal(0.6 * lag1 - 0.2 * lag2, 0.3))
+        numpyro.sample("y", dist.Normal(x, 0.5), obs=y_t)
+        return (x, lag1), x
+
+    scan(step, (0.0, 0.0), y)
+
+
+def local_trend(y):
+    """A 2-dimensional state (level, slope), stored time-major: the level reads the previous
+    level and slope, two positions back (bandwidth 2)."""
+
+    def step(state, y_t):
+        level, slope = state[0], state[1]
+        new = numpyro.sample("state", dist.Normal(jnp.stack([level + slope, slope]), jnp.array([0.3, 0.05])).to_event(1))
+        numpyro.sample("y", dist.Normal(new[0], 0.5), obs=y_t)
+        return new, new
+
+    scan(step, jnp.zeros(2), y)
+
+
+def global_sum(y):
+    """Every observation reads the sum of all steps: no chain."""
+    with numpyro.plate("t", len(y)):
+        x = numpyro.sample("x", dist.Normal(0.0, 1.0))
+        numpyro.sample("y", dist.Normal(x + 0.1 * jnp.sum(x), 0.5), obs=y)
+
+
+def random_pairs(y):
+    """Each observation reads two steps far apart: no chain."""
+    idx = np.random.default_rng(0).permutation(len(y))
+    with numpyro.plate("t", len(y)):
+        x = numpyro.sample("x", dist.Normal(0.0, 1.0))
+        numpyro.sample("y", dist.Normal(x - x[idx], 0.5), obs=y)
+
+
+def _plan(model, y):
+    records, spec, dyn, _ = trace_model(model, (jnp.asarray(y),), {}, random.PRNGKey(0))
+    plan, *_ = compile_model(model, records, spec, dyn, rng_key=random.PRNGKey(1))
+    return plan
+
+
+@pytest.mark.parametrize(
+    "model,bandwidth",
+    [(rw_scan, 1), (rw_grw, 1), (rw_vector, 1), (ar2_scan, 2), (local_trend, 2), (global_sum, None), (random_pairs, None)],
+)
+def test_chain_bandwidth_of_user_models(model, bandwidth):
+    y = np.random.default_rng(0).normal(size=T)
+    plan = _plan(model, y)
+    (block,) = [b for b in plan.blocks if not b.discrete]
+    if bandwidth is None:
+        assert not block.family.banded
+    else:
+        assert block.family.banded and block.family.bandwidth == bandwidth, plan.describe()
+        assert f"gaussian-banded (bandwidth {bandwidth})" in plan.describe()
+
+
+# -- long chains fit exactly -------------------------------------------------------------------
+
+
+def _exact_walk(y, seen, q, r):
+    """The exact posterior of x_t = x_{t−1} + N(0, q), x_0 ~ N(0, q), y_t ~ N(x_t, r) (dense)."""
+    n = len(y)
+    diff = np.eye(n) - np.eye(n, k=-1)
+    prec = diff.T @ diff / q + np.diag(seen / r)
+    cov = np.linalg.inv(prec)
+    return cov @ (seen * y / r), np.sqrt(np.diag(cov))
+
+
+def rw_masked(y, seen):
+    x = numpyro.sample("x", dist.GaussianRandomWalk(0.3, num_steps=len(y)))
+    with numpyro.plate("t", len(y)):
+        numpyro.sample("y", dist.Normal(x, 0.5).mask(seen), obs=y)
+
+
+def rw_masked_scan(y, seen):
+    def step(prev, inputs):
+        y_t, seen_t = inputs
+        x = numpyro.sample("x", dist.Normal(prev, 0.3))
+        numpyro.sample("y", dist.Normal(x, 0.5).mask(seen_t), obs=y_t)
+        return x, x
+
+    _, xs = scan(step, 0.0, (y, seen))
+    numpyro.deterministic("level", xs)
+
+
+@pytest.mark.parametrize("model", [rw_masked, rw_masked_scan])
+def test_random_walk_with_a_gap_is_exact_in_one_step(model):
+    """A walk of 1,500 steps (beyond any dense block) with 150 missing observations."""
+    n = 1500
+    rng = np.random.default_rng(1)
+    y = np.cumsum(rng.normal(size=n) * 0.3) + rng.normal(size=n) * 0.5
+    seen = np.ones(n, bool)
+    seen[600:750] = False
+    res = blr_fit(model, (jnp.asarray(y), jnp.asarray(seen)), progress_bar=False)
+    assert res.plan.block("x").family.banded
+    mean, sd = _exact_walk(y, seen, 0.09, 0.25)
+    np.testing.assert_allclose(res.posterior["x"].mean, mean, atol=1e-8)
+    np.testing.assert_allclose(np.sqrt(res.posterior["x"].variance), sd, atol=1e-8)
+    assert len(res.elbo) <= 2  # the exact step, then the check that nothing moves
