@@ -1032,7 +1032,9 @@ def classify_form(form, deps, blocks: dict, site_blocks: dict) -> tuple:
         return not any(_needs_gather_test(blocks[n], elementwise or not blocks[n].family.dense_event) for n in cont)
 
     def decided(kind, **kw):
-        return (ArgumentClass(kind, cont, **kw), "") if gathered(kind != mom.AffineGaussian.kind) else (None, "")
+        # (Gaussian kinds read mixed elements through their covariance columns)
+        elementwise = kind not in (mom.AffineGaussian.kind, mom.ExpGaussian.kind)
+        return (ArgumentClass(kind, cont, **kw), "") if gathered(elementwise) else (None, "")
 
     reason = fm.why_not_exact(form)
     # (first powers of Gaussian sites: ``A * x_prev`` of a scan's carry over time steps)
@@ -1045,6 +1047,8 @@ def classify_form(form, deps, blocks: dict, site_blocks: dict) -> tuple:
             "other": "a Gaussian on a transformed space",
         }.get(spaces[off[0]], f"a {spaces[off[0]].capitalize()}")
         reason = f"affine in '{off[0]}', whose block is {space}"
+    elif isinstance(form, fm.Linked) and form.link == "exp" and set(spaces.values()) == {"affine"} and gathered(False):
+        return decided(mom.ExpGaussian.kind)  # exp of an affine Gaussian: log-normal
     elif isinstance(form, fm.LogPower | fm.LogProduct) and set(spaces.values()) == {"exp"}:
         return decided("affine_gaussian")  # log of exp(u): affine in the block's value u
     elif isinstance(form, fm.Logit) and set(spaces.values()) == {"sigmoid"}:

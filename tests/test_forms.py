@@ -113,8 +113,10 @@ CLASSES = [
     (fm.Choice(S({("tau", 1.0), ("a", 1.0)})), ("a", "tau"), "opaque", None),
     (fm.Power("tau", -0.5), ("tau",), "power_gamma", -0.5),
     (fm.LogPower("s", 1.0), ("s",), "affine_gaussian", None),  # log of exp(u)
-    (fm.Power("s", 1.0), ("s",), "opaque", None),  # exp(u) itself
-    (fm.Linked("exp", S({"w"}), True), ("w",), "opaque", None),
+    (fm.Power("s", 1.0), ("s",), "exp_gaussian", None),  # exp(u) itself: log-normal
+    (fm.Linked("exp", S({"w"}), True), ("w",), "exp_gaussian", None),  # exp(X @ w): log-normal
+    (fm.Linked("exp", S({"a"}), True), ("a",), "opaque", None),  # a diagonal block mixed
+    (fm.Linked("sigmoid", S({"w"}), True), ("w",), "opaque", None),
     (fm.Opaque("'tanh' of a latent"), ("w",), "opaque", None),
 ]
 

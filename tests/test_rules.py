@@ -22,7 +22,7 @@ import pytest
 from jax.scipy.special import digamma, gammaln
 from scipy import special, stats
 
-from blrppl.moments import KINDS, AffineGaussian, BetaIdentity, Const, DirichletIdentity, PowerGamma
+from blrppl.moments import KINDS, AffineGaussian, BetaIdentity, Const, DirichletIdentity, ExpGaussian, PowerGamma
 from blrppl.rules import find_rule, registered_rules
 
 LOG_2PI = math.log(2.0 * math.pi)
@@ -50,21 +50,22 @@ def spd(seed, k):
 # ---------------------------------------------------------------------------------------
 
 C, G, PG, B, D = "const", "affine_gaussian", "power_gamma", "beta", "dirichlet"
+EG = "exp_gaussian"
 
 #: (kinds per argument, event_ndim) as specified for every rule
 DECLARED = {
-    dist.Normal: ({"value": {C, G}, "loc": {C, G}, "scale": {C, PG}}, 0),
+    dist.Normal: ({"value": {C, G}, "loc": {C, G}, "scale": {C, PG, EG}}, 0),
     dist.MultivariateNormal: ({"value": {C, G}, "loc": {C, G}, "scale_tril": {C}}, 1),
-    dist.HalfNormal: ({"value": {C, PG}, "scale": {C, PG}}, 0),
-    dist.Gamma: ({"value": {C, PG}, "concentration": {C}, "rate": {C, PG}}, 0),
-    dist.Exponential: ({"value": {C, PG}, "rate": {C, PG}}, 0),
-    dist.Poisson: ({"value": {C}, "rate": {C, PG}}, 0),
+    dist.HalfNormal: ({"value": {C, PG, EG}, "scale": {C, PG, EG}}, 0),
+    dist.Gamma: ({"value": {C, PG, EG}, "concentration": {C}, "rate": {C, PG}}, 0),
+    dist.Exponential: ({"value": {C, PG, EG}, "rate": {C, PG, EG}}, 0),
+    dist.Poisson: ({"value": {C}, "rate": {C, PG, EG}}, 0),
     dist.BernoulliProbs: ({"value": {C}, "probs": {C, B, D}}, 0),
     dist.BinomialProbs: ({"value": {C}, "total_count": {C}, "probs": {C, B, D}}, 0),
     dist.Beta: ({"value": {C, B}, "concentration1": {C}, "concentration0": {C}}, 0),
     dist.CategoricalProbs: ({"value": {C}, "probs": {C, D}}, 0),
     dist.Dirichlet: ({"value": {C, D}, "concentration": {C}}, 1),
-    dist.GaussianRandomWalk: ({"value": {C, G}, "scale": {C, PG}}, 1),
+    dist.GaussianRandomWalk: ({"value": {C, G}, "scale": {C, PG, EG}}, 1),
 }
 
 
@@ -427,8 +428,95 @@ def mc_dirichlet(rng):
     return {"value": value, "concentration": Const(conc)}, log_prob
 
 
+def log_normal(gs, maps, offset):
+    """x = exp(a) for a = offset + Σ_b J_b w_b affine in the Gaussian blocks."""
+    return ExpGaussian(gs.affine(maps, offset))
+
+
+def mc_normal_log_normal_scale(rng):
+    # σ = exp(a) with a affine in a Gaussian block of its own (a scale fitted on log space),
+    # x and loc affine in another block
+    gs = Gaussians(rng, (3, 2))
+    jx, jl = (rng.normal(size=(4, 3)), None), (0.5 * rng.normal(size=(4, 3)), None)
+    js = (None, 0.3 * rng.normal(size=(4, 2)))
+    cs = np.array([0.2, -0.5, 0.0, 0.4])
+    moments = {"value": gs.affine(jx, 0.3), "loc": gs.affine(jl, -0.2), "scale": log_normal(gs, js, cs)}
+
+    def log_prob(rng, n):
+        w = gs.sample(rng, n)
+        x, loc, sigma = gs.apply(jx, 0.3, w), gs.apply(jl, -0.2, w), np.exp(gs.apply(js, cs, w))
+        return stats.norm.logpdf(x, loc, sigma)
+
+    return moments, log_prob
+
+
+def mc_poisson_log_link(rng):
+    # rate = exp(X w + c): a Poisson regression's log link
+    gs = Gaussians(rng, (3,))
+    jr, cr = (0.4 * rng.normal(size=(5, 3)),), rng.normal(size=5)
+    y = np.array([0.0, 1.0, 4.0, 2.0, 9.0])
+
+    def log_prob(rng, n):
+        return stats.poisson.logpmf(y, np.exp(gs.apply(jr, cr, gs.sample(rng, n))))
+
+    return {"value": Const(y), "rate": log_normal(gs, jr, cr)}, log_prob
+
+
+def mc_half_normal_log_space(rng):
+    # the prior of a scale fitted on log space: value = exp(u), u ~ N
+    gs = Gaussians(rng, (2,))
+    jv = (0.5 * rng.normal(size=(2, 2)),)
+
+    def log_prob(rng, n):
+        return stats.halfnorm.logpdf(np.exp(gs.apply(jv, 0.0, gs.sample(rng, n))), scale=1.5)
+
+    return {"value": log_normal(gs, jv, 0.0), "scale": Const(np.array(1.5))}, log_prob
+
+
+def mc_exponential_log_space(rng):
+    # an Exponential prior of a latent fitted on log space, and a log-normal rate
+    gs = Gaussians(rng, (2, 2))
+    jv, jr = (0.5 * rng.normal(size=(2, 2)), None), (None, 0.3 * rng.normal(size=(2, 2)))
+
+    def log_prob(rng, n):
+        w = gs.sample(rng, n)
+        return stats.expon.logpdf(np.exp(gs.apply(jv, 0.1, w)), scale=np.exp(-gs.apply(jr, 0.7, w)))
+
+    return {"value": log_normal(gs, jv, 0.1), "rate": log_normal(gs, jr, 0.7)}, log_prob
+
+
+def mc_gamma_log_space(rng):
+    gs = Gaussians(rng, (2,))
+    jv = (0.5 * rng.normal(size=(2, 2)),)
+
+    def log_prob(rng, n):
+        return stats.gamma.logpdf(np.exp(gs.apply(jv, 0.1, gs.sample(rng, n))), 3.0, scale=1.0 / 1.5)
+
+    moments = {"value": log_normal(gs, jv, 0.1), "concentration": Const(np.array(3.0)), "rate": Const(np.array(1.5))}
+    return moments, log_prob
+
+
+def mc_gaussian_random_walk_log_normal_scale(rng):
+    gs = Gaussians(rng, (4, 1))
+    jx, js = (rng.normal(size=(4, 4)), None), (None, 0.4 * np.ones((1,)))
+
+    def log_prob(rng, n):
+        w = gs.sample(rng, n)
+        x, sigma = gs.apply(jx, 0.0, w), np.exp(gs.apply(js, -0.3, w))
+        steps = np.concatenate([x[..., :1], np.diff(x, axis=-1)], axis=-1)
+        return stats.norm.logpdf(steps, 0.0, sigma[..., None]).sum(-1)
+
+    return {"value": gs.affine(jx, 0.0), "scale": log_normal(gs, js, -0.3)}, log_prob
+
+
 MC_CASES = [
     (dist.Normal, mc_normal),
+    (dist.Normal, mc_normal_log_normal_scale),
+    (dist.Poisson, mc_poisson_log_link),
+    (dist.HalfNormal, mc_half_normal_log_space),
+    (dist.Exponential, mc_exponential_log_space),
+    (dist.Gamma, mc_gamma_log_space),
+    (dist.GaussianRandomWalk, mc_gaussian_random_walk_log_normal_scale),
     (dist.Normal, mc_normal_scaled_gamma),
     (dist.MultivariateNormal, mc_mvn_shared_loc),
     (dist.MultivariateNormal, mc_mvn_shared_block),

@@ -293,7 +293,12 @@ def compile_model(
     chains = {}
     if structure is None:
         every = [n for n, b in {**blocks, **dense}.items() if joinable(n, b)]
-        if len(every) > 1 and sum(blocks[n].size for n in every) >= BANDED_MIN_DIM:
+        # (a chain couples its own elements: some block's elements are mixed by a factor, or
+        # it is one vector of a distribution with an event dim, as a GaussianRandomWalk)
+        linked = [n for n in every if n in coupled or (blocks[n].family.dense_event and not blocks[n].batch_shape)]
+        if len(every) > 1 and sum(blocks[n].size for n in every) >= BANDED_MIN_DIM and any(
+            blocks[n].size >= BANDED_MIN_DIM // 2 for n in linked
+        ):
             trial = _merge_joint({**blocks, **dense}, every)
             joint = next(n for n, b in trial.items() if b.members and not b.discrete)
             trial_fns = ModelFunctions(
@@ -886,6 +891,7 @@ def _classify_factors(
     if key_of is not None:
         known.update({keys[k]: found[k] for k in list(probes) + list(decided)})
     classes = _paired(records, rules, classes, blocks, fns, nbrs, data, rng)
+    classes = _independent_scales(records, rules, classes)
     if not provisional:
         classes = {k: too_many_columns(c, blocks) if c.kind in _GAUSSIAN_KINDS else c for k, c in classes.items()}
     quad_classes = {k[1:]: v for k, v in found.items() if len(k) == 4}  # ("quadrature", name, index, link)
@@ -914,6 +920,29 @@ def _classify_factors(
 
 
 _GAUSSIAN_KINDS = (mom.AffineGaussian.kind, mom.ExpGaussian.kind)
+
+
+def _independent_scales(records, rules, classes) -> dict:
+    """``classes`` with every log-normal argument (``exp_gaussian``) that shares a Gaussian
+    block with another argument of its factor made opaque: the rules factor E[σ⁻² (x − loc)²]
+    as E[σ⁻²] E[(x − loc)²], true only when σ is independent of x and loc under q (a joint
+    block holding log σ and x correlates them: the factor is then integrated jointly)."""
+    out = dict(classes)
+    for name in records:
+        rule = rules[name]
+        if rule is None:
+            continue
+        args = ("value",) + rule.arg_names
+        for arg in args:
+            cls = classes[(name, arg)]
+            if cls.kind != mom.ExpGaussian.kind:
+                continue
+            others = set().union(*(classes[(name, a)].blocks for a in args if a != arg))
+            shared = sorted(others & set(cls.blocks))
+            if shared:
+                reason = f"{arg} on log space shares the block '{shared[0]}' with the other arguments"
+                out[(name, arg)] = ArgumentClass("opaque", cls.blocks, reason=reason)
+    return out
 
 
 def _paired(records, rules, classes, blocks, fns, nbrs, data, rng) -> dict:

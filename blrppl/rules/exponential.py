@@ -10,7 +10,7 @@ from blrppl.rules.registry import register_rule
 
 @register_rule(
     dist.Exponential,
-    kinds={"value": ("const", "power_gamma"), "rate": ("const", "power_gamma")},
+    kinds={"value": ("const", "power_gamma", "exp_gaussian"), "rate": ("const", "power_gamma", "exp_gaussian")},
     conjugate_powers={"value": (1.0,), "rate": (1.0,)},
 )
 def exponential_expected_log_prob(value, rate):
@@ -27,8 +27,9 @@ def exponential_expected_log_prob(value, rate):
     * → Gamma block of x (x = τ, prior factor): (0, −E[r]).
 
     Args:
-        value: x, const or power_gamma.
-        rate: r, const or power_gamma.
+        value: x, const, power_gamma or exp_gaussian.
+        rate: r, const, power_gamma or exp_gaussian (log-normal: E[log r] = m,
+            E[r] = exp(m + v/2); not conjugate).
 
     Returns:
         L with the broadcast batch shape of the arguments.

@@ -12,7 +12,7 @@ from blrppl.rules.registry import register_rule
 @register_rule(
     dist.Gamma,
     kinds={
-        "value": ("const", "power_gamma"),
+        "value": ("const", "power_gamma", "exp_gaussian"),
         "concentration": ("const",),
         "rate": ("const", "power_gamma"),
     },
@@ -35,7 +35,8 @@ def gamma_expected_log_prob(value, concentration, rate):
     ``Chi2`` (a subclass) is scored through its ``concentration`` / ``rate`` attributes.
 
     Args:
-        value: x, const or power_gamma.
+        value: x, const, power_gamma or exp_gaussian (a Gaussian on log x: E[log x] = m,
+            E[x] = exp(m + v/2); not conjugate).
         concentration: a, const.
         rate: b, const or power_gamma.
 

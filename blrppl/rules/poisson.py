@@ -11,7 +11,7 @@ from blrppl.rules.registry import register_rule
 
 @register_rule(
     dist.Poisson,
-    kinds={"value": ("const",), "rate": ("const", "power_gamma")},
+    kinds={"value": ("const",), "rate": ("const", "power_gamma", "exp_gaussian")},
     conjugate_powers={"rate": (1.0,)},
 )
 def poisson_expected_log_prob(value, rate):
@@ -28,7 +28,9 @@ def poisson_expected_log_prob(value, rate):
 
     Args:
         value: y (counts), const.
-        rate: r, const or power_gamma.
+        rate: r, const, power_gamma or exp_gaussian (the log link r = exp(η), η affine
+            Gaussian with mean m and variance v: E[log r] = m, E[r] = exp(m + v/2), a
+            closed form, not conjugate).
 
     Returns:
         L with the broadcast batch shape of the arguments.
