@@ -32,6 +32,11 @@ reference JSON), so the references and the tests see the same numbers.
   department intercepts ``a`` (6) ~ Normal(mu, sigma), a male effect ``b`` ~ Normal(0, 1),
   admit ~ Binomial(applications, logits=a[dept] + b * male). A fixed table (no data seed).
 
+* ``random_walk``: a local-level model, T = 600 days of which 120 in the middle are missing
+  (masked): ``x`` ~ GaussianRandomWalk(s), y_t ~ Normal(x_t, r) with unknown step scale
+  ``s`` ~ HalfNormal(1) and noise ``r`` ~ HalfNormal(1); true s = 0.3, r = 0.5. The chain is
+  longer than any dense block: it is fitted with a banded precision.
+
 Models that ``test_references_are_float64_and_converged`` cannot check (``DIAGNOSTIC_MODELS``:
 their reference is not a NUTS run of the model itself):
 
@@ -65,6 +70,7 @@ DATA_SEEDS = {
     "glmm_admissions": None,  # a fixed published table
     "coupled_discrete": 20240507,
     "prior_mixture": None,  # no data
+    "random_walk": 20240508,
 }
 
 
@@ -204,6 +210,14 @@ PRIOR_MIXTURE_LOCS = np.array([-6.0, -2.0, 2.0, 6.0])
 PRIOR_MIXTURE_SCALE = 1.0
 
 
+def random_walk_model(y, seen):
+    s = numpyro.sample("s", dist.HalfNormal(1.0))
+    r = numpyro.sample("r", dist.HalfNormal(1.0))
+    x = numpyro.sample("x", dist.GaussianRandomWalk(s, num_steps=y.shape[0]))
+    with numpyro.plate("t", y.shape[0]):
+        numpyro.sample("y", dist.Normal(x, r).mask(seen), obs=y)
+
+
 def prior_mixture_model():
     z = numpyro.sample("z", dist.Categorical(jnp.asarray(PRIOR_MIXTURE_WEIGHTS)))
     numpyro.sample("x", dist.Normal(jnp.asarray(PRIOR_MIXTURE_LOCS)[z], PRIOR_MIXTURE_SCALE))
@@ -303,6 +317,16 @@ def coupled_discrete_data(seed=DATA_SEEDS["coupled_discrete"]):
     return {"x": x, "u": u}
 
 
+def random_walk_data(seed=DATA_SEEDS["random_walk"]):
+    rng = np.random.default_rng(seed)
+    T = 600
+    x = np.cumsum(0.3 * rng.normal(size=T))
+    y = x + 0.5 * rng.normal(size=T)
+    seen = np.ones(T, bool)
+    seen[240:360] = False
+    return {"y": np.where(seen, y, 0.0), "seen": seen}
+
+
 def prior_mixture_data():
     return {}
 
@@ -317,6 +341,7 @@ MODELS = {
     "simplex": (simplex_model, simplex_data),
     "horseshoe": (horseshoe_model, horseshoe_data),
     "glmm_admissions": (glmm_admissions_model, glmm_admissions_data),
+    "random_walk": (random_walk_model, random_walk_data),
 }
 
 #: name → (model, data function) of models whose reference is not a NUTS run of the model

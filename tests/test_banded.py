@@ -112,6 +112,10 @@ def test_banded_message_is_the_dense_message_restricted_to_the_band():
     grad_b = jax.grad(lambda v: objective(GaussianView(v.mean, _band.to_dense(v.cov))))(view_b)
     msg_b = banded.message_from_view_grad(nat_b, grad_b)
     msg_d = dense.message_from_view_grad(nat_d, jax.grad(objective)(dense.view(nat_d)))
+    for family, nat, grad, msg in ((banded, nat_b, grad_b, msg_b), (dense, nat_d, jax.grad(objective)(dense.view(nat_d)), msg_d)):
+        at = family.message_at(nat, family.view(nat), grad)  # (the view's mean, no refactorisation)
+        np.testing.assert_allclose(at.eta1, msg.eta1, rtol=1e-12)
+        np.testing.assert_allclose(at.eta2, msg.eta2, rtol=1e-12)
     np.testing.assert_allclose(msg_b.eta1, msg_d.eta1, rtol=1e-10)
     np.testing.assert_allclose(msg_b.eta2, _band.from_dense(np.asarray(msg_d.eta2), b), rtol=1e-10)
     fixed = banded.message_from_fixed_view_grad(

@@ -65,3 +65,20 @@ def test_online_example():
     online, batch = load("online").main(num_batches=3, batch_size=40)
     np.testing.assert_allclose(online.concentration, batch.concentration, rtol=1e-6)
     np.testing.assert_allclose(online.rate, batch.rate, rtol=1e-6)
+
+
+def test_state_space_example():
+    fit, level, seen, count_fit, log_rate = load("state_space").main(num_days=800)
+    assert fit.plan.block("level").family.banded and count_fit.plan.block("log_rate").family.banded
+    assert fit.converged and count_fit.converged
+    # 800 days of a walk with step sd 0.3 and noise sd 0.5: the scales are known to within
+    # a few hundredths (posterior sds ≈ 0.02); the states in the unobserved month are less
+    # certain than the observed ones
+    assert abs(float(fit.posterior["s"].mean) - 0.3) < 0.1 and abs(float(fit.posterior["r"].mean) - 0.5) < 0.1
+    sd = np.sqrt(np.asarray(fit.posterior["level"].variance))
+    assert sd[~seen].min() > sd[seen].max()
+    err = np.asarray(fit.posterior["level"].mean) - level
+    assert np.sqrt(np.mean(err**2)) < 0.5
+    est = np.asarray(count_fit.posterior["log_rate"].mean)
+    # (about 4 counts a day: each day alone pins log λ to ±0.5; the walk prior pools ~10 days)
+    assert np.sqrt(np.mean((est - log_rate) ** 2)) < 0.25

@@ -183,6 +183,31 @@ def test_normal_scale_with_small_data():
     assert abs(est_sd / sd - 1.0) <= 0.15, (est_sd, sd)
 
 
+# ------------------------------------------------------------- a long chain of states
+
+
+def test_random_walk_states_match_nuts():
+    """600 states (a banded block: longer than any dense one), 120 of them unobserved, with
+    unknown step and noise scales: every state's mean within 0.1 NUTS sd and its sd within
+    10 % (the issue's bar for chains)."""
+    result = fit("random_walk")
+    assert result.plan.block("x").family.banded, result.plan.describe()
+    assert_converged(result)
+    err, ratio = errors("random_walk")
+    states = [k for k in err if k.startswith("x[")]
+    assert len(states) == 600
+    assert max(err[k] for k in states) <= 0.1, _fmt({k: err[k] for k in states if err[k] > 0.1})
+    bad = {k: ratio[k] for k in states if abs(ratio[k] - 1.0) > 0.1}
+    assert not bad, _fmt(bad)
+
+
+def test_random_walk_scales_match_nuts_in_the_mean():
+    """The scales' means are close to NUTS; their sds are not (mean-field between the scales
+    and the 600 states: docs/limitations.md), so only the means are held to 0.2 sd."""
+    err, _ = errors("random_walk")
+    assert err["s"] <= 0.2 and err["r"] <= 0.2, _fmt({k: err[k] for k in ("s", "r")})
+
+
 # ------------------------------------------------------- draws across joint blocks
 
 

@@ -44,7 +44,7 @@ def _yes(x):
 
 def markdown(
     runs, scaling_rows=None, settings: dict | None = None, plots: dict | None = None, dense_rows=None,
-    site_rows=None, hand_rows=None,
+    site_rows=None, hand_rows=None, chain_rows=None,
 ) -> str:
     """The report as markdown."""
     lines = ["# Benchmarks", ""]
@@ -139,7 +139,7 @@ def markdown(
                 f"{r['steps']} | {r['hand']:.3g} | {r['ratio']:.2f} | {r['max_mean_err_sd']:.2g} | "
                 f"{r['max_sd_rel_err']:.2g} |"
             )
-    lines += _site_section(site_rows) + _hand_section(hand_rows)
+    lines += _site_section(site_rows) + _hand_section(hand_rows) + _chain_section(chain_rows)
     if plots:
         lines += ["", "## Plots", ""]
         for title, path in plots.items():
@@ -244,6 +244,33 @@ def _hand_section(rows) -> list:
             f"{_f(r['hand_total'])} | {r.get('hand_steps', '-')} | {r['ratio']:.2f} | "
             f"{_f(r.get('max_mean_diff_sd'), '{:.2g}')} | {_f(r.get('max_sd_rel_diff'), '{:.2g}')} | "
             f"{_f(nuts)} | {share(r['hand_total'])} | {share(r['blr_total'])} |"
+        )
+    return lines
+
+
+def _chain_section(rows) -> list:
+    if not rows:
+        return []
+    lines = [
+        "",
+        "## Long chains",
+        "",
+        "A Gaussian random walk observed through Poisson counts (log link: a closed-form, non-conjugate "
+        "expectation), `blrppl.bench.runner.poisson_walk_model`, fitted by `blr_fit` (first fit of each "
+        "length; the states get a banded block). Against it, one hand-written tridiagonal solve of the same "
+        "length, timed in the same run: the Thomas algorithm as two jitted `lax.scan` (compile excluded), "
+        "and LAPACK's banded solve. Target: time per step linear in T and within 3× of the JAX pass. "
+        "Memory: the fitted state holds `state floats` numbers (T·(b + 2)).",
+        "",
+        "| T | bandwidth | compile s | run s | steps | ms / step | JAX pass ms | LAPACK pass ms | step / JAX pass | "
+        "state floats |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['T']:,} | {r['bandwidth']} | {_f(r['compile_time'])} | {_f(r['run_time'], '{:.3f}')} | {r['steps']} | "
+            f"{1e3 * r['per_step']:.2f} | {1e3 * r['thomas']:.2f} | {1e3 * r['lapack']:.2f} | {r['ratio']:.1f} | "
+            f"{r['state_floats']:,} |"
         )
     return lines
 

@@ -513,6 +513,92 @@ def dense_regression(d: int = 2_000, n: int = 3_000, seed: int = 0, log=print) -
     return row
 
 
+# ------------------------------------------------------------------- long chains
+
+
+def poisson_walk_model(c):
+    """Counts c_t ~ Poisson(exp(x_t)) with x a Gaussian random walk (step sd 0.1)."""
+    x = numpyro.sample("x", dist.GaussianRandomWalk(0.1, num_steps=c.shape[0]))
+    with numpyro.plate("t", c.shape[0]):
+        numpyro.sample("c", dist.Poisson(jnp.exp(x)), obs=c)
+
+
+def _thomas_pass(diag, off, v):
+    """A hand-written tridiagonal solve (S x = v, S symmetric with diagonal ``diag`` and
+    off-diagonal ``off``): the Thomas algorithm as one forward and one backward ``lax.scan``."""
+
+    def forward(carry, inp):
+        c_prev, d_prev = carry
+        a, b, c, d = inp  # sub-diagonal, diagonal, super-diagonal, right-hand side
+        denom = b - a * c_prev
+        c_new, d_new = c / denom, (d - a * d_prev) / denom
+        return (c_new, d_new), (c_new, d_new)
+
+    sub = jnp.concatenate([jnp.zeros(1, diag.dtype), off])
+    sup = jnp.concatenate([off, jnp.zeros(1, diag.dtype)])
+    zero = jnp.zeros((), diag.dtype)
+    _, (cs, ds) = jax.lax.scan(forward, (zero, zero), (sub, diag, sup, v))
+
+    def backward(x_next, inp):
+        c, d = inp
+        x = d - c * x_next
+        return x, x
+
+    _, xs = jax.lax.scan(backward, zero, (cs, ds), reverse=True)
+    return xs
+
+
+def chain_scaling(sizes=(1_000, 10_000, 100_000), log=print) -> list:
+    """A random walk observed through Poisson counts (log link), T = ``sizes``: ``blr_fit``'s
+    first fit of each length (compile, run, steps, time per step) against one hand-written
+    banded solve pass of the same length, timed in the same run: the Thomas algorithm in JAX
+    (two ``lax.scan``, jitted, compile excluded, median of 5) and LAPACK's banded Cholesky solve
+    (``scipy.linalg.solveh_banded``)."""
+    import scipy.linalg
+
+    rows = []
+    for n in sizes:
+        rng = np.random.default_rng(n)
+        c = rng.poisson(np.exp(1.5 + np.cumsum(0.02 * rng.normal(size=n)))).astype(float)
+        r = blr_fit(poisson_walk_model, (c,), progress_bar=False)
+        diag = jnp.asarray(2.0 + rng.uniform(size=n))
+        off = jnp.asarray(-np.ones(n - 1) * 0.9)
+        v = jnp.asarray(rng.normal(size=n))
+        thomas = jax.jit(_thomas_pass)
+        jax.block_until_ready(thomas(diag, off, v))
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            jax.block_until_ready(thomas(diag, off, v))
+            times.append(time.perf_counter() - t0)
+        ab = np.stack([np.concatenate([[0.0], np.asarray(off)]), np.asarray(diag)])
+        lapack = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            scipy.linalg.solveh_banded(ab, np.asarray(v))
+            lapack.append(time.perf_counter() - t0)
+        per_step = r.run_time / max(int(r.num_steps), 1)
+        row = {
+            "T": int(n),
+            "bandwidth": r.plan.block("x").family.bandwidth if r.plan.block("x").family.banded else None,
+            "compile_time": r.compile_time,
+            "run_time": r.run_time,
+            "steps": int(r.num_steps),
+            "per_step": per_step,
+            "thomas": float(np.median(times)),
+            "lapack": float(np.median(lapack)),
+            "state_floats": int(sum(np.size(leaf) for leaf in jax.tree.leaves(r.nat))),
+        }
+        row["ratio"] = per_step / row["thomas"]
+        rows.append(row)
+        log(
+            f"  chain T={n:>7,}  bandwidth {row['bandwidth']}  compile {row['compile_time']:6.2f} s  run "
+            f"{row['run_time']:7.3f} s  steps {row['steps']}  {1e3 * per_step:.2f} ms/step; hand-written pass "
+            f"{1e3 * row['thomas']:.2f} ms (JAX), {1e3 * row['lapack']:.2f} ms (LAPACK); step / pass {row['ratio']:.1f}"
+        )
+    return rows
+
+
 # ------------------------------------------------------------- compile time per site
 
 SITE_SCALING = _SCRIPT_HEADER + r"""

@@ -358,7 +358,7 @@ def make_step(
             grads = jax.grad(obj)({n: fixed})
             return {n: blocks[n].family.message_from_fixed_view_grad(grads[n])}
         grads = jax.grad(obj)({n: views[n] for n in smooth}) if smooth else {}
-        out = {n: blocks[n].family.message_from_view_grad(nat[n], grads[n]) for n in smooth}
+        out = {n: blocks[n].family.message_at(nat[n], views[n], grads[n]) for n in smooth}
         for n in names:
             if blocks[n].point:
                 view = views[n]

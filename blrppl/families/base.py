@@ -182,6 +182,12 @@ class Family:
         :meth:`rule_view`) → ∇_μ L (a ``nat``)."""
         raise NotImplementedError
 
+    def message_at(self, nat: Nat, view: View, view_grad: View) -> Nat:
+        """:meth:`message_from_view_grad` when the block's view at ``nat`` is at hand (a family
+        whose conversion needs the view, e.g. a Gaussian's mean, reads it instead of
+        factorising its parameters once more)."""
+        return self.message_from_view_grad(nat, view_grad)
+
     def fixed_view(self, view: View) -> View | None:
         """A view like ``view`` at which a conjugate block's messages may be taken without
         knowing its q, or None. When L is linear in the expectation parameters μ (every

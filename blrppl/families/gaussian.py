@@ -215,6 +215,10 @@ class GaussianDense(Family):
         g_cov = _sym(view_grad.cov)
         return GaussianNat(view_grad.mean - 2.0 * jnp.einsum("...ij,...j->...i", g_cov, mean), g_cov)
 
+    def message_at(self, nat: GaussianNat, view: GaussianView, view_grad: GaussianView) -> GaussianNat:
+        g_cov = _sym(view_grad.cov)
+        return GaussianNat(view_grad.mean - 2.0 * jnp.einsum("...ij,...j->...i", g_cov, view.mean), g_cov)
+
     def fixed_view(self, view: GaussianView) -> GaussianView:
         """m = 0, Σ = 0: there λ̃ = (∂L/∂m, ∂L/∂Σ) needs no mean, hence no factorisation of
         the block's precision (a D × D Cholesky per conjugate message)."""

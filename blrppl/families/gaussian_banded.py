@@ -184,6 +184,9 @@ class GaussianBanded(Family):
         mean = _vectorized(_band.solve, "(n,w),(n)->(n)")(self._chol(nat), nat.eta1)
         return self._message(view_grad, mean)
 
+    def message_at(self, nat: BandedGaussianNat, view: BandedGaussianView, view_grad: BandedGaussianView):
+        return self._message(view_grad, view.mean)
+
     def _message(self, view_grad: BandedGaussianView, mean) -> BandedGaussianNat:
         g = view_grad.cov / _weights(self.bandwidth, view_grad.cov.dtype)  # band of G
         if mean is None:

@@ -278,10 +278,21 @@ def compile_model(
     ]
     dense = {n: dataclasses.replace(blocks[n], family=fam.GaussianDense(blocks[n].size), plate_axes=()) for n in coupled}
 
+    # a scale on log space that a factor with event dims reads (a random walk's step size):
+    # joined with the walk it would leave that factor Monte Carlo only (there is no quadrature
+    # over an event); apart, the factor's closed form holds
+    apart = set() if structure == "joint" else {
+        n for f in factors if f.rule is not None and f.rule.event_ndim
+        for a, k in f.arg_kinds if k == mom.ExpGaussian.kind for n in dict(f.arg_blocks)[a]
+    }
+
     def joinable(n, b):
         # a site the user gave a family keeps its own block, unless structure="joint" asks
         # for every dense Gaussian in one; local blocks of a subsampled plate are never merged
-        return b.family.dense_event and not b.point and b.local is None and (n not in families or structure == "joint")
+        return (
+            b.family.dense_event and not b.point and b.local is None and n not in apart
+            and (n not in families or structure == "joint")
+        )
 
     members = [n for n, b in {**blocks, **{n: dense[n] for n in densified}}.items() if joinable(n, b)]
     size = sum(blocks[n].size for n in members)

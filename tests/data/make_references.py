@@ -66,6 +66,7 @@ NUTS_SEEDS = {
     "horseshoe": 107,
     "glmm_admissions": 108,
     "coupled_discrete": 109,
+    "random_walk": 110,
 }
 #: per-model overrides of the NUTS settings above
 NUTS_SETTINGS = {
@@ -73,6 +74,8 @@ NUTS_SETTINGS = {
     # left, but heavy-tailed lambdas; long runs for ESS > 5000 on every parameter
     "horseshoe": {"num_warmup": 3000, "num_samples": 10000, "target_accept_prob": 0.99},
     "glmm_admissions": {"num_warmup": 3000, "num_samples": 10000, "target_accept_prob": 0.95},
+    # the step scale s mixes slowly against the 600 states (ESS ≈ 5 % of the draws)
+    "random_walk": {"num_warmup": 3000, "num_samples": 30000},
 }
 #: per model, sites whose posterior has no finite variance (their stored sd does not converge);
 #: the log moments of the model's positive sites are stored as well (``log_params``)
