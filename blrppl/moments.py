@@ -222,6 +222,21 @@ class AffineGaussian(NamedTuple):
         raise NotImplementedError
 
 
+def _moments_from_powers():
+    """``mean``, ``mean_square`` and ``var`` of a moment class from its ``expect_pow``."""
+
+    def mean(self):
+        return self.expect_pow(1.0)
+
+    def mean_square(self):
+        return self.expect_pow(2.0)
+
+    def var(self):
+        return self.mean_square() - jnp.square(self.mean())
+
+    return mean, mean_square, var
+
+
 class ExpGaussian(NamedTuple):
     """x = exp(a) elementwise, a an :class:`AffineGaussian` (so x is log-normal): e.g. a
     scale c · σ^a whose block is a Gaussian on log σ, a = log c + a u.
@@ -244,14 +259,7 @@ class ExpGaussian(NamedTuple):
     def expect_pow(self, k):
         return jnp.exp(k * self.log.mean() + 0.5 * k * k * self.log.var())
 
-    def mean(self):
-        return self.expect_pow(1.0)
-
-    def mean_square(self):
-        return self.expect_pow(2.0)
-
-    def var(self):
-        return self.mean_square() - jnp.square(self.mean())
+    mean, mean_square, var = _moments_from_powers()
 
     def expect_log(self):
         return self.log.mean()
@@ -331,14 +339,7 @@ class PowerGamma(NamedTuple):
         )
         return jnp.power(self.coef, k) * self.tau_mean * ratio
 
-    def mean(self):
-        return self.expect_pow(1.0)
-
-    def mean_square(self):
-        return self.expect_pow(2.0)
-
-    def var(self):
-        return self.mean_square() - jnp.square(self.mean())
+    mean, mean_square, var = _moments_from_powers()
 
     def expect_log(self):
         """E[log x] = log c + a (ψ(α) − log β) = log c + a E[log τ]."""

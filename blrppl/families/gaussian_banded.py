@@ -243,7 +243,7 @@ class GaussianBanded(Family):
         return mean + z
 
     def to_numpyro(self, nat: BandedGaussianNat) -> "BandedPrecisionNormal":
-        return BandedPrecisionNormal(nat.eta1, -2.0 * nat.eta2)
+        return BandedPrecisionNormal(nat.eta1, -2.0 * nat.eta2, validate_args=False)  # (valid by construction)
 
 
 def _precision_of_band(cov: jax.Array, b: int) -> jax.Array:
@@ -315,4 +315,5 @@ class BandedPrecisionNormal(dist.Distribution):
 
     @classmethod
     def tree_unflatten(cls, aux_data, params):
-        return cls(*params)
+        # (no validation: rebuilding a pytree must not run host-side checks, each an XLA program)
+        return cls(*params, validate_args=False)
