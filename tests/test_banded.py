@@ -329,3 +329,30 @@ def test_random_walk_in_float32(tmp_path):
     mean, sd = _exact_walk(np.asarray(out["y"]), seen, 0.09, 0.25)
     np.testing.assert_allclose(out["mean"], mean, atol=2e-4 * np.max(np.abs(mean)))
     np.testing.assert_allclose(np.sqrt(out["var"]), sd, rtol=1e-4)
+
+
+def test_state_space_with_its_initial_state_is_one_banded_block_equal_to_kalman():
+    """The linear-Gaussian state-space model of ``test_state_space.py`` (latent initial state
+    ``x0``, then ``x`` carried by ``scan``) at T = 400, with a gap: x0 joins the chain (one
+    banded block over 401 scalars in model order) and the fit equals the Kalman/RTS
+    smoother in one step."""
+    import test_state_space as ss
+
+    n = 400
+    rng = np.random.default_rng(7)
+    x, states = rng.normal(), []
+    for _ in range(n):
+        x = ss.A * x + np.sqrt(ss.Q) * rng.normal()
+        states.append(x)
+    y = np.array(states) + np.sqrt(ss.R) * rng.normal(size=n)
+    observed = np.ones(n, bool)
+    observed[150:190] = False
+    r = blr_fit(ss.scan_model, {"y": y, "observed": observed}, rng_key=random.PRNGKey(0), progress_bar=False)
+    (block,) = r.plan.blocks
+    assert block.family.banded and block.family.bandwidth == 1 and block.sites == ("x0", "x"), r.plan.describe()
+    assert r.converged and r.num_steps == 1, r.message
+    means, variances = ss.kalman_smoother(y, observed)
+    np.testing.assert_allclose(float(r.posterior["x0"].mean), means[0], atol=1e-8)
+    np.testing.assert_allclose(float(r.posterior["x0"].variance), variances[0], rtol=1e-8)
+    np.testing.assert_allclose(r.posterior["x"].mean, means[1:], atol=1e-8)
+    np.testing.assert_allclose(r.posterior["x"].variance, variances[1:], rtol=1e-8)

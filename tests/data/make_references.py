@@ -81,6 +81,9 @@ NUTS_SETTINGS = {
 #: the log moments of the model's positive sites are stored as well (``log_params``)
 HEAVY_TAILED = {"horseshoe": ("lambdas",)}
 
+#: references with more parameters store no covariance matrix
+MAX_COV_PARAMETERS = 200
+
 #: closed-form references (no NUTS run)
 EXACT = ("prior_mixture",)
 
@@ -170,7 +173,9 @@ def reference(name: str) -> dict:
     out = {
         "model": name,
         "params": params,
-        "cov": {"names": names, "matrix": cov.tolist()},
+        # (the covariance only up to MAX_COV_PARAMETERS parameters: the 600 states of a chain
+        # would make a 10 MB file, and no test reads its covariance)
+        "cov": {"names": names, "matrix": cov.tolist()} if len(names) <= MAX_COV_PARAMETERS else None,
         "seeds": {"data": rm.DATA_SEEDS[name], "nuts": NUTS_SEEDS[name]},
         "nuts": dict(
             settings,
