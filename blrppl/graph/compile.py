@@ -368,6 +368,16 @@ def compile_model(
         for b in blocks.values()
         if _transformed(b) and not b.param and not (b.point and point_space == "constrained")
     ]
+    for n in chains:
+        # (a chain's factors were closed-form or quadrature when it was found; a factor whose
+        # class changed with the final blocks would need draws of the whole chain)
+        odd = [f.name for f in factors if n in f.neighbours and f.estimator not in ("exact", "quadrature")]
+        if odd:
+            raise UnsupportedFactorError(
+                f"factor '{odd[0]}' has no closed form or quadrature for the banded block '{n}' (a chain); "
+                "fit with structure='mean-field' or structure='joint'",
+                site=odd[0],
+            )
     if subsampled:
         factors = _check_subsampled(factors, records, blocks, {p.name for p in subsampled})
     else:
