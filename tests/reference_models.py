@@ -37,6 +37,11 @@ reference JSON), so the references and the tests see the same numbers.
   ``s`` ~ HalfNormal(1) and noise ``r`` ~ HalfNormal(1); true s = 0.3, r = 0.5. The chain is
   longer than any dense block: it is fitted with a banded precision.
 
+* ``stochastic_volatility``: T = 2,000 daily returns, log-volatility h_t = μ + φ (h_{t−1} − μ) +
+  σ η_t started at μ, with the persistence φ = 0.95 known, y_t ~ Normal(0, exp(h_t / 2)),
+  ``mu`` ~ Normal(−9, 2), ``sigma`` ~ HalfNormal(1), written with ``scan``; true μ = −9, σ = 0.3.
+  Every factor has a closed form (the returns' scale is log-normal) and h is a chain (banded).
+
 Models that ``test_references_are_float64_and_converged`` cannot check (``DIAGNOSTIC_MODELS``:
 their reference is not a NUTS run of the model itself):
 
@@ -71,6 +76,7 @@ DATA_SEEDS = {
     "coupled_discrete": 20240507,
     "prior_mixture": None,  # no data
     "random_walk": 20240508,
+    "stochastic_volatility": 20240509,
 }
 
 
@@ -218,6 +224,23 @@ def random_walk_model(y, seen):
         numpyro.sample("y", dist.Normal(x, r).mask(seen), obs=y)
 
 
+SV_PERSISTENCE = 0.95
+
+
+def stochastic_volatility_model(y):
+    from numpyro.contrib.control_flow import scan
+
+    mu = numpyro.sample("mu", dist.Normal(-9.0, 2.0))
+    sigma = numpyro.sample("sigma", dist.HalfNormal(1.0))
+
+    def step(h_prev, y_t):
+        h = numpyro.sample("h", dist.Normal(mu + SV_PERSISTENCE * (h_prev - mu), sigma))
+        numpyro.sample("y", dist.Normal(0.0, jnp.exp(h / 2.0)), obs=y_t)
+        return h, h
+
+    scan(step, mu, y)
+
+
 def prior_mixture_model():
     z = numpyro.sample("z", dist.Categorical(jnp.asarray(PRIOR_MIXTURE_WEIGHTS)))
     numpyro.sample("x", dist.Normal(jnp.asarray(PRIOR_MIXTURE_LOCS)[z], PRIOR_MIXTURE_SCALE))
@@ -327,6 +350,17 @@ def random_walk_data(seed=DATA_SEEDS["random_walk"]):
     return {"y": np.where(seen, y, 0.0), "seen": seen}
 
 
+def stochastic_volatility_data(seed=DATA_SEEDS["stochastic_volatility"]):
+    rng = np.random.default_rng(seed)
+    T, mu, sigma = 2000, -9.0, 0.3
+    h = np.empty(T)
+    prev = mu
+    for t in range(T):
+        prev = mu + SV_PERSISTENCE * (prev - mu) + sigma * rng.normal()
+        h[t] = prev
+    return {"y": np.exp(h / 2.0) * rng.normal(size=T)}
+
+
 def prior_mixture_data():
     return {}
 
@@ -342,6 +376,7 @@ MODELS = {
     "horseshoe": (horseshoe_model, horseshoe_data),
     "glmm_admissions": (glmm_admissions_model, glmm_admissions_data),
     "random_walk": (random_walk_model, random_walk_data),
+    "stochastic_volatility": (stochastic_volatility_model, stochastic_volatility_data),
 }
 
 #: name → (model, data function) of models whose reference is not a NUTS run of the model

@@ -67,6 +67,7 @@ NUTS_SEEDS = {
     "glmm_admissions": 108,
     "coupled_discrete": 109,
     "random_walk": 110,
+    "stochastic_volatility": 111,
 }
 #: per-model overrides of the NUTS settings above
 NUTS_SETTINGS = {
@@ -76,6 +77,7 @@ NUTS_SETTINGS = {
     "glmm_admissions": {"num_warmup": 3000, "num_samples": 10000, "target_accept_prob": 0.95},
     # the step scale s mixes slowly against the 600 states (ESS ≈ 5 % of the draws)
     "random_walk": {"num_warmup": 3000, "num_samples": 30000},
+    "stochastic_volatility": {"num_warmup": 2000, "num_samples": 15000},
 }
 #: per model, sites whose posterior has no finite variance (their stored sd does not converge);
 #: the log moments of the model's positive sites are stored as well (``log_params``)
