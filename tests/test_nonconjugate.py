@@ -193,19 +193,26 @@ def test_normal_scale_with_small_data():
 # ------------------------------------------------------------- a long chain of states
 
 
+def assert_chain_matches_nuts(name, site, length, sd_rel, mean_tol=0.1):
+    """The reference model's chain ``site`` got a banded block, the fit converged, and each of
+    its ``length`` states has its mean within ``mean_tol`` NUTS sd and its sd within
+    ``sd_rel`` of NUTS's."""
+    result = fit(name)
+    assert result.plan.block(site).family.banded, result.plan.describe()
+    assert_converged(result)
+    err, ratio = errors(name)
+    states = [k for k in err if k.startswith(f"{site}[")]
+    assert len(states) == length
+    assert max(err[k] for k in states) <= mean_tol, _fmt({k: err[k] for k in states if err[k] > mean_tol})
+    bad = {k: ratio[k] for k in states if abs(ratio[k] - 1.0) > sd_rel}
+    assert not bad, _fmt(bad)
+
+
 def test_random_walk_states_match_nuts():
     """600 states (a banded block: longer than any dense one), 120 of them unobserved, with
     unknown step and noise scales: every state's mean within 0.1 NUTS sd and its sd within
     10 % (the issue's bar for chains)."""
-    result = fit("random_walk")
-    assert result.plan.block("x").family.banded, result.plan.describe()
-    assert_converged(result)
-    err, ratio = errors("random_walk")
-    states = [k for k in err if k.startswith("x[")]
-    assert len(states) == 600
-    assert max(err[k] for k in states) <= 0.1, _fmt({k: err[k] for k in states if err[k] > 0.1})
-    bad = {k: ratio[k] for k in states if abs(ratio[k] - 1.0) > 0.1}
-    assert not bad, _fmt(bad)
+    assert_chain_matches_nuts("random_walk", "x", 600, sd_rel=0.1)
 
 
 def test_random_walk_scales_match_nuts_in_the_mean():
@@ -221,16 +228,9 @@ def test_stochastic_volatility_matches_nuts():
     within 0.1 NUTS sd and its sd within 20 % (the issue's bar); μ's mean within 0.1 sd;
     σ's mean within 0.35 sd (mean-field against the chain: its sd is too small,
     docs/limitations.md)."""
-    result = fit("stochastic_volatility")
-    assert result.plan.block("h").family.banded, result.plan.describe()
-    assert all(f.estimator in ("exact", "quadrature") for f in result.plan.factors)
-    assert_converged(result)
-    err, ratio = errors("stochastic_volatility")
-    states = [k for k in err if k.startswith("h[")]
-    assert len(states) == 2000
-    assert max(err[k] for k in states) <= 0.1, _fmt({k: err[k] for k in states if err[k] > 0.1})
-    bad = {k: ratio[k] for k in states if abs(ratio[k] - 1.0) > 0.2}
-    assert not bad, _fmt(bad)
+    assert all(f.estimator in ("exact", "quadrature") for f in fit("stochastic_volatility").plan.factors)
+    assert_chain_matches_nuts("stochastic_volatility", "h", 2000, sd_rel=0.2)
+    err, _ = errors("stochastic_volatility")
     assert err["mu"] <= 0.1 and err["sigma"] <= 0.35, _fmt({k: err[k] for k in ("mu", "sigma")})
 
 
