@@ -130,7 +130,7 @@ def psis_khat(log_weights) -> float:
 
 def _components(plan) -> list:
     """Connected groups of discrete blocks (two are connected when a factor enumerates both)."""
-    parent = {b.name: b.name for b in plan.blocks if b.discrete}
+    parent = {b.name: b.name for b in plan.blocks if b.discrete and not b.chain}
 
     def find(a):
         while parent[a] != a:
@@ -139,7 +139,8 @@ def _components(plan) -> list:
         return a
 
     for f in plan.factors:
-        for a, b in zip(f.discrete, f.discrete[1:]):
+        names = [d for d in f.discrete if d in parent]
+        for a, b in zip(names, names[1:]):
             parent[find(a)] = find(b)
     groups: dict = {}
     for n in parent:
@@ -177,22 +178,27 @@ def make_log_weights(plan, fns, records, data_shapes, batch: int = BATCH):
             :data:`BATCH` draws at a time, small data all draws at once.
     """
     blocks = {b.name: b for b in plan.blocks}
-    drawn = [b for b in plan.blocks if not b.discrete and not b.point]
+    # (chains of discrete latents are drawn, with their exact log q, not summed out)
+    drawn = [b for b in plan.blocks if (b.chain or not b.discrete) and not b.point]
     fixed = [b for b in plan.blocks if not b.discrete and b.point]
     groups = _components(plan)
     sites = tuple(n for n, r in records.items() if r.observed or not r.is_param)
     # a stacked factor's sites are evaluated as the one stacked site (blrppl.graph.stack)
     stacked = {m: f.name for f in plan.factors for m in f.members}
     sites = tuple(dict.fromkeys(stacked.get(n, n) for n in sites))
-    site_discrete = {f.name: set(f.discrete) for f in plan.factors if f.name in records}
+    site_discrete = {f.name: {d for d in f.discrete if not blocks[d].chain} for f in plan.factors if f.name in records}
     for f in plan.factors:
         for d in f.discrete:
+            if blocks[d].chain:
+                continue
             for s in blocks[d].sites:  # a discrete latent's own prior is enumerated with it
                 site_discrete.setdefault(s, set()).add(d)
 
     def site_values(b, x):
         """Block draw (canonical layout) → {site: value in block space} (the model functions
         apply each site's bijection), and log|det J| of those bijections."""
+        if b.chain:
+            return b.chain_site_values(b.family.flat(x)), 0.0
         parts = b.split(x) if b.members else {b.name: b.to_site(x)}
         log_det = 0.0
         for m in b.members or (b,):

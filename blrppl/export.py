@@ -144,13 +144,16 @@ def _layout_distribution(block: Block, nat, event_ndim: int) -> dist.Distributio
         extra = event_ndim - len(out.event_shape)
         return out.to_event(extra) if extra > 0 else out
     if block.family.indexes_support:
-        out = EnumeratedPosterior(inner.probs, block.support_values)
-        extra = event_ndim - len(out.event_shape)
-        return out.to_event(extra) if extra > 0 else out
+        return _enumerated(inner.probs, block.support_values, event_ndim)
     if block.discrete:
         return inner
     extra = event_ndim - len(inner.event_shape)
     return inner.to_event(extra) if extra > 0 else inner
+
+
+def _enumerated(probs, values, event_ndim: int) -> dist.Distribution:
+    out = EnumeratedPosterior(probs, values)
+    return out.to_event(event_ndim) if event_ndim > 0 else out
 
 
 def posterior_builder(plan, records, submit):
@@ -162,7 +165,11 @@ def posterior_builder(plan, records, submit):
     def build(nat):
         out = {}
         for n, b in blocks.items():
-            if b.members and b.discrete:
+            if b.chain:
+                # each site's marginals (the chain's joint draws: BLRResult.sample, the guide)
+                for m, probs in b.chain_site_probs(b.family.view(nat[n]).probs):
+                    out[m.name] = _enumerated(probs, b.support_values, records[m.name].event_ndim)
+            elif b.members and b.discrete:
                 for m, probs in b.member_probs(b.family.view(nat[n]).probs):
                     out[m.name] = site_distribution(m, m.family.nat_from_view(type(b.family.view(nat[n]))(probs)), records[m.name].event_ndim)
             elif b.members:

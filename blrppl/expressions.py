@@ -220,11 +220,16 @@ def feasible_where_masked(fn, value):
 
 
 def without_mask(fn):
-    """A latent's distribution with its masks removed: masked-out elements of a latent's own
-    prior keep that prior. (numpyro gives them a flat improper density; they are padding,
-    e.g. the observed positions of ``obs_mask``'s ``<site>_unobserved`` latent or the steps
-    past a sequence's end, which no other factor reads, and the prior keeps their posterior
-    proper.)"""
+    """A continuous latent's distribution with its masks removed: masked-out elements of a
+    latent's own prior keep that prior. (numpyro gives them a flat improper density; they
+    are padding, e.g. the observed positions of ``obs_mask``'s ``<site>_unobserved`` latent
+    or the steps past a sequence's end, which no other factor reads, and the prior keeps
+    their posterior proper.) A discrete latent keeps its masks, as in numpyro: its flat
+    density over finitely many values is proper, and a masked step of a hidden Markov chain
+    then reads neither the previous state nor the transition probabilities (kept, its
+    prior would add phantom transitions to their posterior)."""
+    if getattr(fn.support, "is_discrete", False):
+        return fn
     if isinstance(fn, dist.MaskedDistribution):
         return without_mask(fn.base_dist)
     if isinstance(fn, dist.Independent):

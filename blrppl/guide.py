@@ -95,6 +95,15 @@ class PlanGuide:
                 u = b.to_site(view.mean)
                 value, _ = _site_value(b, u)
                 out[b.name] = numpyro.sample(b.name, _delta(value))
+            elif b.chain:
+                # whole chains at an auxiliary site (forward filtering, backward sampling), each
+                # site a point mass at its states
+                chains = numpyro.sample(
+                    f"_blr_chain_{b.name}", b.family.to_numpyro(b.family.nat_from_view(view)).to_event(1),
+                    infer={"is_auxiliary": True},
+                )
+                for name, value in b.chain_site_values(b.family.flat(chains)).items():
+                    out[name] = numpyro.sample(name, _delta(value))
             elif b.members and b.discrete:
                 # the joint state at an auxiliary site, its members as point masses at their values
                 state = numpyro.sample(

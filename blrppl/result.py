@@ -97,7 +97,11 @@ class BLRResult:
         keys = jax.random.split(as_key(rng_key), max(len(self.plan.blocks), 1))
         out = {}
         for k, b in zip(keys, self.plan.blocks):
-            if b.members and b.discrete:
+            if b.chain:
+                # whole chains (forward filtering, backward sampling): the states keep their coupling
+                states = b.family.flat(b.family.sample(self.nat[b.name], k, (num_samples,)))
+                out.update(b.chain_site_values(states))
+            elif b.members and b.discrete:
                 # one draw of the joint state: the members' values keep their coupling
                 state = b.family.sample(self.nat[b.name], k, (num_samples,))
                 table = jnp.asarray(b.joint_states)

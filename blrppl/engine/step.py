@@ -246,7 +246,9 @@ def make_elbo(plan, fns, entropies: bool = False):
 
 def _relative_delta(old, new):
     diffs = [
-        jnp.max(jnp.abs(a - b) / (1.0 + jnp.abs(a))) for a, b in zip(jax.tree.leaves(old), jax.tree.leaves(new))
+        jnp.max(jnp.abs(a - b) / (1.0 + jnp.abs(a)))
+        for a, b in zip(jax.tree.leaves(old), jax.tree.leaves(new))
+        if jnp.size(a)  # (a chain of one state has no pairs)
     ]
     return jnp.max(jnp.stack(diffs)) if diffs else jnp.zeros(())
 

@@ -8,6 +8,15 @@ the factor uses the aligned element of each discrete block) has
 
 so the message to a Categorical block is ∂L/∂q_j(k) = E_q[log f | d_j = k] (weighted by the
 other discrete blocks), the VMP message of a discrete variable.
+
+A chain block (:class:`blrppl.families.CategoricalChain`) is enumerated over pairs of values
+(a, b): the states at even chain steps set to a, at odd ones to b. A factor element that
+reads two consecutive states sees each pair of values exactly once over the K² pairs, and
+is weighted by their pair marginal q(z_t, z_{t+1}); one reading one state is weighted by its
+marginal q(z_t) (divided by the K times each value recurs). Only the chain positions each
+element reads matter (:class:`blrppl.graph.markov.Reads`, found when compiling), so the
+same K² runs serve every factor of the chain. Without a factor reading two states, K runs
+(a = b) do.
 """
 
 from __future__ import annotations
@@ -60,6 +69,40 @@ def _elementwise(fns, group, blocks, views, dvals, data, wrappers, key, curvatur
     return els, scales, extra
 
 
+def _states(block, group) -> int:
+    """Enumerated states of a discrete block for a group of factors: its values, or for a
+    chain the K² pairs when some factor element reads two of its states, else K."""
+    k = len(block.support_values)
+    if block.chain and any(np.any(dict(f.chain_reads)[block.name].hi >= 0) for f in group):
+        return k * k
+    return k
+
+
+def _chain_states(block, state, k: int, pairs: bool):
+    """Flat positions' value indices of enumerated state ``state``: (a, b) = divmod(state, K)
+    at even / odd chain steps (a = b = state without pairs)."""
+    width = block.size // block.family.length
+    odd = jnp.asarray((np.arange(block.size) // width) % 2 == 1)
+    a, b = (state // k, state % k) if pairs else (state, state)
+    return jnp.where(odd, b, a)
+
+
+def _chain_weight(factor, name, view, states, num_states: int):
+    """Per element of ``factor``: the chain marginal of the states its element reads under
+    ``states`` (flat positions), see the module docstring."""
+    reads = dict(factor.chain_reads)[name]
+    k = view.probs.shape[-1]
+    width = view.probs.shape[0]
+    lo, hi = np.clip(reads.lo, 0, None), np.clip(reads.hi, 0, None)
+    v_lo, v_hi = states[lo], states[hi]
+    single = view.probs[lo % width, lo // width, v_lo] * (k / num_states)
+    if view.pair_probs.shape[1]:
+        t = np.minimum(lo // width, view.pair_probs.shape[1] - 1)
+        pair = view.pair_probs[lo % width, t, v_lo, v_hi]
+        single = jnp.where(reads.hi >= 0, pair, single)
+    return jnp.where(reads.lo >= 0, single, 1.0 / num_states)
+
+
 def expected_log_factors(fns, factors, blocks, views, data, key=None, curvature="auto"):
     """Σ_i E_q[log f_i] over ``factors``, each summed over its elements.
 
@@ -94,16 +137,25 @@ def expected_log_factors(fns, factors, blocks, views, data, key=None, curvature=
             els, scales, extra = _elementwise(fns, group, blocks, views, {}, data, wrappers, sub, curvature)
             total = total + extra
         else:
-            sizes = [len(blocks[d].support_values) for d in names]
+            sizes = [_states(blocks[d], group) for d in names]
             combos = jnp.asarray(np.array(list(itertools.product(*[range(k) for k in sizes]))))
 
-            def one(combo, names=names, group=group):
-                dvals, weight = {}, 1.0
+            def one(combo, names=names, group=group, sizes=sizes):
+                dvals, weight = {}, {f.name: 1.0 for f in group}
                 for j, d in enumerate(names):
-                    dvals.update(blocks[d].discrete_site_values(combo[j]))
-                    weight = weight * jnp.take(views[d].probs, combo[j], axis=-1)
+                    b = blocks[d]
+                    if b.chain:
+                        k = len(b.support_values)
+                        states = _chain_states(b, combo[j], k, sizes[j] > k)
+                        dvals.update(b.chain_site_values(states))
+                        for f in group:
+                            weight[f.name] = weight[f.name] * _chain_weight(f, d, views[d], states, sizes[j])
+                        continue
+                    dvals.update(b.discrete_site_values(combo[j]))
+                    w = jnp.take(views[d].probs, combo[j], axis=-1)
+                    weight = {n: v * w for n, v in weight.items()}
                 els, scales, _ = _elementwise(fns, group, blocks, views, dvals, data, wrappers, sub)
-                return {n: v * weight for n, v in els.items()}, scales
+                return {n: v * weight[n] for n, v in els.items()}, scales
 
             els, scales = jax.vmap(one)(combos)
             els = jax.tree.map(lambda x: x.sum(0), els)

@@ -3,6 +3,7 @@
 from blrppl.families.base import Family
 from blrppl.families.beta import Beta, BetaNat, BetaRuleView, BetaView
 from blrppl.families.categorical import Bernoulli, BernoulliNat, Categorical, CategoricalNat, CategoricalView
+from blrppl.families.categorical_chain import CategoricalChain, ChainNat, ChainView, MarkovChainPosterior
 from blrppl.families.dirichlet import Dirichlet, DirichletNat, DirichletRuleView, DirichletView
 from blrppl.families.gamma import Gamma, GammaNat, GammaRuleView, GammaView
 from blrppl.families.gaussian import (
@@ -43,6 +44,9 @@ __all__ = [
     "Categorical",
     "CategoricalNat",
     "CategoricalView",
+    "CategoricalChain",
+    "ChainNat",
+    "ChainView",
     "DiagGaussianNat",
     "DiagGaussianView",
     "Dirichlet",
@@ -59,4 +63,5 @@ __all__ = [
     "GaussianDiag",
     "GaussianNat",
     "GaussianView",
+    "MarkovChainPosterior",
 ]

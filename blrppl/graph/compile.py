@@ -23,6 +23,7 @@ from blrppl.expressions import (
 )
 from blrppl.expressions import _needs_gather_test as needs_gather_test
 from blrppl.graph.band import chain_bandwidth
+from blrppl.graph import markov
 from blrppl.graph.data import compiler_options
 from blrppl.graph.program_store import compile_program, jit as store_jit, program_key
 from blrppl.graph.deps import output_forms
@@ -267,6 +268,9 @@ def compile_model(
             break
         moved |= to_move
 
+    # discrete latents read along a chain (a hidden Markov model) become one chain block
+    blocks, chain_reads = _discrete_chains(blocks, factors, fns, data, np.random.default_rng(0))
+
     # a factor that mixes the plate elements of a Gaussian block (a difference of neighbours,
     # a sum over the plate) couples them: the block is dense over all its scalars, exact,
     # unless the user asked for its family or for mean-field, it is too large for the
@@ -339,7 +343,7 @@ def compile_model(
     for n in densified:
         blocks[n] = dense[n]
     coupled_discrete = _coupled_discrete(blocks, factors)
-    if not merge and not coupled_discrete and not densified and not chains:
+    if not merge and not coupled_discrete and not densified and not chains and not chain_reads:
         factors = _classify_factors(
             records, rules, deps, blocks, fns, data, rng_key, cache=probe_cache, elementwise=elementwise, forms=forms
         )
@@ -363,6 +367,9 @@ def compile_model(
             records, rules, deps, blocks, fns, data, rng_key, guess=guess, elementwise=elementwise, forms=forms
         )
 
+    factors = [
+        dataclasses.replace(f, chain_reads=chain_reads[f.name]) if f.name in chain_reads else f for f in factors
+    ]
     factors += [
         _jacobian_factor(b)
         for b in blocks.values()
@@ -558,7 +565,23 @@ def _coupled_discrete(blocks: dict, factors) -> list:
     together: their mean-field product q(y) q(z) cannot hold a factor that couples them
     (``z``'s probabilities depending on ``y``), so each group becomes one joint categorical
     block when its elements have the same shape and at most :data:`MAX_JOINT_STATES` states."""
+    out = []
+    for group in _discrete_groups(blocks, factors):
+        parts = [blocks[n] for n in group]
+        if len(group) < 2 or any(b.chain for b in parts):
+            continue
+        shapes = {b.value_shape for b in parts}
+        states = math.prod(len(b.support_values) for b in parts)
+        if len(shapes) == 1 and states <= MAX_JOINT_STATES and all(b.local is None for b in parts):
+            out.append(group)
+    return out
+
+
+def _discrete_groups(blocks: dict, factors) -> list:
+    """Groups of discrete blocks that some factor enumerates together (model order; the
+    factors may name the sites of a block that holds several)."""
     parent = {n: n for n, b in blocks.items() if b.discrete}
+    block_of = {s: n for n, b in blocks.items() if b.discrete for s in b.sites}
 
     def find(a):
         while parent[a] != a:
@@ -567,21 +590,86 @@ def _coupled_discrete(blocks: dict, factors) -> list:
         return a
 
     for f in factors:
-        for a, b in zip(f.discrete, f.discrete[1:]):
+        names = [block_of[d] for d in f.discrete if d in block_of]
+        for a, b in zip(names, names[1:]):
             parent[find(a)] = find(b)
     groups: dict = {}
     for n in parent:
         groups.setdefault(find(n), []).append(n)
-    out = []
-    for group in groups.values():
-        if len(group) < 2:
-            continue
+    return [tuple(n for n in blocks if n in g) for g in groups.values()]
+
+
+def _discrete_chains(blocks: dict, factors, fns, data, rng: np.random.Generator) -> tuple:
+    """Blocks with every group of discrete latents read along a chain replaced by one
+    :class:`blrppl.families.CategoricalChain` block, and factor → ``((block, Reads),)``.
+
+    A group is probed (:mod:`blrppl.graph.markov`) when it has more than one position. If
+    every factor element reads its aligned positions, the enumeration's own assumption
+    holds: the group stays as it is, unless it is several sites (one per step of a loop)
+    whose joint categorical would be too large and whose factors each read two consecutive
+    ones (then it is a chain). Otherwise each element's positions are decoded: pairs with one
+    stride make a chain; single positions read out of alignment (a gather by an index
+    array) make independent states read through the same map.
+
+    Raises:
+        UnsupportedFactorError: a factor reads the group in a pattern no first-order chain
+            holds.
+    """
+    reads_of: dict = {}
+    out = dict(blocks)
+    for group in _discrete_groups(blocks, factors):
         parts = [blocks[n] for n in group]
-        shapes = {b.value_shape for b in parts}
-        states = math.prod(len(b.support_values) for b in parts)
-        if len(shapes) == 1 and states <= MAX_JOINT_STATES and all(b.local is None for b in parts):
-            out.append(tuple(n for n in blocks if n in group))  # model order
-    return out
+        if any(b.local is not None or b.members for b in parts):
+            continue  # (subsampled plates: their factors' plates are checked instead)
+        size = sum(b.size for b in parts)
+        if size <= 1:
+            continue
+        probe = markov.Probe(group, blocks, factors, fns, data, rng)
+        if markov.is_aligned(probe):
+            states = math.prod(len(b.support_values) for b in parts)
+            if len(group) == 1 or states <= MAX_JOINT_STATES or len({b.value_shape for b in parts}) != 1:
+                continue
+            reads = {}
+            for f in probe.touching:
+                index = markov.aligned_reads(probe.members, f, tuple(_factor_batch(fns, f, data).shape))
+                if index is None or len(index) > 2:
+                    reads = None
+                    break
+                lo = index[0].astype(np.int64)
+                hi = index[1].astype(np.int64) if len(index) == 2 else np.full(lo.shape, -1, np.int64)
+                reads[f.name] = markov.Reads(np.minimum(lo, np.where(hi < 0, lo, hi)), np.where(hi < 0, -1, np.maximum(lo, hi)))
+            layout = markov.chain_layout(reads, size) if reads else None
+            if layout is None:
+                continue
+        else:
+            if len({b.support_values for b in parts}) != 1:
+                f = next(f for f in probe.touching)
+                raise markov.unsupported(f, group)
+            reads = markov.probe_reads(probe)
+            layout = markov.chain_layout(reads, size)
+            if layout is None:
+                if any(np.any(r.hi >= 0) for r in reads.values()):
+                    f = next(f for f in probe.touching if np.any(reads[f.name].hi >= 0))
+                    raise markov.unsupported(f, group)
+                layout = markov.ChainLayout(1, size)
+        k = len(parts[0].support_values)
+        family = fam.CategoricalChain(layout.length, k)
+        if len(group) == 1:
+            chain = dataclasses.replace(
+                parts[0], family=family, kind=family.name, value_shape=(size,), site_shape=parts[0].value_shape
+            )
+        else:
+            name = f"({group[0]}, …, {group[-1]})" if len(group) > 3 else "(" + ", ".join(group) + ")"
+            chain = Block(name, family, family.name, (size,), (), parts[0].support_values, members=tuple(parts))
+        out = _replace_members(out, group, chain)
+        for f in probe.touching:
+            reads_of[f.name] = reads_of.get(f.name, ()) + ((chain.name, reads[f.name]),)
+    return out, reads_of
+
+
+def _factor_batch(fns, f, data):
+    """A factor's element-wise log-density at the fill values (its batch shape)."""
+    return jax.eval_shape(lambda d: fns.log_probs((f.name,), {}, d)[f.name][0], data)
 
 
 def _merge_discrete(blocks: dict, members: tuple) -> dict:
@@ -875,8 +963,10 @@ def _classify_factors(
         neighbours = tuple(n for n in blocks if any(n in d for d in deps[name].values()))
         discrete = tuple(n for n in neighbours if blocks[n].discrete)
         for d in discrete:
-            for site in blocks[d].sites:
-                _check_aligned(r, records[site], name)
+            # (elsewhere the chain probe finds what each element reads: blrppl.graph.markov)
+            if blocks[d].local is not None:
+                for site in blocks[d].sites:
+                    _check_aligned(r, records[site], name)
         nbrs[name] = (neighbours, discrete)
         if rule is None:
             continue

@@ -182,6 +182,33 @@ class Block:
         return self.family.discrete
 
     @property
+    def chain(self) -> bool:
+        """Whether the block is a chain of discrete latents (a hidden Markov chain): its value
+        is the flat sequence of its sites' positions (:mod:`blrppl.graph.markov`)."""
+        return getattr(self.family, "length", None) is not None and self.family.discrete
+
+    def chain_site_values(self, states) -> dict:
+        """Chain positions' states (indices into ``support_values``, flat position order,
+        leading dims allowed) → {site: value}."""
+        from blrppl.graph.markov import site_values
+
+        return site_values(self.members or (self._site_block(),), jnp.asarray(self.support_values)[states])
+
+    def _site_block(self) -> "Block":
+        return dataclasses.replace(self, value_shape=self.site_shape or self.value_shape)
+
+    def chain_site_probs(self, probs) -> list:
+        """(member site block, its marginals ``(*shape, K)``) from the chain's marginals
+        ``(C, L, K)``."""
+        flat = jnp.reshape(jnp.swapaxes(probs, 0, 1), (-1, probs.shape[-1]))
+        out, offset = [], 0
+        for m in self.members or (self._site_block(),):
+            size = int(math.prod(m.value_shape))
+            out.append((m, jnp.reshape(flat[offset : offset + size], tuple(m.value_shape) + flat.shape[-1:])))
+            offset += size
+        return out
+
+    @property
     def subsample_scale(self) -> float:
         """N/M for a local block (its minibatch terms stand for all N elements), else 1."""
         if self.local is None:
@@ -316,6 +343,7 @@ class Factor:
     why: str = ""
     members: tuple = ()
     role: str = FactorRole.SITE
+    chain_reads: tuple = ()
 
     @property
     def kinds(self) -> dict:
@@ -385,6 +413,9 @@ class Plan:
         for b in self.blocks:
             full = b.full
             kind = f"{b.kind} (bandwidth {b.family.bandwidth})" if b.family.banded else b.kind
+            if b.chain:
+                width = full.size // b.family.length
+                kind = f"{b.kind} ({width} × {b.family.length} states: forward-backward)"
             row = (b.name, kind, str(full.value_shape), str(full.size), str(conj.get(b.name, "-")), self.role(b.name))
             if sub:
                 if b.local is None:

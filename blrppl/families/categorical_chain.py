@@ -1,0 +1,280 @@
+"""Chains of categorical latents (hidden Markov chains): the structured discrete family.
+
+A block of C independent chains of L categorical latents z_{c,0} … z_{c,L−1} over K values
+(a hidden Markov model's states, written with ``scan`` or one site per step) has the
+posterior family of a chain-structured Markov random field:
+
+    q(z) ∝ exp( Σ_t ψ_t(z_t) + Σ_t Φ_t(z_t, z_{t+1}) )
+
+in the overcomplete parametrisation λ = (ψ, Φ) (unary ``(C, L, K)`` and pairwise
+``(C, L − 1, K, K)`` log-potentials), with sufficient statistics the one-hot states and
+one-hot pairs, so the mean parameters μ = ∇A(λ) are the marginals q(z_t) and the pair
+marginals q(z_t, z_{t+1}). A(λ) is the forward algorithm in log space (Rabiner 1989), the
+marginals forward–backward; both are ``lax.scan`` s over the chain, O(C·L·K²).
+
+The Bayesian learning rule for a factor graph whose factors each read one state or one
+pair of consecutive states: L = Σ_i E_q[log f_i] is linear in μ, so
+
+    ψ̃_t(k) = ∂L/∂q(z_t = k),    Φ̃_t(j, k) = ∂L/∂q(z_t = j, z_{t+1} = k),
+    λ ← (1 − ρ) λ + ρ λ̃;
+
+at ρ = 1 this is the structured mean-field (VMP) update q(z) ∝ exp E_{q(other)}[log p]:
+Baum–Welch's E-step with the expected log parameters when the transition and emission
+probabilities are Dirichlet blocks (MacKay 1997; Beal 2003, ch. 3), the exact posterior
+when they are known.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpyro.distributions as dist
+from numpyro.distributions import constraints
+
+from blrppl.families.base import Family
+from blrppl.families.categorical import CategoricalView
+
+
+class ChainNat(NamedTuple):
+    """Natural parameters of a block of chains (also the layout of their mean parameters).
+
+    Attributes:
+        unary: ψ, ``(C, L, K)`` (mean parameters: the marginals q(z_t = k)).
+        pair: Φ, ``(C, L − 1, K, K)`` (mean parameters: q(z_t = j, z_{t+1} = k)).
+    """
+
+    unary: jax.Array
+    pair: jax.Array
+
+
+class ChainView(NamedTuple):
+    """Marginals ``probs`` ``(C, L, K)`` and pair marginals ``pair_probs`` ``(C, L − 1, K, K)``
+    (the mean parameters: what the enumerated factors are weighted by)."""
+
+    probs: jax.Array
+    pair_probs: jax.Array
+
+
+def _logsumexp(xp, x, axis):
+    m = xp.max(x, axis=axis, keepdims=True)
+    m = xp.where(xp.isfinite(m), m, 0.0)
+    return xp.squeeze(m, axis) + xp.log(xp.sum(xp.exp(x - m), axis=axis))
+
+
+def _forward_backward(nat: ChainNat):
+    """(log α, log β, log Z): log α_t(k) = log Σ over z_{<t} of the potentials up to t with
+    z_t = k, log β_t(j) the same from the end; log-space recursions (lax.scan for jax
+    arrays, a loop over the chain for numpy ones: no program compiled on the host)."""
+    unary, pair = nat
+    if isinstance(unary, np.ndarray):
+        xp, length = np, unary.shape[1]
+        alpha = np.empty_like(unary)
+        beta = np.zeros_like(unary)
+        alpha[:, 0] = unary[:, 0]
+        for t in range(1, length):
+            alpha[:, t] = unary[:, t] + _logsumexp(np, alpha[:, t - 1, :, None] + pair[:, t - 1], 1)
+        for t in range(length - 2, -1, -1):
+            beta[:, t] = _logsumexp(np, pair[:, t] + (unary[:, t + 1] + beta[:, t + 1])[:, None, :], 2)
+    else:
+        xp = jnp
+        u, p = jnp.moveaxis(unary, 1, 0), jnp.moveaxis(pair, 1, 0)
+
+        def fwd(a, inputs):
+            ut, pt = inputs
+            a = ut + jax.nn.logsumexp(a[:, :, None] + pt, axis=1)
+            return a, a
+
+        def bwd(b, inputs):
+            ut1, pt = inputs
+            b = jax.nn.logsumexp(pt + (ut1 + b)[:, None, :], axis=2)
+            return b, b
+
+        _, rest = jax.lax.scan(fwd, u[0], (u[1:], p))
+        alpha = jnp.moveaxis(jnp.concatenate([u[:1], rest], 0), 0, 1)
+        _, back = jax.lax.scan(bwd, jnp.zeros_like(u[0]), (u[1:], p), reverse=True)
+        beta = jnp.moveaxis(jnp.concatenate([back, jnp.zeros_like(u[:1])], 0), 0, 1)
+    log_z = _logsumexp(xp, alpha[:, -1], -1)
+    return alpha, beta, log_z
+
+
+@dataclasses.dataclass(frozen=True)
+class CategoricalChain(Family):
+    """C independent chains of ``length`` categorical states over ``dim`` values, in the
+    overcomplete chain parametrisation (module docstring). Batch shape ``(C,)``, event
+    shape ``(length,)``; values are indices into the block's enumerated values.
+
+    * T(z) = (onehot(z_t), onehot(z_t) ⊗ onehot(z_{t+1})); base measure 1.
+    * λ = (ψ, Φ) (:class:`ChainNat`); A(λ) = log Σ_z exp(Σ_t ψ_t(z_t) + Σ_t Φ_t(z_t, z_{t+1})).
+    * μ = (q(z_t), q(z_t, z_{t+1})) = :class:`ChainView` (forward–backward).
+    * H = A(λ) − ⟨λ, μ⟩.
+
+    The compiler chooses it (:mod:`blrppl.graph.markov`); it is not selectable by name.
+
+    Attributes:
+        length: L, the states per chain.
+        dim: K, the number of values of each state.
+    """
+
+    length: int
+    dim: int
+    name: ClassVar[str] = "categorical-chain"
+    discrete: ClassVar[bool] = True
+    indexes_support: ClassVar[bool] = True
+    view_type: ClassVar[type] = ChainView
+    support: ClassVar[str] = "discrete"
+
+    @classmethod
+    def fits(cls, support_values: tuple | None) -> bool:
+        return False  # (never a default family: the compiler builds it for a chain)
+
+    @property
+    def event_shape(self) -> tuple[int, ...]:
+        return (self.length,)
+
+    def view(self, nat: ChainNat) -> ChainView:
+        """Marginals and pair marginals by forward–backward."""
+        xp = np if isinstance(nat.unary, np.ndarray) else jnp
+        alpha, beta, log_z = _forward_backward(nat)
+        probs = xp.exp(alpha + beta - log_z[:, None, None])
+        pair = xp.exp(
+            alpha[:, :-1, :, None] + nat.pair + (nat.unary[:, 1:] + beta[:, 1:])[:, :, None, :]
+            - log_z[:, None, None, None]
+        )
+        return ChainView(probs, pair)
+
+    def nat_from_view(self, view) -> ChainNat:
+        """The chain with these marginals: ψ_t = log q(z_t), Φ_t = log q(z_t, z_{t+1}) −
+        log q(z_t) − log q(z_{t+1}) (a chain is the product of its pair marginals over its
+        marginals). A :class:`~blrppl.families.CategoricalView` of per-state probabilities
+        (flat positions, see :meth:`canonical`) gives independent states (a fit's start)."""
+        xp = np if isinstance(view.probs, np.ndarray) else jnp
+        tiny = np.finfo(np.float32).tiny
+        if isinstance(view, CategoricalView):
+            probs = self.canonical(view.probs)
+            unary = xp.log(xp.maximum(probs, tiny))
+            c = probs.shape[0]
+            return ChainNat(unary, xp.zeros((c, max(self.length - 1, 0), self.dim, self.dim), unary.dtype))
+        log_p = xp.log(xp.maximum(view.probs, tiny))
+        log_pair = xp.log(xp.maximum(view.pair_probs, tiny))
+        return ChainNat(log_p, log_pair - log_p[:, :-1, :, None] - log_p[:, 1:, None, :])
+
+    def canonical(self, x):
+        """Per-position arrays in the block's flat position order (position p = t·C + c,
+        leading axis) → ``(C, L, ...)``."""
+        xp = np if isinstance(x, np.ndarray) else jnp
+        tail = x.shape[1:]
+        return xp.swapaxes(xp.reshape(x, (self.length, -1) + tail), 0, 1)
+
+    def flat(self, x):
+        """Draws ``(*S, C, L)`` → ``(*S, L·C)`` in flat position order."""
+        xp = np if isinstance(x, np.ndarray) else jnp
+        x = xp.swapaxes(x, -1, -2)
+        return xp.reshape(x, x.shape[:-2] + (-1,))
+
+    def mean_params(self, nat: ChainNat) -> ChainView:
+        return self.view(nat)
+
+    def mean_params_in(self, view: ChainView) -> ChainView:
+        return view
+
+    def log_partition(self, nat: ChainNat) -> jax.Array:
+        return _forward_backward(nat)[2]
+
+    def sufficient_stats(self, x: jax.Array) -> ChainNat:
+        x = jnp.asarray(x).astype(jnp.int32)
+        one = jax.nn.one_hot(x, self.dim, dtype=jnp.result_type(float))
+        return ChainNat(one, one[..., :-1, :, None] * one[..., 1:, None, :])
+
+    def log_prob(self, nat: ChainNat, x: jax.Array) -> jax.Array:
+        stats = self.sufficient_stats(x)
+        inner = jnp.sum(stats.unary * nat.unary, (-2, -1)) + jnp.sum(stats.pair * nat.pair, (-3, -2, -1))
+        return inner - self.log_partition(nat)
+
+    def entropy(self, nat: ChainNat, mean_params: ChainView | None = None) -> jax.Array:
+        mu = self.view(nat) if mean_params is None else mean_params
+        inner = jnp.sum(mu.probs * nat.unary, (-2, -1)) + jnp.sum(mu.pair_probs * nat.pair, (-3, -2, -1))
+        return self.log_partition(nat) - inner
+
+    def message_from_view_grad(self, nat: ChainNat, view_grad: ChainView) -> ChainNat:
+        """λ̃ = ∇_μ L: the view is μ itself."""
+        return ChainNat(view_grad.probs, view_grad.pair_probs)
+
+    def is_valid(self, nat: ChainNat) -> jax.Array:
+        return jnp.all(jnp.isfinite(nat.unary)) & jnp.all(jnp.isfinite(nat.pair))
+
+    def sample(self, nat: ChainNat, rng_key: jax.Array, sample_shape: tuple[int, ...] = ()) -> jax.Array:
+        """Exact joint draws ``(*sample_shape, C, L)`` by forward filtering, backward
+        sampling: z_{L−1} ~ α_{L−1}, z_t | z_{t+1} ∝ α_t(z_t) exp Φ_t(z_t, z_{t+1})."""
+        nat = jax.tree.map(jnp.asarray, nat)
+        alpha, _, _ = _forward_backward(nat)
+        shape = tuple(sample_shape) + alpha.shape[:1]
+        keys = jax.random.split(rng_key, self.length)
+        last = jax.random.categorical(keys[-1], alpha[:, -1], axis=-1, shape=shape)
+
+        def back(nxt, inputs):
+            a_t, p_t, key = inputs  # (C, K), (C, K, K)
+            logits = a_t + jnp.take_along_axis(
+                jnp.broadcast_to(p_t, shape + p_t.shape[1:]), nxt[..., None, None], axis=-1
+            )[..., 0]
+            z = jax.random.categorical(key, logits, axis=-1)
+            return z, z
+
+        if self.length == 1:
+            return last[..., None]
+        _, rest = jax.lax.scan(
+            back, last, (jnp.moveaxis(alpha[:, :-1], 1, 0), jnp.moveaxis(nat.pair, 1, 0), keys[:-1]), reverse=True
+        )
+        return jnp.concatenate([jnp.moveaxis(rest, 0, -1), last[..., None]], -1)
+
+    def to_numpyro(self, nat: ChainNat) -> "MarkovChainPosterior":
+        return MarkovChainPosterior(nat.unary, nat.pair)
+
+
+class MarkovChainPosterior(dist.Distribution):
+    """The posterior of a block of hidden Markov chains: batch ``(C,)``, event ``(L,)``,
+    values the state indices (see :class:`CategoricalChain`). ``sample`` draws whole
+    chains (forward filtering, backward sampling); ``log_prob`` is the exact log q(z);
+    ``marginals`` are the per-state probabilities."""
+
+    arg_constraints = {"unary": constraints.real, "pair": constraints.real}
+    pytree_data_fields = ("unary", "pair")
+
+    def __init__(self, unary, pair, *, validate_args=None):
+        self.unary, self.pair = unary, pair
+        c, length, k = jnp.shape(unary)
+        self._family = CategoricalChain(length, k)
+        super().__init__(batch_shape=(c,), event_shape=(length,), validate_args=validate_args)
+
+    @constraints.dependent_property(is_discrete=True, event_dim=1)
+    def support(self):
+        return constraints.integer_interval(0, self._family.dim - 1)
+
+    def tree_flatten(self):
+        return (self.unary, self.pair), None
+
+    @classmethod
+    def tree_unflatten(cls, aux, params):
+        return cls(*params, validate_args=False)
+
+    def sample(self, key, sample_shape=()):
+        return self._family.sample(ChainNat(self.unary, self.pair), key, sample_shape)
+
+    def log_prob(self, value):
+        return self._family.log_prob(ChainNat(self.unary, self.pair), value)
+
+    @property
+    def marginals(self):
+        return self._family.view(ChainNat(self.unary, self.pair)).probs
+
+    @property
+    def mean(self):
+        return jnp.sum(self.marginals * jnp.arange(self._family.dim), -1)
+
+    @property
+    def variance(self):
+        k = jnp.arange(self._family.dim)
+        return jnp.sum(self.marginals * k**2, -1) - self.mean**2

@@ -1,0 +1,283 @@
+"""Chains of discrete latents: which states each factor element reads, found by probing.
+
+A group of discrete blocks (the sites some factors enumerate together) is a sequence of
+*positions*: the members' values flattened in C order and concatenated in model order. The
+enumeration estimator (:mod:`blrppl.estimators.enumeration`) sets every position of a block
+to one value at once, which is exact when each factor element reads its *aligned* position
+of each block (the element of the block's value that broadcasting pairs with it: a mixture's
+``y[i]`` reads ``z[i]``). A hidden Markov chain breaks that: in ``scan``, ``x[t]``'s
+probabilities read ``x[t − 1]``; with ``x[:-1]`` and ``x[1:]`` the pairing shifts.
+
+So the factors are probed. Each factor's element-wise log-density is evaluated with the
+continuous latents at a random point and the discrete positions at a random base
+configuration, then with the positions of a set S moved to other values; an element
+*depends on S* when its log-density changes. With S = {p : bit j of p is 1} and its
+complement for every bit j, an element reading one position p learns p; one reading two
+positions learns the bits they share and those where they differ; one more set of probes per
+lowest differing bit j₀ (S = {bit j₀ and bit j set}) tells which position holds which bits.
+Every decoded reading is then checked on random sets S: an element that reads more than two
+positions (a second-order chain) fails the check. The probes are repeated from several random
+base configurations with random moves, so that a dependence one round misses (two values
+with equal parameters, or a symmetric transition table unchanged when both of its states
+move alike) still shows.
+
+The group is a *chain* when every element reads at most two positions and every pair is
+(p, p + s) for one stride s: position p is state t = p // s of chain c = p mod s (a site of
+shape (T, N) written by ``scan`` over T: s = N; one site of shape (N,) per step of a Python
+loop: s = N).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from blrppl.errors import UnsupportedFactorError
+from blrppl.expressions import random_point
+from blrppl.graph.data import compile_lowered, compiler_options
+from blrppl.graph.plan import FactorRole
+
+#: random sets each decoded reading is checked on (per probe round)
+_CHECKS = 6
+
+
+class Reads:
+    """Per element of a factor (its wrapped distribution's batch shape), the group positions
+    it reads: ``lo`` and ``hi`` (−1 for none; ``hi`` is −1 for an element reading one
+    position, else ``hi = lo + stride``). Static arrays, compared by identity."""
+
+    def __init__(self, lo: np.ndarray, hi: np.ndarray):
+        self.lo, self.hi = lo, hi
+
+    def __repr__(self):
+        return f"Reads(shape={self.lo.shape})"
+
+
+class ChainLayout(NamedTuple):
+    """Positions p = t·width + c: ``width`` independent chains of ``length`` states."""
+
+    length: int
+    width: int
+
+
+def _positions(members) -> tuple:
+    sizes = [int(math.prod(m.value_shape)) for m in members]
+    return sizes, int(sum(sizes))
+
+
+def site_values(members, flat_values) -> dict:
+    """Flat positions (leading dims allowed) → {member site: value of its shape}."""
+    lead = jnp.shape(flat_values)[:-1]
+    out, offset = {}, 0
+    for m in members:
+        size = int(math.prod(m.value_shape))
+        out[m.name] = jnp.reshape(flat_values[..., offset : offset + size], lead + tuple(m.value_shape))
+        offset += size
+    return out
+
+
+def aligned_reads(members, factor, batch_shape) -> tuple | None:
+    """The positions each element of ``factor`` reads if it reads its aligned element of
+    each member it touches (broadcasting), as a tuple of arrays of ``batch_shape``
+    (one per touched member), or None when a member does not broadcast to the factor."""
+    out, offset = [], 0
+    for m in members:
+        size = int(math.prod(m.value_shape))
+        if m.name in factor.discrete:
+            index = np.arange(size).reshape(m.value_shape) + offset
+            try:
+                if np.broadcast_shapes(index.shape, batch_shape) != tuple(batch_shape):
+                    return None
+            except ValueError:
+                return None
+            out.append(np.broadcast_to(index, batch_shape))
+        offset += size
+    return tuple(out)
+
+
+#: probe rounds: each with its own random base configuration and its own random move of
+#: every position (a dependence a round misses because two values tie, or because moving
+#: two positions together leaves a symmetric table unchanged, shows in another round)
+_ROUNDS = 8
+
+
+class Probe:
+    """Evaluations of the factors touching a group of discrete blocks (``group``: names of
+    single-site blocks in model order) at moved positions (module docstring)."""
+
+    def __init__(self, group: tuple, blocks: dict, factors: list, fns, data, rng: np.random.Generator):
+        self.group = group
+        self.members = [blocks[n] for n in group]
+        sizes, self.size = _positions(self.members)
+        # per position: its member's number of values, and the offset of its values in the
+        # concatenation of the members' supports (members may have different supports)
+        counts = [len(m.support_values) for m in self.members]
+        self.k = np.repeat(counts, sizes)
+        self.offset = np.repeat(np.cumsum([0] + counts[:-1]), sizes)
+        self.support = np.concatenate([np.asarray(m.support_values) for m in self.members])
+        self.touching = [f for f in factors if f.role == FactorRole.SITE and set(f.discrete) & set(group)]
+        others = {n for f in self.touching for n in f.neighbours if n not in group}
+        self.point = {n: np.asarray(random_point(blocks[n], rng)) for n in others}
+        self.fns, self.data, self.rng = fns, data, rng
+        #: sets of positions per compiled evaluation (every stage's sets, padded)
+        self.num_sets = max(2 * _bits(self.size), _CHECKS)
+        self._compiled = None
+        self.bases = rng.integers(0, self.k, size=(_ROUNDS, self.size))
+        self.moved = (self.bases + rng.integers(1, np.maximum(self.k, 2), size=(_ROUNDS, self.size))) % self.k
+
+    def depends(self, sets: np.ndarray) -> dict:
+        """Sets ``(S, P)`` (bool) → factor → ``(S, *batch)`` bool: whether the element's
+        log-density changes when the set's positions move, in some round."""
+        names = tuple(f.name for f in self.touching)
+        fns, point, members, support = self.fns, self.point, self.members, jnp.asarray(self.support)
+        offset = jnp.asarray(self.offset)
+
+        def log_probs(z, data):
+            values = {**point, **site_values(members, support[offset + z])}
+            return [lp for lp, _ in fns.log_probs(names, values, data).values()]
+
+        def run(sets, bases, moved, data):
+            ref = jax.vmap(lambda z: log_probs(z, data))(bases)
+
+            def one(s):
+                out = jax.vmap(lambda b, m: log_probs(jnp.where(s, m, b), data))(bases, moved)
+                changed = []
+                for lp, r in zip(out, ref):
+                    tol = jnp.sqrt(jnp.finfo(r.dtype).eps) * (1.0 + jnp.abs(r))
+                    differs = (jnp.abs(lp - r) > tol) | (jnp.isfinite(lp) != jnp.isfinite(r))
+                    changed.append(jnp.any(differs, 0))
+                return changed
+
+            return jax.lax.map(one, sets)
+
+        # one compiled program for every stage: the sets padded to a fixed count
+        count = len(sets)
+        width = max(self.num_sets, 1)
+        pad = (-count) % width
+        sets = np.concatenate([sets, np.zeros((pad, self.size), bool)]).reshape(-1, width, self.size)
+        if self._compiled is None:
+            lowered = jax.jit(lambda s, b, m, d: jax.lax.map(lambda x: run(x, b, m, d), s)).lower(
+                sets[:1], self.bases, self.moved, self.data
+            )
+            self._compiled = compile_lowered(lowered, compiler_options(self.data))
+        chunks = [self._compiled(sets[i : i + 1], self.bases, self.moved, self.data) for i in range(len(sets))]
+        return {
+            n: np.concatenate([np.asarray(c[j]).reshape((-1,) + c[j].shape[2:]) for c in chunks])[:count]
+            for j, n in enumerate(names)
+        }
+
+    def random_sets(self) -> np.ndarray:
+        return self.rng.random((_CHECKS, self.size)) < 0.5
+
+
+def _bits(size: int) -> int:
+    """Bits of the largest position index."""
+    return max(1, int(math.ceil(math.log2(max(size, 2)))))
+
+
+def is_aligned(probe: Probe) -> bool:
+    """Whether every factor element reads exactly its aligned positions (the enumeration's
+    assumption), on random sets of positions."""
+    sets = probe.random_sets()
+    observed = probe.depends(sets)
+    for f in probe.touching:
+        lp = observed[f.name]
+        index = aligned_reads(probe.members, f, lp.shape[1:])
+        if index is None:
+            return False
+        predicted = np.zeros(lp.shape, bool)
+        for i in index:
+            predicted = predicted | sets[:, i]
+        # (an element whose log-density does not change reads nothing: a masked element)
+        if np.any(observed[f.name] & ~predicted):
+            return False
+    return True
+
+
+def probe_reads(probe: Probe) -> dict:
+    """Factor name → :class:`Reads` in the group's positions, by the bit probes of the
+    module docstring.
+
+    Raises:
+        UnsupportedFactorError: an element reads more than two positions, or its reading is
+            not consistent (a factor no first-order chain holds).
+    """
+    size, group = probe.size, probe.group
+    bits = _bits(size)
+    index = np.arange(size)
+    bit_sets = np.stack([(index >> j) & 1 == 1 for j in range(bits)] + [(index >> j) & 1 == 0 for j in range(bits)])
+    first = probe.depends(bit_sets)
+    decoded, j0s = {}, set()
+    for f in probe.touching:
+        d = first[f.name]
+        ones, zeros = d[:bits], d[bits:]  # (bits, *batch)
+        weights = (1 << np.arange(bits)).reshape((-1,) + (1,) * (d.ndim - 1))
+        both = ones & zeros  # bits where the two positions read differ
+        none = ~ones.any(0) & ~zeros.any(0)
+        common = np.sum(np.where(ones & ~zeros, weights, 0), 0)
+        pair = both.any(0)
+        j0 = np.where(pair, np.argmax(both, 0), -1)
+        decoded[f.name] = (none, common, both, pair, j0, weights)
+        j0s |= set(np.unique(j0[pair]).tolist())
+    conditional = {}
+    if j0s:
+        j0s = sorted(j0s)
+        sets = np.stack([((index >> a) & 1 == 1) & ((index >> j) & 1 == 1) for a in j0s for j in range(bits)])
+        out = probe.depends(sets)
+        conditional = {n: {a: d[i * bits : (i + 1) * bits] for i, a in enumerate(j0s)} for n, d in out.items()}
+    result = {}
+    for f in probe.touching:
+        none, common, both, pair, j0, weights = decoded[f.name]
+        lo = np.where(none, -1, common).astype(np.int64)
+        hi = np.full(lo.shape, -1, np.int64)
+        if pair.any():
+            differ = np.sum(np.where(both, weights, 0), 0)
+            upper = common
+            for a, d in conditional[f.name].items():
+                # the position with bit j0 set has bit j set where the probe of (j0, j) moved it
+                upper = np.where(pair & (j0 == a), np.sum(np.where(d, weights, 0), 0), upper)
+            lower = upper ^ differ
+            lo = np.where(pair, np.minimum(lower, upper), lo)
+            hi = np.where(pair, np.maximum(lower, upper), hi)
+        if np.any(lo >= size) or np.any(hi >= size):
+            raise unsupported(f, group)
+        result[f.name] = Reads(lo, hi)
+    sets = probe.random_sets()
+    observed = probe.depends(sets)
+    for f in probe.touching:
+        r = result[f.name]
+        predicted = np.where(r.lo >= 0, sets[:, np.clip(r.lo, 0, None)], False)
+        predicted = predicted | np.where(r.hi >= 0, sets[:, np.clip(r.hi, 0, None)], False)
+        if np.any(predicted != observed[f.name]):
+            raise unsupported(f, group)
+    return result
+
+
+def unsupported(f, group) -> UnsupportedFactorError:
+    return UnsupportedFactorError(
+        f"factor '{f.name}' reads the discrete latents {', '.join(group)} in a pattern no first-order chain "
+        "holds (an element reads more than two of them: a sum over them, or a second-order hidden Markov model); "
+        "write the extra lag into the state (one latent over pairs of states), or sum the chain out "
+        "yourself (a forward algorithm in numpyro.factor)",
+        site=f.name,
+    )
+
+
+def chain_layout(reads: dict, size: int) -> ChainLayout | None:
+    """The chain layout the readings fit (every pair (p, p + s) for one stride s, s dividing
+    the number of positions), or None when no element reads two positions or they do not."""
+    strides = set()
+    for r in reads.values():
+        pair = r.hi >= 0
+        if pair.any():
+            strides |= set(np.unique(r.hi[pair] - r.lo[pair]).tolist())
+    if len(strides) != 1:
+        return None
+    (s,) = strides
+    if s <= 0 or size % s:
+        return None
+    return ChainLayout(size // s, s)

@@ -1,0 +1,282 @@
+"""Hidden Markov chains: chains of categorical latents as one forward–backward block.
+
+References written here: a scaled forward–backward (Rabiner 1989) for known parameters,
+and the structured variational Bayes updates of an HMM with Dirichlet transition rows and
+Beta emissions (MacKay 1997; Beal 2003, ch. 3) iterated to their fixed point. Known
+parameters make the model conjugate to the chain: one step is the exact posterior, so the
+marginals and the ELBO (= log evidence at the exact posterior) must agree to rounding.
+"""
+
+from __future__ import annotations
+
+
+import jax.numpy as jnp
+import numpy as np
+import numpyro
+import numpyro.distributions as dist
+import pytest
+from jax import random
+from numpyro.contrib.control_flow import scan
+from numpyro.infer import Predictive
+from scipy.special import digamma, logsumexp
+
+from blrppl import BLRError, blr_fit
+from blrppl.errors import UnsupportedFactorError
+
+K = 3
+TRANS = np.array([[0.8, 0.1, 0.1], [0.1, 0.8, 0.1], [0.2, 0.2, 0.6]])
+LOCS = np.array([-2.0, 0.0, 2.0])
+
+
+def simulate(rng, length, start=0):
+    z = [start]
+    for _ in range(length - 1):
+        z.append(rng.choice(K, p=TRANS[z[-1]]))
+    z = np.array(z)
+    return z, LOCS[z] + rng.normal(size=length)
+
+
+def forward_backward(log_init, log_trans, log_lik):
+    """Marginals ``(T, K)``, pair marginals ``(T − 1, K, K)`` and log p(y) of one chain."""
+    length = len(log_lik)
+    alpha = np.zeros_like(log_lik)
+    beta = np.zeros_like(log_lik)
+    alpha[0] = log_init + log_lik[0]
+    for t in range(1, length):
+        alpha[t] = log_lik[t] + logsumexp(alpha[t - 1][:, None] + log_trans, axis=0)
+    for t in range(length - 2, -1, -1):
+        beta[t] = logsumexp(log_trans + (log_lik[t + 1] + beta[t + 1])[None, :], axis=1)
+    log_z = logsumexp(alpha[-1])
+    marg = np.exp(alpha + beta - log_z)
+    pair = np.exp(alpha[:-1, :, None] + log_trans[None] + (log_lik[1:] + beta[1:])[:, None, :] - log_z)
+    return marg, pair, log_z
+
+
+def normal_log_lik(y):
+    return -0.5 * (y[:, None] - LOCS[None, :]) ** 2 - 0.5 * np.log(2 * np.pi)
+
+
+# -- known parameters: exact in one step ----------------------------------------------------
+
+
+def scan_hmm(ys, lengths):
+    """Several sequences of different lengths, padded and masked, as numpyro's HMM examples
+    write them (scan over time, a plate of sequences inside)."""
+    num = ys.shape[1]
+
+    def step(carry, y):
+        prev, t = carry
+        with numpyro.plate("sequences", num):
+            with numpyro.handlers.mask(mask=t < lengths):
+                x = numpyro.sample("x", dist.Categorical(jnp.asarray(TRANS)[prev]))
+                numpyro.sample("y", dist.Normal(jnp.asarray(LOCS)[x], 1.0), obs=y)
+        return (x, t + 1), None
+
+    scan(step, (jnp.zeros(num, dtype=int), 0), ys)
+
+
+@pytest.fixture(scope="module")
+def scan_case():
+    rng = np.random.default_rng(0)
+    length, lengths = 60, np.array([60, 45, 23])
+    ys = np.stack([simulate(rng, length)[1] for _ in lengths], 1)
+    ys[ys.shape[0] - 5 :, 1] = 1e3  # (padding past a sequence's end: masked, never read)
+    fit = blr_fit(scan_hmm, (jnp.asarray(ys), jnp.asarray(lengths)), rng_key=random.PRNGKey(0), progress_bar=False)
+    return ys, lengths, fit
+
+
+def test_scan_hmm_with_masked_sequences_equals_forward_backward(scan_case):
+    ys, lengths, fit = scan_case
+    assert "categorical-chain (3 × 60 states" in fit.plan.describe()
+    assert fit.converged and fit.num_steps == 1
+    probs = np.asarray(fit.posterior["x"].probs)  # (T, N, K)
+    evidence = 0.0
+    for n, length in enumerate(lengths):
+        marg, _, log_z = forward_backward(np.log(TRANS[0]), np.log(TRANS), normal_log_lik(ys[:length, n]))
+        np.testing.assert_allclose(probs[:length, n], marg, atol=1e-8)
+        evidence += log_z
+    # the exact posterior's ELBO is the log evidence; as in numpyro, a masked state has a flat
+    # density: summed over its K values it contributes log K
+    evidence += np.sum(ys.shape[0] - lengths) * np.log(K)
+    assert abs(float(fit.elbo[-1]) - evidence) < 1e-8 * abs(evidence)
+
+
+def test_joint_draws_follow_the_pair_marginals(scan_case):
+    ys, lengths, fit = scan_case
+    draws = np.asarray(fit.sample(random.PRNGKey(1), 4000)["x"])  # (S, T, N)
+    _, pair, _ = forward_backward(np.log(TRANS[0]), np.log(TRANS), normal_log_lik(ys[: lengths[0], 0]))
+    t = int(np.argmax(pair.max((1, 2)) < 0.9))  # a step with an uncertain transition
+    freq = np.zeros((K, K))
+    np.add.at(freq, (draws[:, t, 0], draws[:, t + 1, 0]), 1.0 / len(draws))
+    # binomial standard error ≤ 0.5/sqrt(4000) ≈ 0.008: 0.035 is over 4 of them
+    np.testing.assert_allclose(freq, pair[t], atol=0.035)
+    # the guide draws whole chains too (Predictive runs the model on them)
+    pred = Predictive(scan_hmm, guide=fit.guide, params=fit.params, num_samples=3)(
+        random.PRNGKey(2), jnp.asarray(ys), jnp.asarray(lengths)
+    )
+    assert pred["y"].shape == (3,) + ys.shape
+
+
+def loop_hmm(y):
+    """One site per step (a Python loop), as in numpyro's enumeration tutorials."""
+    prev = 0
+    for t in range(len(y)):
+        x = numpyro.sample(f"x_{t}", dist.Categorical(jnp.asarray(TRANS)[prev]))
+        numpyro.sample(f"y_{t}", dist.Normal(jnp.asarray(LOCS)[x], 1.0), obs=y[t])
+        prev = x
+
+
+def test_one_site_per_step_is_one_chain():
+    y = simulate(np.random.default_rng(1), 40)[1]
+    fit = blr_fit(loop_hmm, (y,), rng_key=random.PRNGKey(0), progress_bar=False)
+    assert "categorical-chain (1 × 40 states" in fit.plan.describe()
+    marg, _, log_z = forward_backward(np.log(TRANS[0]), np.log(TRANS), normal_log_lik(y))
+    probs = np.stack([np.asarray(fit.posterior[f"x_{t}"].probs) for t in range(40)])
+    np.testing.assert_allclose(probs, marg, atol=1e-8)
+    assert abs(float(fit.elbo[-1]) - log_z) < 1e-8 * abs(log_z)
+
+
+def sliced_hmm(y):
+    """The chain as one vector site and its transitions as an element-wise factor over
+    slices (x[:-1] → x[1:])."""
+    t = y.shape[0]
+    with numpyro.plate("time", t):
+        x = numpyro.sample("x", dist.Categorical(jnp.ones(K) / K))
+        numpyro.sample("y", dist.Normal(jnp.asarray(LOCS)[x], 1.0), obs=y)
+    numpyro.factor("transitions", jnp.log(jnp.asarray(TRANS))[x[:-1], x[1:]])
+
+
+def test_transitions_over_slices_are_a_chain():
+    y = simulate(np.random.default_rng(2), 50)[1]
+    fit = blr_fit(sliced_hmm, (y,), rng_key=random.PRNGKey(0), progress_bar=False)
+    marg, _, _ = forward_backward(np.full(K, -np.log(K)), np.log(TRANS), normal_log_lik(y))
+    np.testing.assert_allclose(np.asarray(fit.posterior["x"].probs), marg, atol=1e-8)
+
+
+def test_a_latent_read_through_an_index_array_is_exact():
+    """``y[i]`` reads ``z[perm[i]]``: not the aligned element (the enumeration's old
+    assumption would pair y[i] with z[i], silently wrong)."""
+    rng = np.random.default_rng(3)
+    n = 40
+    perm = rng.permutation(n)
+    y = rng.normal(LOCS[:2][rng.integers(0, 2, n)][perm], 1.0)
+
+    def model(y, perm):
+        with numpyro.plate("n", n):
+            z = numpyro.sample("z", dist.Bernoulli(0.3))
+            numpyro.sample("y", dist.Normal(jnp.asarray(LOCS)[z[perm]], 1.0), obs=y)
+
+    fit = blr_fit(model, (y, perm), rng_key=random.PRNGKey(0), progress_bar=False)
+    lik = np.exp(normal_log_lik(y)[:, :2]) * np.array([0.7, 0.3])
+    exact = np.empty(n)
+    exact[perm] = lik[:, 1] / lik.sum(1)
+    np.testing.assert_allclose(np.asarray(fit.posterior["z"].probs)[:, 1], exact, atol=1e-10)
+
+
+def test_a_second_order_chain_is_a_clear_error():
+    y = simulate(np.random.default_rng(4), 20)[1]
+
+    def model(y):
+        def step(carry, yt):
+            a, b = carry  # the last two states
+            probs = 0.5 * jnp.asarray(TRANS)[a] + 0.5 * jnp.asarray(TRANS)[::-1][b]
+            x = numpyro.sample("x", dist.Categorical(probs))
+            numpyro.sample("y", dist.Normal(jnp.asarray(LOCS)[x], 1.0), obs=yt)
+            return (x, a), None
+
+        scan(step, (0, 0), y)
+
+    with pytest.raises(UnsupportedFactorError, match="'x'.*second-order") as err:
+        blr_fit(model, (y,), progress_bar=False)
+    assert isinstance(err.value, BLRError)
+
+
+# -- Dirichlet rows and Beta emissions: structured VMP (variational Bayes for HMMs) -----------
+
+HIDDEN, TONES = 2, 4
+ALPHA0 = 0.9 * np.eye(HIDDEN) + 0.1
+BETA0 = (0.1, 0.9)
+
+
+def tones_hmm(sequences, lengths):
+    """numpyro's ``examples/hmm_enum.py`` model_1, as written there (scan over time, padded
+    sequences masked by their lengths, a plate of tones)."""
+    num_sequences, max_length, data_dim = sequences.shape
+    probs_x = numpyro.sample("probs_x", dist.Dirichlet(0.9 * jnp.eye(HIDDEN) + 0.1).to_event(1))
+    probs_y = numpyro.sample("probs_y", dist.Beta(0.1, 0.9).expand([HIDDEN, data_dim]).to_event(2))
+
+    def transition_fn(carry, y):
+        x_prev, t = carry
+        with numpyro.plate("sequences", num_sequences, dim=-2):
+            with numpyro.handlers.mask(mask=(t < lengths)[..., None]):
+                x = numpyro.sample("x", dist.Categorical(probs_x[x_prev]))
+                with numpyro.plate("tones", data_dim, dim=-1):
+                    numpyro.sample("y", dist.Bernoulli(probs_y[x.squeeze(-1)]), obs=y)
+        return (x, t + 1), None
+
+    x_init = jnp.zeros((num_sequences, 1), dtype=int)
+    scan(transition_fn, (x_init, 0), jnp.swapaxes(sequences, 0, 1))
+
+
+def tones_data(seed=5):
+    rng = np.random.default_rng(seed)
+    trans = np.array([[0.9, 0.1], [0.2, 0.8]])
+    emit = np.array([[0.9, 0.8, 0.1, 0.1], [0.1, 0.2, 0.9, 0.7]])
+    num, length = 6, 30
+    lengths = rng.integers(18, length + 1, size=num)
+    seqs = np.zeros((num, length, TONES))
+    for n in range(num):
+        z = 0
+        for t in range(lengths[n]):
+            z = rng.choice(HIDDEN, p=trans[z])
+            seqs[n, t] = rng.random(TONES) < emit[z]
+    return seqs, lengths
+
+
+def structured_vb(seqs, lengths, resp, iterations=300):
+    """Coordinate ascent for q(A) q(B) q(x) (the chain exact given the parameters), from
+    state responsibilities ``resp`` ``(N, T, K)``, until the responsibilities stop moving;
+    returns q(A)'s and q(B)'s parameters and the marginals."""
+    num = len(lengths)
+    gamma = [resp[n, : lengths[n]] for n in range(num)]
+    xi = [np.einsum("tj,tk->tjk", g[:-1], g[1:]) for g in gamma]
+    for _ in range(iterations):
+        alpha = ALPHA0.copy()
+        a = np.full((HIDDEN, TONES), BETA0[0])
+        b = np.full((HIDDEN, TONES), BETA0[1])
+        for n in range(num):
+            y = seqs[n, : lengths[n]]
+            alpha[0] += gamma[n][0]
+            alpha += xi[n].sum(0)
+            a += gamma[n].T @ y
+            b += gamma[n].T @ (1 - y)
+        log_trans = digamma(alpha) - digamma(alpha.sum(1, keepdims=True))
+        log_on, log_off = digamma(a) - digamma(a + b), digamma(b) - digamma(a + b)
+        old = np.concatenate([g.ravel() for g in gamma])
+        for n in range(num):
+            y = seqs[n, : lengths[n]]
+            lik = y @ log_on.T + (1 - y) @ log_off.T
+            gamma[n], xi[n], _ = forward_backward(log_trans[0], log_trans, lik)
+        if np.max(np.abs(np.concatenate([g.ravel() for g in gamma]) - old)) < 1e-12:
+            break
+    return alpha, a, b, gamma
+
+
+def test_dirichlet_rows_equal_structured_variational_bayes():
+    seqs, lengths = tones_data()
+    fit = blr_fit(
+        tones_hmm, (jnp.asarray(seqs), jnp.asarray(lengths)), rng_key=random.PRNGKey(0), tol=1e-30,
+        num_steps=1500, progress_bar=False,
+    )
+    # (run to the step cap: variational message passing converges linearly, and the ELBO is
+    # flat at its optimum, so a relative ELBO change of 1e-14 still leaves 1e-7 in the counts)
+    probs = np.swapaxes(np.asarray(fit.posterior["x"].probs)[:, :, 0], 0, 1)  # (N, T, K)
+    # the reference starts from the fit's responsibilities moved halfway to uniform: it
+    # must come back to the same fixed point (up to the arbitrary labels of the states)
+    alpha, a, b, gamma = structured_vb(seqs, lengths, 0.5 * probs + 0.25)
+    post_alpha = np.asarray(fit.posterior["probs_x"].base_dist.concentration)
+    np.testing.assert_allclose(post_alpha, alpha, rtol=1e-8)
+    np.testing.assert_allclose(np.asarray(fit.posterior["probs_y"].base_dist.concentration1), a, rtol=1e-8)
+    np.testing.assert_allclose(np.asarray(fit.posterior["probs_y"].base_dist.concentration0), b, rtol=1e-8)
+    for n, length in enumerate(lengths):
+        np.testing.assert_allclose(probs[n, :length], gamma[n], atol=1e-8)
