@@ -82,3 +82,15 @@ def test_state_space_example():
     est = np.asarray(count_fit.posterior["log_rate"].mean)
     # (about 4 counts a day: each day alone pins log λ to ±0.5; the walk prior pools ~10 days)
     assert np.sqrt(np.mean((est - log_rate) ** 2)) < 0.25
+
+
+def test_hmm_example():
+    fit, x, decoded, trans, loc = load("hmm").main(num_steps=500)
+    assert "categorical-chain (1 × 500 states" in fit.plan.describe()
+    assert fit.converged
+    # the regimes' means are 1.5 or more apart with sds ≤ 0.8: almost every state is decoded
+    assert np.mean(decoded == x) > 0.95
+    # each regime holds ≥ 80 of the 500 days: a mean's standard error is ≤ 0.8/sqrt(80) ≈ 0.09
+    np.testing.assert_allclose(loc, [-1.0, 0.5, 2.0], atol=0.25)
+    # rows of the transition matrix: ≥ 80 transitions each, standard errors ≤ 0.03
+    assert np.all(np.diag(trans) > 0.8)

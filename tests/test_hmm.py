@@ -17,6 +17,7 @@ import numpyro.distributions as dist
 import pytest
 from jax import random
 from numpyro.contrib.control_flow import scan
+from numpyro.distributions import constraints
 from numpyro.infer import Predictive
 from scipy.special import digamma, logsumexp
 
@@ -191,6 +192,32 @@ def test_a_second_order_chain_is_a_clear_error():
     assert isinstance(err.value, BLRError)
 
 
+def em_hmm(y):
+    """Transition probabilities as a ``numpyro.param``: EM, i.e. Baum–Welch."""
+    trans = numpyro.param("trans", jnp.full((K, K), 1.0 / K), constraint=constraints.simplex)
+
+    def step(prev, y_t):
+        x = numpyro.sample("x", dist.Categorical(trans[prev]))
+        numpyro.sample("y", dist.Normal(jnp.asarray(LOCS)[x], 1.0), obs=y_t)
+        return x, None
+
+    scan(step, 0, y)
+
+
+def test_transition_param_is_baum_welch():
+    y = simulate(np.random.default_rng(7), 300)[1]
+    fit = blr_fit(em_hmm, (jnp.asarray(y),), rng_key=random.PRNGKey(0), tol=1e-30, num_steps=200, progress_bar=False)
+    trans = np.full((K, K), 1.0 / K)
+    for _ in range(1000):  # Baum–Welch from the same start, to its fixed point
+        gamma, xi, _ = forward_backward(np.log(trans[0]), np.log(trans), normal_log_lik(y))
+        counts = xi.sum(0)
+        counts[0] += gamma[0]
+        trans, old = counts / counts.sum(1, keepdims=True), trans
+        if np.max(np.abs(trans - old)) < 1e-14:
+            break
+    np.testing.assert_allclose(np.asarray(fit.posterior["trans"].mean), trans, atol=1e-8)
+
+
 # -- Dirichlet rows and Beta emissions: structured VMP (variational Bayes for HMMs) -----------
 
 HIDDEN, TONES = 2, 4
@@ -280,3 +307,39 @@ def test_dirichlet_rows_equal_structured_variational_bayes():
     np.testing.assert_allclose(np.asarray(fit.posterior["probs_y"].base_dist.concentration0), b, rtol=1e-8)
     for n, length in enumerate(lengths):
         np.testing.assert_allclose(probs[n, :length], gamma[n], atol=1e-8)
+
+
+FLOAT32 = r"""
+import json, sys
+import jax, jax.numpy as jnp, numpy as np
+assert not jax.config.jax_enable_x64
+sys.path.insert(0, "TESTS")
+from test_hmm import scan_hmm
+from blrppl import blr_fit
+ys = np.asarray(json.loads(sys.stdin.read()), dtype=np.float32)
+fit = blr_fit(scan_hmm, (jnp.asarray(ys), jnp.asarray([ys.shape[0]])), rng_key=jax.random.PRNGKey(0), progress_bar=False)
+probs = fit.posterior["x"].probs
+print(json.dumps({"probs": np.asarray(probs)[:, 0].tolist(), "dtype": str(probs.dtype)}))
+"""
+
+
+def test_float32_chain_equals_forward_backward():
+    """A 400-step chain in float32 (log-space forward–backward keeps it accurate)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    ys = simulate(np.random.default_rng(6), 400)[1][:, None]
+    tests = Path(__file__).resolve().parent
+    code = FLOAT32.replace("TESTS", str(tests))
+    env = {k: v for k, v in __import__("os").environ.items() if k != "JAX_ENABLE_X64"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], input=json.dumps(ys.tolist()), capture_output=True, text=True, env=env,
+        cwd=tests.parent, timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["dtype"] == "float32"
+    marg, _, _ = forward_backward(np.log(TRANS[0]), np.log(TRANS), normal_log_lik(ys[:, 0]))
+    np.testing.assert_allclose(np.asarray(result["probs"]), marg, atol=1e-4)

@@ -138,12 +138,15 @@ class CategoricalChain(Family):
     def view(self, nat: ChainNat) -> ChainView:
         """Marginals and pair marginals by forward–backward."""
         xp = np if isinstance(nat.unary, np.ndarray) else jnp
-        alpha, beta, log_z = _forward_backward(nat)
-        probs = xp.exp(alpha + beta - log_z[:, None, None])
-        pair = xp.exp(
-            alpha[:, :-1, :, None] + nat.pair + (nat.unary[:, 1:] + beta[:, 1:])[:, :, None, :]
-            - log_z[:, None, None, None]
-        )
+        alpha, beta, _ = _forward_backward(nat)
+        # each step normalised on its own (not by the chain's log Z: in float32 the rounding
+        # of a log Z of −10⁴ alone would move every marginal by 10⁻³)
+        log_p = alpha + beta
+        probs = xp.exp(log_p - _logsumexp(xp, log_p, -1)[..., None])
+        log_pair = alpha[:, :-1, :, None] + nat.pair + (nat.unary[:, 1:] + beta[:, 1:])[:, :, None, :]
+        shape = log_pair.shape
+        flat = xp.reshape(log_pair, shape[:2] + (shape[2] * shape[3],))
+        pair = xp.reshape(xp.exp(flat - _logsumexp(xp, flat, -1)[..., None]), shape)
         return ChainView(probs, pair)
 
     def nat_from_view(self, view) -> ChainNat:

@@ -43,6 +43,8 @@ from blrppl.graph.plan import FactorRole
 
 #: random sets each decoded reading is checked on (per probe round)
 _CHECKS = 6
+#: positions evaluated at once by the probe (rounds × sets × positions)
+_BUDGET = 1 << 22
 
 
 class Reads:
@@ -123,9 +125,12 @@ class Probe:
         others = {n for f in self.touching for n in f.neighbours if n not in group}
         self.point = {n: np.asarray(random_point(blocks[n], rng)) for n in others}
         self.fns, self.data, self.rng = fns, data, rng
-        #: sets of positions per compiled evaluation (every stage's sets, padded)
-        self.num_sets = max(2 * _bits(self.size), _CHECKS)
+        # sets of positions per compiled evaluation: every stage's sets are evaluated by one
+        # compiled program, all rounds of a chunk of sets at once (one pass of a ``scan``
+        # model for all of them), the chunk as wide as the memory budget allows
+        self.width = int(np.clip(_BUDGET // (_ROUNDS * self.size), 1, max(2 * _bits(self.size), _CHECKS)))
         self._compiled = None
+        self._random = None
         self.bases = rng.integers(0, self.k, size=(_ROUNDS, self.size))
         self.moved = (self.bases + rng.integers(1, np.maximum(self.k, 2), size=(_ROUNDS, self.size))) % self.k
 
@@ -142,36 +147,32 @@ class Probe:
 
         def run(sets, bases, moved, data):
             ref = jax.vmap(lambda z: log_probs(z, data))(bases)
+            configs = jnp.where(sets[:, None], moved[None], bases[None]).reshape(-1, self.size)
+            out = jax.vmap(lambda z: log_probs(z, data))(configs)
+            changed = []
+            for lp, r in zip(out, ref):
+                lp = lp.reshape((len(sets),) + r.shape)
+                tol = jnp.sqrt(jnp.finfo(r.dtype).eps) * (1.0 + jnp.abs(r))
+                differs = (jnp.abs(lp - r) > tol) | (jnp.isfinite(lp) != jnp.isfinite(r))
+                changed.append(jnp.any(differs, 1))
+            return changed
 
-            def one(s):
-                out = jax.vmap(lambda b, m: log_probs(jnp.where(s, m, b), data))(bases, moved)
-                changed = []
-                for lp, r in zip(out, ref):
-                    tol = jnp.sqrt(jnp.finfo(r.dtype).eps) * (1.0 + jnp.abs(r))
-                    differs = (jnp.abs(lp - r) > tol) | (jnp.isfinite(lp) != jnp.isfinite(r))
-                    changed.append(jnp.any(differs, 0))
-                return changed
-
-            return jax.lax.map(one, sets)
-
-        # one compiled program for every stage: the sets padded to a fixed count
         count = len(sets)
-        width = max(self.num_sets, 1)
-        pad = (-count) % width
-        sets = np.concatenate([sets, np.zeros((pad, self.size), bool)]).reshape(-1, width, self.size)
+        pad = (-count) % self.width
+        chunks = np.concatenate([sets, np.zeros((pad, self.size), bool)]).reshape(-1, self.width, self.size)
         if self._compiled is None:
-            lowered = jax.jit(lambda s, b, m, d: jax.lax.map(lambda x: run(x, b, m, d), s)).lower(
-                sets[:1], self.bases, self.moved, self.data
-            )
+            lowered = jax.jit(run).lower(chunks[0], self.bases, self.moved, self.data)
             self._compiled = compile_lowered(lowered, compiler_options(self.data))
-        chunks = [self._compiled(sets[i : i + 1], self.bases, self.moved, self.data) for i in range(len(sets))]
-        return {
-            n: np.concatenate([np.asarray(c[j]).reshape((-1,) + c[j].shape[2:]) for c in chunks])[:count]
-            for j, n in enumerate(names)
-        }
+        outs = [self._compiled(c, self.bases, self.moved, self.data) for c in chunks]
+        return {n: np.concatenate([np.asarray(o[j]) for o in outs])[:count] for j, n in enumerate(names)}
 
-    def random_sets(self) -> np.ndarray:
-        return self.rng.random((_CHECKS, self.size)) < 0.5
+    def random_sets(self) -> tuple:
+        """(random sets of positions ``(S, P)``, :meth:`depends` on them): computed once,
+        read by the alignment test and by the check of decoded readings."""
+        if self._random is None:
+            sets = self.rng.random((_CHECKS, self.size)) < 0.5
+            self._random = (sets, self.depends(sets))
+        return self._random
 
 
 def _bits(size: int) -> int:
@@ -182,8 +183,7 @@ def _bits(size: int) -> int:
 def is_aligned(probe: Probe) -> bool:
     """Whether every factor element reads exactly its aligned positions (the enumeration's
     assumption), on random sets of positions."""
-    sets = probe.random_sets()
-    observed = probe.depends(sets)
+    sets, observed = probe.random_sets()
     for f in probe.touching:
         lp = observed[f.name]
         index = aligned_reads(probe.members, f, lp.shape[1:])
@@ -246,8 +246,7 @@ def probe_reads(probe: Probe) -> dict:
         if np.any(lo >= size) or np.any(hi >= size):
             raise unsupported(f, group)
         result[f.name] = Reads(lo, hi)
-    sets = probe.random_sets()
-    observed = probe.depends(sets)
+    sets, observed = probe.random_sets()
     for f in probe.touching:
         r = result[f.name]
         predicted = np.where(r.lo >= 0, sets[:, np.clip(r.lo, 0, None)], False)
