@@ -343,3 +343,21 @@ def test_float32_chain_equals_forward_backward():
     assert result["dtype"] == "float32"
     marg, _, _ = forward_backward(np.log(TRANS[0]), np.log(TRANS), normal_log_lik(ys[:, 0]))
     np.testing.assert_allclose(np.asarray(result["probs"]), marg, atol=1e-4)
+
+
+def test_a_chain_in_a_subsampled_plate_warns_it_is_mean_field():
+    """One site per step inside a subsampled plate of sequences: no chain block there (the
+    steps are fitted mean-field), and the fit says so."""
+    rng = np.random.default_rng(8)
+    ys = np.stack([simulate(rng, 6)[1] for _ in range(12)], 1)
+
+    def model(ys):
+        with numpyro.plate("sequences", ys.shape[1], subsample_size=4) as idx:
+            prev = 0
+            for t in range(ys.shape[0]):
+                x = numpyro.sample(f"x_{t}", dist.Categorical(jnp.asarray(TRANS)[prev]))
+                numpyro.sample(f"y_{t}", dist.Normal(jnp.asarray(LOCS)[x], 1.0), obs=ys[t, idx])
+                prev = x
+
+    with pytest.warns(UserWarning, match="x_0 … x_5 form a chain inside a subsampled plate.*mean-field"):
+        blr_fit(model, (ys,), rng_key=random.PRNGKey(0), num_steps=5, progress_bar=False)

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 import numpyro
 import numpyro.distributions as dist
+from numpyro.contrib.control_flow import scan
 from numpyro.infer import MCMC, NUTS, SVI, Trace_ELBO
 from numpyro.infer.autoguide import AutoMultivariateNormal, AutoNormal
 from numpyro.infer.importance import psis_diagnostic
@@ -595,6 +596,104 @@ def chain_scaling(sizes=(1_000, 10_000, 100_000), log=print) -> list:
             f"  chain T={n:>7,}  bandwidth {row['bandwidth']}  compile {row['compile_time']:6.2f} s  run "
             f"{row['run_time']:7.3f} s  steps {row['steps']}  {1e3 * per_step:.2f} ms/step; hand-written pass "
             f"{1e3 * row['thomas']:.2f} ms (JAX), {1e3 * row['lapack']:.2f} ms (LAPACK); step / pass {row['ratio']:.1f}"
+        )
+    return rows
+
+
+# ---------------------------------------------------------------- hidden Markov chains
+
+#: states of the bench's hidden Markov model
+HMM_STATES = 5
+
+
+def hmm_model(y):
+    """A K = 5 hidden Markov model as NumPyro's HMM examples write it (``scan``): Dirichlet
+    transition rows, Normal emissions with unknown means (sd 0.5)."""
+    k = HMM_STATES
+    trans = numpyro.sample("trans", dist.Dirichlet(jnp.ones((k, k)) + 4.0 * jnp.eye(k)).to_event(1))
+    with numpyro.plate("states", k):
+        loc = numpyro.sample("loc", dist.Normal(jnp.linspace(-4.0, 4.0, k), 1.0))
+
+    def step(prev, y_t):
+        x = numpyro.sample("x", dist.Categorical(trans[prev]))
+        numpyro.sample("y", dist.Normal(loc[x], 0.5), obs=y_t)
+        return x, None
+
+    scan(step, 0, y)
+
+
+def hmm_data(n: int, seed: int = 0) -> tuple:
+    """States and observations of :func:`hmm_model` (sticky transitions, means 2 apart)."""
+    rng = np.random.default_rng(seed)
+    k = HMM_STATES
+    trans = np.full((k, k), 0.05 / (k - 1)) + 0.95 * np.eye(k) - 0.05 / (k - 1) * np.eye(k)
+    x = np.zeros(n, int)
+    u = rng.random(n)
+    cum = np.cumsum(trans, 1)
+    for t in range(1, n):
+        x[t] = min(int(np.searchsorted(cum[x[t - 1]], u[t])), k - 1)
+    return x, np.linspace(-4.0, 4.0, k)[x] + 0.5 * rng.normal(size=n)
+
+
+def _forward_backward_pass(log_init, log_trans, log_lik):
+    """A hand-written forward–backward in log space (two ``lax.scan``): the marginals."""
+
+    def forward(a, ll):
+        a = ll + jax.nn.logsumexp(a[:, None] + log_trans, axis=0)
+        return a, a
+
+    a0 = log_init + log_lik[0]
+    _, alpha = jax.lax.scan(forward, a0, log_lik[1:])
+    alpha = jnp.concatenate([a0[None], alpha])
+
+    def backward(b, ll):
+        b = jax.nn.logsumexp(log_trans + (ll + b)[None, :], axis=1)
+        return b, b
+
+    _, beta = jax.lax.scan(backward, jnp.zeros_like(a0), log_lik[1:], reverse=True)
+    beta = jnp.concatenate([beta, jnp.zeros_like(a0)[None]])
+    return jax.nn.softmax(alpha + beta, axis=-1)
+
+
+def hmm_scaling(sizes=(1_000, 10_000, 100_000), log=print) -> list:
+    """:func:`hmm_model` for T = ``sizes``: ``blr_fit``'s first fit of each length (compile,
+    run, steps, time per step, states decoded right) against one hand-written
+    forward–backward pass of the same length and K, timed in the same run (jitted, compile
+    excluded, median of 5)."""
+    rows = []
+    k = HMM_STATES
+    for n in sizes:
+        x, y = hmm_data(n, seed=n)
+        r = blr_fit(hmm_model, (y,), progress_bar=False)
+        rng = np.random.default_rng(n)
+        log_trans = jnp.asarray(np.log(rng.dirichlet(np.ones(k), size=k)))
+        log_lik = jnp.asarray(rng.normal(size=(n, k)))
+        log_init = jnp.asarray(np.full(k, -np.log(k)))
+        fb = jax.jit(_forward_backward_pass)
+        jax.block_until_ready(fb(log_init, log_trans, log_lik))
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fb(log_init, log_trans, log_lik))
+            times.append(time.perf_counter() - t0)
+        per_step = r.run_time / max(int(r.num_steps), 1)
+        decoded = np.asarray(r.posterior["x"].probs).argmax(-1)
+        row = {
+            "T": int(n),
+            "compile_time": r.compile_time,
+            "run_time": r.run_time,
+            "steps": int(r.num_steps),
+            "per_step": per_step,
+            "forward_backward": float(np.median(times)),
+            "decoded": float(np.mean(decoded == x)),
+            "state_floats": int(sum(np.size(leaf) for leaf in jax.tree.leaves(r.nat))),
+        }
+        row["ratio"] = per_step / row["forward_backward"]
+        rows.append(row)
+        log(
+            f"  HMM K={k} T={n:>7,}  compile {row['compile_time']:6.2f} s  run {row['run_time']:7.3f} s  steps "
+            f"{row['steps']}  {1e3 * per_step:.2f} ms/step; hand-written forward-backward {1e3 * row['forward_backward']:.2f} "
+            f"ms; step / pass {row['ratio']:.1f}; states decoded right {row['decoded']:.3f}"
         )
     return rows
 

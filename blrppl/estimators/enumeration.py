@@ -130,8 +130,10 @@ def expected_log_factors(fns, factors, blocks, views, data, key=None, curvature=
     wrappers = fns.factor_wrappers([f.name for f in factors if f.estimator == "exact"], data)
     groups: dict = {}
     for f in factors:
-        groups.setdefault(f.discrete, []).append(f)
-    for names, group in groups.items():
+        # (factors reading pairs of a chain's states run K² times, the others K times)
+        pairs = any(np.any(r.hi >= 0) for _, r in f.chain_reads)
+        groups.setdefault((f.discrete, pairs), []).append(f)
+    for (names, _), group in groups.items():
         key, sub = jax.random.split(key) if draws else (key, key)
         if not names:
             els, scales, extra = _elementwise(fns, group, blocks, views, {}, data, wrappers, sub, curvature)

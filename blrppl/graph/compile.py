@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -619,8 +620,12 @@ def _discrete_chains(blocks: dict, factors, fns, data, rng: np.random.Generator)
     out = dict(blocks)
     for group in _discrete_groups(blocks, factors):
         parts = [blocks[n] for n in group]
-        if any(b.local is not None or b.members for b in parts):
-            continue  # (subsampled plates: their factors' plates are checked instead)
+        if any(b.members for b in parts):
+            continue
+        if any(b.local is not None for b in parts):
+            # (subsampled plates: their factors' plates are checked instead)
+            _warn_if_local_chain(group, parts, factors, fns, data)
+            continue
         size = sum(b.size for b in parts)
         if size <= 1:
             continue
@@ -665,6 +670,29 @@ def _discrete_chains(blocks: dict, factors, fns, data, rng: np.random.Generator)
         for f in probe.touching:
             reads_of[f.name] = reads_of.get(f.name, ()) + ((chain.name, reads[f.name]),)
     return out, reads_of
+
+
+def _warn_if_local_chain(group, parts, factors, fns, data) -> None:
+    """Warn when discrete latents in a subsampled plate, one site per step, form a chain: they
+    are fitted mean-field across steps."""
+    if len(parts) < 2 or len({b.value_shape for b in parts}) != 1:
+        return
+    reads = {}
+    for f in factors:
+        if f.role != FactorRole.SITE or not set(f.discrete) & set(group):
+            continue
+        index = markov.aligned_reads(parts, f, tuple(_factor_batch(fns, f, data).shape))
+        if index is None or len(index) != 2:
+            continue
+        reads[f.name] = markov.Reads(np.minimum(*index), np.maximum(*index))
+    if reads and markov.chain_layout(reads, sum(b.size for b in parts)) is not None:
+        warnings.warn(
+            f"blr_fit: the discrete latents {group[0]} … {group[-1]} form a chain inside a subsampled plate: they are "
+            "fitted mean-field across steps (a chain block is not available under subsampling; fit without "
+            "subsample_size for the forward-backward posterior)",
+            UserWarning,
+            stacklevel=2,
+        )
 
 
 def _factor_batch(fns, f, data):
