@@ -634,15 +634,7 @@ def _discrete_chains(blocks: dict, factors, fns, data, rng: np.random.Generator)
             states = math.prod(len(b.support_values) for b in parts)
             if len(group) == 1 or states <= MAX_JOINT_STATES or len({b.value_shape for b in parts}) != 1:
                 continue
-            reads = {}
-            for f in probe.touching:
-                index = markov.aligned_reads(probe.members, f, tuple(_factor_batch(fns, f, data).shape))
-                if index is None or len(index) > 2:
-                    reads = None
-                    break
-                lo = index[0].astype(np.int64)
-                hi = index[1].astype(np.int64) if len(index) == 2 else np.full(lo.shape, -1, np.int64)
-                reads[f.name] = markov.Reads(np.minimum(lo, np.where(hi < 0, lo, hi)), np.where(hi < 0, -1, np.maximum(lo, hi)))
+            reads = markov.aligned_chain_reads(parts, probe.touching, lambda f: _factor_batch(fns, f, data))
             layout = markov.chain_layout(reads, size) if reads else None
             if layout is None:
                 continue
@@ -677,14 +669,7 @@ def _warn_if_local_chain(group, parts, factors, fns, data) -> None:
     are fitted mean-field across steps."""
     if len(parts) < 2 or len({b.value_shape for b in parts}) != 1:
         return
-    reads = {}
-    for f in factors:
-        if f.role != FactorRole.SITE or not set(f.discrete) & set(group):
-            continue
-        index = markov.aligned_reads(parts, f, tuple(_factor_batch(fns, f, data).shape))
-        if index is None or len(index) != 2:
-            continue
-        reads[f.name] = markov.Reads(np.minimum(*index), np.maximum(*index))
+    reads = markov.aligned_chain_reads(parts, factors, lambda f: _factor_batch(fns, f, data))
     if reads and markov.chain_layout(reads, sum(b.size for b in parts)) is not None:
         warnings.warn(
             f"blr_fit: the discrete latents {group[0]} … {group[-1]} form a chain inside a subsampled plate: they are "
@@ -695,9 +680,9 @@ def _warn_if_local_chain(group, parts, factors, fns, data) -> None:
         )
 
 
-def _factor_batch(fns, f, data):
-    """A factor's element-wise log-density at the fill values (its batch shape)."""
-    return jax.eval_shape(lambda d: fns.log_probs((f.name,), {}, d)[f.name][0], data)
+def _factor_batch(fns, f, data) -> tuple:
+    """A factor's element-wise batch shape (of its log-density at the fill values)."""
+    return tuple(jax.eval_shape(lambda d: fns.log_probs((f.name,), {}, d)[f.name][0], data).shape)
 
 
 def _merge_discrete(blocks: dict, members: tuple) -> dict:

@@ -198,6 +198,23 @@ def is_aligned(probe: Probe) -> bool:
     return True
 
 
+def aligned_chain_reads(members, factors, batch_shape_of) -> dict | None:
+    """Factor → :class:`Reads` when every factor touching several sites (one per step of a
+    loop) reads its aligned element of at most two of them, else None (``batch_shape_of``:
+    factor → its element-wise batch shape)."""
+    names = {m.name for m in members}
+    reads = {}
+    for f in factors:
+        if f.role != FactorRole.SITE or not set(f.discrete) & names:
+            continue
+        index = aligned_reads(members, f, batch_shape_of(f))
+        if index is None or len(index) > 2:
+            return None
+        lo, hi = (index[0], np.full(index[0].shape, -1)) if len(index) == 1 else (np.minimum(*index), np.maximum(*index))
+        reads[f.name] = Reads(lo.astype(np.int64), hi.astype(np.int64))
+    return reads
+
+
 def probe_reads(probe: Probe) -> dict:
     """Factor name → :class:`Reads` in the group's positions, by the bit probes of the
     module docstring.
