@@ -230,13 +230,18 @@ def without_mask(fn):
     prior would add phantom transitions to their posterior)."""
     if getattr(fn.support, "is_discrete", False):
         return fn
+    return strip_masks(fn)
+
+
+def strip_masks(fn):
+    """``fn`` without its ``MaskedDistribution`` levels (the wrappers around them kept)."""
     if isinstance(fn, dist.MaskedDistribution):
-        return without_mask(fn.base_dist)
+        return strip_masks(fn.base_dist)
     if isinstance(fn, dist.Independent):
-        inner = without_mask(fn.base_dist)
+        inner = strip_masks(fn.base_dist)
         return fn if inner is fn.base_dist else dist.Independent(inner, fn.reinterpreted_batch_ndims)
     if isinstance(fn, dist.ExpandedDistribution):
-        inner = without_mask(fn.base_dist)
+        inner = strip_masks(fn.base_dist)
         return fn if inner is fn.base_dist else inner.expand(fn.batch_shape)
     return fn
 

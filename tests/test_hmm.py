@@ -76,14 +76,30 @@ def scan_hmm(ys, lengths):
     scan(step, (jnp.zeros(num, dtype=int), 0), ys)
 
 
-@pytest.fixture(scope="module")
-def scan_case():
+def scan_data():
     rng = np.random.default_rng(0)
     length, lengths = 60, np.array([60, 45, 23])
     ys = np.stack([simulate(rng, length)[1] for _ in lengths], 1)
     ys[ys.shape[0] - 5 :, 1] = 1e3  # (padding past a sequence's end: masked, never read)
+    return ys, lengths
+
+
+@pytest.fixture(scope="module")
+def scan_case():
+    ys, lengths = scan_data()
     fit = blr_fit(scan_hmm, (jnp.asarray(ys), jnp.asarray(lengths)), rng_key=random.PRNGKey(0), progress_bar=False)
     return ys, lengths, fit
+
+
+def test_a_refit_with_other_lengths_is_exact_too(scan_case):
+    """The same shapes, other sequence lengths (masks): not the first fit's readings."""
+    ys, _, _ = scan_case
+    lengths = np.array([30, 60, 41])
+    fit = blr_fit(scan_hmm, (jnp.asarray(ys), jnp.asarray(lengths)), rng_key=random.PRNGKey(0), progress_bar=False)
+    probs = np.asarray(fit.posterior["x"].probs)
+    for n, length in enumerate(lengths):
+        marg, _, _ = forward_backward(np.log(TRANS[0]), np.log(TRANS), normal_log_lik(ys[:length, n]))
+        np.testing.assert_allclose(probs[:length, n], marg, atol=1e-8)
 
 
 def test_scan_hmm_with_masked_sequences_equals_forward_backward(scan_case):
@@ -167,11 +183,13 @@ def test_a_latent_read_through_an_index_array_is_exact():
             z = numpyro.sample("z", dist.Bernoulli(0.3))
             numpyro.sample("y", dist.Normal(jnp.asarray(LOCS)[z[perm]], 1.0), obs=y)
 
-    fit = blr_fit(model, (y, perm), rng_key=random.PRNGKey(0), progress_bar=False)
     lik = np.exp(normal_log_lik(y)[:, :2]) * np.array([0.7, 0.3])
-    exact = np.empty(n)
-    exact[perm] = lik[:, 1] / lik.sum(1)
-    np.testing.assert_allclose(np.asarray(fit.posterior["z"].probs)[:, 1], exact, atol=1e-10)
+    # (the second fit has data of the same shapes, another index array: it must read it)
+    for perm in (perm, rng.permutation(n)):
+        fit = blr_fit(model, (y, perm), rng_key=random.PRNGKey(0), progress_bar=False)
+        exact = np.empty(n)
+        exact[perm] = lik[:, 1] / lik.sum(1)
+        np.testing.assert_allclose(np.asarray(fit.posterior["z"].probs)[:, 1], exact, atol=1e-10)
 
 
 def test_a_second_order_chain_is_a_clear_error():

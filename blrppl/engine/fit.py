@@ -12,6 +12,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import functools
+import hashlib
 import math
 import threading
 import time
@@ -185,6 +186,16 @@ def _cache_key(model, tracer, dyn, options, prior_spec):
     return key
 
 
+def _data_digest(dyn) -> str:
+    """A digest of the values of the model's array data."""
+    h = hashlib.blake2b(digest_size=16)
+    for x in dyn:
+        x = np.asarray(x)
+        h.update(f"{x.dtype}{x.shape}".encode())
+        h.update(np.ascontiguousarray(x).tobytes())
+    return h.hexdigest()
+
+
 def _stored_fit_key(tracer, dyn, options, prior_spec, supports, plan) -> str | None:
     """The key of a compiled fit's programs in the program store
     (:mod:`blrppl.graph.program_store`): :func:`_program_parts`, the sites' static facts
@@ -193,7 +204,7 @@ def _stored_fit_key(tracer, dyn, options, prior_spec, supports, plan) -> str | N
     parts = _program_parts(tracer, dyn, options, prior_spec)
     if parts is None:
         return None
-    return program_key(parts, tracer.meta.get("sites"), supports, plan.describe())
+    return program_key(parts, tracer.meta.get("sites"), supports, plan.describe(), plan.structure_digest())
 
 
 def _statistics_fns(plan, fns, data) -> tuple:
@@ -440,6 +451,10 @@ def _prepare_locked(model, args, kwargs, options, rng_key, prior, init_values, s
     dyn_now = DataSpec.split(args, kwargs, all_static=tracer.spec.all_static)[1]
     key = _cache_key(model, tracer, dyn_now, options, prior_spec)
     bundle = _CACHE.get(key) if key is not None else None
+    if bundle is not None and getattr(bundle, "data_digest", None) not in (None, _data_digest(dyn_now)):
+        # (a fit whose structure was probed on the data, a hidden Markov chain, is compiled
+        # again for other data: an index array or a layout may read the chain differently)
+        bundle = None
     records, data_spec, dyn_data, tracer = trace_model(
         model, args, kwargs, k_trace, tracer=bundle.tracer if bundle else tracer
     )
@@ -464,6 +479,7 @@ def _prepare_locked(model, args, kwargs, options, rng_key, prior, init_values, s
         with numpyro.validation_enabled(False):
             bundle = _compile(model, records, data_spec, dyn_data, tracer, options, prior_spec, k_probe, supports)
         bundle.supports = supports
+        bundle.data_digest = _data_digest(dyn_now) if any(b.chain for b in bundle.plan.blocks) else None
         if key is not None:
             _remember(key, bundle)
     if plates:

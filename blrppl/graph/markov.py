@@ -8,8 +8,9 @@ of each block (the element of the block's value that broadcasting pairs with it:
 ``y[i]`` reads ``z[i]``). A hidden Markov chain breaks that: in ``scan``, ``x[t]``'s
 probabilities read ``x[t − 1]``; with ``x[:-1]`` and ``x[1:]`` the pairing shifts.
 
-So the factors are probed. Each factor's element-wise log-density is evaluated with the
-continuous latents at a random point and the discrete positions at a random base
+So the factors are probed. Each factor's element-wise log-density (its masks removed: the
+reading is the model's structure, not the data's) is evaluated with the continuous latents
+at a random point and the discrete positions at a random base
 configuration, then with the positions of a set S moved to other values; an element
 *depends on S* when its log-density changes. With S = {p : bit j of p is 1} and its
 complement for every bit j, an element reading one position p learns p; one reading two
@@ -37,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from blrppl.errors import UnsupportedFactorError
-from blrppl.expressions import random_point
+from blrppl.expressions import random_point, strip_masks
 from blrppl.graph.data import compile_lowered, compiler_options
 from blrppl.graph.plan import FactorRole
 
@@ -142,8 +143,12 @@ class Probe:
         offset = jnp.asarray(self.offset)
 
         def log_probs(z, data):
+            # (masks removed: what an element reads is the model's structure, the same for
+            # every mask the data give, e.g. sequences' lengths; a masked element's term is
+            # zero in the fit whatever it reads)
             values = {**point, **site_values(members, support[offset + z])}
-            return [lp for lp, _ in fns.log_probs(names, values, data).values()]
+            sites = fns.sites(names, values, data)
+            return [strip_masks(sites[n]["fn"]).log_prob(sites[n]["value"]) for n in names]
 
         def run(sets, bases, moved, data):
             ref = jax.vmap(lambda z: log_probs(z, data))(bases)

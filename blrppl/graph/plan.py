@@ -9,6 +9,7 @@ the estimator that computes its expected log-density.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
 import math
 from typing import Any
@@ -403,6 +404,17 @@ class Plan:
             jacobian = any(f.role == FactorRole.JACOBIAN and f.neighbours == (name,) for f in self.factors)
             return "point (unconstrained)" if jacobian or b.transform is None else "point (constrained)"
         return "posterior"
+
+    def structure_digest(self) -> str:
+        """A digest of what compiling found from the data beyond ``describe()``: the chain
+        positions each factor element reads (programs built for one are wrong for another)."""
+        h = hashlib.blake2b(digest_size=16)
+        for f in self.factors:
+            for name, reads in f.chain_reads:
+                h.update(f"{f.name}/{name}".encode())
+                h.update(np.ascontiguousarray(reads.lo).tobytes())
+                h.update(np.ascontiguousarray(reads.hi).tobytes())
+        return h.hexdigest()
 
     def describe(self) -> str:
         """A readable table of blocks (site, family, shape, role) and factors (site,
