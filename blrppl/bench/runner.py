@@ -549,6 +549,18 @@ def _thomas_pass(diag, off, v):
     return xs
 
 
+def _median_time(fn, *args, repeats: int = 5) -> float:
+    """Seconds of one call of the jitted ``fn`` (compiled by a first call, not timed):
+    the median of ``repeats``."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
 def chain_scaling(sizes=(1_000, 10_000, 100_000), log=print) -> list:
     """A random walk observed through Poisson counts (log link), T = ``sizes``: ``blr_fit``'s
     first fit of each length (compile, run, steps, time per step) against one hand-written
@@ -565,13 +577,7 @@ def chain_scaling(sizes=(1_000, 10_000, 100_000), log=print) -> list:
         diag = jnp.asarray(2.0 + rng.uniform(size=n))
         off = jnp.asarray(-np.ones(n - 1) * 0.9)
         v = jnp.asarray(rng.normal(size=n))
-        thomas = jax.jit(_thomas_pass)
-        jax.block_until_ready(thomas(diag, off, v))
-        times = []
-        for _ in range(5):
-            t0 = time.perf_counter()
-            jax.block_until_ready(thomas(diag, off, v))
-            times.append(time.perf_counter() - t0)
+        thomas = _median_time(jax.jit(_thomas_pass), diag, off, v)
         ab = np.stack([np.concatenate([[0.0], np.asarray(off)]), np.asarray(diag)])
         lapack = []
         for _ in range(5):
@@ -586,7 +592,7 @@ def chain_scaling(sizes=(1_000, 10_000, 100_000), log=print) -> list:
             "run_time": r.run_time,
             "steps": int(r.num_steps),
             "per_step": per_step,
-            "thomas": float(np.median(times)),
+            "thomas": thomas,
             "lapack": float(np.median(lapack)),
             "state_floats": int(sum(np.size(leaf) for leaf in jax.tree.leaves(r.nat))),
         }
@@ -669,13 +675,7 @@ def hmm_scaling(sizes=(1_000, 10_000, 100_000), log=print) -> list:
         log_trans = jnp.asarray(np.log(rng.dirichlet(np.ones(k), size=k)))
         log_lik = jnp.asarray(rng.normal(size=(n, k)))
         log_init = jnp.asarray(np.full(k, -np.log(k)))
-        fb = jax.jit(_forward_backward_pass)
-        jax.block_until_ready(fb(log_init, log_trans, log_lik))
-        times = []
-        for _ in range(5):
-            t0 = time.perf_counter()
-            jax.block_until_ready(fb(log_init, log_trans, log_lik))
-            times.append(time.perf_counter() - t0)
+        fb = _median_time(jax.jit(_forward_backward_pass), log_init, log_trans, log_lik)
         per_step = r.run_time / max(int(r.num_steps), 1)
         decoded = np.asarray(r.posterior["x"].probs).argmax(-1)
         row = {
@@ -684,7 +684,7 @@ def hmm_scaling(sizes=(1_000, 10_000, 100_000), log=print) -> list:
             "run_time": r.run_time,
             "steps": int(r.num_steps),
             "per_step": per_step,
-            "forward_backward": float(np.median(times)),
+            "forward_backward": fb,
             "decoded": float(np.mean(decoded == x)),
             "state_floats": int(sum(np.size(leaf) for leaf in jax.tree.leaves(r.nat))),
         }
