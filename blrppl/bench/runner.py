@@ -549,6 +549,19 @@ def _thomas_pass(diag, off, v):
     return xs
 
 
+def _fit_row(n: int, r) -> dict:
+    """A chain bench row's fields of the fit ``r`` of length ``n``: times, steps, time per
+    step and the floats its fitted state holds."""
+    return {
+        "T": int(n),
+        "compile_time": r.compile_time,
+        "run_time": r.run_time,
+        "steps": int(r.num_steps),
+        "per_step": r.run_time / max(int(r.num_steps), 1),
+        "state_floats": int(sum(np.size(leaf) for leaf in jax.tree.leaves(r.nat))),
+    }
+
+
 def _median_time(fn, *args, repeats: int = 5) -> float:
     """Seconds of one call of the jitted ``fn`` (compiled by a first call, not timed):
     the median of ``repeats``."""
@@ -584,18 +597,13 @@ def chain_scaling(sizes=(1_000, 10_000, 100_000), log=print) -> list:
             t0 = time.perf_counter()
             scipy.linalg.solveh_banded(ab, np.asarray(v))
             lapack.append(time.perf_counter() - t0)
-        per_step = r.run_time / max(int(r.num_steps), 1)
         row = {
-            "T": int(n),
+            **_fit_row(n, r),
             "bandwidth": r.plan.block("x").family.bandwidth if r.plan.block("x").family.banded else None,
-            "compile_time": r.compile_time,
-            "run_time": r.run_time,
-            "steps": int(r.num_steps),
-            "per_step": per_step,
             "thomas": thomas,
             "lapack": float(np.median(lapack)),
-            "state_floats": int(sum(np.size(leaf) for leaf in jax.tree.leaves(r.nat))),
         }
+        per_step = row["per_step"]
         row["ratio"] = per_step / row["thomas"]
         rows.append(row)
         log(
@@ -676,18 +684,9 @@ def hmm_scaling(sizes=(1_000, 10_000, 100_000), log=print) -> list:
         log_lik = jnp.asarray(rng.normal(size=(n, k)))
         log_init = jnp.asarray(np.full(k, -np.log(k)))
         fb = _median_time(jax.jit(_forward_backward_pass), log_init, log_trans, log_lik)
-        per_step = r.run_time / max(int(r.num_steps), 1)
         decoded = np.asarray(r.posterior["x"].probs).argmax(-1)
-        row = {
-            "T": int(n),
-            "compile_time": r.compile_time,
-            "run_time": r.run_time,
-            "steps": int(r.num_steps),
-            "per_step": per_step,
-            "forward_backward": fb,
-            "decoded": float(np.mean(decoded == x)),
-            "state_floats": int(sum(np.size(leaf) for leaf in jax.tree.leaves(r.nat))),
-        }
+        row = {**_fit_row(n, r), "forward_backward": fb, "decoded": float(np.mean(decoded == x))}
+        per_step = row["per_step"]
         row["ratio"] = per_step / row["forward_backward"]
         rows.append(row)
         log(
