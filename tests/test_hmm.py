@@ -223,8 +223,8 @@ def em_hmm(y):
 
 
 def test_transition_param_is_baum_welch():
-    y = simulate(np.random.default_rng(7), 300)[1]
-    fit = blr_fit(em_hmm, (jnp.asarray(y),), rng_key=random.PRNGKey(0), tol=1e-30, num_steps=200, progress_bar=False)
+    y = simulate(np.random.default_rng(7), 120)[1]
+    fit = blr_fit(em_hmm, (jnp.asarray(y),), rng_key=random.PRNGKey(0), tol=1e-30, num_steps=150, progress_bar=False)
     trans = np.full((K, K), 1.0 / K)
     for _ in range(1000):  # Baum–Welch from the same start, to its fixed point
         gamma, xi, _ = forward_backward(np.log(trans[0]), np.log(trans), normal_log_lik(y))
