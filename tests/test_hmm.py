@@ -379,3 +379,20 @@ def test_a_chain_in_a_subsampled_plate_warns_it_is_mean_field():
 
     with pytest.warns(UserWarning, match="x_0 … x_5 form a chain inside a subsampled plate.*mean-field"):
         blr_fit(model, (ys,), rng_key=random.PRNGKey(0), num_steps=5, progress_bar=False)
+
+
+def test_an_initial_state_of_another_dtype_is_a_clear_error():
+    """numpyro's scan refuses a carry whose dtype changes (int32 in, int64 out of a
+    Categorical under x64): the error says which dtype to give, not to check the data."""
+    y = simulate(np.random.default_rng(9), 10)[1]
+
+    def model(y):
+        def step(prev, y_t):
+            x = numpyro.sample("x", dist.Categorical(jnp.asarray(TRANS)[prev]))
+            numpyro.sample("y", dist.Normal(jnp.asarray(LOCS)[x], 1.0), obs=y_t)
+            return x, None
+
+        scan(step, jnp.zeros((), dtype=jnp.int32), y)
+
+    with pytest.raises(BLRError, match="(?s)dtype differs from its initial state's.*dtype=int"):
+        blr_fit(model, (y,), progress_bar=False)

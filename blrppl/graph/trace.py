@@ -374,6 +374,16 @@ def _raise_trace_error(exc, name, args, kwargs):
             "numpyro.plate(name, len(data), subsample_size=M)",
             site=name,
         ) from exc
+    if isinstance(exc, TypeError) and "carry input and carry output must have equal types" in str(exc):
+        # (a scan's initial state of one dtype, its next state of another: an int32 initial
+        # state of a hidden Markov chain when x64 makes Categorical draws int64)
+        raise ModelTraceError(
+            f"the model could not be run: a scan ({where.replace('before its first site', 'before the first site')}) "
+            "returns a state whose dtype differs "
+            f"from its initial state's ({exc}); give the initial state the dtype the step returns, e.g. "
+            "jnp.zeros(n, dtype=int) for a discrete state (int64 under numpyro.enable_x64())",
+            site=name,
+        ) from exc
     raise ModelTraceError(
         f"the model could not be run with the data given: it raised {where} "
         f"({type(exc).__name__}: {exc}); check that `data` holds the model's arguments "
