@@ -14,6 +14,12 @@ from blrppl.families.gaussian import (
     GaussianNat,
     GaussianView,
 )
+from blrppl.families.gaussian_arrowhead import (
+    ArrowheadGaussianNat,
+    ArrowheadGaussianView,
+    ArrowheadPrecisionNormal,
+    GaussianArrowhead,
+)
 from blrppl.families.gaussian_banded import (
     BandedGaussianNat,
     BandedGaussianView,
@@ -32,6 +38,9 @@ FAMILIES: dict[str, type[Family]] = {
 
 __all__ = [
     "FAMILIES",
+    "ArrowheadGaussianNat",
+    "ArrowheadGaussianView",
+    "ArrowheadPrecisionNormal",
     "BandedGaussianNat",
     "BandedGaussianView",
     "BandedPrecisionNormal",
@@ -58,6 +67,7 @@ __all__ = [
     "GammaNat",
     "GammaRuleView",
     "GammaView",
+    "GaussianArrowhead",
     "GaussianBanded",
     "GaussianDense",
     "GaussianDiag",

@@ -50,6 +50,8 @@ class Family:
     #: whether the family is a Gaussian with a banded precision (its view holds the band of
     #: the covariance only: :class:`blrppl.families.GaussianBanded`)
     banded: ClassVar[bool] = False
+    #: whether the family is a Gaussian with an arrowhead precision (``GaussianArrowhead``)
+    arrowhead: ClassVar[bool] = False
     #: whether the family's value is an index into its block's enumerated values (the site's
     #: value is ``support_values[x]``), not the site's value itself
     indexes_support: ClassVar[bool] = False
