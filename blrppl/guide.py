@@ -116,7 +116,7 @@ class PlanGuide:
             elif b.members:
                 joint = (
                     b.family.to_numpyro(b.family.nat_from_view(view))
-                    if b.family.banded
+                    if b.family.banded or b.family.arrowhead
                     else dist.MultivariateNormal(view.mean, view.cov)
                 )
                 x = numpyro.sample(JOINT_SITE, joint, infer={"is_auxiliary": True})

@@ -27,6 +27,7 @@ import numpyro
 from blrppl.engine.loop import BAD_RATE, CONVERGED, NONFINITE, STATIONARY, STATIONARY_STEPS, empty_history, history_size, make_chunk, run_loop
 from blrppl.engine import start as start_mod
 from blrppl.engine.step import BLRState, initial_state, make_step
+from blrppl import families as fam
 from blrppl.errors import BLRError, InitValueError
 from blrppl.graph.compile import _block_init_values, compile_model, conjugate_blocks, init_nat
 from blrppl.estimators import gram
@@ -703,7 +704,7 @@ def _improper_note(plan, nat, names) -> str:
     sites = []
     for n in names:
         b = plan.block(n)
-        if b.family.dense_event and b.members:
+        if isinstance(b.family, fam.GaussianDense) and b.members:
             prec = -2.0 * np.asarray(nat[n].eta2)
             _, vecs = np.linalg.eigh(0.5 * (prec + prec.T))
             v = np.abs(vecs[:, 0])

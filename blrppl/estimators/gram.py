@@ -65,7 +65,7 @@ def eligible(factor, blocks) -> str | None:
         return None
     (name,) = gauss
     b = blocks[name]
-    if not b.family.dense_event or b.family.banded or b.point or b.batch_shape or b.size < MIN_DIM:
+    if not b.family.dense_event or b.family.banded or b.family.arrowhead or b.point or b.batch_shape or b.size < MIN_DIM:
         return None
     if kinds["scale"] == mom.PowerGamma.kind:
         (g,) = arg_blocks["scale"]

@@ -19,13 +19,14 @@ misplaced, which a random Z reveals with probability 1).
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from blrppl.expressions import factor_arguments, random_point
+from blrppl.expressions import distribution_leaves, factor_arguments, random_point
 from blrppl.graph.data import compile_lowered, compiler_options
 from blrppl.graph.plan import FactorRole
 from blrppl.graph.trace import unwrap
@@ -35,6 +36,13 @@ from blrppl.graph.trace import unwrap
 CANDIDATES = (1, 2, 3, 4, 6, 8)
 #: columns of the random covariance factor Z
 _REFERENCE_COLUMNS = 3
+
+
+def _every_argument(site: dict) -> dict:
+    """The value and every pytree leaf of a site's distribution (a factor with neither a rule
+    nor projections: all it may read)."""
+    _, leaves, _ = distribution_leaves(site)
+    return {"value": site["value"], **{f"leaf{i}": leaf for i, leaf in enumerate(leaves)}}
 
 
 class _Unpaired(Exception):
@@ -109,26 +117,25 @@ def _combiner(site: dict, args: dict, rule, rng: np.random.Generator):
     return combine
 
 
-def chain_bandwidth(
-    name: str, blocks: dict, factors, fns, data, rng: np.random.Generator, site_block: dict | None = None
-) -> int | None:
-    """The smallest half-bandwidth b in :data:`CANDIDATES` such that the block ``name`` is a
-    chain of bandwidth b (see the module docstring), or None.
-
-    Only blocks whose factors all have closed-form or quadrature messages qualify (those read
-    the block through the moments of their arguments). ``site_block`` maps the sites the
-    factors name as neighbours to the block holding them, when ``blocks`` merges some.
-    """
+def _probe(
+    name: str, blocks: dict, factors, fns, data, rng: np.random.Generator, site_block: dict | None,
+    estimators: tuple = ("exact", "quadrature"),
+):
+    """``(run, n)``: ``run(tangents)`` pushes tangents ``(k, n)`` of the block ``name`` at a
+    random point through a random combination of each touching factor's arguments per
+    element (:func:`_combiner`), one compiled program per shape of ``tangents``: a list of
+    ``(k, elements)`` arrays, one per factor. None when the block qualifies for no structure
+    (a factor whose estimator is not one of ``estimators``, or no factor)."""
     block = blocks[name]
     n = block.size
     site_block = site_block or {}
     neighbours_of = {f.name: {site_block.get(m, m) for m in f.neighbours} for f in factors}
     touching = [f for f in factors if name in neighbours_of[f.name] and f.role == FactorRole.SITE]
-    if n < 3 or not touching or any(f.estimator not in ("exact", "quadrature") for f in touching):
+    if n < 3 or not touching or any(f.estimator not in estimators for f in touching):
         return None
     neighbours = set().union(*(neighbours_of[f.name] for f in touching))
     values = {m: np.asarray(random_point(blocks[m], rng)) for m in neighbours}
-    wanted = {f.name: factor_arguments(f) for f in touching}
+    wanted = {f.name: factor_arguments(f) if f.rule is not None or f.links else _every_argument for f in touching}
     combiners = {}  # built while tracing (they read only static shapes): no model run on the host
 
     def combined(x, data):
@@ -143,6 +150,29 @@ def chain_bandwidth(
         return jax.vmap(lambda t: jax.jvp(lambda y: combined(y, data), (x,), (t,))[1])(tangents)
 
     x0 = np.asarray(values[name], dtype=jnp.result_type(float)).reshape(-1)
+
+    def run(tangents) -> list:
+        tangents = np.asarray(tangents, x0.dtype)
+        lowered = jax.jit(pushed).lower(x0, tangents, data)
+        return [np.asarray(o) for o in compile_lowered(lowered, compiler_options(data))(x0, tangents, data)]
+
+    return run, n
+
+
+def chain_bandwidth(
+    name: str, blocks: dict, factors, fns, data, rng: np.random.Generator, site_block: dict | None = None
+) -> int | None:
+    """The smallest half-bandwidth b in :data:`CANDIDATES` such that the block ``name`` is a
+    chain of bandwidth b (see the module docstring), or None.
+
+    Only blocks whose factors all have closed-form or quadrature messages qualify (those read
+    the block through the moments of their arguments). ``site_block`` maps the sites the
+    factors name as neighbours to the block holding them, when ``blocks`` merges some.
+    """
+    probe = _probe(name, blocks, factors, fns, data, rng, site_block)
+    if probe is None:
+        return None
+    run, n = probe
     z = rng.normal(size=(n, _REFERENCE_COLUMNS))
     candidates = [b for b in CANDIDATES if 2 * b + 1 < n]
     if not candidates:
@@ -153,9 +183,7 @@ def chain_bandwidth(
         for b in stage:
             offsets[b] = sum(len(s) for s in stacks)
             stacks += list(_colour_sets(z, b))
-        tangents = np.concatenate(stacks, 0).astype(x0.dtype)
-        lowered = jax.jit(pushed).lower(x0, tangents, data)
-        outs = [np.asarray(o) for o in compile_lowered(lowered, compiler_options(data))(x0, tangents, data)]
+        outs = run(np.concatenate(stacks, 0))
         return [b for b in stage if all(_agrees(o, offsets[b], 2 * b + 1) for o in outs)]
 
     try:
@@ -165,6 +193,55 @@ def chain_bandwidth(
         return None
     smaller = fitting(candidates[:-1]) if len(candidates) > 1 else []
     return smaller[0] if smaller else candidates[-1]
+
+
+def arrowhead_locals(
+    name: str, blocks: dict, factors, fns, data, rng: np.random.Generator, spans: dict, site_block: dict | None = None
+) -> tuple:
+    """The largest set of the candidate parts ``spans`` (part → (start, stop) positions in the
+    block ``name``) such that every element of every factor touching the block reads at most
+    one scalar of their union, through all the arguments it pairs: the block's posterior
+    precision is then an arrowhead (diagonal over those *local* scalars, dense over the rest
+    and between the two: :class:`blrppl.families.GaussianArrowhead`). Empty when none is.
+
+    The test is the arrowhead family's local tangent pair: with Z a random matrix on the
+    positions of a set L (zero elsewhere) and v_j = Σ_c Z_jc², an element's exact variance
+    Σ_c (J z_c)_n² equals (J 1_L)_n (J v)_n for every element exactly when each reads at most
+    one position of L (two positions j, k give a_j a_k (v_j + v_k) in place of 2 a_j a_k Σ_c
+    z_jc z_kc: a random Z tells them apart with probability 1). A union of parts passes
+    exactly when each part and each pair of parts does: one compiled probe for all of them.
+
+    The factors' estimators are those of the blocks before the merge (a gather of a
+    per-site block can leave a factor Monte Carlo that the merged block gives quadrature):
+    only the arguments' structure is probed here, and the compiler checks the final ones.
+    """
+    probe = _probe(name, blocks, factors, fns, data, rng, site_block, ("exact", "quadrature", "monte_carlo"))
+    parts = [p for p in spans if spans[p][1] - spans[p][0] >= 2]
+    if probe is None or not parts:
+        return ()
+    run, n = probe
+    sets = [(p,) for p in parts] + [(p, q) for i, p in enumerate(parts) for q in parts[i + 1 :]]
+    stacks = []
+    for s in sets:
+        z = np.zeros((n, _REFERENCE_COLUMNS))
+        for p in s:
+            lo, hi = spans[p]
+            z[lo:hi] = rng.normal(size=(hi - lo, _REFERENCE_COLUMNS))
+        stacks += [z.T, (np.abs(z).sum(1) > 0)[None].astype(float), np.sum(z**2, 1)[None]]
+    try:
+        outs = run(np.concatenate(stacks, 0))
+    except _Unpaired:
+        return ()
+    width = _REFERENCE_COLUMNS + 2
+    passed = {s for k, s in enumerate(sets) if all(_agrees(o[k * width :], _REFERENCE_COLUMNS, 1) for o in outs)}
+    best = ()
+    for r in range(1, len(parts) + 1):
+        for chosen in itertools.combinations([p for p in parts if (p,) in passed], r):
+            if all(pair in passed for pair in itertools.combinations(chosen, 2)):
+                size = sum(spans[p][1] - spans[p][0] for p in chosen)
+                if size > sum(spans[p][1] - spans[p][0] for p in best):
+                    best = chosen
+    return best
 
 
 def _colour_sets(z: np.ndarray, b: int) -> tuple:

@@ -23,7 +23,7 @@ from blrppl.expressions import (
     projection_args, random_point, run_probes, too_many_columns,
 )
 from blrppl.expressions import _needs_gather_test as needs_gather_test
-from blrppl.graph.band import chain_bandwidth
+from blrppl.graph.band import arrowhead_locals, chain_bandwidth
 from blrppl.graph import markov
 from blrppl.graph.data import compiler_options
 from blrppl.graph.program_store import compile_program, jit as store_jit, program_key
@@ -125,7 +125,7 @@ BANDED_MIN_DIM = 32
 
 def compile_model(
     model, records, data_spec, data, families=None, rng_key=None, structure=None, point=(),
-    point_space="unconstrained", subsampled=(),
+    point_space="unconstrained", subsampled=(), arrowhead=True,
 ):
     """Build blocks, the factor graph and the plan of a traced model.
 
@@ -166,6 +166,9 @@ def compile_model(
             shapes. Latents inside such a plate become *local* blocks (never merged into a
             joint block, updated first in each step); the model functions use the first M
             elements of each plate unless the data carry a minibatch.
+        arrowhead: whether a joint block beyond :data:`JOINT_MAX_DIM` may be an arrowhead
+            (False: the compilation again after an arrowhead whose factors turned out to
+            have only Monte Carlo messages, which its view cannot give).
 
     Returns:
         (plan, model functions, dynamic data leaves, init values dict (block space),
@@ -341,6 +344,30 @@ def compile_model(
     if merge:
         members = [n for n in members if n not in chains]
         merge = len(members) > 1
+    # beyond the dense limit, an arrowhead: members of which each factor element reads at
+    # most one scalar (per-student effects) get a diagonal precision, the others (per-question
+    # effects, a global mean) a dense one and the coupling between the two (item-response and
+    # hierarchical models)
+    arrow = ()
+    if structure is None and arrowhead and not chains and not merge:
+        every = [n for n, b in {**blocks, **dense}.items() if joinable(n, b)]
+        total = sum(blocks[n].size for n in every)
+        if len(every) > 1 and total > JOINT_MAX_DIM:
+            trial = _merge_joint({**blocks, **dense}, every)
+            joint = next(n for n, b in trial.items() if b.members and not b.discrete)
+            trial_fns = ModelFunctions(
+                model, data_spec, _site_fill(trial, site_init, unconstrained), _transforms(trial), {joint: trial[joint]},
+                plate_indices, program,
+            )
+            offsets = np.cumsum([0] + [m.size for m in trial[joint].members])
+            spans = {m.name: (int(lo), int(hi)) for m, lo, hi in zip(trial[joint].members, offsets[:-1], offsets[1:])}
+            site_block = {m: joint for m in trial[joint].sites}
+            local = arrowhead_locals(
+                joint, trial, factors, trial_fns, data, np.random.default_rng(0), spans, site_block
+            )
+            if local and total - sum(spans[m][1] - spans[m][0] for m in local) <= JOINT_MAX_DIM:
+                arrow = tuple(spans[m] for m in every if m not in local)
+                blocks, members, merge, densified = {**blocks, **dense}, every, True, []
     for n in densified:
         blocks[n] = dense[n]
     coupled_discrete = _coupled_discrete(blocks, factors)
@@ -353,6 +380,9 @@ def compile_model(
             blocks = _merge_discrete(blocks, group)
         if merge:
             blocks = _merge_joint(blocks, members)
+        if arrow:
+            joint = next(n for n, b in blocks.items() if b.members and not b.discrete)
+            blocks[joint] = _arrowhead(blocks[joint], arrow)
         init_values = _block_init_values(blocks, site_init, unconstrained)
         joints = {n: b for n, b in blocks.items() if b.members and not b.discrete}
         fns = ModelFunctions(
@@ -376,13 +406,21 @@ def compile_model(
         for b in blocks.values()
         if _transformed(b) and not b.param and not (b.point and point_space == "constrained")
     ]
-    for n in chains:
+    for n in [*chains, *(b.name for b in blocks.values() if b.family.arrowhead)]:
         # (a chain's factors were closed-form or quadrature when it was found; a factor whose
         # class changed with the final blocks would need draws of the whole chain)
         odd = [f.name for f in factors if n in f.neighbours and f.estimator not in ("exact", "quadrature")]
+        if odd and blocks[n].family.arrowhead:
+            # (an arrowhead was chosen on the factors' structure; without closed forms or
+            # quadrature its members are fitted as without it)
+            return compile_model(
+                model, records, data_spec, data, families, rng_key, structure, point, point_space, subsampled,
+                arrowhead=False,
+            )
         if odd:
             raise UnsupportedFactorError(
-                f"factor '{odd[0]}' has no closed form or quadrature for the banded block '{n}' (a chain); "
+                f"factor '{odd[0]}' has no closed form or quadrature for the structured block '{n}' "
+                f"({blocks[n].kind}); "
                 "fit with structure='mean-field' or structure='joint'",
                 site=odd[0],
             )
@@ -731,6 +769,20 @@ def _banded(block: Block, bandwidth: int) -> Block:
         for m in block.members
     )
     return dataclasses.replace(block, family=family, kind=family.name, plate_axes=(), members=parts)
+
+
+def _arrowhead(block: Block, globals_: tuple) -> Block:
+    """A joint Gaussian block with an arrowhead precision: dense over the positions of
+    ``globals_`` ((start, stop) spans), diagonal over the others (its local members: each
+    holds its marginal variances, a diagonal family)."""
+    family = fam.GaussianArrowhead(block.size, globals_)
+    parts, offset = [], 0
+    for m in block.members:
+        if (offset, offset + m.size) not in globals_:
+            m = dataclasses.replace(m, family=fam.GaussianDiag(), kind=fam.GaussianDiag.name)
+        parts.append(m)
+        offset += m.size
+    return dataclasses.replace(block, family=family, kind=family.name, members=tuple(parts))
 
 
 def _merge_joint(blocks: dict, members: list) -> dict:

@@ -130,14 +130,23 @@ class Block:
 
     def member_views(self, view):
         """(member block, its marginal Gaussian view) for each member of a joint block."""
-        from blrppl.families.gaussian import GaussianView
+        from blrppl.families.gaussian import DiagGaussianView, GaussianView
         from blrppl.families._band import to_dense
         from blrppl.families.gaussian_banded import BandedGaussianView
 
         out, offset = [], 0
         for m in self.members:
             sl = slice(offset, offset + m.size)
-            if self.family.banded:
+            if self.family.arrowhead:
+                # a local member: its marginal variances; a global one: its dense block
+                glob = np.searchsorted(self.family.global_index, np.arange(sl.start, sl.stop))
+                if m.family.dense_event:
+                    out.append((m, GaussianView(view.mean[sl], view.glob[np.ix_(glob, glob)])))
+                else:
+                    loc = np.searchsorted(self.family.local_index, np.arange(sl.start, sl.stop))
+                    shape = tuple(m.value_shape)
+                    out.append((m, DiagGaussianView(view.mean[sl].reshape(shape), view.var[loc].reshape(shape))))
+            elif self.family.banded:
                 # the band rows of the member's stretch, without the entries past its end (a
                 # member within one band is dense: every covariance of it is in the band)
                 inside = np.arange(m.size)[:, None] + np.arange(view.cov.shape[-1])[None, :] < m.size
@@ -425,6 +434,9 @@ class Plan:
         for b in self.blocks:
             full = b.full
             kind = f"{b.kind} (bandwidth {b.family.bandwidth})" if b.family.banded else b.kind
+            if b.family.arrowhead:
+                local = ", ".join(m.name for m in b.members if not m.family.dense_event)
+                kind = f"{b.kind} ({b.family.num_globals} dense + {local} diagonal)"
             if b.chain:
                 width = full.size // b.family.length
                 kind = f"{b.kind} ({width} × {b.family.length} states: forward-backward)"
