@@ -546,6 +546,8 @@ class ArgumentClass:
         full: Gaussian blocks whose plate elements mix in this argument.
         reason: why the argument is opaque (empty otherwise).
         power: for ``power_gamma``, the exponent a when it is the same for every element.
+        pairs: for ``bilinear_gaussian``, the (left, right) pairs of blocks whose product it
+            holds (:class:`blrppl.moments.BilinearGaussian`).
     """
 
     kind: str
@@ -553,6 +555,7 @@ class ArgumentClass:
     full: tuple = ()
     reason: str = ""
     power: float | None = None
+    pairs: tuple = ()
 
     @property
     def opaque(self) -> bool:
@@ -963,6 +966,7 @@ def group_moments(fns: ModelFunctions, factors, blocks: dict, views: dict, discr
         return pushed[fname][arg][lo:hi]
 
     gauss = [n for n in cont if blocks[n].family.gaussian]
+    extra = _bilinear_extra(model_args, point, sets, factors)
     result = {}
     for f in factors:
         kinds, arg_blocks = f.kinds, dict(f.arg_blocks)
@@ -977,6 +981,13 @@ def group_moments(fns: ModelFunctions, factors, blocks: dict, views: dict, discr
                 left = tuple(rows_of(n, "left", f.name, arg) if n in used else None for n in fgauss)
                 right = tuple(rows_of(n, "right", f.name, arg) if n in used else None for n in fgauss)
                 moments[arg] = mom.AffineGaussian(value, left, right)
+            elif kind == mom.BilinearGaussian.kind:
+                left = tuple(rows_of(n, "left", f.name, arg) if n in used else None for n in fgauss)
+                right = tuple(rows_of(n, "right", f.name, arg) if n in used else None for n in fgauss)
+                pairs = dict(f.pairs)[arg]
+                moments[arg] = mom.BilinearGaussian(
+                    mom.AffineGaussian(value, left, right), sum(extra[pair][f.name][arg] for pair in pairs)
+                )
             elif kind == mom.ExpGaussian.kind:
                 # x = exp(a) with a affine: each pushed row is x · (the row of a)
                 left = tuple(rows_of(n, "left", f.name, arg) / value if n in used else None for n in fgauss)
@@ -1000,6 +1011,43 @@ def group_moments(fns: ModelFunctions, factors, blocks: dict, views: dict, discr
                 raise ValueError(f"factor '{f.name}': argument '{arg}' is {kind}")
         result[f.name] = moments
     return result
+
+
+def _bilinear_extra(model_args, point: dict, sets: dict, factors) -> dict:
+    """E[f(d_A, d_B)²] of every bilinear argument, per pair of blocks (A, B) it multiplies
+    (:class:`blrppl.moments.BilinearGaussian`): {(A, B): {factor: {argument: array}}}.
+
+    With Σ_A = Σ_s l_s r_sᵀ and Σ_B = Σ_t l'_t r'_tᵀ the blocks' tangent sets (``left`` and
+    ``right``, as for affine arguments), E[(d_Aᵀ J d_B)²] = tr(Jᵀ Σ_A J Σ_B) =
+    Σ_{s,t} f(r_s, l'_t) f(l_s, r'_t), each f(a, b) the mixed second derivative of the
+    arguments along a (in A) and b (in B): 2·|S|·|T| pushes for the pair.
+    """
+    pairs = sorted({pair for f in factors for _, ps in f.pairs for pair in ps})
+    zeros = {n: jnp.zeros_like(x) for n, x in point.items()}
+    out = {}
+    for a, b in pairs:
+        la, ra = sets[a]["left"], sets[a]["right"]
+        lb, rb = sets[b]["left"], sets[b]["right"]
+        ka, kb = la.shape[0], lb.shape[0]
+        ta = jnp.concatenate([jnp.repeat(ra, kb, axis=0), jnp.repeat(la, kb, axis=0)])
+        tb = jnp.concatenate([jnp.tile(lb, (ka,) + (1,) * (lb.ndim - 1)), jnp.tile(rb, (ka,) + (1,) * (rb.ndim - 1))])
+
+        def mixed(u, v, a=a, b=b):
+            def along_a(x):
+                return jax.jvp(model_args, (x,), ({**zeros, a: u},))[1]
+
+            return jax.jvp(along_a, (point,), ({**zeros, b: v},))[1]
+
+        pushed = jax.vmap(mixed)(ta, tb)
+        half = ka * kb
+        out[(a, b)] = {
+            f.name: {
+                arg: jnp.sum(pushed[f.name][arg][:half] * pushed[f.name][arg][half:], axis=0)
+                for arg, ps in f.pairs if (a, b) in ps
+            }
+            for f in factors
+        }
+    return out
 
 
 # -- classification from the argument forms -------------------------------------------------
@@ -1057,6 +1105,17 @@ def classify_form(form, deps, blocks: dict, site_blocks: dict) -> tuple:
             "other": "a Gaussian on a transformed space",
         }.get(spaces[off[0]], f"a {spaces[off[0]].capitalize()}")
         reason = f"affine in '{off[0]}', whose block is {space}"
+    elif fm.as_bilinear(form) is not None and set(spaces.values()) == {"affine"}:
+        bil = fm.as_bilinear(form)
+        left = {atoms[x][0] for x in bil.left if x in atoms}
+        right = {atoms[x][0] for x in bil.right if x in atoms}
+        if left & right:
+            reason = "a product of latents fitted in one block"
+        elif bil.mixes:
+            reason = "a contraction of products of latents (e.g. X @ C.T)"
+        elif left and right:
+            pairs = tuple(sorted((a, b) for a in left for b in right))
+            return decided(mom.BilinearGaussian.kind, pairs=pairs)
     elif isinstance(form, fm.Linked) and form.link == "exp" and set(spaces.values()) == {"affine"} and gathered(False):
         return decided(mom.ExpGaussian.kind)  # exp of an affine Gaussian: log-normal
     elif isinstance(form, fm.LogPower | fm.LogProduct) and set(spaces.values()) == {"exp"}:

@@ -10,6 +10,8 @@ class                          argument is …
 ============================  =======================================================
 :class:`Const`                 a fixed array (data, or an enumerated discrete value)
 :class:`AffineGaussian`        affine in one or more Gaussian blocks
+:class:`BilinearGaussian`      a product of affine forms of different Gaussian blocks
+                               (``w * x``), plus an affine form
 :class:`ExpGaussian`           exp of an affine Gaussian (c · σ^a with σ a Gaussian
                                block on log space: a scale fitted log-normal)
 :class:`PowerGamma`            c · τ^a with τ a Gamma block (possibly indexed)
@@ -47,7 +49,7 @@ import numpy as np
 from jax.scipy.special import digamma, gammaln
 
 #: the kinds a compiler may assign to an argument; rules declare which they support
-KINDS = ("const", "affine_gaussian", "exp_gaussian", "power_gamma", "beta", "dirichlet")
+KINDS = ("const", "affine_gaussian", "bilinear_gaussian", "exp_gaussian", "power_gamma", "beta", "dirichlet")
 
 
 class Const(NamedTuple):
@@ -91,7 +93,7 @@ class Const(NamedTuple):
     def __add__(self, other):
         if isinstance(other, Const):
             return Const(self.value + other.value)
-        if isinstance(other, AffineGaussian):
+        if isinstance(other, AffineGaussian | BilinearGaussian):
             return other + self
         return Const(self.value + other)
 
@@ -106,7 +108,7 @@ class Const(NamedTuple):
     def __mul__(self, other):
         if isinstance(other, Const):
             return Const(self.value * other.value)
-        if isinstance(other, AffineGaussian):
+        if isinstance(other, AffineGaussian | BilinearGaussian):
             return other * self
         return Const(self.value * other)
 
@@ -166,6 +168,8 @@ class AffineGaussian(NamedTuple):
         return 0.5 * (total + jnp.swapaxes(total, -1, -2))
 
     def _combine(self, other, sign):
+        if isinstance(other, BilinearGaussian):
+            return other * sign + self
         if isinstance(other, AffineGaussian):
             shape = jnp.broadcast_shapes(self.shape, other.shape)
             left, right = [], []
@@ -217,6 +221,86 @@ class AffineGaussian(NamedTuple):
     def expect_pow(self, k):
         if k == 1:
             return self.mean_value
+        if k == 2:
+            return self.mean_square()
+        raise NotImplementedError
+
+
+class BilinearGaussian(NamedTuple):
+    """x = f(w_A, w_B) + g(w) with f bilinear in two independent Gaussian blocks (or groups
+    of blocks) A and B and g affine: ``w * x``, ``phi * (h_prev - mu) + mu``.
+
+    With d_A = w_A − m_A, d_B = w_B − m_B, x − E[x] = f(d_A, m_B) + f(m_A, d_B) + g(d) +
+    f(d_A, d_B): the first three terms are the linearisation of x at the means (an
+    :class:`AffineGaussian`, ``linear``), and the last is uncorrelated with them and with
+    every affine form (its odd moments vanish), so
+
+        E[x] = f(m_A, m_B) + g(m),    Var[x] = Var[linear] + E[f(d_A, d_B)²],
+
+    ``extra`` = E[f(d_A, d_B)²] = tr(Jᵀ Σ_A J Σ_B) per element (summed over the pairs of
+    blocks). Both are linear in each block's expectation parameters given the others', so a
+    Normal density of x has exact, conjugate messages to each block (variational message
+    passing for factor models, Winn & Bishop 2005).
+
+    Attributes:
+        linear: the linearisation at the means.
+        extra: E[f(d_A, d_B)²], the shape of x.
+    """
+
+    linear: AffineGaussian
+    extra: jax.Array
+    kind = "bilinear_gaussian"
+    __array_ufunc__ = None
+
+    @property
+    def shape(self):
+        return self.linear.shape
+
+    def mean(self):
+        return self.linear.mean()
+
+    def var(self):
+        return self.linear.var() + self.extra
+
+    def mean_square(self):
+        return jnp.square(self.mean()) + self.var()
+
+    def _combine(self, other, sign):
+        if isinstance(other, BilinearGaussian):
+            raise NotImplementedError("the sum of two products of Gaussian arguments")
+        return BilinearGaussian(self.linear._combine(other, sign), self.extra)
+
+    def __add__(self, other):
+        return self._combine(other, 1.0)
+
+    __radd__ = __add__
+
+    def __sub__(self, other):
+        return self._combine(other, -1.0)
+
+    def __rsub__(self, other):
+        return (-self) + other
+
+    def __neg__(self):
+        return self * -1.0
+
+    def __mul__(self, other):
+        if isinstance(other, AffineGaussian | BilinearGaussian):
+            raise NotImplementedError("the product of a bilinear argument with a Gaussian one")
+        c = other.value if isinstance(other, Const) else other
+        return BilinearGaussian(self.linear * c, self.extra * jnp.square(c))
+
+    __rmul__ = __mul__
+
+    def expect_log(self):
+        raise NotImplementedError
+
+    def expect_log1m(self):
+        raise NotImplementedError
+
+    def expect_pow(self, k):
+        if k == 1:
+            return self.mean()
         if k == 2:
             return self.mean_square()
         raise NotImplementedError

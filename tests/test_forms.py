@@ -66,6 +66,14 @@ TABLE = [
     ("softplus", lambda x, d: jax.nn.softplus(x["w"]), fm.Opaque("'softplus' of a latent")),
     ("tanh", lambda x, d: jnp.tanh(x["w"]), fm.Opaque("'tanh' of a latent")),
     ("product of latents", lambda x, d: x["w"] @ x["w"], fm.Opaque("a product of latents")),
+    # products of affine forms of different sites: bilinear (w * x), with an affine offset
+    # (two sites' first powers: a Product, read as bilinear where both are Gaussian)
+    ("product of two sites", lambda x, d: x["w"][:3] * x["a"][d[1][:3]], fm.Product(S({("w", 1.0), ("a", 1.0)}))),
+    ("product plus offset", lambda x, d: x["s"] * (x["w"] - x["a"][0]) + x["a"][0], fm.Bilinear(S({"s"}), S({"w", "a"}), S({"a"}))),
+    ("negated product", lambda x, d: -(x["w"][:3] * x["a"][:3]), fm.Bilinear(S({"a"}), S({"w"}))),
+    ("contraction of two sites", lambda x, d: x["w"][:3] @ x["a"][:3], fm.Bilinear(S({"w"}), S({"a"}), mixes=True)),
+    ("outer product", lambda x, d: x["w"][:, None] * x["a"][None, :], fm.Product(S({("w", 1.0), ("a", 1.0)}))),
+    ("outer product plus offset", lambda x, d: x["w"][:, None] * x["a"][None, :] + x["s"], fm.Bilinear(S({"a"}), S({"w"}), S({"s"}))),
     ("latent choice", lambda x, d: jnp.where(x["w"] > 0, x["w"], 0.0), fm.Opaque("a choice that depends on a latent's value")),
     ("latent index", lambda x, d: x["a"][jnp.argmax(x["w"])], fm.Opaque("an index computed from a latent (dynamic_slice)")),
     ("sum with a power", lambda x, d: x["tau"] ** 2 + 1.0, fm.Opaque("a sum of a latent's power or link with other terms")),
@@ -76,6 +84,12 @@ TABLE = [
 def test_form_of_expression(name, fn, expected):
     _, forms, _ = output_forms(lambda x, d: {"out": fn(x, d)}, SITES, INPUT_FORMS, (X, G))
     assert forms["out"] == expected
+
+
+def test_product_of_two_first_powers_is_bilinear():
+    assert fm.as_bilinear(fm.Product(S({("w", 1.0), ("a", 1.0)}))) == fm.Bilinear(S({"a"}), S({"w"}))
+    assert fm.as_bilinear(fm.Product(S({("w", 1.0), ("a", 2.0)}))) is None  # (w · a²: not bilinear)
+    assert fm.as_bilinear(fm.Affine(S({"w"}))) is None
 
 
 def test_dependencies_come_from_the_same_jaxpr():

@@ -22,7 +22,7 @@ import pytest
 from jax.scipy.special import digamma, gammaln
 from scipy import special, stats
 
-from blrppl.moments import KINDS, AffineGaussian, BetaIdentity, Const, DirichletIdentity, ExpGaussian, PowerGamma
+from blrppl.moments import KINDS, AffineGaussian, BetaIdentity, BilinearGaussian, Const, DirichletIdentity, ExpGaussian, PowerGamma
 from blrppl.rules import find_rule, registered_rules
 
 LOG_2PI = math.log(2.0 * math.pi)
@@ -51,10 +51,11 @@ def spd(seed, k):
 
 C, G, PG, B, D = "const", "affine_gaussian", "power_gamma", "beta", "dirichlet"
 EG = "exp_gaussian"
+BG = "bilinear_gaussian"
 
 #: (kinds per argument, event_ndim) as specified for every rule
 DECLARED = {
-    dist.Normal: ({"value": {C, G}, "loc": {C, G}, "scale": {C, PG, EG}}, 0),
+    dist.Normal: ({"value": {C, G}, "loc": {C, G, BG}, "scale": {C, PG, EG}}, 0),
     dist.MultivariateNormal: ({"value": {C, G}, "loc": {C, G}, "scale_tril": {C}}, 1),
     dist.HalfNormal: ({"value": {C, PG, EG}, "scale": {C, PG, EG}}, 0),
     dist.Gamma: ({"value": {C, PG, EG}, "concentration": {C}, "rate": {C, PG}}, 0),
@@ -622,6 +623,23 @@ def test_normal_scalar_value_by_hand():
     out = expected_log_prob(dist.Normal, Const(1.3), loc=scalar_gaussian(0.2, 0.5), scale=Const(0.7))
     expected = -0.5 * LOG_2PI - math.log(0.7) - 0.5 * 1.71 / 0.49
     np.testing.assert_allclose(out, expected, rtol=1e-12)
+
+
+def test_normal_bilinear_loc_by_hand():
+    """loc = w·x with w ~ N(1, 0.5), x ~ N(2, 0.25) independent blocks: E[loc] = 2,
+    E[loc²] = E[w²] E[x²] = 1.5 · 4.25 = 6.375; x = 1.3, σ = 0.7:
+    E[(x − loc)²] = 1.3² − 2 · 1.3 · 2 + 6.375 = 2.865. The linearisation holds
+    Var = 2² · 0.5 + 1² · 0.25 = 2.25 and the product of the deviations 0.5 · 0.25."""
+    linear = AffineGaussian(2.0, (jnp.ones((1,)) * 2.0, jnp.ones((1,))), (jnp.ones((1,)) * 2.0 * 0.5, jnp.ones((1,)) * 0.25))
+    loc = BilinearGaussian(linear, jnp.asarray(0.5 * 0.25))
+    np.testing.assert_allclose(loc.var(), 2.375, rtol=1e-12)
+    out = expected_log_prob(dist.Normal, Const(1.3), loc=loc, scale=Const(0.7))
+    expected = -0.5 * LOG_2PI - math.log(0.7) - 0.5 * 2.865 / 0.49
+    np.testing.assert_allclose(out, expected, rtol=1e-12)
+    # and with an affine value sharing w's block: x = w, E[(w − w·x)²] = E[w²] E[(1 − x)²] = 1.5 · 1.25
+    value = AffineGaussian(1.0, (jnp.ones((1,)), None), (0.5 * jnp.ones((1,)), None))
+    out = expected_log_prob(dist.Normal, value, loc=loc, scale=Const(1.0))
+    np.testing.assert_allclose(out, -0.5 * LOG_2PI - 0.5 * 1.5 * 1.25, rtol=1e-12)
 
 
 @pytest.mark.parametrize("sigma", [0.7, 2.0])

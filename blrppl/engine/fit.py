@@ -497,6 +497,14 @@ def _prepare_locked(model, args, kwargs, options, rng_key, prior, init_values, s
             raise BLRError(f"init value given for '{name}', which is not a latent site", site=name)
         site_values[name] = _checked_init_value(init_records[name], value)
     block_values = _block_init_values({b.name: b.full for b in plan.blocks}, site_values, unconstrained)
+    # blocks multiplied by others (``w * x``) start off the symmetric saddle where all their
+    # means are zero (a fixed point of the coordinate steps), as the discrete blocks start
+    # from random responsibilities; a value the user gave is kept
+    given = set(init_values or {})
+    for n in sorted({n for f in plan.factors for _, pairs in f.pairs for pair in pairs for n in pair}):
+        if not set(plan.block(n).sites) & given:
+            x = np.asarray(block_values[n])
+            block_values[n] = x + rng.normal(size=x.shape).astype(x.dtype)
     probs0 = {
         b.name: rng.dirichlet(np.ones(len(b.support_values)), size=b.full.value_shape)
         for b in plan.blocks

@@ -293,6 +293,11 @@ def compile_model(
         n for f in factors if f.rule is not None and f.rule.event_ndim
         for a, k in f.arg_kinds if k == mom.ExpGaussian.kind for n in dict(f.arg_blocks)[a]
     }
+    # the blocks a product multiplies (``w * x``) stay apart: joined, the product would be
+    # quadratic in one block (no closed form); apart, each is a conjugate coordinate step
+    # (variational message passing)
+    if structure != "joint":
+        apart |= {n for f in factors for _, pairs in f.pairs for pair in pairs for n in pair}
 
     def joinable(n, b):
         # a site the user gave a family keeps its own block, unless structure="joint" asks
@@ -1217,6 +1222,7 @@ def _factors(records, rules, blocks, nbrs, classes, exact, candidates, quad_clas
         rule = rules[name]
         neighbours, discrete = nbrs[name]
         gauss = [n for n in neighbours if blocks[n].family.gaussian]
+        pairs = []
         if exact[name]:
             kinds, arg_blocks, full = [], [], set()
             powers = []
@@ -1227,6 +1233,8 @@ def _factors(records, rules, blocks, nbrs, classes, exact, candidates, quad_clas
                 full.update(cls.full)
                 if cls.kind == mom.PowerGamma.kind:
                     powers.append((arg, cls.power))
+                if cls.kind == mom.BilinearGaussian.kind:
+                    pairs.append((arg, cls.pairs))
             columns = tuple((n, "full" if n in full else "gather") for n in gauss)
             estimator, links = "exact", ()
         elif all(blocks[n].point for n in neighbours if n not in discrete):
@@ -1279,6 +1287,7 @@ def _factors(records, rules, blocks, nbrs, classes, exact, candidates, quad_clas
                 reinterpreted_ndim=r.reinterpreted_ndim,
                 links=tuple(links),
                 powers=tuple(powers),
+                pairs=tuple(pairs),
                 why=why,
             )
         )

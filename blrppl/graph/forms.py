@@ -123,13 +123,26 @@ class Logit:
 
 
 @dataclasses.dataclass(frozen=True)
+class Bilinear:
+    """u(x_left) · v(x_right) + w(x_affine) elementwise (or summed over such products with
+    ``mixes``): u, v, w affine with constant coefficients, the sites of u and of v disjoint
+    (``w * x``, ``phi * (h_prev - mu) + mu``, ``a[i] * b[j]``, ``X @ C.T``). Affine in the
+    left sites given the right ones and the other way round."""
+
+    left: frozenset
+    right: frozenset
+    affine: frozenset = frozenset()
+    mixes: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
 class Opaque:
     """Anything else; ``reason`` names what made it so."""
 
     reason: str
 
 
-Form = Const | Affine | Power | Product | Choice | LogPower | LogProduct | Logit | Linked | Opaque
+Form = Const | Affine | Power | Product | Choice | LogPower | LogProduct | Logit | Linked | Bilinear | Opaque
 
 #: primitives that pass each element through unchanged in value (layout only)
 _LAYOUT = frozenset({
@@ -152,6 +165,8 @@ def sites_of(form) -> frozenset:
         return frozenset(site for site, _ in form.terms)
     if isinstance(form, Power | LogPower | Logit):
         return frozenset([form.site])
+    if isinstance(form, Bilinear):
+        return form.left | form.right | form.affine
     return frozenset()
 
 
@@ -171,6 +186,21 @@ def _as_affine(form):
     if isinstance(form, Choice) and all(a == 1.0 for _, a in form.terms):
         return Affine(sites_of(form), form.mixes)
     return None
+
+
+def as_bilinear(form):
+    """A form as a :class:`Bilinear` one, if it is: the product of the first powers of two
+    different sites (``w * x``, a :class:`Product` as the lattice first finds it) is."""
+    if isinstance(form, Bilinear):
+        return form
+    if isinstance(form, Product) and len(form.terms) == 2 and all(a == 1.0 for _, a in form.terms):
+        (x, _), (y, _) = sorted(form.terms)
+        return Bilinear(frozenset([x]), frozenset([y]), frozenset(), form.mixes)
+    return None
+
+
+def _same_pairing(a: Bilinear, b: Bilinear) -> bool:
+    return {a.left, a.right} == {b.left, b.right}
 
 
 def first_powers(form) -> bool:
@@ -234,7 +264,28 @@ def join(a, b):
     la, lb = _log_sites(a), _log_sites(b)
     if la is not None and lb is not None:
         return LogProduct(la | lb, mixes(a) or mixes(b))
+    joined = _bilinear_sum(a, b, mixing=False)
+    if joined is not None:
+        return joined
     return Opaque("elements of different forms in one array")
+
+
+def _bilinear_sum(a, b, mixing: bool):
+    """The bilinear form of a + b (or of an array holding both, ``mixing`` False), or None."""
+    ba, bb = as_bilinear(a), as_bilinear(b)
+    if ba is None and bb is None:
+        return None
+    if ba is None:
+        a, b, ba, bb = b, a, bb, ba
+    if bb is None:
+        f = _as_affine(b)
+        if f is None:
+            return None
+        return Bilinear(ba.left, ba.right, ba.affine | f.sites, ba.mixes or f.mixes)
+    if not _same_pairing(ba, bb):
+        return None
+    right = ba.right if bb.left == ba.left else ba.left
+    return Bilinear(ba.left, right, ba.affine | bb.affine, ba.mixes or bb.mixes or mixing)
 
 
 def _scalar(x):
@@ -266,6 +317,10 @@ def _add(a, b, sign):
     for f in (a, b):
         if isinstance(f, Opaque):
             return f
+    # (two products summed may read different elements: x[0] c[0] + x[1] c[1])
+    summed = _bilinear_sum(a, b, mixing=True)
+    if summed is not None:
+        return summed
     return Opaque("a sum of a latent's power or link with other terms")
 
 
@@ -282,7 +337,7 @@ def _mul(a, b):
         a, b = b, a
     if isinstance(b, Const):
         one = b.value == 1.0
-        if isinstance(a, Affine):
+        if isinstance(a, Affine | Bilinear):
             return a
         if isinstance(a, Power):
             return Power(a.site, a.power, a.unit and one, a.mixes)
@@ -302,6 +357,9 @@ def _mul(a, b):
         terms = {k: ta.get(k, 0.0) + tb.get(k, 0.0) for k in ta.keys() | tb.keys()}
         unit = getattr(a, "unit", False) and getattr(b, "unit", False)
         return _monomial(terms, unit, mixes(a) or mixes(b) or bool(ta.keys() & tb.keys()))
+    fa, fb = _as_affine(a), _as_affine(b)
+    if fa is not None and fb is not None and not fa.sites & fb.sites:
+        return Bilinear(fa.sites, fb.sites, frozenset(), fa.mixes or fb.mixes)
     return Opaque("a product of latents")
 
 
@@ -374,6 +432,9 @@ def _reduce_sum(a, eqn):
     f = _as_affine(a)
     if f is not None:
         return Affine(f.sites, True)
+    bil = as_bilinear(a)
+    if bil is not None:
+        return dataclasses.replace(bil, mixes=True)
     return a if isinstance(a, Opaque) else Opaque("a sum over a latent's powers")
 
 
@@ -381,6 +442,11 @@ def _dot_general(a, b, eqn):
     if isinstance(a, Const) and isinstance(b, Const):
         return Const()
     if not isinstance(a, Const) and not isinstance(b, Const):
+        fa, fb = _as_affine(a), _as_affine(b)
+        if fa is not None and fb is not None and not fa.sites & fb.sites:
+            (contract_a, _), _ = eqn.params["dimension_numbers"]
+            size = math.prod(eqn.invars[0].aval.shape[i] for i in contract_a)
+            return Bilinear(fa.sites, fb.sites, frozenset(), fa.mixes or fb.mixes or size > 1)
         return a if isinstance(a, Opaque) else (b if isinstance(b, Opaque) else Opaque("a product of latents"))
     (contract_a, contract_b), _ = eqn.params["dimension_numbers"]
     side = 0 if not isinstance(a, Const) else 1
@@ -508,6 +574,8 @@ class _Interpreter:
                 return _as_affine(a)
             if isinstance(a, Const | Affine | LogPower | LogProduct):
                 return _mul(a, Const(-1.0))
+            if as_bilinear(a) is not None:
+                return as_bilinear(a)
             return a if isinstance(a, Opaque) else Opaque("a negated power or link of a latent")
         if name == "mul":
             return _mul(ins[0], ins[1])
@@ -676,6 +744,8 @@ def why_not_exact(form) -> str:
         return "a choice between latents' powers"
     if isinstance(form, LogProduct):
         return "a sum of latents' logs"
+    if isinstance(form, Bilinear):
+        return "a contraction of products of latents" if form.mixes else "a product of latents"
     return ""
 
 
@@ -691,4 +761,6 @@ def describe_form(form) -> str:
         return f"log-power({form.site}, {form.power:g})"
     if isinstance(form, Linked):
         return f"{form.link}(affine)"
+    if isinstance(form, Bilinear):
+        return "bilinear" + ("(mixing)" if form.mixes else "")
     return f"opaque: {form.reason}"

@@ -320,6 +320,8 @@ class Factor:
             scalar projection η = g⁻¹(leaf) integrated over.
         powers: for exact factors, ``(argument, a)`` of every argument that is c·τ^a in a
             Gamma block (a is None when it differs between elements).
+        pairs: for exact factors, ``(argument, ((A, B), ...))`` of every argument that is a
+            product of affine forms of the Gaussian blocks A and B (``bilinear_gaussian``).
         subsampled: names of the subsampled plates the factor sits in (its minibatch
             terms carry the weight N/M, applied by numpyro's plate as the site's scale).
         gram_block: for an exact Normal factor linear in one large dense Gaussian block,
@@ -348,6 +350,7 @@ class Factor:
     reinterpreted_ndim: int
     links: tuple = ()
     powers: tuple = ()
+    pairs: tuple = ()
     subsampled: tuple = ()
     gram_block: str = ""
     why: str = ""

@@ -12,7 +12,7 @@ from blrppl.rules.registry import register_rule
     dist.Normal,
     kinds={
         "value": ("const", "affine_gaussian"),
-        "loc": ("const", "affine_gaussian"),
+        "loc": ("const", "affine_gaussian", "bilinear_gaussian"),
         "scale": ("const", "power_gamma", "exp_gaussian"),
     },
     conjugate_powers={"scale": (-0.5,)},
@@ -25,7 +25,10 @@ def normal_expected_log_prob(value, loc, scale):
 
     with E[(x − loc)²] = (E[x] − E[loc])² + Var[x − loc] computed on the difference
     object, so that x and loc may depend on the same Gaussian block (their covariance
-    enters). σ is independent of x and loc (it is a Gamma block or a constant).
+    enters). σ is independent of x and loc (it is a Gamma block or a constant). A bilinear
+    loc (``w * x``: a product of affine forms of two blocks) adds E[f(d_A, d_B)²] to the
+    variance (:class:`blrppl.moments.BilinearGaussian`): L stays quadratic in each block
+    given the other, the variational message passing update of factor models.
 
     Messages λ̃ = ∇_μ L (natural parameters):
 
@@ -37,7 +40,7 @@ def normal_expected_log_prob(value, loc, scale):
 
     Args:
         value: x, const or affine_gaussian.
-        loc: const or affine_gaussian.
+        loc: const, affine_gaussian or bilinear_gaussian.
         scale: σ, const, power_gamma or exp_gaussian.
 
     Returns:
