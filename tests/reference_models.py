@@ -77,6 +77,7 @@ DATA_SEEDS = {
     "prior_mixture": None,  # no data
     "random_walk": 20240508,
     "stochastic_volatility": 20240509,
+    "item_response": 20240510,
 }
 
 
@@ -224,6 +225,37 @@ def random_walk_model(y, seen):
         numpyro.sample("y", dist.Normal(x, r).mask(seen), obs=y)
 
 
+def item_response_model(student, question, correct=None):
+    """Rasch model: P(correct) = σ(μ + θ_student − β_question), 400 students, 100 questions."""
+    mu = numpyro.sample("mu", dist.Normal(0.0, 2.0))
+    with numpyro.plate("students", ITEM_RESPONSE_SIZES[0]):
+        theta = numpyro.sample("theta", dist.Normal(0.0, 1.0))
+    with numpyro.plate("questions", ITEM_RESPONSE_SIZES[1]):
+        beta = numpyro.sample("beta", dist.Normal(0.0, 1.0))
+    with numpyro.plate("answers", student.shape[0]):
+        numpyro.sample("correct", dist.Bernoulli(logits=mu + theta[student] - beta[question]), obs=correct)
+
+
+#: (students, questions, answers)
+ITEM_RESPONSE_SIZES = (400, 100, 30_000)
+
+
+def item_response_centred_model(student, question, correct=None):
+    """The Rasch model with the mean moved into the difficulties (β' = β − μ ~ Normal(−μ, 1),
+    a shift with Jacobian 1): the same posterior over (μ, θ, β), which NUTS mixes far better.
+    In the model as written μ is nearly determined by the mean difficulty (μ − mean β is
+    what the answers tell), so μ and the β's common shift mix slowly (min ESS 86 of 2,000
+    draws in a short run, 294 of 20,000 with the mean moved into the abilities instead)."""
+    mu = numpyro.sample("mu", dist.Normal(0.0, 2.0))
+    with numpyro.plate("students", ITEM_RESPONSE_SIZES[0]):
+        theta = numpyro.sample("theta", dist.Normal(0.0, 1.0))
+    with numpyro.plate("questions", ITEM_RESPONSE_SIZES[1]):
+        shifted = numpyro.sample("beta_shifted", dist.Normal(-mu, 1.0))
+    numpyro.deterministic("beta", shifted + mu)
+    with numpyro.plate("answers", student.shape[0]):
+        numpyro.sample("correct", dist.Bernoulli(logits=theta[student] - shifted[question]), obs=correct)
+
+
 SV_PERSISTENCE = 0.95
 
 
@@ -361,6 +393,20 @@ def stochastic_volatility_data(seed=DATA_SEEDS["stochastic_volatility"]):
     return {"y": np.exp(h / 2.0) * rng.normal(size=T)}
 
 
+def item_response_data(seed=DATA_SEEDS["item_response"]):
+    rng = np.random.default_rng(seed)
+    num_students, num_questions, num_answers = ITEM_RESPONSE_SIZES
+    theta, beta = rng.normal(size=num_students), rng.normal(size=num_questions)
+    pair = rng.choice(num_students * num_questions, num_answers, replace=False)
+    student, question = pair // num_questions, pair % num_questions
+    p = 1.0 / (1.0 + np.exp(-(0.5 + theta[student] - beta[question])))
+    return {
+        "student": student.astype(np.int32),
+        "question": question.astype(np.int32),
+        "correct": (rng.random(num_answers) < p).astype(float),
+    }
+
+
 def prior_mixture_data():
     return {}
 
@@ -377,6 +423,7 @@ MODELS = {
     "glmm_admissions": (glmm_admissions_model, glmm_admissions_data),
     "random_walk": (random_walk_model, random_walk_data),
     "stochastic_volatility": (stochastic_volatility_model, stochastic_volatility_data),
+    "item_response": (item_response_model, item_response_data),
 }
 
 #: name → (model, data function) of models whose reference is not a NUTS run of the model
@@ -392,6 +439,7 @@ DIAGNOSTIC_MODELS = {
 #: posterior over the stored sites (the continuous latents of the model the tests fit)
 NUTS_MODELS = {
     "horseshoe": horseshoe_noncentred_model,
+    "item_response": item_response_centred_model,
     "coupled_discrete": coupled_discrete_marginal_model,
 }
 

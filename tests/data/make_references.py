@@ -68,6 +68,7 @@ NUTS_SEEDS = {
     "coupled_discrete": 109,
     "random_walk": 110,
     "stochastic_volatility": 111,
+    "item_response": 112,
 }
 #: per-model overrides of the NUTS settings above
 NUTS_SETTINGS = {
@@ -78,6 +79,8 @@ NUTS_SETTINGS = {
     # the step scale s mixes slowly against the 600 states (ESS ≈ 5 % of the draws)
     "random_walk": {"num_warmup": 3000, "num_samples": 30000},
     "stochastic_volatility": {"num_warmup": 2000, "num_samples": 15000},
+    # (sampled as rm.item_response_centred_model; the global mean still mixes at ESS ≈ 22 % of the draws)
+    "item_response": {"num_samples": 7000},
 }
 #: per model, sites whose posterior has no finite variance (their stored sd does not converge);
 #: the log moments of the model's positive sites are stored as well (``log_params``)
