@@ -115,6 +115,25 @@ class Const(NamedTuple):
     __rmul__ = __mul__
 
 
+def _operators_from_combine():
+    """``+``, ``-`` and unary ``-`` of a moment class from its ``_combine(other, sign)`` and
+    ``*`` (NamedTuple classes take no mixins)."""
+
+    def add(self, other):
+        return self._combine(other, 1.0)
+
+    def sub(self, other):
+        return self._combine(other, -1.0)
+
+    def rsub(self, other):
+        return (-self) + other
+
+    def neg(self):
+        return self * -1.0
+
+    return add, add, sub, rsub, neg
+
+
 class AffineGaussian(NamedTuple):
     """x = mean + Σ_b J_b (w_b − m_b) with w_b ~ N(m_b, Σ_b) independent Gaussian blocks.
 
@@ -187,19 +206,7 @@ class AffineGaussian(NamedTuple):
         value = other.value if isinstance(other, Const) else other
         return AffineGaussian(self.mean_value + sign * value, self.left, self.right)
 
-    def __add__(self, other):
-        return self._combine(other, 1.0)
-
-    __radd__ = __add__
-
-    def __sub__(self, other):
-        return self._combine(other, -1.0)
-
-    def __rsub__(self, other):
-        return (-self) + other
-
-    def __neg__(self):
-        return self * -1.0
+    __add__, __radd__, __sub__, __rsub__, __neg__ = _operators_from_combine()
 
     def __mul__(self, other):
         c = other.value if isinstance(other, Const) else other
@@ -270,19 +277,7 @@ class BilinearGaussian(NamedTuple):
             raise NotImplementedError("the sum of two products of Gaussian arguments")
         return BilinearGaussian(self.linear._combine(other, sign), self.extra)
 
-    def __add__(self, other):
-        return self._combine(other, 1.0)
-
-    __radd__ = __add__
-
-    def __sub__(self, other):
-        return self._combine(other, -1.0)
-
-    def __rsub__(self, other):
-        return (-self) + other
-
-    def __neg__(self):
-        return self * -1.0
+    __add__, __radd__, __sub__, __rsub__, __neg__ = _operators_from_combine()
 
     def __mul__(self, other):
         if isinstance(other, AffineGaussian | BilinearGaussian):
