@@ -357,7 +357,9 @@ def compile_model(
     if structure is None and arrowhead and not chains and not merge:
         every = [n for n, b in {**blocks, **dense}.items() if joinable(n, b)]
         total = sum(blocks[n].size for n in every)
-        if len(every) > 1 and total > JOINT_MAX_DIM:
+        # (locals are plate elements: a member without a plate is read whole, e.g. a
+        # regression's coefficient vector, and no probe is compiled for such models)
+        if len(every) > 1 and total > JOINT_MAX_DIM and any(blocks[n].batch_shape for n in every):
             trial = _merge_joint({**blocks, **dense}, every)
             joint = next(n for n, b in trial.items() if b.members and not b.discrete)
             trial_fns = ModelFunctions(
@@ -367,8 +369,9 @@ def compile_model(
             offsets = np.cumsum([0] + [m.size for m in trial[joint].members])
             spans = {m.name: (int(lo), int(hi)) for m, lo, hi in zip(trial[joint].members, offsets[:-1], offsets[1:])}
             site_block = {m: joint for m in trial[joint].sites}
+            plated = {m: span for m, span in spans.items() if blocks[m].batch_shape}
             local = arrowhead_locals(
-                joint, trial, factors, trial_fns, data, np.random.default_rng(0), spans, site_block
+                joint, trial, factors, trial_fns, data, np.random.default_rng(0), plated, site_block
             )
             if local and total - sum(spans[m][1] - spans[m][0] for m in local) <= JOINT_MAX_DIM:
                 arrow = tuple(spans[m] for m in every if m not in local)
