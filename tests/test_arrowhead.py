@@ -137,7 +137,7 @@ def test_pairwise_comparisons_are_no_arrowhead():
 
 # -- non-conjugate: the arrowhead holds the dense Gaussian's optimum -------------------------
 
-COUNTIES, VISITS = 60, 500
+COUNTIES, VISITS = 30, 300
 
 
 def counts_model(county, x, counts=None):
@@ -153,7 +153,7 @@ def counts_model(county, x, counts=None):
 def test_poisson_group_effects_reach_the_dense_optimum(monkeypatch):
     """Every exact message of these factors lies in the arrowhead pattern, so the arrowhead
     family holds the dense Gaussian's fixed point: both fits (the dense limit lowered to
-    50 scalars so that the small model gets an arrowhead) agree to their convergence
+    25 scalars so that the small model gets an arrowhead) agree to their convergence
     tolerance."""
     from blrppl.graph import compile as compile_mod
 
@@ -161,7 +161,7 @@ def test_poisson_group_effects_reach_the_dense_optimum(monkeypatch):
     county, x = rng.integers(0, COUNTIES, VISITS), rng.normal(size=VISITS)
     counts = rng.poisson(np.exp(0.3 + 0.5 * rng.normal(size=COUNTIES)[county] + 0.4 * x))
     data = {"county": county, "x": x, "counts": counts}
-    monkeypatch.setattr(compile_mod, "JOINT_MAX_DIM", 50)
+    monkeypatch.setattr(compile_mod, "JOINT_MAX_DIM", 25)
     fits = {
         s: blr_fit(counts_model, data, rng_key=random.PRNGKey(0), structure=s, tol=1e-30, num_steps=300, progress_bar=False)
         for s in (None, "joint")
