@@ -134,6 +134,26 @@ def _operators_from_combine():
     return add, add, sub, rsub, neg
 
 
+def _gaussian_expectations():
+    """``expect_log``, ``expect_log1m`` and ``expect_pow`` of a moment class of a Gaussian
+    argument: only E[x] and E[x²] (``mean`` and ``mean_square``) are closed-form."""
+
+    def expect_log(self):
+        raise NotImplementedError
+
+    def expect_log1m(self):
+        raise NotImplementedError
+
+    def expect_pow(self, k):
+        if k == 1:
+            return self.mean()
+        if k == 2:
+            return self.mean_square()
+        raise NotImplementedError
+
+    return expect_log, expect_log1m, expect_pow
+
+
 class AffineGaussian(NamedTuple):
     """x = mean + Σ_b J_b (w_b − m_b) with w_b ~ N(m_b, Σ_b) independent Gaussian blocks.
 
@@ -219,18 +239,7 @@ class AffineGaussian(NamedTuple):
 
     __rmul__ = __mul__
 
-    def expect_log(self):
-        raise NotImplementedError
-
-    def expect_log1m(self):
-        raise NotImplementedError
-
-    def expect_pow(self, k):
-        if k == 1:
-            return self.mean_value
-        if k == 2:
-            return self.mean_square()
-        raise NotImplementedError
+    expect_log, expect_log1m, expect_pow = _gaussian_expectations()
 
 
 class BilinearGaussian(NamedTuple):
@@ -287,18 +296,7 @@ class BilinearGaussian(NamedTuple):
 
     __rmul__ = __mul__
 
-    def expect_log(self):
-        raise NotImplementedError
-
-    def expect_log1m(self):
-        raise NotImplementedError
-
-    def expect_pow(self, k):
-        if k == 1:
-            return self.mean()
-        if k == 2:
-            return self.mean_square()
-        raise NotImplementedError
+    expect_log, expect_log1m, expect_pow = _gaussian_expectations()
 
 
 def _moments_from_powers():
