@@ -227,13 +227,15 @@ def test_cli_writes_report_with_expected_columns(tmp_path, monkeypatch):
     out = tmp_path / "out"
     rc = cli.main([
         "--model", "beta_bernoulli", "--out", str(out), "--blr-steps", "5", "--svi-steps", "20",
-        "--nuts-warmup", "10", "--nuts-samples", "10", "--methods", "blr,svi_normal,nuts",
+        "--nuts-warmup", "10", "--nuts-samples", "10", "--methods", "blr,nuts",
     ])
     assert rc == 0
     text = (out / "benchmarks.md").read_text()
     header = "| " + " | ".join(report.COLUMNS) + " |"
     assert header in text
-    for method in ("blr", "svi_normal", "nuts"):
+    # (SVI is left out: its eager final ELBO and PSIS cost 17 s of op-by-op compiles here,
+    # and its rows are formatted by the same code as these)
+    for method in ("blr", "nuts"):
         assert f"| beta_bernoulli | {method} |" in text
     assert "| beta_bernoulli | exact | yes |" in text  # summary row: the exact Beta reference
     assert "## Scaling" not in text  # a single-model run skips the scaling study

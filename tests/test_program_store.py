@@ -4,6 +4,7 @@ arguments, other data values in the same shapes, or another model."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import jax
@@ -111,59 +112,63 @@ numpyro.enable_x64()
 from blrppl import blr_fit
 from blrppl.graph import program_store
 
-SITE = os.environ.get("SITE", "beta")
+def fit(site, prior_scale, data_seed, reference):
+    def model(X, y=None):
+        beta = numpyro.sample(site, dist.Normal(0.0, 1.0).expand([X.shape[1]]).to_event(1))
+        sigma = numpyro.sample("sigma", dist.HalfNormal(prior_scale))
+        with numpyro.plate("n", X.shape[0]):
+            numpyro.sample("y", dist.Normal(X @ beta, sigma), obs=y)
 
-def model(X, y=None):
-    beta = numpyro.sample(SITE, dist.Normal(0.0, 1.0).expand([X.shape[1]]).to_event(1))
-    prior_scale = float(os.environ["PRIOR_SCALE"])
-    sigma = numpyro.sample("sigma", dist.HalfNormal(prior_scale))
-    with numpyro.plate("n", X.shape[0]):
-        numpyro.sample("y", dist.Normal(X @ beta, sigma), obs=y)
+    rng = np.random.default_rng(data_seed)
+    X = rng.normal(size=(30, 3))
+    y = X @ np.array([1.0, -0.5, 0.25]) + 0.3 * rng.normal(size=30)
+    before = program_store.COUNTS.copy()
+    r = blr_fit(model, {"X": X, "y": y}, rng_key=random.PRNGKey(0), progress_bar=False)
+    out = {
+        "mean": np.asarray(r.posterior[site].mean).tolist(),
+        "sd": np.sqrt(np.diag(np.asarray(r.posterior[site].covariance_matrix))).tolist(),
+        "elbo": np.asarray(r.elbo).tolist(),
+        "khat": r.diagnostics.khat,
+        "loaded": program_store.COUNTS["loaded"] - before["loaded"],
+        "stored": program_store.COUNTS["stored"] - before["stored"],
+        "compilations": r.compile_counts.xla_compilations,
+    }
+    if reference:  # the same fit compiled here, without the store
+        os.environ["BLRPPL_COMPILATION_CACHE"] = "0"
+        def model2(X, y=None):  # (a new function: not in the compiled-fit cache either)
+            model(X, y)
+        ref = blr_fit(model2, {"X": X, "y": y}, rng_key=random.PRNGKey(0), progress_bar=False)
+        del os.environ["BLRPPL_COMPILATION_CACHE"]
+        out["reference"] = {"mean": np.asarray(ref.posterior[site].mean).tolist(), "elbo": np.asarray(ref.elbo).tolist()}
+    return out
 
-rng = np.random.default_rng(int(os.environ["DATA_SEED"]))
-X = rng.normal(size=(30, 3))
-y = X @ np.array([1.0, -0.5, 0.25]) + 0.3 * rng.normal(size=30)
-r = blr_fit(model, {"X": X, "y": y}, rng_key=random.PRNGKey(0), progress_bar=False)
-reference = None
-if os.environ.get("REFERENCE"):  # the same fit compiled here, without the store
-    os.environ["BLRPPL_COMPILATION_CACHE"] = "0"
-    def model2(X, y=None):  # (a new function: not in the compiled-fit cache either)
-        model(X, y)
-    reference = blr_fit(model2, {"X": X, "y": y}, rng_key=random.PRNGKey(0), progress_bar=False)
-    reference = {"mean": np.asarray(reference.posterior[SITE].mean).tolist(), "elbo": np.asarray(reference.elbo).tolist()}
-print("RESULT" + json.dumps({
-    "reference": reference,
-    "mean": np.asarray(r.posterior[SITE].mean).tolist(),
-    "sd": np.sqrt(np.diag(np.asarray(r.posterior[SITE].covariance_matrix))).tolist(),
-    "elbo": np.asarray(r.elbo).tolist(),
-    "khat": r.diagnostics.khat,
-    "loaded": program_store.COUNTS["loaded"],
-    "stored": program_store.COUNTS["stored"],
-    "compilations": r.compile_counts.xla_compilations,
-}))
+# each fit of the list in turn, in this one process
+print("RESULT" + json.dumps([fit(**f) for f in json.loads(os.environ["FITS"])]))
 """
 
 
-def _fit(cache, data_seed=0, prior_scale=1.0, **env_extra):
-    return run_in_new_process(CODE, cache, DATA_SEED=str(data_seed), PRIOR_SCALE=str(prior_scale), **env_extra)
+def _fits(cache, *fits):
+    """Fits in one new process, each a dict of ``site``, ``prior_scale``, ``data_seed``,
+    ``reference`` overriding the first fit's."""
+    default = {"site": "beta", "prior_scale": 1.0, "data_seed": 0, "reference": False}
+    return run_in_new_process(CODE, cache, FITS=json.dumps([{**default, **f} for f in fits]))
 
 
 def test_a_second_process_loads_the_fit_and_reuses_it_only_for_the_same_program(tmp_path):
-    first = _fit(tmp_path)
+    (first,) = _fits(tmp_path, {})
     assert first["loaded"] == 0 and first["stored"] >= 3  # model run, chunk, export (, diagnostics)
-    second = _fit(tmp_path)
+    # a second process: the same fit, then other data in the same shapes (the same programs,
+    # this data's posterior as computed without the store), another model program (a prior
+    # constant changed: nothing loaded), the same program with a site renamed (nothing
+    # loaded: the outputs are keyed by name)
+    second, other, changed, renamed = _fits(
+        tmp_path, {}, {"data_seed": 1, "reference": True}, {"prior_scale": 2.0}, {"site": "coef"}
+    )
     assert second["loaded"] == first["stored"] and second["stored"] == 0 and second["compilations"] == 0
     assert second["mean"] == first["mean"] and second["sd"] == first["sd"] and second["elbo"] == first["elbo"]
     assert second["khat"] == first["khat"]
-    # other data in the same shapes: the same programs, this data's posterior (as computed
-    # without the store)
-    other = _fit(tmp_path, data_seed=1, REFERENCE="1")
     assert other["loaded"] == first["stored"]
     assert other["mean"] == other["reference"]["mean"] and other["elbo"] == other["reference"]["elbo"]
     assert other["mean"] != first["mean"]
-    # another model program (a prior constant changed): nothing loaded
-    changed = _fit(tmp_path, prior_scale=2.0)
     assert changed["loaded"] == 0 and changed["stored"] >= 3
-    # the same program with a site renamed: nothing loaded (the outputs are keyed by name)
-    renamed = _fit(tmp_path, SITE="coef")
     assert renamed["loaded"] == 0 and renamed["mean"] == first["mean"]
