@@ -11,7 +11,18 @@ Public names:
 * the :class:`BLRError` hierarchy.
 """
 
-from blrppl import families
+import os as _os
+
+# XLA's CPU scheduler that runs independent operations concurrently can leave a compiled
+# program waiting forever with every thread idle (a probabilistic PCA fit hung in 5 of 6
+# runs on this project's CI machine, 0 of 8 without it). The option is read when JAX
+# creates its CPU client: set here, before any computation, unless the user chose it.
+if "xla_cpu_enable_concurrency_optimized_scheduler" not in _os.environ.get("XLA_FLAGS", ""):
+    _os.environ["XLA_FLAGS"] = (
+        _os.environ.get("XLA_FLAGS", "") + " --xla_cpu_enable_concurrency_optimized_scheduler=false"
+    ).strip()
+
+from blrppl import families  # noqa: E402
 from blrppl.api import blr_fit
 from blrppl.errors import (
     BLRError,
