@@ -548,6 +548,9 @@ class ArgumentClass:
         power: for ``power_gamma``, the exponent a when it is the same for every element.
         pairs: for ``bilinear_gaussian``, the (left, right) pairs of blocks whose product it
             holds (:class:`blrppl.moments.BilinearGaussian`).
+        gather: plated blocks whose plate elements the argument must not mix for the class
+            to hold (a contraction ``X @ C.T`` over the event axis of each row): a decision
+            of the forms that a probe confirms (:func:`gather_probe`).
     """
 
     kind: str
@@ -556,6 +559,7 @@ class ArgumentClass:
     reason: str = ""
     power: float | None = None
     pairs: tuple = ()
+    gather: tuple = ()
 
     @property
     def opaque(self) -> bool:
@@ -652,6 +656,30 @@ def too_many_columns(cls: "ArgumentClass", blocks: dict) -> "ArgumentClass":
         if b.size > MAX_FULL_COLUMNS and b.batch_shape and not b.family.banded:
             return ArgumentClass("opaque", cls.blocks, reason=f"mixes the elements of the large block '{n}'")
     return cls
+
+
+def gather_probe(fn, cls: ArgumentClass, blocks: dict, rng: np.random.Generator) -> ArgumentProbe:
+    """Confirm a class the forms decided up to the plates (:attr:`ArgumentClass.gather`):
+    along random sign patterns over a block's plate elements, the squared JVP of an argument
+    reading one plate element per output element does not change. A multiplied block
+    (``pairs``) whose elements mix makes the argument opaque; any other block is read
+    through its full covariance columns (``full``)."""
+    point = {n: random_point(blocks[n], rng) for n in cls.blocks}
+    signs = {n: _sign_tangents(blocks[n], rng, not blocks[n].family.dense_event) for n in cls.gather}
+
+    def compute(inputs, data):
+        return {n: _jvp_squares(fn, inputs["point"], n, s, data) for n, s in inputs["signs"].items()}
+
+    def decide(outputs) -> ArgumentClass:
+        mixed = sorted(n for n, sq in outputs.items() if not _gather_ok(sq))
+        multiplied = {n for pair in cls.pairs for n in pair}
+        bad = [n for n in mixed if n in multiplied]
+        if bad:
+            reason = f"a contraction of products of latents over the plate elements of '{bad[0]}'"
+            return ArgumentClass(OPAQUE, cls.blocks, reason=reason)
+        return dataclasses.replace(cls, gather=(), full=tuple(sorted(set(cls.full) | set(mixed))))
+
+    return ArgumentProbe(cls.kind, cls.blocks, {"point": point, "signs": signs}, compute, decide)
 
 
 def pairing_probe(fn, shared: dict, point: dict, blocks: dict, rng: np.random.Generator) -> ArgumentProbe:
@@ -1109,12 +1137,23 @@ def classify_form(form, deps, blocks: dict, site_blocks: dict) -> tuple:
         bil = fm.as_bilinear(form)
         left = {atoms[x][0] for x in bil.left if x in atoms}
         right = {atoms[x][0] for x in bil.right if x in atoms}
+        pairs = tuple(sorted((a, b) for a in left for b in right))
         if left & right:
             reason = "a product of latents fitted in one block"
-        elif bil.mixes:
-            reason = "a contraction of products of latents (e.g. X @ C.T)"
+        elif bil.mixes and left and right:
+            # a contraction (X @ C.T): exact when each element reads one plate element of
+            # each block, whose covariance within the element (the contracted event axis)
+            # the block holds; the forms carry no axes, so a probe checks the plates
+            flat = sorted(n for n in left | right if not blocks[n].family.dense_event)
+            if flat:
+                reason = (
+                    f"a contraction of products of latents (e.g. X @ C.T) reading '{flat[0]}', "
+                    "whose family holds no covariance within an element"
+                )
+            else:
+                gather = tuple(n for n in cont if _needs_gather_test(blocks[n], not blocks[n].family.dense_event))
+                return ArgumentClass(mom.BilinearGaussian.kind, cont, pairs=pairs, gather=gather), ""
         elif left and right:
-            pairs = tuple(sorted((a, b) for a in left for b in right))
             return decided(mom.BilinearGaussian.kind, pairs=pairs)
     elif isinstance(form, fm.Linked) and form.link == "exp" and set(spaces.values()) == {"affine"} and gathered(False):
         return decided(mom.ExpGaussian.kind)  # exp of an affine Gaussian: log-normal

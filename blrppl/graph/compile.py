@@ -19,8 +19,8 @@ from blrppl import moments as mom
 from blrppl.errors import FamilyError, UnsupportedFactorError, UnsupportedLatentError
 from blrppl.estimators import gram
 from blrppl.expressions import (
-    LINKS, ArgumentClass, ModelFunctions, ModelProgram, classify_form, distribution_leaves, pairing_probe, probe_argument,
-    projection_args, random_point, run_probes, too_many_columns,
+    LINKS, ArgumentClass, ModelFunctions, ModelProgram, classify_form, distribution_leaves, gather_probe, pairing_probe,
+    probe_argument, projection_args, random_point, run_probes, too_many_columns,
 )
 from blrppl.expressions import _needs_gather_test as needs_gather_test
 from blrppl.graph.band import arrowhead_locals, chain_bandwidth
@@ -1049,14 +1049,17 @@ def _classify_factors(
                 continue
             if forms is not None:
                 cls, reasons[(name, arg)] = classify_form(forms[name][arg], deps[name][arg], blocks, site_blocks)
-                if cls is not None:
+                if cls is not None and not cls.gather:
                     decided[(name, arg)] = cls
                     continue
 
             def fn(values, data, arg=arg, name=name, rule=rule):
                 return fns.factor_args(name, rule.arg_names, values, data)[arg]
 
-            probes[(name, arg)] = probe_argument(fn, deps[name][arg], blocks, rng)
+            if forms is not None and cls is not None:
+                probes[(name, arg)] = gather_probe(fn, cls, blocks, rng)
+            else:
+                probes[(name, arg)] = probe_argument(fn, deps[name][arg], blocks, rng)
     candidates, quad_probes = {}, {}
     if quadrature and guess is not None:
         not_exact = {n for n in records if not guess.get(n, False)}
