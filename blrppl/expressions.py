@@ -50,6 +50,11 @@ from blrppl.graph.trace import PlateIndices, count_model_run, unwrap, value_mask
 #: dense Gaussian blocks whose elements mix in an argument get one column per scalar,
 #: up to this many scalars; beyond it the argument is opaque
 MAX_FULL_COLUMNS = 2048
+
+#: a product of two Gaussian blocks reads E[f(d_A, d_B)²] through 2·|S_A|·|S_B| pushes of the
+#: model (|S| the tangents of a block: the scalars of one plate element); beyond this many the
+#: argument is opaque (an unplated N × D latent would need N·D tangents)
+MAX_BILINEAR_PUSHES = 8192
 _NUM_SIGN_PATTERNS = 16
 _NUM_PROBES = 2
 
@@ -525,6 +530,14 @@ def _sign_tangents(block: Block, rng: np.random.Generator, elementwise: bool):
     signs = rng.choice([-1.0, 1.0], size=(_NUM_SIGN_PATTERNS,) + bshape + (1,))
     canon = signs * rng.normal(size=(dim,))
     return np.stack([block.to_site(c) for c in canon])
+
+
+def _element_size(block: Block) -> int:
+    """Tangents of a Gaussian block read elementwise: the scalars of one plate element (all of
+    them for an unplated block) when it holds their covariance, else one."""
+    if not block.family.dense_event:
+        return 1
+    return block.size // max(math.prod(block.batch_shape), 1)
 
 
 def _needs_gather_test(block: Block, elementwise: bool) -> bool:
@@ -1138,8 +1151,17 @@ def classify_form(form, deps, blocks: dict, site_blocks: dict) -> tuple:
         left = {atoms[x][0] for x in bil.left if x in atoms}
         right = {atoms[x][0] for x in bil.right if x in atoms}
         pairs = tuple(sorted((a, b) for a in left for b in right))
+        pushes = {(a, b): 2 * _element_size(blocks[a]) * _element_size(blocks[b]) for a, b in pairs}
+        heavy = next(((a, b) for (a, b), k in pushes.items() if k > MAX_BILINEAR_PUSHES), None)
         if left & right:
             reason = "a product of latents fitted in one block"
+        elif heavy is not None:
+            big = max(heavy, key=lambda n: _element_size(blocks[n]))
+            reason = (
+                f"a product of latents whose exact second moment needs {pushes[heavy]} pushes of the model per "
+                f"step ('{big}' has {_element_size(blocks[big])} scalars per plate element: declare its rows in a "
+                "numpyro.plate)"
+            )
         elif bil.mixes and left and right:
             # a contraction (X @ C.T): exact when each element reads one plate element of
             # each block, whose covariance within the element (the contracted event axis)

@@ -162,13 +162,19 @@ def _mf_q(fit):
     return (*_gamma(p["tau"]), *_mvn(p["U"]), *_mvn(p["V"]))
 
 
-def _mf_sweep(y, w):
-    def sweep(q):
-        _, _, um, uc, vm, vc = q
+def _mf_sweep(y, w, tau_first=True):
+    def tau_update(um, uc, vm, vc):
         sq = _squares(w, y, um, _second(um, uc), vm, _second(vm, vc))
-        ta, tb = 1.0 + 0.5 * w.sum(), 1.0 + 0.5 * sq.sum()
+        return 1.0 + 0.5 * w.sum(), 1.0 + 0.5 * sq.sum()
+
+    def sweep(q):
+        ta, tb, um, uc, vm, vc = q
+        if tau_first:
+            ta, tb = tau_update(um, uc, vm, vc)
         um, uc = _gaussian_rows(np.eye(D), w, y, ta / tb, vm, _second(vm, vc))
         vm, vc = _gaussian_rows(np.eye(D), w.T, y.T, ta / tb, um, _second(um, uc))
+        if not tau_first:
+            ta, tb = tau_update(um, uc, vm, vc)
         return ta, tb, um, uc, vm, vc
 
     return sweep
@@ -182,6 +188,43 @@ def test_matrix_factorisation_from_index_pairs():
     assert "loc:bilinear_gaussian" in text and all(c for _, c in a.plan.conjugate), text
     _assert_steps(a, b, _mf_q, _mf_sweep(np.where(seen, y, 0.0), seen.astype(float)))
     assert _monotone(b)
+
+
+def unplated_factorisation(Y):
+    """The same likelihood over the whole matrix with the factors as single (N, D) and (M, D)
+    sites (``to_event(2)``, no plates): one Gaussian block each, whose precision the compiler
+    finds banded (each row's D scalars coupled, the rows apart)."""
+    U = numpyro.sample("U", dist.Normal(jnp.zeros((N, D)), 1.0).to_event(2))
+    V = numpyro.sample("V", dist.Normal(jnp.zeros((M, D)), 1.0).to_event(2))
+    tau = numpyro.sample("tau", dist.Gamma(1.0, 1.0))
+    numpyro.sample("Y", dist.Normal(U @ V.T, 1 / jnp.sqrt(tau)).to_event(2), obs=Y)
+
+
+def _rows_q(fit):
+    """q of the unplated fit in the row-wise layout: the per-row blocks of the covariance."""
+    p = fit.posterior
+
+    def rows(d):
+        band = np.asarray(d.inner.precision_band)  # [i, k] = P[i, i + k], the flattened rows
+        n = band.shape[0]
+        prec = np.zeros((n, n))
+        for k in range(band.shape[1]):
+            idx = np.arange(n - k)
+            prec[idx, idx + k] = prec[idx + k, idx] = band[: n - k, k]
+        cov = np.linalg.inv(prec)
+        r = n // D
+        blocks = cov.reshape(r, D, r, D)[np.arange(r), :, np.arange(r), :]
+        return np.asarray(d.mean).reshape(r, D), blocks
+
+    return (*_gamma(p["tau"]), *rows(p["U"]), *rows(p["V"]))
+
+
+def test_unplated_factor_sites_give_the_same_steps():
+    y, _ = _data(seed=4)
+    a, b = _fits(unplated_factorisation, {"Y": y})
+    assert [blk.name for blk in a.plan.blocks] == ["U", "V", "tau"], a.plan.describe()
+    assert "loc:bilinear_gaussian" in a.plan.describe()
+    _assert_steps(a, b, _rows_q, _mf_sweep(y, np.ones_like(y), tau_first=False))
 
 
 # ------------------------------------------------------------------------ factor analysis
