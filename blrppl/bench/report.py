@@ -44,7 +44,7 @@ def _yes(x):
 
 def markdown(
     runs, scaling_rows=None, settings: dict | None = None, plots: dict | None = None, dense_rows=None,
-    site_rows=None, hand_rows=None, chain_rows=None, hmm_rows=None,
+    site_rows=None, hand_rows=None, chain_rows=None, hmm_rows=None, pca_rows=None,
 ) -> str:
     """The report as markdown."""
     lines = ["# Benchmarks", ""]
@@ -140,6 +140,7 @@ def markdown(
                 f"{r['max_sd_rel_err']:.2g} |"
             )
     lines += _site_section(site_rows) + _hand_section(hand_rows) + _chain_section(chain_rows) + _hmm_section(hmm_rows)
+    lines += _pca_section(pca_rows)
     if plots:
         lines += ["", "## Plots", ""]
         for title, path in plots.items():
@@ -271,6 +272,44 @@ def _chain_section(rows) -> list:
             f"| {r['T']:,} | {r['bandwidth']} | {_f(r['compile_time'])} | {_f(r['run_time'], '{:.3f}')} | {r['steps']} | "
             f"{1e3 * r['per_step']:.2f} | {1e3 * r['thomas']:.2f} | {1e3 * r['lapack']:.2f} | {r['ratio']:.1f} | "
             f"{r['state_floats']:,} |"
+        )
+    return lines
+
+
+def _pca_section(rows) -> list:
+    if not rows:
+        return []
+    lines = [
+        "",
+        "## Classic VMP: probabilistic PCA side by side with BayesPy",
+        "",
+        "BayesPy's PCA timing problems (`blrppl.bench.runner.pca_model`: ARD on the loadings, Gamma(10⁻³, 10⁻³) "
+        "priors, the same factorisation q(α) q(C rows) q(X rows) q(τ)), the same data, "
+        f"{rows[0]['steps']} iterations each: ms per iteration (compile excluded; BayesPy's median after the "
+        "first) and the lower bound reached (different random starts: equal bounds are not expected after few "
+        "iterations). Then a full fit of each to its own convergence test, wall time (blrppl's compile "
+        "included). Target (issue): blrppl at least 10× faster per iteration. BayesPy columns are – when the "
+        "optional `bayespy` package is not installed.",
+        "",
+        "| M | N | D | blrppl ms / it | BayesPy ms / it | ratio | blrppl bound | BayesPy bound | blrppl full fit s "
+        "(steps) | BayesPy full fit s (its) | blrppl final bound | BayesPy final bound |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        b, bp = r["blr"] or {}, r["bayespy"] or {}
+        ratio = b["per_step"] / bp["per_iter"] if b and bp else None
+
+        def num(d, key, fmt="{:.1f}", scale=1.0):
+            return _f(scale * d[key], fmt) if d and d.get(key) is not None else "–"
+
+        def full(d, steps):
+            return f"{d['full_wall']:.1f} ({d[steps]})" if d else "–"
+
+        lines.append(
+            f"| {r['M']} | {r['N']:,} | {r['D']} | {num(b, 'per_step', scale=1e3) if b else 'not run (work per step)'} | "
+            f"{num(bp, 'per_iter', scale=1e3)} | {f'{ratio:.1f}×' if ratio else '–'} | {num(b, 'elbo')} | "
+            f"{num(bp, 'elbo')} | {full(b, 'full_steps')} | {full(bp, 'full_steps')} | {num(b, 'full_elbo')} | "
+            f"{num(bp, 'full_elbo')} |"
         )
     return lines
 
