@@ -135,6 +135,10 @@ def test_ppca_contraction_is_read_exactly(ppca_fits):
     assert [b.name for b in fit.plan.blocks] == ["alpha", "C", "X", "tau"], text
     assert all(conj for _, conj in fit.plan.conjugate), text
     assert fit.posterior["X"].covariance_matrix.shape == (N, D, D)  # a full covariance per row
+    # PSIS flags q (mean-field between the factors, a posterior symmetric under rotations):
+    # the note says so, and does not send the user to a joint block fitted by Monte Carlo
+    assert fit.diagnostics.khat > 0.7
+    assert "fitted apart" in fit.message and "structure='joint'" not in fit.message
 
 
 def test_ppca_step_is_the_textbook_sweep(ppca_fits):

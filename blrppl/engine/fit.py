@@ -756,6 +756,15 @@ def run(prepared: Prepared, state: BLRState, num_steps: int, progress_bar: bool)
             f"q may be a poor approximation of the posterior (PSIS k-hat = {diagnostics.khat:.2f} > "
             f"{KHAT_WARN}): compare with NUTS, or try structure='joint' or other families="
         )
+        if any(f.pairs for f in plan.factors):
+            # (joined, the product would be fitted by Monte Carlo: slower, and no better for a
+            # factor model's sign and rotation symmetries, which no unimodal q holds)
+            note = (
+                f"q may be a poor approximation of the posterior (PSIS k-hat = {diagnostics.khat:.2f} > "
+                f"{KHAT_WARN}): the blocks a product of latents multiplies are fitted apart (variational "
+                "message passing), and a factor model's posterior is symmetric under sign changes and "
+                "rotations of its factors; compare means of identified quantities with NUTS"
+            )
         message += "; " + note
         warnings.warn("blr_fit: " + note, UserWarning, stacklevel=3)
     result = BLRResult(
