@@ -51,10 +51,10 @@ from blrppl.graph.trace import PlateIndices, count_model_run, unwrap, value_mask
 #: up to this many scalars; beyond it the argument is opaque
 MAX_FULL_COLUMNS = 2048
 
-#: a product of two Gaussian blocks reads E[f(d_A, d_B)²] through 2·|S_A|·|S_B| pushes of the
+#: a product of two Gaussian blocks reads E[f(d_A, d_B)²] through |S_A|·|S_B| pushes of the
 #: model (|S| the tangents of a block: the scalars of one plate element); beyond this many the
 #: argument is opaque (an unplated N × D latent would need N·D tangents)
-MAX_BILINEAR_PUSHES = 8192
+MAX_BILINEAR_PUSHES = 4096
 _NUM_SIGN_PATTERNS = 16
 _NUM_PROBES = 2
 
@@ -1007,7 +1007,12 @@ def group_moments(fns: ModelFunctions, factors, blocks: dict, views: dict, discr
         return pushed[fname][arg][lo:hi]
 
     gauss = [n for n in cont if blocks[n].family.gaussian]
-    extra = _bilinear_extra(model_args, point, sets, factors)
+    paired = {n for f in factors for _, ps in f.pairs for pair in ps for n in pair}
+    roots = {}
+    for n in paired:
+        root = blocks[n].family.tangent_roots(views[n], n in full)
+        roots[n] = None if root is None else jax.vmap(blocks[n].to_site)(root)
+    extra = _bilinear_extra(model_args, point, sets, roots, factors)
     result = {}
     for f in factors:
         kinds, arg_blocks = f.kinds, dict(f.arg_blocks)
@@ -1054,24 +1059,34 @@ def group_moments(fns: ModelFunctions, factors, blocks: dict, views: dict, discr
     return result
 
 
-def _bilinear_extra(model_args, point: dict, sets: dict, factors) -> dict:
+def _bilinear_extra(model_args, point: dict, sets: dict, roots: dict, factors) -> dict:
     """E[f(d_A, d_B)²] of every bilinear argument, per pair of blocks (A, B) it multiplies
     (:class:`blrppl.moments.BilinearGaussian`): {(A, B): {factor: {argument: array}}}.
 
-    With Σ_A = Σ_s l_s r_sᵀ and Σ_B = Σ_t l'_t r'_tᵀ the blocks' tangent sets (``left`` and
-    ``right``, as for affine arguments), E[(d_Aᵀ J d_B)²] = tr(Jᵀ Σ_A J Σ_B) =
-    Σ_{s,t} f(r_s, l'_t) f(l_s, r'_t), each f(a, b) the mixed second derivative of the
-    arguments along a (in A) and b (in B): 2·|S|·|T| pushes for the pair.
+    E[(d_Aᵀ J d_B)²] = tr(Jᵀ Σ_A J Σ_B), each f(a, b) below the mixed second derivative of
+    the arguments along a (in A) and b (in B). With square roots Σ_A = Σ_k s_k s_kᵀ and
+    Σ_B = Σ_l s'_l s'_lᵀ (``roots``: the Cholesky columns of each plate element) it is
+    Σ_{k,l} f(s_k, s'_l)²: |S|·|T| pushes. Otherwise, with Σ_A = Σ_s l_s r_sᵀ and
+    Σ_B = Σ_t l'_t r'_tᵀ the blocks' tangent sets (``left`` and ``right``, as for affine
+    arguments), it is Σ_{s,t} f(r_s, l'_t) f(l_s, r'_t): 2·|S|·|T| pushes.
     """
     pairs = sorted({pair for f in factors for _, ps in f.pairs for pair in ps})
     zeros = {n: jnp.zeros_like(x) for n, x in point.items()}
+
+    def tile(x, k):
+        return jnp.tile(x, (k,) + (1,) * (x.ndim - 1))
+
     out = {}
     for a, b in pairs:
-        la, ra = sets[a]["left"], sets[a]["right"]
-        lb, rb = sets[b]["left"], sets[b]["right"]
-        ka, kb = la.shape[0], lb.shape[0]
-        ta = jnp.concatenate([jnp.repeat(ra, kb, axis=0), jnp.repeat(la, kb, axis=0)])
-        tb = jnp.concatenate([jnp.tile(lb, (ka,) + (1,) * (lb.ndim - 1)), jnp.tile(rb, (ka,) + (1,) * (rb.ndim - 1))])
+        if roots.get(a) is not None and roots.get(b) is not None:
+            ka, kb = roots[a].shape[0], roots[b].shape[0]
+            ta, tb = jnp.repeat(roots[a], kb, axis=0), tile(roots[b], ka)
+        else:
+            la, ra = sets[a]["left"], sets[a]["right"]
+            lb, rb = sets[b]["left"], sets[b]["right"]
+            ka, kb = la.shape[0], lb.shape[0]
+            ta = jnp.concatenate([jnp.repeat(ra, kb, axis=0), jnp.repeat(la, kb, axis=0)])
+            tb = jnp.concatenate([tile(lb, ka), tile(rb, ka)])
 
         def mixed(u, v, a=a, b=b):
             def along_a(x):
@@ -1081,11 +1096,12 @@ def _bilinear_extra(model_args, point: dict, sets: dict, factors) -> dict:
 
         pushed = jax.vmap(mixed)(ta, tb)
         half = ka * kb
+
+        def square(x):
+            return jnp.sum(jnp.square(x), axis=0) if x.shape[0] == half else jnp.sum(x[:half] * x[half:], axis=0)
+
         out[(a, b)] = {
-            f.name: {
-                arg: jnp.sum(pushed[f.name][arg][:half] * pushed[f.name][arg][half:], axis=0)
-                for arg, ps in f.pairs if (a, b) in ps
-            }
+            f.name: {arg: square(pushed[f.name][arg]) for arg, ps in f.pairs if (a, b) in ps}
             for f in factors
         }
     return out
@@ -1151,7 +1167,7 @@ def classify_form(form, deps, blocks: dict, site_blocks: dict) -> tuple:
         left = {atoms[x][0] for x in bil.left if x in atoms}
         right = {atoms[x][0] for x in bil.right if x in atoms}
         pairs = tuple(sorted((a, b) for a in left for b in right))
-        pushes = {(a, b): 2 * _element_size(blocks[a]) * _element_size(blocks[b]) for a, b in pairs}
+        pushes = {(a, b): _element_size(blocks[a]) * _element_size(blocks[b]) for a, b in pairs}
         heavy = next(((a, b) for (a, b), k in pushes.items() if k > MAX_BILINEAR_PUSHES), None)
         if left & right:
             reason = "a product of latents fitted in one block"

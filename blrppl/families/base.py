@@ -229,6 +229,14 @@ class Family:
         from them (:func:`blrppl.expressions.group_moments`)."""
         raise NotImplementedError
 
+    def tangent_roots(self, view: View, full: bool):
+        """A stack of tangents s_k (canonical layout, leading axis k) with Σ = Σ_k s_k s_kᵀ
+        over what one element of a non-mixing argument reads (a square root of the
+        covariance), or None when the family has none: products of latents read
+        E[(d_Aᵀ J d_B)²] = Σ_{k,l} f(s_k, s'_l)² through half the pushes of the left/right
+        sets (:func:`blrppl.expressions.group_moments`)."""
+        return None
+
     # -- Gaussian families: covariances and Newton steps (engine, Monte Carlo) ----------
     def view_covariance(self, view: View) -> jax.Array:
         """The covariance a Gaussian view holds, in the family's curvature layout: per plate

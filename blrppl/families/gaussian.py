@@ -297,6 +297,13 @@ class GaussianDense(Family):
         right = jnp.einsum("pq,qdj->pjqd", sel, cov.reshape((nb, dim, dim))).reshape((n,) + bshape + (dim,))
         return {"left": eye, "right": right}
 
+    def tangent_roots(self, view: GaussianView, full: bool):
+        """Column k of each plate element's Cholesky factor L_p (Σ_p = L_p L_pᵀ): D tangents
+        (None with ``full``)."""
+        if full:
+            return None
+        return jnp.moveaxis(jnp.linalg.cholesky(view.cov), -1, 0)
+
     def to_numpyro(self, nat: GaussianNat) -> dist.MultivariateNormal:
         """N(m, Σ) with Σ = T Tᵀ, T the lower Cholesky factor of Σ = S⁻¹ (numpyro's own
         precision-to-scale map: one Cholesky and one triangular inverse), m = T Tᵀ η₁."""
@@ -425,6 +432,10 @@ class GaussianDiag(Family):
         n = var.size
         eye = jnp.eye(n, dtype=var.dtype)
         return {"left": eye.reshape((n,) + var.shape), "right": (eye * var.reshape(-1)).reshape((n,) + var.shape)}
+
+    def tangent_roots(self, view: DiagGaussianView, full: bool):
+        """The standard deviations: one tangent (None with ``full``)."""
+        return None if full else jnp.sqrt(view.var)[None]
 
     def to_numpyro(self, nat: DiagGaussianNat) -> dist.Normal:
         mean, var = self.view(nat)
