@@ -15,12 +15,33 @@ import os as _os
 
 # XLA's CPU scheduler that runs independent operations concurrently can leave a compiled
 # program waiting forever with every thread idle (a probabilistic PCA fit hung in 5 of 6
-# runs on this project's CI machine, 0 of 8 without it). The option is read when JAX
-# creates its CPU client: set here, before any computation, unless the user chose it.
-if "xla_cpu_enable_concurrency_optimized_scheduler" not in _os.environ.get("XLA_FLAGS", ""):
-    _os.environ["XLA_FLAGS"] = (
-        _os.environ.get("XLA_FLAGS", "") + " --xla_cpu_enable_concurrency_optimized_scheduler=false"
-    ).strip()
+# runs on this project's CI machine, 0 of 13 without it). The option is read when JAX
+# creates its CPU client: set here, before any computation, unless the user chose it (a
+# warning when JAX has computed already: too late).
+def _turn_off_concurrent_scheduler() -> None:
+    flag = "xla_cpu_enable_concurrency_optimized_scheduler"
+    if flag in _os.environ.get("XLA_FLAGS", ""):
+        return
+    try:
+        from jax._src import xla_bridge
+
+        late = xla_bridge.backends_are_initialized()
+    except Exception:  # pragma: no cover - a JAX without this private helper
+        late = False
+    if late:
+        import warnings
+
+        warnings.warn(
+            f"blrppl: JAX computed before blrppl was imported, so XLA's {flag} stays on; compiled fits "
+            f"can hang with it (seen on factor models). Import blrppl first, or set XLA_FLAGS=--{flag}=false",
+            UserWarning,
+            stacklevel=3,
+        )
+        return
+    _os.environ["XLA_FLAGS"] = (_os.environ.get("XLA_FLAGS", "") + f" --{flag}=false").strip()
+
+
+_turn_off_concurrent_scheduler()
 
 from blrppl import families  # noqa: E402
 from blrppl.api import blr_fit
