@@ -144,11 +144,11 @@ def loop_hmm(y):
 
 
 def test_one_site_per_step_is_one_chain():
-    y = simulate(np.random.default_rng(1), 40)[1]
+    y = simulate(np.random.default_rng(1), 20)[1]
     fit = blr_fit(loop_hmm, (y,), rng_key=random.PRNGKey(0), progress_bar=False)
-    assert "categorical-chain (1 × 40 states" in fit.plan.describe()
+    assert "categorical-chain (1 × 20 states" in fit.plan.describe()
     marg, _, log_z = forward_backward(np.log(TRANS[0]), np.log(TRANS), normal_log_lik(y))
-    probs = np.stack([np.asarray(fit.posterior[f"x_{t}"].probs) for t in range(40)])
+    probs = np.stack([np.asarray(fit.posterior[f"x_{t}"].probs) for t in range(20)])
     np.testing.assert_allclose(probs, marg, atol=1e-8)
     assert abs(float(fit.elbo[-1]) - log_z) < 1e-8 * abs(log_z)
 
