@@ -1078,7 +1078,8 @@ def _bilinear_extra(model_args, point: dict, sets: dict, roots: dict, factors) -
 
     out = {}
     for a, b in pairs:
-        if roots.get(a) is not None and roots.get(b) is not None:
+        rooted = roots.get(a) is not None and roots.get(b) is not None
+        if rooted:
             ka, kb = roots[a].shape[0], roots[b].shape[0]
             ta, tb = jnp.repeat(roots[a], kb, axis=0), tile(roots[b], ka)
         else:
@@ -1097,8 +1098,8 @@ def _bilinear_extra(model_args, point: dict, sets: dict, roots: dict, factors) -
         pushed = jax.vmap(mixed)(ta, tb)
         half = ka * kb
 
-        def square(x):
-            return jnp.sum(jnp.square(x), axis=0) if x.shape[0] == half else jnp.sum(x[:half] * x[half:], axis=0)
+        def square(x, rooted=rooted, half=half):
+            return jnp.sum(jnp.square(x), axis=0) if rooted else jnp.sum(x[:half] * x[half:], axis=0)
 
         out[(a, b)] = {
             f.name: {arg: square(pushed[f.name][arg]) for arg, ps in f.pairs if (a, b) in ps}

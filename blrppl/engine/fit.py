@@ -752,19 +752,16 @@ def run(prepared: Prepared, state: BLRState, num_steps: int, progress_bar: bool)
         warnings.warn("blr_fit: " + _improper_note(plan, outcome.state.nat, improper), UserWarning, stacklevel=3)
     message = _stop_message(outcome, plan, bundle.window, prepared.tol, num_steps)
     if diagnostics.khat > KHAT_WARN:
-        note = (
-            f"q may be a poor approximation of the posterior (PSIS k-hat = {diagnostics.khat:.2f} > "
-            f"{KHAT_WARN}): compare with NUTS, or try structure='joint' or other families="
-        )
+        advice = "compare with NUTS, or try structure='joint' or other families="
         if any(f.pairs for f in plan.factors):
             # (joined, the product would be fitted by Monte Carlo: slower, and no better for a
             # factor model's sign and rotation symmetries, which no unimodal q holds)
-            note = (
-                f"q may be a poor approximation of the posterior (PSIS k-hat = {diagnostics.khat:.2f} > "
-                f"{KHAT_WARN}): the blocks a product of latents multiplies are fitted apart (variational "
-                "message passing), and a factor model's posterior is symmetric under sign changes and "
-                "rotations of its factors; compare means of identified quantities with NUTS"
+            advice = (
+                "the blocks a product of latents multiplies are fitted apart (variational message passing), "
+                "and a factor model's posterior is symmetric under sign changes and rotations of its factors; "
+                "compare means of identified quantities with NUTS"
             )
+        note = f"q may be a poor approximation of the posterior (PSIS k-hat = {diagnostics.khat:.2f} > {KHAT_WARN}): {advice}"
         message += "; " + note
         warnings.warn("blr_fit: " + note, UserWarning, stacklevel=3)
     result = BLRResult(
