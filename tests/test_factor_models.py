@@ -282,6 +282,31 @@ def test_factor_analysis_step_is_the_textbook_sweep():
     assert _monotone(b)
 
 
+def test_a_half_cauchy_noise_scale_keeps_the_likelihood_closed_form():
+    """Factor analysis as users often write it: a HalfCauchy noise scale (a Gaussian on log
+    space) beside a per-column mean. The scale stays apart from the mean, so the likelihood
+    reads the product and the log-normal scale in closed form (joined with the mean, it was
+    Monte Carlo)."""
+
+    def model(Y):
+        sigma = numpyro.sample("sigma", dist.HalfCauchy(1.0))
+        mu = numpyro.sample("mu", dist.Normal(0.0, 5.0).expand([M]).to_event(1))
+        with numpyro.plate("items", M):
+            W = numpyro.sample("W", dist.Normal(0.0, 1.0).expand([D]).to_event(1))
+        with numpyro.plate("people", N):
+            z = numpyro.sample("z", dist.Normal(0.0, 1.0).expand([D]).to_event(1))
+            numpyro.sample("Y", dist.Normal(z @ W.T + mu, sigma).to_event(1), obs=Y)
+
+    from blrppl.api import plan_of
+
+    plan = plan_of(model, {"Y": _data(seed=5)[0]})
+    text = plan.describe()
+    assert [b.name for b in plan.blocks] == ["sigma", "mu", "W", "z"], text
+    (y_factor,) = [f for f in plan.factors if f.name == "Y"]
+    assert y_factor.estimator == "exact", text
+    assert "loc:bilinear_gaussian, scale:exp_gaussian" in text, text
+
+
 # ------------------------------------------------------------------- ARD linear regression
 
 

@@ -295,9 +295,15 @@ def compile_model(
     }
     # the blocks a product multiplies (``w * x``) stay apart: joined, the product would be
     # quadratic in one block (no closed form); apart, each is a conjugate coordinate step
-    # (variational message passing)
+    # (variational message passing). So does a scale on log space beside a product (a
+    # factor model's HalfCauchy noise scale): joined with the product's offset (a per-column
+    # mean) it would leave the likelihood Monte Carlo; apart, the Normal's closed form holds
     if structure != "joint":
         apart |= {n for f in factors for _, pairs in f.pairs for pair in pairs for n in pair}
+        apart |= {
+            n for f in factors if f.pairs
+            for a, k in f.arg_kinds if k == mom.ExpGaussian.kind for n in dict(f.arg_blocks)[a]
+        }
 
     def joinable(n, b):
         # a site the user gave a family keeps its own block, unless structure="joint" asks
