@@ -91,6 +91,24 @@ def test_non_finite_observed_data_positional():
         fit(normal_gamma, (y,))
 
 
+def test_finite_data_that_overflows_stops_with_a_warning():
+    """An observation finite in the data but whose square overflows (1e200 in float64):
+    the fit cannot continue, keeps its last valid state and says why in a warning, not
+    only in ``result.message``."""
+
+    def model(y):
+        mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
+        sigma = numpyro.sample("sigma", dist.HalfNormal(1.0))
+        with numpyro.plate("n", y.shape[0]):
+            numpyro.sample("y", dist.Normal(mu, sigma), obs=y)
+
+    with pytest.warns(UserWarning, match="no step size found") as record:
+        result = blr_fit(model, {"y": np.array([1.0, 2.0, 1e200])}, rng_key=jax.random.PRNGKey(0), progress_bar=False)
+    assert not result.converged and "check the data" in result.message
+    assert not any("improper" in str(w.message) for w in record)  # the data, not the priors
+    assert np.isfinite(result.posterior["mu"].mean)
+
+
 def test_misshaped_observed_data():
     """DESIGN.md §7: mis-shaped observed data is an error naming the site."""
 

@@ -679,7 +679,8 @@ def _diagnose(prepared, outcome, nat) -> Diagnostics:
     and what the ELBO trace says."""
     bundle, plan = prepared.bundle, prepared.plan
     elbo = np.asarray(outcome.elbo, dtype=float)
-    change = float(abs(elbo[-1] - elbo[-2]) / max(1.0, abs(elbo[-1]))) if elbo.size >= 2 else math.nan
+    finite = elbo.size >= 2 and bool(np.all(np.isfinite(elbo[-2:])))
+    change = float(abs(elbo[-1] - elbo[-2]) / max(1.0, abs(elbo[-1]))) if finite else math.nan
     noise = float(np.std(elbo[-bundle.window :])) if bundle.window and elbo.size else 0.0
     base = dict(elbo_rel_change=change, rejected_steps=int(outcome.rejected_steps), elbo_noise=noise)
     if bundle.log_weights_fn is None:
@@ -699,7 +700,9 @@ def _improper_blocks(outcome, plan) -> tuple:
     (so its messages do not depend on its own q: they sum to the exact conditional
     posterior's natural parameter) and at the last step that sum was not a valid natural
     parameter. (Other blocks with invalid messages were merely not at a fixed point.)"""
-    if outcome.converged:
+    if outcome.converged or not np.any(np.isfinite(np.asarray(outcome.elbo))):
+        # (no step ever had a finite ELBO: the data, not the priors, are the likely cause,
+        # and the stop message says so)
         return ()
     return tuple(
         n for n in outcome.improper if all(f.estimator == "exact" for f in plan.factors_of(n))
@@ -751,6 +754,9 @@ def run(prepared: Prepared, state: BLRState, num_steps: int, progress_bar: bool)
     if improper:
         warnings.warn("blr_fit: " + _improper_note(plan, outcome.state.nat, improper), UserWarning, stacklevel=3)
     message = _stop_message(outcome, plan, bundle.window, prepared.tol, num_steps)
+    if outcome.stop == NONFINITE:
+        # (the result holds the last valid state; without a warning only the message says so)
+        warnings.warn("blr_fit: " + message, UserWarning, stacklevel=3)
     if diagnostics.khat > KHAT_WARN:
         advice = "compare with NUTS, or try structure='joint' or other families="
         if any(f.pairs for f in plan.factors):
