@@ -45,7 +45,7 @@ from blrppl import moments as mom
 from blrppl.graph import forms as fm
 from blrppl.graph.data import DataSpec, RunData, compile_lowered, compiler_options
 from blrppl.graph.plan import Block
-from blrppl.graph.trace import PlateIndices, count_model_run, unwrap, value_mask
+from blrppl.graph.trace import PlateIndices, count_model_run, given_matrices, unwrap, value_mask
 
 #: dense Gaussian blocks whose elements mix in an argument get one column per scalar,
 #: up to this many scalars; beyond it the argument is opaque
@@ -74,12 +74,21 @@ class _Record(Messenger):
     def postprocess_message(self, msg):
         if msg["type"] != "sample" or msg.get("name") is None:
             return
-        site = {k: msg[k] for k in ("fn", "value", "scale")}
-        if msg.get("is_observed"):
-            site["value"] = feasible_where_masked(msg["fn"], msg["value"])
-        else:
-            site["fn"] = without_mask(msg["fn"])
-        self.sites[msg["name"]] = site
+        self.sites[msg["name"]] = _entry(msg)
+
+
+def _entry(msg) -> dict:
+    """A sample site's trace entry as the factors read it (see :class:`_Record`), with the
+    matrices its distribution was built from that its pytree drops (``given``)."""
+    site = {k: msg[k] for k in ("fn", "value", "scale")}
+    if msg.get("is_observed"):
+        site["value"] = feasible_where_masked(msg["fn"], msg["value"])
+    else:
+        site["fn"] = without_mask(msg["fn"])
+    given = given_matrices(unwrap(msg["fn"])[0])
+    if given:
+        site["given"] = given
+    return site
 
 
 class ModelProgram:
@@ -197,12 +206,10 @@ class _StopAfter(Messenger):
 
     def postprocess_message(self, msg):
         if msg.get("name") in self.remaining:
-            site = {k: msg[k] for k in ("fn", "value", "scale")}
-            if msg["type"] == "sample" and msg.get("is_observed"):
-                site["value"] = feasible_where_masked(msg["fn"], msg["value"])
-            elif msg["type"] == "sample":
-                site["fn"] = without_mask(msg["fn"])
-            self.sites[msg["name"]] = site
+            if msg["type"] == "sample":
+                self.sites[msg["name"]] = _entry(msg)
+            else:
+                self.sites[msg["name"]] = {k: msg[k] for k in ("fn", "value", "scale")}
             self.remaining.discard(msg["name"])
             if not self.remaining:
                 raise _Collected
@@ -368,7 +375,8 @@ class ModelFunctions:
     def rule_args(site: dict, arg_names) -> dict:
         """The arguments ``arg_names`` of a site's unwrapped distribution, and its value."""
         base, _, _ = unwrap(site["fn"])
-        args = {a: jnp.asarray(getattr(base, a)) for a in arg_names}
+        given = site.get("given", {})
+        args = {a: jnp.asarray(given[a] if a in given else getattr(base, a)) for a in arg_names}
         args["value"] = jnp.asarray(site["value"])
         return args
 
@@ -544,6 +552,35 @@ def _needs_gather_test(block: Block, elementwise: bool) -> bool:
     return math.prod(block.value_shape if elementwise else block.batch_shape) > 1
 
 
+def _whole_tangents(block: Block, rng: np.random.Generator):
+    """Random signs over a matrix-valued block's elements times one coded matrix C
+    (C_ij = iD + j + 1): the JVP of an argument that reads whole matrices in place (a
+    gather, a broadcast, a transpose) squares to C² or (Cᵀ)² in every output matrix."""
+    dim = block.value_shape[-1]
+    signs = rng.choice([-1.0, 1.0], size=(_NUM_SIGN_PATTERNS,) + tuple(block.value_shape[:-2]) + (1, 1))
+    return signs * _code_matrix(dim)
+
+
+def _code_matrix(dim: int) -> np.ndarray:
+    return np.arange(1.0, dim * dim + 1.0).reshape(dim, dim)
+
+
+def _whole_ok(sq, dim: int) -> bool:
+    """Whether every output matrix of the squared JVPs ``sq`` is c² C² or c² (Cᵀ)² for one
+    c ≠ 0 per matrix (whole matrices read in place, each times a constant)."""
+    sq = np.asarray(sq)
+    if sq.ndim < 3 or sq.shape[-2:] != (dim, dim):
+        return False
+    code = np.square(_code_matrix(dim))
+    c2 = sq[..., :1, :1]  # c² from C₀₀ = 1
+    if not np.all(np.isfinite(sq)) or np.any(c2 <= 0):
+        return False
+    tol = 1e-5 if sq.dtype == np.float64 else 1e-3
+    as_is = np.all(np.abs(sq - c2 * code) <= tol * c2 * code, axis=(-2, -1))
+    transposed = np.all(np.abs(sq - c2 * code.T) <= tol * c2 * code, axis=(-2, -1))
+    return bool(np.all(as_is | transposed))
+
+
 #: the kind of an argument no closed-form rule reads (beside :data:`blrppl.moments.KINDS`)
 OPAQUE = "opaque"
 
@@ -651,6 +688,8 @@ def probe_argument(fn, deps: frozenset, blocks: dict, rng: np.random.Generator) 
             {n: 1.0 / first[n] for n in cont},
             {n: second[n] ** 3 for n in cont},
         ]
+    if not gaussian and blocks[cont[0]].family.whole_events:
+        inputs["whole"] = _whole_tangents(blocks[cont[0]], rng)
     if gaussian:
         compute, decide = _gaussian_probe(fn, cont, blocks)
     elif powers:
@@ -678,13 +717,22 @@ def gather_probe(fn, cls: ArgumentClass, blocks: dict, rng: np.random.Generator)
     (``pairs``) whose elements mix makes the argument opaque; any other block is read
     through its full covariance columns (``full``)."""
     point = {n: random_point(blocks[n], rng) for n in cls.blocks}
-    signs = {n: _sign_tangents(blocks[n], rng, not blocks[n].family.dense_event) for n in cls.gather}
+    whole = {n for n in cls.gather if blocks[n].family.whole_events}
+    signs = {
+        n: _whole_tangents(blocks[n], rng) if n in whole else _sign_tangents(blocks[n], rng, not blocks[n].family.dense_event)
+        for n in cls.gather
+    }
 
     def compute(inputs, data):
         return {n: _jvp_squares(fn, inputs["point"], n, s, data) for n, s in inputs["signs"].items()}
 
     def decide(outputs) -> ArgumentClass:
-        mixed = sorted(n for n, sq in outputs.items() if not _gather_ok(sq))
+        broken = sorted(n for n in whole if not _whole_ok(outputs[n], blocks[n].value_shape[-1]))
+        if broken:
+            family = blocks[broken[0]].family.name.capitalize()
+            reason = f"reads parts of the {family} matrices of '{broken[0]}', or mixes them (not whole matrices)"
+            return ArgumentClass(OPAQUE, cls.blocks, reason=reason)
+        mixed = sorted(n for n, sq in outputs.items() if n not in whole and not _gather_ok(sq))
         multiplied = {n for pair in cls.pairs for n in pair}
         bad = [n for n in mixed if n in multiplied]
         if bad:
@@ -891,16 +939,21 @@ def _identity_probe(fn, name, family):
             o = {"val": val, "slope_x": slope_x, "slope_1": slope_1}
             if name in signs:
                 o["sq"] = _jvp_squares(fn, point, name, signs[name], data)
+            if "whole" in inputs:
+                o["whole"] = _jvp_squares(fn, point, name, inputs["whole"], data)
             out.append(o)
         return out
 
     def decide(outputs):
         for o in outputs:
-            ok = np.allclose(o["val"], o["slope_x"], rtol=1e-6, atol=1e-9) and np.allclose(
-                o["slope_1"], 1.0, rtol=1e-6
+            # (a whole-event family reads c Λ too: its moments carry the constant)
+            ok = np.allclose(o["val"], o["slope_x"], rtol=1e-6, atol=1e-9) and (
+                family.whole_events or np.allclose(o["slope_1"], 1.0, rtol=1e-6)
             )
             if not ok:
                 return ArgumentClass("opaque", (name,), reason=f"not the {family.name} block itself")
+            if "whole" in o and not _whole_ok(o["whole"], family.dim):
+                return ArgumentClass("opaque", (name,), reason=f"reads parts of its {family.name} matrices")
             if "sq" in o and not _gather_ok(o["sq"]):
                 return ArgumentClass("opaque", (name,), reason=f"mixes elements of its {family.name} block")
         return ArgumentClass(family.argument_kind, (name,))
@@ -1053,6 +1106,13 @@ def group_moments(fns: ModelFunctions, factors, blocks: dict, views: dict, discr
             elif kind == mom.DirichletIdentity.kind:
                 conc, tot, *mean_params = rows_of(used[0], "dirichlet", f.name, arg)
                 moments[arg] = mom.DirichletIdentity(conc, tot, *mean_params)
+            elif kind == mom.WishartIdentity.kind:
+                # whole matrices, gathered in place (checked at compile time)
+                # each times a constant c > 0 (checked at compile time): rows E[Λ], E[log|Λ|]
+                # and 1 come back as c E[Λ], c E[log|Λ|] and c, and log|cΛ| = D log c + log|Λ|
+                mean, logdet, c = rows_of(used[0], "wishart", f.name, arg)
+                c = c[..., 0, 0]
+                moments[arg] = mom.WishartIdentity(mean, logdet[..., 0, 0] / c + mean.shape[-1] * jnp.log(c))
             else:
                 raise ValueError(f"factor '{f.name}': argument '{arg}' is {kind}")
         result[f.name] = moments
@@ -1207,6 +1267,10 @@ def classify_form(form, deps, blocks: dict, site_blocks: dict) -> tuple:
         if family.argument_kind is not None and family.any_power:
             return decided(family.argument_kind, power=form.power)
         if family.argument_kind is not None and form.power == 1.0:
+            if family.whole_events:
+                # whole matrices in place, each times a constant (β Λ of a Normal–Wishart
+                # prior): a probe confirms it (the forms carry no axes)
+                return ArgumentClass(family.argument_kind, cont, gather=cont), ""
             if form.unit:
                 return decided(family.argument_kind)
             return None, reason  # c times the latent: the probes tell whether c is 1

@@ -17,6 +17,8 @@ class                          argument is …
 :class:`PowerGamma`            c · τ^a with τ a Gamma block (possibly indexed)
 :class:`BetaIdentity`          p (possibly indexed) with p a Beta block
 :class:`DirichletIdentity`     π (possibly indexed) with π a Dirichlet block
+:class:`WishartIdentity`       Λ (whole matrices, possibly indexed) with Λ a Wishart
+                               block
 ============================  =======================================================
 
 Moment objects are pytrees of arrays built inside the jitted step from the blocks'
@@ -33,6 +35,7 @@ has no closed form for that class, which the compiler checks before choosing ``e
 * ``expect_log1m()``    E[log(1 − x)]
 * ``expect_pow(k)``     E[x^k]
 * ``cov_event(n)``      covariance over the last ``n`` dims (``AffineGaussian`` only)
+* ``expect_logdet()``   E[log|X|] of a matrix (``Const``, ``WishartIdentity``)
 
 ``AffineGaussian`` supports ``+``, ``-`` and multiplication by constants, with :class:`Const`
 and with other ``AffineGaussian`` objects, so that e.g. a Normal rule computes E[(x − loc)²]
@@ -49,7 +52,9 @@ import numpy as np
 from jax.scipy.special import digamma, gammaln
 
 #: the kinds a compiler may assign to an argument; rules declare which they support
-KINDS = ("const", "affine_gaussian", "bilinear_gaussian", "exp_gaussian", "power_gamma", "beta", "dirichlet")
+KINDS = (
+    "const", "affine_gaussian", "bilinear_gaussian", "exp_gaussian", "power_gamma", "beta", "dirichlet", "wishart"
+)
 
 
 class Const(NamedTuple):
@@ -80,6 +85,10 @@ class Const(NamedTuple):
 
     def expect_pow(self, k):
         return jnp.power(self.value, k)
+
+    def expect_logdet(self):
+        """log|x| of a positive-definite matrix (last two dims)."""
+        return jnp.linalg.slogdet(self.value)[1]
 
     def cov_event(self, n: int):
         shape = jnp.shape(self.value)
@@ -521,6 +530,49 @@ class DirichletIdentity(NamedTuple):
     def expect_pow(self, k):
         a, a0 = self.concentration, self.total
         return jnp.exp(gammaln(a + k) - gammaln(a) + gammaln(a0) - gammaln(a0 + k))
+
+
+class WishartIdentity(NamedTuple):
+    """X = Λ (gathered whole matrices), Λ ~ Wishart(ν, W) a Wishart block.
+
+    ``mean_matrix`` is E[Λ] = ν W with X's shape ``(*, D, D)``; ``mean_logdet`` is
+    E[log|Λ|] ``(*,)``. Inside a fit both are the block's own mean-parameter leaves
+    (:class:`blrppl.families.WishartRuleView`), so a conjugate expectation sends its
+    coefficients as the message. The only expectations: E[X] and E[log|X|] (a Gaussian
+    precision's ``tr(Λ S)`` and ``log|Λ|``); elementwise logs and powers have none here.
+    """
+
+    mean_matrix: jax.Array
+    mean_logdet: jax.Array
+    kind = "wishart"
+
+    @property
+    def shape(self):
+        return jnp.shape(self.mean_matrix)
+
+    def mean(self):
+        return self.mean_matrix
+
+    def expect_logdet(self):
+        """E[log|Λ|] = Σ_{i=1}^{D} ψ((ν + 1 − i)/2) + D log 2 + log|W|."""
+        return self.mean_logdet
+
+    def var(self):
+        raise NotImplementedError
+
+    def mean_square(self):
+        raise NotImplementedError
+
+    def expect_log(self):
+        raise NotImplementedError
+
+    def expect_log1m(self):
+        raise NotImplementedError
+
+    def expect_pow(self, k):
+        if k == 1:
+            return self.mean_matrix
+        raise NotImplementedError
 
 
 def _align_cols(cols_array, ndim):

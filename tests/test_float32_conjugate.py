@@ -1,4 +1,4 @@
-"""Conjugate Gamma, Beta and Dirichlet blocks are exact in float32 too.
+"""Conjugate Gamma, Beta, Dirichlet and Wishart blocks are exact in float32 too.
 
 The rules read E[log x] and E[x] (Gamma), E[log p], E[log(1 − p)] (Beta) and E[log π]
 (Dirichlet) from mean-parameter leaves of the block's rule view, so a conjugate factor's
@@ -59,12 +59,19 @@ def dirichlet_categorical(y):
     with numpyro.plate("n", y.shape[0]):
         numpyro.sample("y", dist.Categorical(pi), obs=y)
 
+def wishart_precision(y):
+    lam = numpyro.sample("lam", dist.Wishart(4.0, scale_matrix=jnp.array([[1.0, 0.3], [0.3, 2.0]])))
+    with numpyro.plate("n", y.shape[0]):
+        numpyro.sample("y", dist.MultivariateNormal(jnp.array([0.5, -1.0]), precision_matrix=lam), obs=y)
+
 def summary(r, site):
     q = r.posterior[site]
     if isinstance(q.base_dist if hasattr(q, "base_dist") else q, dist.Beta):
         params = [float(q.concentration1), float(q.concentration0)]
     elif site == "pi":
         params = [float(x) for x in np.asarray(q.concentration)]
+    elif site == "lam":
+        params = [float(q.concentration)] + [float(x) for x in np.asarray(q.scale_matrix).ravel()]
     else:
         params = [float(q.concentration), float(q.rate)]
     return {"params": params, "steps": int(r.num_steps), "converged": bool(r.converged),
@@ -77,6 +84,7 @@ for name, model, site, y in [
     ("precision", normal_precision, "tau", data["precision"]),
     ("bernoulli", beta_bernoulli, "p", data["bernoulli"]),
     ("categorical", dirichlet_categorical, "pi", data["categorical"].astype(np.int32)),
+    ("wishart", wishart_precision, "lam", data["wishart"]),
 ]:
     r = blr_fit(model, (jnp.asarray(y),), rng_key=jax.random.key(0), progress_bar=False)
     out[name] = summary(r, site)
@@ -100,6 +108,7 @@ def float32_fits(tmp_path_factory):
         "bernoulli": rng.binomial(1, 0.3, size=1000),
         "categorical": rng.choice(4, p=[0.1, 0.2, 0.3, 0.4], size=1000),
         "online": rng.poisson(3.0, size=(5, 40)),
+        "wishart": rng.multivariate_normal([0.5, -1.0], [[1.0, 0.6], [0.6, 2.0]], size=1000),
     }
     data = {k: np.asarray(v, dtype=np.float32) for k, v in data.items()}
     path = tmp_path_factory.mktemp("float32") / "data.json"
@@ -154,3 +163,10 @@ def test_dirichlet_categorical_float32(float32_fits):
     out, data = float32_fits
     counts = np.bincount(data["categorical"].astype(int), minlength=4)
     _check(out["categorical"], 1.0 + counts)
+
+
+def test_wishart_precision_known_mean_float32(float32_fits):
+    out, data = float32_fits
+    d = data["wishart"] - np.array([0.5, -1.0])
+    scale = np.linalg.inv(np.linalg.inv(np.array([[1.0, 0.3], [0.3, 2.0]])) + d.T @ d)
+    _check(out["wishart"], [4.0 + len(d)] + list(scale.ravel()))

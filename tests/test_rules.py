@@ -22,21 +22,40 @@ import pytest
 from jax.scipy.special import digamma, gammaln
 from scipy import special, stats
 
-from blrppl.moments import KINDS, AffineGaussian, BetaIdentity, BilinearGaussian, Const, DirichletIdentity, ExpGaussian, PowerGamma
+from blrppl.graph.trace import given_matrices
+from blrppl.moments import (
+    KINDS,
+    AffineGaussian,
+    BetaIdentity,
+    BilinearGaussian,
+    Const,
+    DirichletIdentity,
+    ExpGaussian,
+    PowerGamma,
+    WishartIdentity,
+)
 from blrppl.rules import find_rule, registered_rules
 
 LOG_2PI = math.log(2.0 * math.pi)
 
 
-def rule_of(dist_type):
-    rule = find_rule(dist_type)
+def rule_of(dist_type, given=()):
+    rule = find_rule(dist_type, given)
     assert rule is not None, f"no rule for {dist_type.__name__}"
     return rule
 
 
-def expected_log_prob(dist_type, value, **args):
+def registry_key(d):
+    """The registry key of the rule a distribution object gets (its type, and the matrices
+    it was built from that its pytree drops)."""
+    given = tuple(given_matrices(d))
+    return (type(d), given) if given else type(d)
+
+
+def expected_log_prob(key, value, **args):
     # jitted: one compilation per call signature instead of one per eager primitive
-    return jax.jit(rule_of(dist_type).expected_log_prob)(value, **args)
+    rule = rule_of(*key) if isinstance(key, tuple) else rule_of(key)
+    return jax.jit(rule.expected_log_prob)(value, **args)
 
 
 def spd(seed, k):
@@ -49,7 +68,7 @@ def spd(seed, k):
 # 0. declarations
 # ---------------------------------------------------------------------------------------
 
-C, G, PG, B, D = "const", "affine_gaussian", "power_gamma", "beta", "dirichlet"
+C, G, PG, B, D, W = "const", "affine_gaussian", "power_gamma", "beta", "dirichlet", "wishart"
 EG = "exp_gaussian"
 BG = "bilinear_gaussian"
 
@@ -67,6 +86,8 @@ DECLARED = {
     dist.CategoricalProbs: ({"value": {C}, "probs": {C, D}}, 0),
     dist.Dirichlet: ({"value": {C, D}, "concentration": {C}}, 1),
     dist.GaussianRandomWalk: ({"value": {C, G}, "scale": {C, PG, EG}}, 1),
+    dist.Wishart: ({"value": {C, W}, "concentration": {C}, "scale_tril": {C}}, 2),
+    (dist.MultivariateNormal, ("precision_matrix",)): ({"value": {C, G}, "loc": {C, G}, "precision_matrix": {C, W}}, 1),
 }
 
 
@@ -76,11 +97,17 @@ def test_registered_rules_are_the_declared_ones():
     for rule in registered.values():
         assert set(rule.kinds) == {"value", *rule.arg_names}
         assert all(set(k) <= set(KINDS) for k in rule.kinds.values())
-    for dist_type, (kinds, event_ndim) in DECLARED.items():
-        rule = rule_of(dist_type)
+    for key, (kinds, event_ndim) in DECLARED.items():
+        rule = rule_of(*key) if isinstance(key, tuple) else rule_of(key)
         assert {k: set(v) for k, v in rule.kinds.items()} == kinds, dist_type.__name__
         assert set(rule.arg_names) == set(kinds) - {"value"}
         assert rule.event_ndim == event_ndim
+
+
+def test_a_parameterisation_without_its_own_rule_gets_the_type_rule():
+    assert rule_of(dist.MultivariateNormal, ("precision_matrix",)).given == ("precision_matrix",)
+    assert rule_of(dist.MultivariateNormal) is rule_of(dist.MultivariateNormal, ("covariance_matrix",))
+    assert rule_of(dist.Normal, ("precision_matrix",)) is rule_of(dist.Normal)
 
 
 def test_supports():
@@ -119,6 +146,16 @@ CONST_CASES = [
         ),
         jnp.array([[0.4, -0.3], [1.0, 0.2], [-2.0, 0.1]]),
     ),
+    (
+        "mvn-precision",
+        dist.MultivariateNormal(jnp.array([0.5, -1.0, 0.0]), precision_matrix=jnp.asarray(spd(3, 3))),
+        jnp.array([[0.1, 0.2, 0.3], [1.0, -1.0, 2.0]]),
+    ),
+    (
+        "wishart",
+        dist.Wishart(jnp.array([3.5, 6.0]), scale_matrix=jnp.stack([jnp.asarray(spd(4, 3)), jnp.eye(3)])),
+        jnp.stack([jnp.asarray(spd(5, 3)), jnp.asarray(spd(6, 3))]),
+    ),
     ("half-normal", dist.HalfNormal(jnp.array([0.5, 1.0, 3.0])), jnp.array([0.2, 1.7, 0.05])),
     ("gamma", dist.Gamma(jnp.array([0.5, 1.0, 4.0]), jnp.array([2.0, 0.3, 1.0])), jnp.array([0.7, 1e-3, 5.0])),
     ("gamma-a1", dist.Gamma(1.0, 2.0), jnp.array([1e-8, 1.0])),
@@ -150,16 +187,17 @@ CONST_CASES = [
 
 
 def test_const_table_covers_every_rule():
-    covered = {type(d) for _, d, _ in CONST_CASES}
+    covered = {registry_key(d) for _, d, _ in CONST_CASES}
     assert set(registered_rules()) <= covered
 
 
 @pytest.mark.parametrize("name, d, value", CONST_CASES, ids=[c[0] for c in CONST_CASES])
 def test_point_masses_give_log_prob(name, d, value):
-    rule = rule_of(type(d))
-    args = {n: Const(jnp.asarray(getattr(d, n))) for n in rule.arg_names}
+    given = given_matrices(d)
+    rule = rule_of(type(d), tuple(given))
+    args = {n: Const(jnp.asarray(given[n] if n in given else getattr(d, n))) for n in rule.arg_names}
     out, expected = jax.jit(lambda v, a: (rule.expected_log_prob(v, **a), d.log_prob(v.value)))(Const(value), args)
-    if type(d) in DECLARED:
+    if registry_key(d) in DECLARED:
         assert out.shape == expected.shape
     else:  # rules of constant factors may return a scalar that broadcasts
         assert jnp.broadcast_shapes(out.shape, expected.shape) == expected.shape
@@ -510,7 +548,60 @@ def mc_gaussian_random_walk_log_normal_scale(rng):
     return {"value": gs.affine(jx, 0.0), "scale": log_normal(gs, js, -0.3)}, log_prob
 
 
+def wishart_block(rng, batch, dim):
+    """Wishart(ν, W) parameters of ``batch`` elements, their moment object and a sampler."""
+    df = dim + 1.0 + rng.uniform(0.5, 5.0, size=batch)
+    scale = np.stack([spd(int(rng.integers(1000)), dim) for _ in range(batch)])
+    mean = df[:, None, None] * scale
+    logdet = (
+        special.digamma(0.5 * (df[:, None] - np.arange(dim))).sum(-1)
+        + dim * math.log(2.0)
+        + np.linalg.slogdet(scale)[1]
+    )
+
+    def draw(rng, n):
+        return np.stack([stats.wishart(df[b], scale[b]).rvs(n, random_state=rng) for b in range(batch)], axis=1)
+
+    return WishartIdentity(mean, logdet), draw
+
+
+def mc_wishart(rng):
+    value, draw = wishart_block(rng, 2, 3)
+    df0, scale0 = np.array([4.0, 5.5]), np.stack([spd(7, 3), 2.0 * np.eye(3)])
+    moments = {"value": value, "concentration": Const(df0), "scale_tril": Const(np.linalg.cholesky(scale0))}
+
+    def log_prob(rng, n):
+        lam = draw(rng, n)
+        return np.stack([stats.wishart(df0[b], scale0[b]).logpdf(np.moveaxis(lam[:, b], 0, -1)) for b in range(2)], -1)
+
+    return moments, log_prob
+
+
+def mc_mvn_precision_wishart(rng):
+    # x (N = 4, const) ~ N(loc, Λ⁻¹) with loc a Gaussian block and Λ a Wishart block read
+    # at elements [0, 1, 1, 0] (a mixture's components gathered by its labels)
+    gs = Gaussians(rng, (3,))
+    y = rng.normal(size=(4, 3))
+    wish, draw = wishart_block(rng, 2, 3)
+    labels = np.array([0, 1, 1, 0])
+    jl = (np.eye(3),)
+    moments = {
+        "value": Const(y),
+        "loc": gs.affine(jl, 0.0),
+        "precision_matrix": WishartIdentity(wish.mean_matrix[labels], wish.mean_logdet[labels]),
+    }
+
+    def log_prob(rng, n):
+        loc = gs.apply(jl, 0.0, gs.sample(rng, n))[:, None, :]
+        prec = draw(rng, n)[:, labels]
+        return mvn_logpdf(y, loc, np.linalg.cholesky(np.linalg.inv(prec)))
+
+    return moments, log_prob
+
+
 MC_CASES = [
+    (dist.Wishart, mc_wishart),
+    ((dist.MultivariateNormal, ("precision_matrix",)), mc_mvn_precision_wishart),
     (dist.Normal, mc_normal),
     (dist.Normal, mc_normal_log_normal_scale),
     (dist.Poisson, mc_poisson_log_link),

@@ -26,6 +26,7 @@ from blrppl.families.gaussian_banded import (
     BandedPrecisionNormal,
     GaussianBanded,
 )
+from blrppl.families.wishart import Wishart, WishartNat, WishartRuleView, WishartView
 
 #: family name → family class (``GaussianDense``, ``Dirichlet`` and ``Categorical`` take
 #: the event dimension as their one argument, the others none; ``Family.for_value`` builds
@@ -33,7 +34,7 @@ from blrppl.families.gaussian_banded import (
 #: support: the more specific before the more general (Bernoulli before Categorical).
 FAMILIES: dict[str, type[Family]] = {
     family.name: family
-    for family in (GaussianDense, GaussianDiag, Gamma, Beta, Dirichlet, Bernoulli, Categorical)
+    for family in (GaussianDense, GaussianDiag, Gamma, Beta, Dirichlet, Wishart, Bernoulli, Categorical)
 }
 
 __all__ = [
@@ -74,4 +75,8 @@ __all__ = [
     "GaussianNat",
     "GaussianView",
     "MarkovChainPosterior",
+    "Wishart",
+    "WishartNat",
+    "WishartRuleView",
+    "WishartView",
 ]

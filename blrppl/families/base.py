@@ -58,7 +58,7 @@ class Family:
     #: the NamedTuple type of :meth:`view` (its fields name the guide's parameters)
     view_type: ClassVar[type] = tuple
     #: the support of the latents the family represents: ``"real"``, ``"positive"``,
-    #: ``"unit_interval"``, ``"simplex"`` or ``"discrete"`` (a Gaussian also represents any
+    #: ``"unit_interval"``, ``"simplex"``, ``"positive_definite"`` or ``"discrete"`` (a Gaussian also represents any
     #: other support on its unconstrained space)
     support: ClassVar[str] = "real"
     #: the kind of moments (:mod:`blrppl.moments`) of an argument that is the latent itself,
@@ -67,6 +67,10 @@ class Family:
     #: whether any power c·x^a of the latent (not only x itself) has closed-form moments of
     #: :attr:`argument_kind` (a Gamma's E[x^k] and E[log x])
     any_power: ClassVar[bool] = False
+    #: whether an argument that is the latent itself must read whole events in place, each
+    #: possibly times a constant (a Wishart's E[log|Λ|] is not an expectation of Λ's entries:
+    #: no sub-matrices; E[log|cΛ|] = D log c + E[log|Λ|])
+    whole_events: ClassVar[bool] = False
     #: whether the family is the default for latents of its support (the first native family
     #: in :data:`blrppl.families.FAMILIES` that :meth:`fits` them)
     native: ClassVar[bool] = False

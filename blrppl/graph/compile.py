@@ -48,6 +48,8 @@ def _support_kind(support) -> str:
         return "unit_interval"
     if base is constraints.simplex:
         return "simplex"
+    if base is constraints.positive_definite:
+        return "positive_definite"
     return str(base)
 
 
@@ -214,7 +216,7 @@ def compile_model(
     unconstrained = {r.name: r.unconstrained_init for r in latent if r.unconstrained_init is not None}
     # params are not sites with a density: they are inputs of the factors, never factors
     records = collections.OrderedDict((n, r) for n, r in records.items() if not r.is_param)
-    rules = {r.name: (None if r.is_factor else find_rule(r.dist_type)) for r in records.values()}
+    rules = {r.name: (None if r.is_factor else find_rule(r.dist_type, r.given)) for r in records.values()}
     # the model's program, traced once and shared by every evaluation below and by the fit
     program = ModelProgram(model)
     deps, forms, elementwise, primitives = _dependencies(

@@ -64,6 +64,8 @@ class SiteRecord:
         unconstrained_init: a continuous latent's ``init_value`` mapped to the unconstrained
             space by ``biject_to(support)`` (None when the support's parameters depend on
             other latents, or for other sites).
+        given: the matrices the distribution was built from that its pytree drops
+            (:data:`GIVEN_MATRICES`), by name: a rule for that parameterisation reads them.
         is_param: a ``numpyro.param`` site: not random, fitted as a point estimate of the
             model's log density in its own (constrained) space; ``support`` is its
             constraint, ``event_ndim`` its ``event_dim`` (all its dims when unspecified) and
@@ -85,6 +87,7 @@ class SiteRecord:
     init_value: Any
     is_param: bool = False
     unconstrained_init: Any = None
+    given: tuple = ()
 
     @property
     def dist_name(self) -> str:
@@ -127,6 +130,19 @@ def unwrap(fn):
             fn = fn.base_dist
         else:
             return fn, reinterpreted, mask
+
+
+#: matrices a distribution keeps as given beside its pytree leaves: numpyro's
+#: ``MultivariateNormal(loc, precision_matrix=Λ)`` holds Λ but flattens to (loc, scale_tril),
+#: a function of Λ no rule reads; the precision itself is conjugate to a Wishart block
+GIVEN_MATRICES = ("precision_matrix",)
+
+
+def given_matrices(base) -> dict:
+    """The :data:`GIVEN_MATRICES` an unwrapped distribution was built from, by name (read
+    before anything touches its lazy properties, which cache under the same names)."""
+    held = vars(base)
+    return {a: held[a] for a in GIVEN_MATRICES if a in held}
 
 
 def reduce_wrapped(fn, elementwise):
@@ -483,6 +499,7 @@ def trace_model(
             observed=observed,
             is_factor=info["is_factor"],
             dist_type=info["dist_type"],
+            given=info["given"],
             reinterpreted_ndim=info["reinterpreted_ndim"],
             has_mask=info["has_mask"],
             value_shape=tuple(value.shape),
@@ -639,6 +656,7 @@ def _run_once(model, spec, init_strategy, meta, dyn, rng_key):
             continue
         fn = site["fn"]
         base, reinterpreted, mask = unwrap(fn)
+        given = tuple(given_matrices(base))
         support = effective_support(fn)
         if isinstance(support, constraints._IntegerInterval):
             bounds[name] = (jnp.asarray(support.lower_bound), jnp.asarray(support.upper_bound))
@@ -679,6 +697,7 @@ def _run_once(model, spec, init_strategy, meta, dyn, rng_key):
                 "observed": bool(site["is_observed"]),
                 "is_factor": isinstance(base, dist.Unit),
                 "dist_type": type(base),
+                "given": given,
                 "reinterpreted_ndim": reinterpreted,
                 "has_mask": mask is not None,
                 "event_ndim": fn.event_dim,

@@ -82,3 +82,51 @@ def multivariate_normal_expected_log_prob(value, loc, scale_tril):
         out = out - 0.5 * jnp.trace(w, axis1=-2, axis2=-1)
     shape = lax.broadcast_shapes(batch_shape(value, loc, event_ndim=1), chol.shape[:-2])
     return broadcast_batch(out, shape)
+
+
+@register_rule(
+    dist.MultivariateNormal,
+    kinds={
+        "value": ("const", "affine_gaussian"),
+        "loc": ("const", "affine_gaussian"),
+        "precision_matrix": ("const", "wishart"),
+    },
+    event_ndim=1,
+    given=("precision_matrix",),
+)
+def multivariate_normal_precision_expected_log_prob(value, loc, precision_matrix):
+    r"""E_q[log N(x | loc, Λ⁻¹)] for x ∈ R^D, of a ``MultivariateNormal`` built from its
+    precision matrix Λ (a constant, or a Wishart block), summed over the event dim.
+
+    .. math::
+        L = -\tfrac{D}{2}\log 2\pi + \tfrac12 E[\log|Λ|]
+            - \tfrac12 \operatorname{tr}\!\big(E[Λ]\,(m_d m_d^\top + \mathrm{Cov}_d)\big),
+
+    with d = x − loc, m_d = E[d], Cov_d = Cov[d] over the event dim (Λ is independent of
+    x and loc under q). L is linear in the Wishart block's mean parameters
+    (E[Λ], E[log|Λ|]) and quadratic in the Gaussian blocks: conjugate to both.
+
+    Messages λ̃ = ∇_μ L (natural parameters):
+
+    * → Wishart block of Λ (T = (Λ, log|Λ|)): (−½ E[d dᵀ], ½);
+    * → Gaussian block of loc = w (x const): (E[Λ] x, −½ E[Λ]);  → x = w: (E[Λ] loc, −½ E[Λ]).
+
+    Args:
+        value: x (*, D), const or affine_gaussian.
+        loc: (*, D), const or affine_gaussian.
+        precision_matrix: Λ (*, D, D), const or wishart (whole matrices).
+
+    Returns:
+        L with the broadcast batch shape (event dim summed out).
+    """
+    prec = precision_matrix.mean()
+    size = prec.shape[-1]
+    d = value - loc
+    m_d = jnp.asarray(d.mean())
+    quad = jnp.einsum("...i,...ij,...j->...", m_d, prec, m_d)
+    out = -0.5 * size * LOG_2PI + 0.5 * precision_matrix.expect_logdet() - 0.5 * quad
+    if isinstance(d, AffineGaussian):
+        cov = _random_part(d, size).cov_event(1)
+        out = out - 0.5 * jnp.sum(prec * cov, axis=(-2, -1))
+    shape = lax.broadcast_shapes(batch_shape(value, loc, event_ndim=1), prec.shape[:-2])
+    return broadcast_batch(out, shape)

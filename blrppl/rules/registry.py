@@ -14,7 +14,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Mapping
 
-_RULES: dict[type, "Rule"] = {}
+#: dist_type → its rule; (dist_type, given) → the rule of a parameterisation (a
+#: distribution built from matrices its pytree drops, see ``given`` of :func:`register_rule`)
+_RULES: dict = {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +32,9 @@ class Rule:
         conjugate_powers: for arguments that may be a power c·τ^a of a Gamma block, the
             exponents a for which L is linear in τ's expectation parameters (E log τ, E τ),
             i.e. the factor is conjugate to the Gamma block (e.g. a Normal scale τ^−½).
+        given: the constructor matrices the rule reads that the distribution's pytree drops
+            (``("precision_matrix",)`` for a ``MultivariateNormal`` built from its
+            precision), or ``()`` for the rule of every other parameterisation.
         event_window: for a rule with event dims, w when it reads covariances of the value
             only between positions of the last axis at most w − 1 apart (a random walk's
             increments: 2), else None (any two positions of an event). A chain's banded
@@ -43,6 +48,7 @@ class Rule:
     event_ndim: int = 0
     conjugate_powers: Mapping[str, tuple] = dataclasses.field(default_factory=dict)
     event_window: int | None = None
+    given: tuple = ()
 
     def supports(self, kinds: Mapping[str, str]) -> bool:
         """Whether the rule has a closed form for arguments of these kinds."""
@@ -56,18 +62,20 @@ def register_rule(
     event_ndim: int = 0,
     conjugate_powers: Mapping[str, tuple] | None = None,
     event_window: int | None = None,
+    given: tuple = (),
 ):
     """Decorator registering ``f(value, **args)`` as the rule of ``dist_type``.
 
     ``kinds`` maps ``"value"`` and every argument name to the moment kinds accepted; its
     keys other than ``"value"`` are the argument names, in order. ``conjugate_powers``
     maps arguments to the Gamma-block exponents for which the rule is conjugate;
-    ``event_window`` see :class:`Rule`.
+    ``event_window`` see :class:`Rule`. ``given``: the rule of the distributions built from
+    these matrices (the default rule serves the others).
     """
 
     def decorate(fn):
         arg_names = tuple(k for k in kinds if k != "value")
-        _RULES[dist_type] = Rule(
+        _RULES[(dist_type, tuple(given)) if given else dist_type] = Rule(
             dist_type=dist_type,
             arg_names=arg_names,
             kinds={k: frozenset(v) for k, v in kinds.items()},
@@ -75,20 +83,26 @@ def register_rule(
             event_ndim=event_ndim,
             conjugate_powers=dict(conjugate_powers or {}),
             event_window=event_window,
+            given=tuple(given),
         )
         return fn
 
     return decorate
 
 
-def find_rule(dist_type: type) -> Rule | None:
-    """The rule registered for ``dist_type`` (or its nearest registered base class)."""
+def find_rule(dist_type: type, given: tuple = ()) -> Rule | None:
+    """The rule registered for ``dist_type`` (or its nearest registered base class) built
+    from the matrices ``given``: the parameterisation's own rule when there is one, else
+    the type's rule."""
     for cls in dist_type.__mro__:
+        if given and (cls, tuple(given)) in _RULES:
+            return _RULES[(cls, tuple(given))]
         if cls in _RULES:
             return _RULES[cls]
     return None
 
 
-def registered_rules() -> dict[type, Rule]:
-    """A copy of the registry."""
+def registered_rules() -> dict:
+    """A copy of the registry: dist_type → rule, and (dist_type, given) → the rule of that
+    parameterisation."""
     return dict(_RULES)
