@@ -114,8 +114,12 @@ def test_pca_section_puts_blrppl_and_bayespy_side_by_side():
     ]
     text = report.markdown([], pca_rows=rows)
     # 20 ms against 4 ms per iteration: 5× slower
-    assert "| 20 | 500 | 10 | 20.0 | 4.0 | 5.0× | -100.0 | -120.0 | 3.0 (40) | 0.5 (30) | -90.0 | -95.0 |" in text
+    assert "| 20 | 500 | 10 | 20.0 | 4.0 | 5.00× | -100.0 | -120.0 | 3.0 (40) | 0.5 (30) | -90.0 | -95.0 |" in text
     assert "| 100 | 2,000 | 40 | not run (work per step) | – | – | – | – | – | – | – | – |" in text
+    gmm = [{"K": 10, "N": 200, "D": 2, "steps": 10, "blr": {**blr, "per_step": 0.001}, "bayespy": None}]
+    text = report.markdown([], gmm_rows=gmm)
+    assert "Wishart precisions side by side with BayesPy" in text
+    assert "| 10 | 200 | 2 | 1.0 | – | – | -100.0 | – | 3.0 (40) | – | -90.0 | – |" in text
 
 
 def test_hand_written_blr_loop_reaches_the_variational_fixed_point():

@@ -135,7 +135,7 @@ def main(argv=None) -> int:
         acc = runs[-1].accuracy
         print("  max |mean err| / ref sd: " + ", ".join(
             f"{m} {a['max_mean_err_sd']:.3g}" for m, a in acc.items()), flush=True)
-    rows, dense, sites, hand, chains, hmms, pcas = [], [], [], [], [], [], []
+    rows, dense, sites, hand, chains, hmms, pcas, gmms = [], [], [], [], [], [], [], []
     if do_scaling:
         print("scaling (BLR, logistic regression, D=10):", flush=True)
         sizes = [n for n in (1_000, 10_000, 100_000, 1_000_000) if n <= args.scaling_max]
@@ -159,6 +159,9 @@ def main(argv=None) -> int:
         print("probabilistic PCA (BayesPy's timing problems, side by side when bayespy is installed):", flush=True)
         pcas = runner.vmp_pca(log=lambda s: print(s, flush=True))
         _clear_compiled()
+        print("Gaussian mixture with Wishart precisions (BayesPy's timing problems):", flush=True)
+        gmms = runner.vmp_gmm(log=lambda s: print(s, flush=True))
+        _clear_compiled()
     out.mkdir(parents=True, exist_ok=True)
     plots = {} if args.no_plots else report.plots(runs, rows, out / "benchmarks", doc_dir=out)
     settings = {
@@ -171,7 +174,7 @@ def main(argv=None) -> int:
         + ("this run's NUTS" if args.no_reference else
            f"NUTS {runner.REF_CHAINS} chains × ({runner.REF_WARMUP} + {runner.REF_SAMPLES}) cached in {runner.cache_dir()}"),
     }
-    text = report.markdown(runs, rows, settings, plots, dense, sites, hand, chains, hmms, pcas)
+    text = report.markdown(runs, rows, settings, plots, dense, sites, hand, chains, hmms, pcas, gmms)
     path = out / "benchmarks.md"
     path.write_text(text)
     print(f"wrote {path} ({time.perf_counter() - t0:.0f} s in all)", flush=True)

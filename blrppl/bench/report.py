@@ -44,7 +44,7 @@ def _yes(x):
 
 def markdown(
     runs, scaling_rows=None, settings: dict | None = None, plots: dict | None = None, dense_rows=None,
-    site_rows=None, hand_rows=None, chain_rows=None, hmm_rows=None, pca_rows=None,
+    site_rows=None, hand_rows=None, chain_rows=None, hmm_rows=None, pca_rows=None, gmm_rows=None,
 ) -> str:
     """The report as markdown."""
     lines = ["# Benchmarks", ""]
@@ -141,6 +141,7 @@ def markdown(
             )
     lines += _site_section(site_rows) + _hand_section(hand_rows) + _chain_section(chain_rows) + _hmm_section(hmm_rows)
     lines += _pca_section(pca_rows)
+    lines += _gmm_section(gmm_rows)
     if plots:
         lines += ["", "## Plots", ""]
         for title, path in plots.items():
@@ -276,6 +277,42 @@ def _chain_section(rows) -> list:
     return lines
 
 
+#: the columns of a side-by-side VMP table after its size columns
+_VMP_COLUMNS = (
+    "blrppl ms / it | BayesPy ms / it | ratio | blrppl bound | BayesPy bound | blrppl full fit s (steps) | "
+    "BayesPy full fit s (its) | blrppl final bound | BayesPy final bound |"
+)
+
+
+def _vmp_cells(r) -> str:
+    """A side-by-side VMP row's cells after its size columns (``ratio``: blrppl's time per
+    iteration over BayesPy's, below 1 when blrppl is faster)."""
+    b, bp = r["blr"] or {}, r["bayespy"] or {}
+    ratio = b["per_step"] / bp["per_iter"] if b and bp else None
+
+    def num(d, key, fmt="{:.1f}", scale=1.0):
+        return _f(scale * d[key], fmt) if d and d.get(key) is not None else "–"
+
+    def full(d):
+        return f"{d['full_wall']:.1f} ({d['full_steps']})" if d else "–"
+
+    return (
+        f"{num(b, 'per_step', scale=1e3) if b else 'not run (work per step)'} | {num(bp, 'per_iter', scale=1e3)} | "
+        f"{f'{ratio:.2f}×' if ratio else '–'} | {num(b, 'elbo')} | {num(bp, 'elbo')} | {full(b)} | {full(bp)} | "
+        f"{num(b, 'full_elbo')} | {num(bp, 'full_elbo')} |"
+    )
+
+
+def _vmp_note(rows) -> str:
+    return (
+        f"The same data, {rows[0]['steps']} iterations each: ms per iteration (compile excluded; BayesPy's median "
+        "after the first) and the lower bound reached (different random starts: equal bounds are not expected "
+        "after few iterations). Then a full fit of each to its own convergence test, wall time (blrppl's compile "
+        "included). Target (issue): blrppl at least 10× faster per iteration (ratio ≤ 0.1×). BayesPy columns are – "
+        "when the optional `bayespy` package is not installed."
+    )
+
+
 def _pca_section(rows) -> list:
     if not rows:
         return []
@@ -284,33 +321,30 @@ def _pca_section(rows) -> list:
         "## Classic VMP: probabilistic PCA side by side with BayesPy",
         "",
         "BayesPy's PCA timing problems (`blrppl.bench.runner.pca_model`: ARD on the loadings, Gamma(10⁻³, 10⁻³) "
-        "priors, the same factorisation q(α) q(C rows) q(X rows) q(τ)), the same data, "
-        f"{rows[0]['steps']} iterations each: ms per iteration (compile excluded; BayesPy's median after the "
-        "first) and the lower bound reached (different random starts: equal bounds are not expected after few "
-        "iterations). Then a full fit of each to its own convergence test, wall time (blrppl's compile "
-        "included). Target (issue): blrppl at least 10× faster per iteration. BayesPy columns are – when the "
-        "optional `bayespy` package is not installed.",
+        "priors, the same factorisation q(α) q(C rows) q(X rows) q(τ)). " + _vmp_note(rows),
         "",
-        "| M | N | D | blrppl ms / it | BayesPy ms / it | ratio | blrppl bound | BayesPy bound | blrppl full fit s "
-        "(steps) | BayesPy full fit s (its) | blrppl final bound | BayesPy final bound |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| M | N | D | " + _VMP_COLUMNS,
+        "|---" * 12 + "|",
     ]
-    for r in rows:
-        b, bp = r["blr"] or {}, r["bayespy"] or {}
-        ratio = b["per_step"] / bp["per_iter"] if b and bp else None
+    lines += [f"| {r['M']} | {r['N']:,} | {r['D']} | " + _vmp_cells(r) for r in rows]
+    return lines
 
-        def num(d, key, fmt="{:.1f}", scale=1.0):
-            return _f(scale * d[key], fmt) if d and d.get(key) is not None else "–"
 
-        def full(d, steps):
-            return f"{d['full_wall']:.1f} ({d[steps]})" if d else "–"
-
-        lines.append(
-            f"| {r['M']} | {r['N']:,} | {r['D']} | {num(b, 'per_step', scale=1e3) if b else 'not run (work per step)'} | "
-            f"{num(bp, 'per_iter', scale=1e3)} | {f'{ratio:.1f}×' if ratio else '–'} | {num(b, 'elbo')} | "
-            f"{num(bp, 'elbo')} | {full(b, 'full_steps')} | {full(bp, 'full_steps')} | {num(b, 'full_elbo')} | "
-            f"{num(bp, 'full_elbo')} |"
-        )
+def _gmm_section(rows) -> list:
+    if not rows:
+        return []
+    lines = [
+        "",
+        "## Classic VMP: Gaussian mixture with Wishart precisions side by side with BayesPy",
+        "",
+        "BayesPy's mixture timing problems (`blrppl.bench.runner.gmm_model`: Dirichlet(10⁻⁵) weights, "
+        "N(0, 10⁵ I) means, Wishart(D, rate 10⁻⁵ I) precisions, the same factorisation q(π) q(μ_k) q(Λ_k) "
+        "q(z_n)). " + _vmp_note(rows),
+        "",
+        "| K | N | D | " + _VMP_COLUMNS,
+        "|---" * 12 + "|",
+    ]
+    lines += [f"| {r['K']} | {r['N']:,} | {r['D']} | " + _vmp_cells(r) for r in rows]
     return lines
 
 
