@@ -333,3 +333,44 @@ def test_only_whole_matrices_are_read_as_the_wishart_block(read, exact):
     fit = blr_fit(_reading(read), (x,), num_steps=2, progress_bar=False)
     text = fit.plan.describe()
     assert (fit.plan.blocks[0].family.name == "wishart") == exact, text
+
+
+# ------------------------------------------- correlated random effects (a hierarchical model)
+
+G = 12
+
+
+def random_effects(g, x, y=None):
+    """Per-group intercept and slope with an unknown precision, as a NumPyro user writes it."""
+    mu = numpyro.sample("mu", dist.Normal(0.0, 5.0).expand([2]).to_event(1))
+    Lam = numpyro.sample("Lam", dist.Wishart(3.0, scale_matrix=jnp.eye(2)))
+    tau = numpyro.sample("tau", dist.Gamma(1.0, 1.0))
+    with numpyro.plate("groups", G):
+        b = numpyro.sample("b", dist.MultivariateNormal(mu, precision_matrix=Lam))
+    with numpyro.plate("obs", len(x)):
+        numpyro.sample("y", dist.Normal(b[g, 0] + b[g, 1] * x, 1 / jnp.sqrt(tau)), obs=y)
+
+
+def test_precision_of_random_effects_is_the_textbook_update():
+    """With both the value (b_g) and the loc (μ) Gaussian, one step of the precision is
+    ν = 3 + G, W⁻¹ = I + Σ_g E[(b_g − μ)(b_g − μ)ᵀ] from the newest q(μ), q(b) (mean-field:
+    those updated before q(Λ) in the plan's order from this step, the others from the last)."""
+    rng = np.random.default_rng(0)
+    g, x = rng.integers(G, size=120), rng.normal(size=120)
+    b = rng.multivariate_normal([1.0, -0.5], [[0.5, 0.3], [0.3, 0.4]], size=G)
+    y = b[g, 0] + b[g, 1] * x + 0.3 * rng.normal(size=120)
+    fits = [
+        blr_fit(random_effects, (g, x, y), structure="mean-field", num_steps=n, tol=1e-30, progress_bar=False)
+        for n in (4, 5)
+    ]
+    text = fits[0].plan.describe()
+    assert "value:affine_gaussian, loc:affine_gaussian, precision_matrix:wishart" in text, text
+    assert all(conj for _, conj in fits[0].plan.conjugate), text
+    order = [blk.name for blk in fits[0].plan.blocks]
+    newest = {n: fits[1] if order.index(n) < order.index("Lam") else fits[0] for n in ("mu", "b")}
+    q_mu, q_b = newest["mu"].posterior["mu"], newest["b"].posterior["b"]
+    d = np.asarray(q_b.mean) - np.asarray(q_mu.mean)
+    scatter = (np.asarray(q_b.covariance_matrix) + np.asarray(q_mu.covariance_matrix)).sum(0) + d.T @ d
+    q = fits[1].posterior["Lam"]
+    np.testing.assert_allclose(q.concentration, 3.0 + G, rtol=1e-12)
+    np.testing.assert_allclose(q.scale_matrix, np.linalg.inv(np.eye(2) + scatter), rtol=1e-9)
