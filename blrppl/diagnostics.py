@@ -36,15 +36,19 @@ import numpy as np
 from jax.scipy.special import logsumexp
 
 #: draws of q for k̂ (the tail fit uses the largest min(0.2 S, 3 √S) = 95 of them); fewer, down
-#: to MIN_DRAWS, when the data are large (see :func:`num_draws`)
+#: to MIN_DRAWS, when the data (times the enumerated values of discrete latents) are large (see
+#: :func:`num_draws`)
 NUM_DRAWS = 1000
 #: the fewest draws (large data)
 MIN_DRAWS = 100
-#: the most draw × data-element model evaluations the diagnostic spends
+#: the most draw × data-element model evaluations the diagnostic spends (an element evaluated at
+#: each of K enumerated values counts K times)
 EVALUATIONS = 100_000_000
-#: draws evaluated at once when the data are large (memory: BATCH model evaluations)
+#: the most draws evaluated at once when the data are large (memory: BATCH model evaluations)
 BATCH = 50
-#: below this many draw × data elements, every draw is evaluated at once
+#: the most draw × data-element evaluations held at once: below it every draw is evaluated at
+#: once, above it draws go in batches of at most BATCH (at least one) and enumerated values one
+#: at a time
 VMAP_ALL = 5_000_000
 #: above this k̂, q is a poor approximation (a UserWarning says so)
 KHAT_WARN = 0.7
@@ -159,12 +163,25 @@ def _reduce_to(x, shape):
     return jnp.broadcast_to(x, shape)
 
 
-def num_draws(data_shapes) -> int:
+def num_draws(data_shapes, enumerated: int = 1) -> int:
     """:data:`NUM_DRAWS`, or fewer (a multiple of :data:`BATCH`, at least :data:`MIN_DRAWS`)
-    when the data have more than :data:`EVALUATIONS` / NUM_DRAWS elements."""
-    size = max(sum(int(np.prod(np.shape(x))) for x in jax.tree.leaves(data_shapes)), 1)
+    when the data, each element evaluated ``enumerated`` times (the values of its discrete
+    latents summed out), have more than :data:`EVALUATIONS` / NUM_DRAWS elements."""
+    size = max(sum(int(np.prod(np.shape(x))) for x in jax.tree.leaves(data_shapes)), 1) * max(enumerated, 1)
     affordable = (EVALUATIONS // size) // BATCH * BATCH
     return int(min(NUM_DRAWS, max(MIN_DRAWS, affordable)))
+
+
+def draws_at_once(work_per_draw: int, num: int) -> int:
+    """How many of ``num`` draws to evaluate at once (a divisor of ``num``): all of them when
+    ``num · work_per_draw`` ≤ :data:`VMAP_ALL`, else the most, at most :data:`BATCH`, whose
+    work fits in VMAP_ALL (at least one)."""
+    if num * work_per_draw <= VMAP_ALL:
+        return num
+    batch = max(1, min(BATCH, VMAP_ALL // max(work_per_draw, 1)))
+    while num % batch:
+        batch -= 1
+    return batch
 
 
 def make_log_weights(plan, fns, records, data_shapes, batch: int = BATCH):
@@ -238,7 +255,10 @@ def make_log_weights(plan, fns, records, data_shapes, batch: int = BATCH):
                 lp = fns.log_probs(names, vals, data)
                 return sum(_reduce_to(_scaled(v, s), shape) for v, s in lp.values())
 
-            per_combo = jax.vmap(one)(jnp.asarray(combos))
+            if len(combos) * data_size > VMAP_ALL:  # memory: one enumerated value at a time
+                per_combo = jax.lax.map(one, jnp.asarray(combos))
+            else:
+                per_combo = jax.vmap(one)(jnp.asarray(combos))
             total = total + jnp.sum(logsumexp(per_combo, axis=0))
         return total
 
@@ -254,16 +274,21 @@ def make_log_weights(plan, fns, records, data_shapes, batch: int = BATCH):
         return log_joint(values, data) + log_det - log_q
 
     data_size = sum(int(np.prod(np.shape(x))) for x in jax.tree.leaves(data_shapes))
-    num = num_draws(data_shapes)
+    # (each data element is evaluated at every enumerated value of its group's discrete latents)
+    enumerated = sum(math.prod(len(blocks[d].support_values) for d in group) for group in groups) or 1
+    num = num_draws(data_shapes, enumerated)
+    at_once = draws_at_once(max(data_size, 1) * enumerated, num)
+    if at_once < num:
+        at_once = max(d for d in range(1, min(batch, at_once) + 1) if num % d == 0)
 
     def log_weights(nat, data, key):
         fixed_values = point_values(nat)
         keys = jax.random.split(key, num)
         draw = jax.vmap(lambda k: one_draw(nat, data, k, fixed_values))
-        if num * max(data_size, 1) <= VMAP_ALL:
+        if at_once == num:
             return draw(keys)
-        # large data: BATCH draws at a time (memory: BATCH model evaluations)
-        return jax.lax.map(draw, keys.reshape((num // batch, batch))).reshape(-1)
+        # large data: a few draws at a time (memory: that many model evaluations)
+        return jax.lax.map(draw, keys.reshape((num // at_once, at_once))).reshape(-1)
 
     return log_weights
 

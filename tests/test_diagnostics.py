@@ -15,7 +15,7 @@ from jax import random
 
 import reference_models as rm
 from blrppl import blr_fit
-from blrppl.diagnostics import KHAT_WARN, NUM_DRAWS, psis_khat
+from blrppl.diagnostics import KHAT_WARN, NUM_DRAWS, VMAP_ALL, draws_at_once, num_draws, psis_khat
 
 numpyro.enable_x64()
 
@@ -109,3 +109,14 @@ def test_prior_only_multimodal_model_is_flagged():
     with pytest.warns(UserWarning, match="poor approximation"):
         result = fit(model, None)
     assert result.diagnostics.khat > KHAT_WARN
+
+
+def test_draws_are_budgeted_by_the_enumerated_evaluations():
+    """A mixture with K = 40 components and N·D = 20,000 data evaluates each element at the 40
+    values of its label: 100 draws (not 1000), 5 at a time (5 × 40 × 20,000 ≤ VMAP_ALL), where
+    the 1,000 draws 50 at a time of the unenumerated count held 7 GB in the bench's mixture."""
+    data = {"X": np.zeros((2000, 10))}
+    assert num_draws(data) == 1000
+    assert num_draws(data, enumerated=40) == 100
+    assert draws_at_once(20_000 * 40, 100) == 5 and 5 * 20_000 * 40 <= VMAP_ALL
+    assert draws_at_once(10, 1000) == 1000  # small models: every draw at once
