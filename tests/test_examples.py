@@ -94,3 +94,27 @@ def test_hmm_example():
     np.testing.assert_allclose(loc, [-1.0, 0.5, 2.0], atol=0.25)
     # rows of the transition matrix: ≥ 80 transitions each, standard errors ≤ 0.03
     assert np.all(np.diag(trans) > 0.8)
+
+
+def test_classic_vmp_example():
+    pca, gmm = load("classic_vmp").main()
+    ard = np.sort(np.asarray(pca.posterior["alpha"].mean))
+    # rank 2 data in 4 latent dimensions: two kept (precision about 1), two pruned (precision
+    # hundreds of times larger); the noise sd recovered within 5 %
+    assert ard[1] < 5.0 and ard[2] > 100 * ard[1]
+    assert abs(float(1 / np.sqrt(pca.posterior["tau"].mean)) - 0.3) < 0.015
+    # the mixture: separated components, so each fitted covariance (the inverse of E[Λ]) is
+    # its points' sample covariance, up to the Wishart prior's weight (ν₀ = 3 against 100
+    # points: a few %)
+    mod = load("classic_vmp")
+    x = mod.mixture_data()
+    means = np.asarray(gmm.posterior["mu"].mean)
+    covariances = np.linalg.inv(np.asarray(gmm.posterior["Lam"].mean))
+    for j, centre in enumerate(mod.CENTRES):
+        k = int(np.argmin(np.linalg.norm(means - np.asarray(centre), axis=1)))
+        points = x[100 * j : 100 * (j + 1)]
+        np.testing.assert_allclose(means[k], points.mean(0), atol=0.02)
+        np.testing.assert_allclose(covariances[k], np.cov(points.T, bias=True), atol=0.05)
+    for fit in (pca, gmm):
+        elbo = np.asarray(fit.elbo)
+        assert np.all(np.diff(elbo) >= -1e-9 * np.abs(elbo[1:]))
