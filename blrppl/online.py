@@ -268,13 +268,10 @@ def _mean_params_of_view(family, view):
         return fam.CategoricalNat(view.probs[..., :-1])
     if isinstance(family, fam.Bernoulli):
         return fam.BernoulliNat(view.probs[..., 1])
-    # the μ leaves of a rule view: the message is λ_prev exactly
-    if isinstance(view, fam.GammaRuleView):
-        return fam.GammaNat(view.mean_log, view.mean)
-    if isinstance(view, fam.BetaRuleView):
-        return fam.BetaNat(view.mean_log, view.mean_log1m)
-    if isinstance(view, fam.DirichletRuleView):
-        return fam.DirichletNat(view.mean_log)
+    # the μ leaves of a rule view (Gamma, Beta, Dirichlet, Wishart): the message is λ_prev exactly
+    held = family.mean_params_in(view)
+    if held is not None:
+        return held
     return family.mean_params(family.nat_from_view(view))
 
 

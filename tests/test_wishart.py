@@ -149,6 +149,21 @@ def test_precision_of_a_gaussian_is_exact_in_one_step():
     q = fit.posterior["Lam"]
     np.testing.assert_allclose(q.concentration, 4.0 + seen.sum(), rtol=1e-12)
     np.testing.assert_allclose(q.scale_matrix, np.linalg.inv(np.linalg.inv(w0) + d.T @ d), rtol=1e-10)
+    # the ELBO at the exact posterior is the log evidence: (2π)^(−ND/2) Z_N / Z₀ with
+    # Z = 2^(νD/2) |W|^(ν/2) Γ_D(ν/2) (entropy, log partition and both rules together)
+    def log_z(df, w):
+        return 0.5 * df * 2 * math.log(2.0) + 0.5 * df * np.linalg.slogdet(w)[1] + special.multigammaln(0.5 * df, 2)
+
+    df_n, w_n = 4.0 + seen.sum(), np.linalg.inv(np.linalg.inv(w0) + d.T @ d)
+    evidence = -seen.sum() * math.log(2 * math.pi) + log_z(df_n, w_n) - log_z(4.0, w0)
+    np.testing.assert_allclose(fit.elbo[-1], evidence, rtol=1e-10)
+    # sequential Bayes: the second half's fit with the first half's posterior as its prior
+    # is the batch posterior
+    half = 25
+    first = blr_fit(known_mean, (x[:half], seen[:half]), progress_bar=False)
+    second = blr_fit(known_mean, (x[half:], seen[half:]), prior=first, progress_bar=False)
+    np.testing.assert_allclose(second.posterior["Lam"].concentration, df_n, rtol=1e-12)
+    np.testing.assert_allclose(second.posterior["Lam"].scale_matrix, w_n, rtol=1e-10)
     pred = Predictive(known_mean, guide=fit.guide, params=fit.params, num_samples=7)(random.PRNGKey(1), x, seen)
     assert pred["x"].shape == (7, 50, 2) and np.all(np.isfinite(pred["x"]))
     draws = Predictive(fit.guide, params=fit.params, num_samples=7)(random.PRNGKey(2), x, seen)
