@@ -99,7 +99,7 @@ def test_registered_rules_are_the_declared_ones():
         assert all(set(k) <= set(KINDS) for k in rule.kinds.values())
     for key, (kinds, event_ndim) in DECLARED.items():
         rule = rule_of(*key) if isinstance(key, tuple) else rule_of(key)
-        assert {k: set(v) for k, v in rule.kinds.items()} == kinds, dist_type.__name__
+        assert {k: set(v) for k, v in rule.kinds.items()} == kinds, str(key)
         assert set(rule.arg_names) == set(kinds) - {"value"}
         assert rule.event_ndim == event_ndim
 

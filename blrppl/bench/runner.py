@@ -918,8 +918,7 @@ def pca_data(m: int, n: int, d: int, seed: int = 0) -> np.ndarray:
 
 
 def _bayespy_pca(Y, d: int, iterations: int, seed: int = 0):
-    """BayesPy's own PCA model on the same data and priors: (per-iteration seconds after the
-    first, lower bound after ``iterations``, wall seconds to its convergence test)."""
+    """BayesPy's own PCA model on the same data and priors (:func:`_bayespy_timing`)."""
     from bayespy.inference import VB
     from bayespy.nodes import Gamma, GaussianARD, SumMultiply
 
@@ -935,6 +934,13 @@ def _bayespy_pca(Y, d: int, iterations: int, seed: int = 0):
         C.initialize_from_random()
         return VB(Yn, X, C, alpha, tau)  # X first, from the random C (C first collapses to C = 0)
 
+    return _bayespy_timing(build, iterations)
+
+
+def _bayespy_timing(build, iterations: int) -> dict:
+    """BayesPy's VB of the model ``build()`` returns: ms per iteration (the median after the
+    first) and the bound after ``iterations``, then a fresh full fit to its own convergence
+    test: its wall seconds, iterations and final bound (a bench row's ``bayespy`` entry)."""
     q = build()
     q.update(repeat=iterations, tol=0.0, verbose=False)
     per_iter = float(np.median(q.cputime[1 : q.iter]))
@@ -942,7 +948,30 @@ def _bayespy_pca(Y, d: int, iterations: int, seed: int = 0):
     t0 = time.perf_counter()
     full = build()
     full.update(repeat=10_000, verbose=False)
-    return per_iter, bound, time.perf_counter() - t0, int(full.iter), float(full.compute_lowerbound())
+    return {"per_iter": per_iter, "elbo": bound, "full_wall": time.perf_counter() - t0, "full_steps": int(full.iter),
+            "full_elbo": float(full.compute_lowerbound())}
+
+
+def _blr_timing(model, data, size: int, iterations: int) -> dict:
+    """``blr_fit``'s time per step over ``iterations`` steps (compile excluded) and its bound,
+    then a full fit to its convergence test: wall seconds (compile included), steps, bound."""
+    r = blr_fit(model, data, num_steps=iterations, tol=1e-30, progress_bar=False)
+    row = {**_fit_row(size, r), "elbo": float(r.elbo[-1])}
+    t0 = time.perf_counter()
+    full = blr_fit(model, data, num_steps=2_000, progress_bar=False)
+    row.update(full_wall=time.perf_counter() - t0, full_steps=len(full.elbo), full_elbo=float(full.elbo[-1]))
+    return row
+
+
+def _vmp_log(name: str, b: dict | None, bp: dict | None) -> str:
+    return (
+        f"  {name}: "
+        + ("blrppl not run (too much work per step)" if b is None else
+           f"blrppl {1e3 * b['per_step']:.1f} ms/iteration (compile {b['compile_time']:.1f} s), "
+           f"bound {b['elbo']:.1f}; full fit {b['full_wall']:.1f} s, {b['full_steps']} steps")
+        + ("" if bp is None else f"; BayesPy {1e3 * bp['per_iter']:.1f} ms/iteration, bound {bp['elbo']:.1f}; "
+           f"full fit {bp['full_wall']:.1f} s, {bp['full_steps']} iterations")
+    )
 
 
 def vmp_pca(problems=PCA_PROBLEMS, iterations: int = VMP_ITERATIONS, log=print) -> list:
@@ -958,26 +987,11 @@ def vmp_pca(problems=PCA_PROBLEMS, iterations: int = VMP_ITERATIONS, log=print) 
     for m, n, d in problems:
         Y = pca_data(m, n, d)
         data = {"Y": Y, "latent_dim": d}
-        row = {"M": m, "N": n, "D": d, "blr": None, "bayespy": None, "steps": iterations}
-        if d**3 * m * n <= PCA_MAX_WORK:
-            r = blr_fit(pca_model, data, num_steps=iterations, tol=1e-30, progress_bar=False)
-            row["blr"] = {**_fit_row(n, r), "elbo": float(r.elbo[-1])}
-            t0 = time.perf_counter()
-            full = blr_fit(pca_model, data, num_steps=2_000, progress_bar=False)
-            row["blr"].update(full_wall=time.perf_counter() - t0, full_steps=len(full.elbo), full_elbo=float(full.elbo[-1]))
-        if bayespy is not None:
-            per_iter, bound, wall, its, final = _bayespy_pca(Y, d, iterations)
-            row["bayespy"] = {"per_iter": per_iter, "elbo": bound, "full_wall": wall, "full_steps": its, "full_elbo": final}
+        row = {"M": m, "N": n, "D": d, "steps": iterations}
+        row["blr"] = _blr_timing(pca_model, data, n, iterations) if d**3 * m * n <= PCA_MAX_WORK else None
+        row["bayespy"] = None if bayespy is None else _bayespy_pca(Y, d, iterations)
         rows.append(row)
-        b, bp = row["blr"], row["bayespy"]
-        log(
-            f"  PCA M={m} N={n} D={d}: "
-            + ("blrppl not run (too much work per step)" if b is None else
-               f"blrppl {1e3 * b['per_step']:.1f} ms/iteration (compile {b['compile_time']:.1f} s), "
-               f"bound {b['elbo']:.1f}; full fit {b['full_wall']:.1f} s, {b['full_steps']} steps")
-            + ("" if bp is None else f"; BayesPy {1e3 * bp['per_iter']:.1f} ms/iteration, bound {bp['elbo']:.1f}; "
-               f"full fit {bp['full_wall']:.1f} s, {bp['full_steps']} iterations")
-        )
+        log(_vmp_log(f"PCA M={m} N={n} D={d}", row["blr"], row["bayespy"]))
     return rows
 
 
@@ -1010,9 +1024,7 @@ def gmm_data(k: int, n: int, d: int, seed: int = 0) -> np.ndarray:
 
 
 def _bayespy_gmm(X, k: int, iterations: int, seed: int = 0):
-    """BayesPy's own mixture on the same data and priors: (per-iteration seconds after the
-    first, lower bound after ``iterations``, wall seconds to its convergence test, its
-    iterations, its final bound)."""
+    """BayesPy's own mixture on the same data and priors (:func:`_bayespy_timing`)."""
     from bayespy.inference import VB
     from bayespy.nodes import Categorical, Dirichlet, Gaussian, Mixture, Wishart
 
@@ -1028,14 +1040,7 @@ def _bayespy_gmm(X, k: int, iterations: int, seed: int = 0):
         z.initialize_from_random()
         return VB(y, mu, lam, z, alpha)
 
-    q = build()
-    q.update(repeat=iterations, tol=0.0, verbose=False)
-    per_iter = float(np.median(q.cputime[1 : q.iter]))
-    bound = float(q.compute_lowerbound())
-    t0 = time.perf_counter()
-    full = build()
-    full.update(repeat=10_000, verbose=False)
-    return per_iter, bound, time.perf_counter() - t0, int(full.iter), float(full.compute_lowerbound())
+    return _bayespy_timing(build, iterations)
 
 
 def vmp_gmm(problems=GMM_PROBLEMS, iterations: int = VMP_ITERATIONS, log=print) -> list:
@@ -1051,21 +1056,8 @@ def vmp_gmm(problems=GMM_PROBLEMS, iterations: int = VMP_ITERATIONS, log=print) 
     for k, n, d in problems:
         X = gmm_data(k, n, d)
         data = {"X": X, "num_components": k}
-        r = blr_fit(gmm_model, data, num_steps=iterations, tol=1e-30, progress_bar=False)
-        row = {"K": k, "N": n, "D": d, "steps": iterations, "bayespy": None}
-        row["blr"] = {**_fit_row(n, r), "elbo": float(r.elbo[-1])}
-        t0 = time.perf_counter()
-        full = blr_fit(gmm_model, data, num_steps=2_000, progress_bar=False)
-        row["blr"].update(full_wall=time.perf_counter() - t0, full_steps=len(full.elbo), full_elbo=float(full.elbo[-1]))
-        if bayespy is not None:
-            per_iter, bound, wall, its, final = _bayespy_gmm(X, k, iterations)
-            row["bayespy"] = {"per_iter": per_iter, "elbo": bound, "full_wall": wall, "full_steps": its, "full_elbo": final}
+        row = {"K": k, "N": n, "D": d, "steps": iterations, "blr": _blr_timing(gmm_model, data, n, iterations)}
+        row["bayespy"] = None if bayespy is None else _bayespy_gmm(X, k, iterations)
         rows.append(row)
-        b, bp = row["blr"], row["bayespy"]
-        log(
-            f"  GMM K={k} N={n} D={d}: blrppl {1e3 * b['per_step']:.1f} ms/iteration (compile {b['compile_time']:.1f} s), "
-            f"bound {b['elbo']:.1f}; full fit {b['full_wall']:.1f} s, {b['full_steps']} steps"
-            + ("" if bp is None else f"; BayesPy {1e3 * bp['per_iter']:.1f} ms/iteration, bound {bp['elbo']:.1f}; "
-               f"full fit {bp['full_wall']:.1f} s, {bp['full_steps']} iterations")
-        )
+        log(_vmp_log(f"GMM K={k} N={n} D={d}", row["blr"], row["bayespy"]))
     return rows
