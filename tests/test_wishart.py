@@ -390,3 +390,26 @@ def test_precision_of_random_effects_is_the_textbook_update():
     q = fits[1].posterior["Lam"]
     np.testing.assert_allclose(q.concentration, 3.0 + G, rtol=1e-12)
     np.testing.assert_allclose(q.scale_matrix, np.linalg.inv(np.eye(2) + scatter), rtol=1e-9)
+
+
+def weighted(X, w):
+    Lam = numpyro.sample("Lam", dist.Wishart(3.0, scale_matrix=jnp.eye(2)))
+    with numpyro.plate("data", X.shape[0]):
+        numpyro.sample("x", dist.MultivariateNormal(jnp.zeros(2), precision_matrix=w[:, None, None] * Lam), obs=X)
+
+
+def test_a_precision_times_known_weights_is_exact_in_one_step():
+    """x_n ~ N(0, (w_n Λ)⁻¹): each matrix times its own constant, E[log|w_n Λ|] = D log w_n +
+    E[log|Λ|]: ν = 3 + N, W⁻¹ = I + Σ_n w_n x_n x_nᵀ, and the ELBO is the log evidence."""
+    rng = np.random.default_rng(4)
+    x, w = rng.normal(size=(40, 2)), rng.uniform(0.5, 2.0, size=40)
+    fit = blr_fit(weighted, (x, w), progress_bar=False)
+    assert fit.num_steps == 1, fit.plan.describe()
+    w_n = np.linalg.inv(np.eye(2) + np.einsum("n,ni,nj->ij", w, x, x))
+    np.testing.assert_allclose(fit.posterior["Lam"].scale_matrix, w_n, rtol=1e-10)
+
+    def log_z(df, scale):
+        return df * math.log(2.0) + 0.5 * df * np.linalg.slogdet(scale)[1] + special.multigammaln(0.5 * df, 2)
+
+    evidence = -40 * math.log(2 * math.pi) + np.sum(np.log(w)) + log_z(43.0, w_n) - log_z(3.0, np.eye(2))
+    np.testing.assert_allclose(fit.elbo[-1], evidence, rtol=1e-10)
