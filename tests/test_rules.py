@@ -560,7 +560,14 @@ def wishart_block(rng, batch, dim):
     )
 
     def draw(rng, n):
-        return np.stack([stats.wishart(df[b], scale[b]).rvs(n, random_state=rng) for b in range(batch)], axis=1)
+        # Bartlett: Λ = L A Aᵀ Lᵀ, A lower triangular with √χ²(ν − i) on its diagonal and
+        # N(0, 1) below it (vectorised; scipy's sampler takes seconds for 10⁵ draws)
+        chol = np.linalg.cholesky(scale)
+        a = np.tril(rng.normal(size=(n, batch, dim, dim)), -1)
+        diag = np.sqrt(rng.chisquare(df[:, None] - np.arange(dim), size=(n, batch, dim)))
+        a[..., np.arange(dim), np.arange(dim)] = diag
+        la = chol @ a
+        return la @ np.swapaxes(la, -1, -2)
 
     return WishartIdentity(mean, logdet), draw
 
@@ -571,8 +578,13 @@ def mc_wishart(rng):
     moments = {"value": value, "concentration": Const(df0), "scale_tril": Const(np.linalg.cholesky(scale0))}
 
     def log_prob(rng, n):
+        # the Wishart density by its formula, vectorised (the point-mass table checks the rule's
+        # formula against numpyro; here the draws check the expectations)
         lam = draw(rng, n)
-        return np.stack([stats.wishart(df0[b], scale0[b]).logpdf(np.moveaxis(lam[:, b], 0, -1)) for b in range(2)], -1)
+        logdet = np.linalg.slogdet(lam)[1]
+        trace = np.einsum("bij,nbji->nb", np.linalg.inv(scale0), lam)
+        log_norm = 0.5 * df0 * 3 * math.log(2.0) + 0.5 * df0 * np.linalg.slogdet(scale0)[1] + special.multigammaln(0.5 * df0, 3)
+        return 0.5 * (df0 - 4.0) * logdet - 0.5 * trace - log_norm
 
     return moments, log_prob
 

@@ -767,6 +767,17 @@ def run(prepared: Prepared, state: BLRState, num_steps: int, progress_bar: bool)
                 "and a factor model's posterior is symmetric under sign changes and rotations of its factors; "
                 "compare means of identified quantities with NUTS"
             )
+        elif plan.conjugate and all(conj for _, conj in plan.conjugate):
+            # (every factor closed-form: no Monte Carlo to replace, no joint block to merge into)
+            advice = (
+                "every factor is closed-form, so q is the best of its factorisation into blocks (variational "
+                "message passing), which holds no correlation between blocks"
+                + (
+                    ", and a mixture's posterior is multimodal under relabelling of its components"
+                    if any(b.discrete and not b.chain for b in plan.blocks) else ""
+                )
+                + "; compare means of identified quantities with NUTS"
+            )
         note = f"q may be a poor approximation of the posterior (PSIS k-hat = {diagnostics.khat:.2f} > {KHAT_WARN}): {advice}"
         message += "; " + note
         warnings.warn("blr_fit: " + note, UserWarning, stacklevel=3)
