@@ -360,3 +360,33 @@ def test_contraction_over_plate_elements_is_not_read_as_a_product():
 
     text = plan_of(model, {"y": 1.0}).describe()
     assert "loc:bilinear_gaussian" not in text and "monte_carlo" in text, text
+
+
+# ------------------------------------------ one side of the product unplated (one dense block)
+
+def _loadings(plated):
+    def model(Y):
+        if plated:
+            with numpyro.plate("M", Y.shape[1]):
+                C = numpyro.sample("C", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
+        else:
+            C = numpyro.sample("C", dist.Normal(0.0, 1.0).expand([Y.shape[1], 2]).to_event(2))
+        with numpyro.plate("N", Y.shape[0]):
+            X = numpyro.sample("X", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
+            numpyro.sample("Y", dist.Normal(X @ C.T, 0.3).to_event(1), obs=Y)
+
+    return model
+
+
+def test_unplated_loadings_take_the_same_steps_as_plated_ones():
+    """Loadings written as one unplated (M, D) site are one dense Gaussian block: a conjugate
+    block with no plate, whose messages were taken at the fixed view Σ = 0, where the square
+    roots of its covariance (the product's second moment) have no derivative: every message
+    was NaN and the fit stopped as 'improper'. Its VB steps are the plated loadings' steps
+    (the posterior of the rows factorises)."""
+    rng = np.random.default_rng(3)
+    y = rng.normal(size=(30, 2)) @ rng.normal(size=(2, 5)) + 0.3 * rng.normal(size=(30, 5))
+    fits = [blr_fit(_loadings(p), (y,), num_steps=20, tol=1e-30, progress_bar=False) for p in (True, False)]
+    assert fits[1].num_steps == 20 and "improper" not in fits[1].message, fits[1].message
+    np.testing.assert_allclose(fits[1].elbo, fits[0].elbo, rtol=1e-10)
+    np.testing.assert_allclose(fits[1].posterior["X"].mean, fits[0].posterior["X"].mean, rtol=1e-8, atol=1e-10)

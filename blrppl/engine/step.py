@@ -341,6 +341,8 @@ def make_step(
         if b.family.gaussian and not b.point and conjugate.get(b.name, False)
     }
 
+    multiplied = {n for f in plan.factors for _, ps in f.pairs for pair in ps for n in pair}
+
     def messages(nat, names, data, key=None):
         views = views_of(plan, nat)
         wanted = set().union(*(factors_of[n] for n in names)) if names else set()
@@ -353,7 +355,9 @@ def make_step(
         # coupled by a factor, whose expectation is then not linear in each element's μ): its
         # messages do not depend on its q, and its family may take them at a fixed view (no
         # factorisation of its current parameters)
-        one = blocks[smooth[0]] if len(names) == 1 and smooth else None
+        # (not for a block a product multiplies: its second moment reads square roots of its
+        # covariance, whose derivative at the fixed view's Σ = 0 is not finite)
+        one = blocks[smooth[0]] if len(names) == 1 and smooth and smooth[0] not in multiplied else None
         fixed = one.family.fixed_view(views[one.name]) if one and conjugate.get(one.name) and not one.batch_shape else None
         if fixed is not None:
             (n,) = smooth
