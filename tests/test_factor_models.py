@@ -390,3 +390,17 @@ def test_unplated_loadings_take_the_same_steps_as_plated_ones():
     assert fits[1].num_steps == 20 and "improper" not in fits[1].message, fits[1].message
     np.testing.assert_allclose(fits[1].elbo, fits[0].elbo, rtol=1e-10)
     np.testing.assert_allclose(fits[1].posterior["X"].mean, fits[0].posterior["X"].mean, rtol=1e-8, atol=1e-10)
+
+
+def test_online_update_of_a_factor_model():
+    """Sequential Bayes on a factor model: the second half's fit takes the first half's
+    loadings posterior as its prior (a previous-posterior factor), converges, and leaves the
+    loadings surer than after the first half (every marginal variance smaller)."""
+    rng = np.random.default_rng(5)
+    y = rng.normal(size=(60, 2)) @ rng.normal(size=(2, 5)) + 0.3 * rng.normal(size=(60, 5))
+    model = _loadings(False)
+    first = blr_fit(model, (y[:30],), progress_bar=False)
+    second = blr_fit(model, (y[30:],), prior=first, progress_bar=False)
+    assert second.converged, second.message
+    assert "C:previous" in second.plan.describe()
+    assert np.all(np.asarray(second.posterior["C"].variance) < np.asarray(first.posterior["C"].variance))
