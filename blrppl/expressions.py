@@ -1107,9 +1107,9 @@ def group_moments(fns: ModelFunctions, factors, blocks: dict, views: dict, discr
                 conc, tot, *mean_params = rows_of(used[0], "dirichlet", f.name, arg)
                 moments[arg] = mom.DirichletIdentity(conc, tot, *mean_params)
             elif kind == mom.WishartIdentity.kind:
-                # whole matrices, gathered in place (checked at compile time)
-                # each times a constant c > 0 (checked at compile time): rows E[Λ], E[log|Λ|]
-                # and 1 come back as c E[Λ], c E[log|Λ|] and c, and log|cΛ| = D log c + log|Λ|
+                # whole matrices in place, each times a constant c (checked at compile time):
+                # rows E[Λ], E[log|Λ|] and 1 come back as c E[Λ], c E[log|Λ|] and c, and
+                # log|cΛ| = D log c + log|Λ|
                 mean, logdet, c = rows_of(used[0], "wishart", f.name, arg)
                 c = c[..., 0, 0]
                 moments[arg] = mom.WishartIdentity(mean, logdet[..., 0, 0] / c + mean.shape[-1] * jnp.log(c))

@@ -141,7 +141,7 @@ GIVEN_MATRICES = ("precision_matrix",)
 def given_matrices(base) -> dict:
     """The :data:`GIVEN_MATRICES` an unwrapped distribution was built from, by name (read
     before anything touches its lazy properties, which cache under the same names)."""
-    held = vars(base)
+    held = getattr(base, "__dict__", {})
     return {a: held[a] for a in GIVEN_MATRICES if a in held}
 
 
