@@ -122,14 +122,16 @@ def _jax_logdet_mean(df, w):
 
 
 def test_validity_and_float32():
-    assert bool(FAMILY.is_valid(NAT))
-    assert not bool(FAMILY.is_valid(NAT._replace(eta_logdet=NAT.eta_logdet.at[0].set(-1.0))))  # ν = D − 1
-    assert not bool(FAMILY.is_valid(NAT._replace(eta_mat=-NAT.eta_mat)))  # W not positive definite
+    valid = jax.jit(FAMILY.is_valid)
+    assert bool(valid(NAT))
+    assert not bool(valid(NAT._replace(eta_logdet=NAT.eta_logdet.at[0].set(-1.0))))  # ν = D − 1
+    assert not bool(valid(NAT._replace(eta_mat=-NAT.eta_mat)))  # W not positive definite
     nat32 = jax.tree.map(lambda x: x.astype(jnp.float32), NAT)
-    back = FAMILY.nat_from_mean(FAMILY.mean_params(nat32))
+    back, draws = jax.jit(
+        lambda n: (FAMILY.nat_from_mean(FAMILY.mean_params(n)), FAMILY.sample(n, random.PRNGKey(1), (4,)))
+    )(nat32)
     assert back.eta_mat.dtype == jnp.float32
     np.testing.assert_allclose(back.eta_logdet, NAT.eta_logdet, rtol=2e-3)
-    draws = FAMILY.sample(nat32, random.PRNGKey(1), (4,))
     assert draws.shape == (4, 3, 3, 3) and draws.dtype == jnp.float32
 
 
