@@ -43,6 +43,12 @@ def _turn_off_concurrent_scheduler() -> None:
 
 _turn_off_concurrent_scheduler()
 
+# jaxlib's batched LAPACK kernels can wait forever on the thread pool they run on: run
+# large batches in chunks on the calling thread instead (see blrppl._lapack)
+from blrppl import _lapack  # noqa: E402
+
+_lapack.install()
+
 from blrppl import families  # noqa: E402
 from blrppl.api import blr_fit
 from blrppl.errors import (

@@ -1,0 +1,123 @@
+"""Batched LAPACK calls on the CPU, run in chunks on the calling thread.
+
+jaxlib's CPU LAPACK kernels (Cholesky, triangular solve, LU, symmetric eigendecomposition)
+split a batch of matrices over XLA's intra-op thread pool once the batch holds about
+``_FANOUT_FLOPS`` floating-point operations, and the kernel then waits for its pieces
+without working on them. The kernel itself runs on a worker of that same pool, so when
+every worker is running such a kernel (two suffice on a two-core machine: two independent
+Cholesky factorisations of two mixture components' precisions, say) every worker waits for
+pieces that no worker is free to run, and the program never finishes, with every thread
+idle. A Gaussian mixture fit with Wishart precisions hung this way while compiling.
+
+The lowering rules here wrap jaxlib's: a batch small enough to stay on the calling thread
+is lowered as before; a larger one becomes a loop over chunks that each stay under that
+size (``lax.map``), so no kernel ever waits on the pool. One kernel loses the intra-op
+split of its batch; independent operations still run concurrently.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import jax.numpy as jnp
+from jax import lax
+
+#: jaxlib's LAPACK kernels keep a batch on the calling thread while
+#: batch size × FLOPs per matrix stays below this (``GetLapackBatchChunkSize``)
+_FANOUT_FLOPS = 200_000
+
+_installed = False
+
+
+def _square_cost(avals, params) -> int:
+    """An upper bound on jaxlib's FLOP estimate per matrix of a factorisation (n³ for an
+    n × n matrix, times 4 for an eigendecomposition, times 3 for complex entries)."""
+    a = avals[0]
+    m, n = a.shape[-2:]
+    cost = m * n * max(min(m, n), 1) * 4
+    return cost * (3 if jnp.issubdtype(a.dtype, jnp.complexfloating) else 1)
+
+
+def _solve_cost(avals, params) -> int:
+    """An upper bound on jaxlib's FLOP estimate per right-hand side block of a triangular
+    solve: rows × columns × the triangle's order."""
+    a, b = avals[:2]
+    rows, cols = b.shape[-2:]
+    cost = rows * cols * a.shape[-1]
+    return cost * (3 if jnp.issubdtype(b.dtype, jnp.complexfloating) else 1)
+
+
+def chunk_size(batch: int, cost: int) -> int:
+    """Matrices per chunk so that jaxlib runs each chunk on the calling thread (the whole
+    batch when it already does)."""
+    if batch * cost < _FANOUT_FLOPS:
+        return batch
+    return max(1, (_FANOUT_FLOPS - 1) // max(cost, 1))
+
+
+def _chunked_rule(prim, lapack_rule, cost_of):
+    """A CPU lowering rule for ``prim``: jaxlib's ``lapack_rule`` when the batch stays on the
+    calling thread, else a loop over chunks that do."""
+    from jax._src.interpreters import mlir
+
+    def rule(ctx, *args, **params):
+        batch_shape = ctx.avals_in[0].shape[:-2]
+        batch = math.prod(batch_shape)
+        chunk = chunk_size(batch, cost_of(ctx.avals_in, params))
+        # every operand carries the same batch dims (the primitives' shape rules ask so)
+        if chunk >= batch or any(a.shape[: len(batch_shape)] != batch_shape for a in ctx.avals_in):
+            return lapack_rule(ctx, *args, **params)
+        dims = len(batch_shape)
+
+        def chunked(*operands):
+            count = -(-batch // chunk)
+            pad = count * chunk - batch
+
+            def grouped(x):
+                x = x.reshape((batch,) + x.shape[dims:])
+                # padding repeats the first matrix: a valid input whatever the operation
+                x = jnp.concatenate([x, jnp.broadcast_to(x[:1], (pad,) + x.shape[1:])]) if pad else x
+                return x.reshape((count, chunk) + x.shape[1:])
+
+            def one(xs):
+                out = prim.bind(*xs, **params)
+                return tuple(out) if prim.multiple_results else (out,)
+
+            outs = lax.map(one, tuple(grouped(x) for x in operands))
+            outs = [o.reshape((count * chunk,) + o.shape[2:])[:batch] for o in outs]
+            outs = [o.reshape(batch_shape + o.shape[1:]) for o in outs]
+            return outs if prim.multiple_results else outs[0]
+
+        return mlir.lower_fun(chunked, multiple_results=prim.multiple_results)(ctx, *args)
+
+    return rule
+
+
+def install() -> bool:
+    """Wrap jaxlib's CPU lowering of the batched LAPACK primitives (module docstring).
+    Idempotent; does nothing when ``BLRPPL_LAPACK_CHUNKS=0`` or when this JAX does not
+    expose the rules where expected. Returns whether the rules are installed."""
+    global _installed
+    if _installed:
+        return True
+    if os.environ.get("BLRPPL_LAPACK_CHUNKS", "1") == "0":
+        return False
+    try:
+        from jax._src.interpreters import mlir
+        from jax._src.lax import linalg
+
+        cpu = mlir._platform_specific_lowerings["cpu"]
+        wanted = {
+            linalg.cholesky_p: _square_cost,
+            linalg.lu_p: _square_cost,
+            linalg.eigh_p: _square_cost,
+            linalg.triangular_solve_p: _solve_cost,
+        }
+        rules = {p: cpu[p].rule for p in wanted if p in cpu}
+    except Exception:  # pragma: no cover - a JAX whose internals moved
+        return False
+    for prim, lapack_rule in rules.items():
+        mlir.register_lowering(prim, _chunked_rule(prim, lapack_rule, wanted[prim]), platform="cpu")
+    _installed = True
+    return True
