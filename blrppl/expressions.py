@@ -1005,6 +1005,56 @@ def _tangent_sets(block: Block, view, full: bool) -> dict:
     return {tag: jax.vmap(block.to_site)(stack) for tag, stack in block.family.tangent_sets(view, full).items()}
 
 
+#: pushed floats (tangent rows × argument elements) above which each block's tangents are
+#: pushed on their own (see :func:`_push_tangents`)
+SPLIT_PUSH_FLOATS = 1 << 20
+
+
+def _push_tangents(lin, point: dict, sets: dict, out) -> tuple:
+    """Every block's tangent sets pushed through the linearised model ``lin``.
+
+    Returns ``(pushed, rows)``: ``pushed[block]`` holds the arguments' pushes of that
+    block's rows, and ``rows[(block, tag)] = (start, stop)`` its rows of a set.
+
+    Small groups push every block's rows in one batched JVP (the others' tangents zero):
+    one copy of the linear model in the program. Once rows × argument elements exceed
+    :data:`SPLIT_PUSH_FLOATS`, each block's rows are pushed on their own with the other
+    blocks' tangents unbatched zeros, so an argument pays only for the rows of the blocks
+    it reads: in a mixture, the D² pushed rows of a precision matrix's Wishart block no
+    longer run through the mean's N × D gather, nor the mean's 2D rows through the
+    precision's N × D × D one.
+    """
+    rows, offsets = {}, {}
+    for n, tags in sets.items():
+        total = 0
+        for tag, stack in tags.items():
+            rows[(n, tag)] = (total, total + stack.shape[0])
+            total += stack.shape[0]
+        offsets[n] = total
+    count = sum(offsets.values())
+    elements = sum(math.prod(jnp.shape(x)) for x in jax.tree.leaves(out))
+    if len(sets) == 1 or count * elements <= SPLIT_PUSH_FLOATS:
+        start, tangents = 0, {}
+        for n, tags in sets.items():
+            stack = jnp.concatenate(list(tags.values()), axis=0)
+            before = jnp.zeros((start,) + point[n].shape, point[n].dtype)
+            after = jnp.zeros((count - start - offsets[n],) + point[n].shape, point[n].dtype)
+            tangents[n] = jnp.concatenate([before, stack, after], axis=0)
+            start += offsets[n]
+        joint = jax.vmap(lin)(tangents)
+        pushed, start = {}, 0
+        for n in sets:
+            pushed[n] = jax.tree.map(lambda x, lo=start, hi=start + offsets[n]: x[lo:hi], joint)
+            start += offsets[n]
+        return pushed, rows
+    zeros = {n: jnp.zeros_like(x) for n, x in point.items()}
+    pushed = {}
+    for n, tags in sets.items():
+        stack = jnp.concatenate(list(tags.values()), axis=0)
+        pushed[n] = jax.vmap(lambda t, n=n: lin({**zeros, n: t}))(stack)
+    return pushed, rows
+
+
 def group_moments(fns: ModelFunctions, factors, blocks: dict, views: dict, discrete_values: dict, data) -> dict:
     """Moment objects of every argument (and value) of several factors, from one
     linearisation of the model and one batched JVP.
@@ -1038,26 +1088,12 @@ def group_moments(fns: ModelFunctions, factors, blocks: dict, views: dict, discr
 
     out, lin = jax.linearize(model_args, point)
     full = {n for f in factors for n, mode in f.columns if mode == "full"}
-    # one batched JVP for every tangent of every block: rows [start, stop) belong to a set
     sets = {n: _tangent_sets(blocks[n], views[n], n in full) for n in cont}
-    rows, tangents, total = {}, {}, 0
-    for n in cont:
-        for tag, stack in sets[n].items():
-            rows[(n, tag)] = (total, total + stack.shape[0])
-            total += stack.shape[0]
-    for n in cont:
-        parts = []
-        for (m, tag), (lo, hi) in rows.items():
-            if m == n:
-                parts.append(sets[n][tag])
-            else:
-                parts.append(jnp.zeros((hi - lo,) + point[n].shape, point[n].dtype))
-        tangents[n] = jnp.concatenate(parts, axis=0)
-    pushed = jax.vmap(lin)(tangents)
+    pushed, rows = _push_tangents(lin, point, sets, out)
 
     def rows_of(n, tag, fname, arg):
         lo, hi = rows[(n, tag)]
-        return pushed[fname][arg][lo:hi]
+        return pushed[n][fname][arg][lo:hi]
 
     gauss = [n for n in cont if blocks[n].family.gaussian]
     paired = {n for f in factors for _, ps in f.pairs for pair in ps for n in pair}
@@ -1110,9 +1146,14 @@ def group_moments(fns: ModelFunctions, factors, blocks: dict, views: dict, discr
                 # whole matrices in place, each times a constant c (checked at compile time):
                 # rows E[Λ], E[log|Λ|] and 1 come back as c E[Λ], c E[log|Λ|] and c, and
                 # log|cΛ| = D log c + log|Λ|
-                mean, logdet, c = rows_of(used[0], "wishart", f.name, arg)
-                c = c[..., 0, 0]
-                moments[arg] = mom.WishartIdentity(mean, logdet[..., 0, 0] / c + mean.shape[-1] * jnp.log(c))
+                # (packed in one row for D > 1, see Wishart.tangent_sets)
+                pushed_rows = rows_of(used[0], "wishart", f.name, arg)
+                mean = pushed_rows[0]
+                if mean.shape[-1] == 1:
+                    c, c_logdet = pushed_rows[2][..., 0, 0], pushed_rows[1][..., 0, 0]
+                else:
+                    c, c_logdet = pushed_rows[1][..., 0, 1], pushed_rows[1][..., 0, 0]
+                moments[arg] = mom.WishartIdentity(mean, c_logdet / c + mean.shape[-1] * jnp.log(c))
             else:
                 raise ValueError(f"factor '{f.name}': argument '{arg}' is {kind}")
         result[f.name] = moments
