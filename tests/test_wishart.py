@@ -331,6 +331,42 @@ def test_mixture_step_test_can_fail(gmm_fits):
     assert not np.allclose(_gmm_q(fit_b)[4], want[4], rtol=1e-9, atol=1e-12)
 
 
+def test_mixture_step_with_each_blocks_tangents_pushed_alone(gmm_fits, monkeypatch):
+    """Large groups push each block's tangents on their own (the others' unbatched zeros):
+    forced here on the small mixture, its steps are still the textbook sweeps."""
+    import blrppl.expressions as expressions
+
+    monkeypatch.setattr(expressions, "SPLIT_PUSH_FLOATS", 0)
+    monkeypatch.setenv("BLRPPL_COMPILATION_CACHE", "0")  # (a stored program would be the joint one)
+
+    def split_gmm(X):  # (a model of its own: not the compiled joint fit from memory)
+        gmm(X)
+
+    x, fit_a, _ = gmm_fits
+    b = blr_fit(split_gmm, {"X": x}, num_steps=6, tol=1e-30, rng_key=random.PRNGKey(0), progress_bar=False)
+    want = _gmm_sweep(x)(_gmm_q(fit_a))
+    for k, (got, ref) in enumerate(zip(_gmm_q(b), want)):
+        np.testing.assert_allclose(got, ref, rtol=1e-9, atol=1e-12, err_msg=f"q entry {k}")
+
+
+def test_one_by_one_precision_is_exact_in_one_step():
+    """D = 1: the Wishart's E[log|Λ|] and 1 are pushed as two rows (one packed row needs an
+    off-diagonal entry)."""
+
+    def model(X):
+        lam = numpyro.sample("lam", dist.Wishart(3.0, scale_matrix=jnp.array([[0.5]])))
+        with numpyro.plate("data", X.shape[0]):
+            numpyro.sample("x", dist.MultivariateNormal(jnp.array([1.0]), precision_matrix=2.0 * lam), obs=X)
+
+    x = np.random.default_rng(3).normal(1.0, 0.7, size=(40, 1))
+    fit = blr_fit(model, (x,), num_steps=5, progress_bar=False)
+    assert fit.num_steps == 1 and fit.converged, fit.message
+    q = fit.posterior["lam"]
+    np.testing.assert_allclose(q.concentration, 3.0 + 40, rtol=1e-12)
+    d = x - 1.0
+    np.testing.assert_allclose(q.scale_matrix, 1.0 / (1.0 / 0.5 + 2.0 * d.T @ d), rtol=1e-10)
+
+
 # ------------------------------------------------- what is not a Wishart identity stays correct
 
 

@@ -195,12 +195,21 @@ class Wishart(Family):
         return self._moments(view)[0]
 
     def tangent_sets(self, view, full: bool) -> dict:
-        """Rows E[Λ], E[log|Λ|] and 1 (each broadcast over the matrix), gathered by the
-        indexing map and multiplied by the argument's constant c in c Λ
-        (:class:`blrppl.moments.WishartIdentity`)."""
+        """Rows gathered by the indexing map and multiplied by the argument's constant c in
+        c Λ (:class:`blrppl.moments.WishartIdentity`): E[Λ], and E[log|Λ|] and 1 in one
+        symmetric row, E[log|Λ|] at (0, 0) and 1 at (0, 1) and (1, 0), which a transpose
+        leaves in place (for D = 1, two rows: E[log|Λ|] and 1). Each pushed row costs a
+        copy of every matrix the argument reads: N of them in a mixture's Λ[z]."""
         mean, mean_logdet = self._moments(view)
-        rows = [mean, jnp.broadcast_to(mean_logdet[..., None, None], mean.shape), jnp.ones_like(mean)]
-        return {"wishart": jnp.stack(rows)}
+        dim = mean.shape[-1]
+        if dim == 1:
+            return {"wishart": jnp.stack([mean, mean_logdet[..., None, None], jnp.ones_like(mean)])}
+        unit = np.zeros((dim, dim))
+        unit[0, 1] = unit[1, 0] = 1.0
+        corner = np.zeros((dim, dim))
+        corner[0, 0] = 1.0
+        packed = mean_logdet[..., None, None] * corner + unit
+        return {"wishart": jnp.stack([mean, packed.astype(mean.dtype)])}
 
     def _moments(self, view):
         if isinstance(view, WishartRuleView):
