@@ -227,3 +227,49 @@ def test_mixture_elbo_monotone(which, fit_precisions, fit_known_scale, fit_two):
     elbo = np.asarray(result.elbo)
     assert np.all(np.isfinite(elbo))
     assert np.all(np.diff(elbo) >= -1e-9 * np.abs(elbo[1:])), np.diff(elbo).min()
+
+
+# ------------------------------------ labels enumerated with size-1 plate dims when the model allows
+
+
+def _labelled(use):
+    """The known-scale mixture with the label read in one of several ways."""
+
+    def model(y):
+        w = numpyro.sample("w", dist.Dirichlet(jnp.ones(K)))
+        with numpyro.plate("k", K):
+            mu = numpyro.sample("mu", dist.Normal(0.0, 10.0))
+        with numpyro.plate("n", y.shape[0]):
+            z = numpyro.sample("z", dist.Categorical(w))
+            numpyro.sample("y", dist.Normal(use(mu, z, y.shape[0]), SD), obs=y)
+
+    return model
+
+
+LABEL_USES = {
+    # (how the component mean is read, whether labels of shape (1,) give the same arguments)
+    "gather": (lambda mu, z, n: mu[z], True),
+    "one_hot": (lambda mu, z, n: jax.nn.one_hot(z, K) @ mu + 0.0 * z.size, True),  # (z.size: 0 × it either way)
+    "reshape": (lambda mu, z, n: mu[z].reshape(n), False),  # (1,) cannot be reshaped to (N,)
+    "per_element": (lambda mu, z, n: mu[z] * jnp.ones(z.shape[0]) + 1e-3 * jnp.arange(z.shape[0]), False),
+}
+REFERENCE = _labelled(LABEL_USES["reshape"][0])  # full labels: every element its own copy
+
+
+def _fit_labelled(model, y):
+    return blr_fit(model, {"y": y}, num_steps=4, tol=1e-30, rng_key=jax.random.key(0), progress_bar=False)
+
+
+@pytest.mark.parametrize("name", ["gather", "one_hot", "per_element"])
+def test_labels_are_broadcast_only_when_the_arguments_agree(name, data):
+    use, broadcast = LABEL_USES[name]
+    y = data[1][:60]
+    result = _fit_labelled(_labelled(use), y)
+    flags = {f.name: f.broadcast_enumeration for f in result.plan.factors}
+    assert flags["y"] is broadcast and flags["z"] is True, flags
+    # every variant takes the full labels' steps (the per-element shift: on shifted data)
+    shift = 1e-3 * np.arange(60) if name == "per_element" else 0.0
+    reference = _fit_labelled(REFERENCE, y - shift)
+    assert not {f.name: f.broadcast_enumeration for f in reference.plan.factors}["y"]
+    np.testing.assert_allclose(np.asarray(result.elbo), np.asarray(reference.elbo), rtol=1e-9)
+    np.testing.assert_allclose(result.posterior["mu"].loc, reference.posterior["mu"].loc, rtol=1e-9, atol=1e-9)

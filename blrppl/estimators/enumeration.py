@@ -142,7 +142,11 @@ def expected_log_factors(fns, factors, blocks, views, data, key=None, curvature=
             sizes = [_states(blocks[d], group) for d in names]
             combos = jnp.asarray(np.array(list(itertools.product(*[range(k) for k in sizes]))))
 
-            def one(combo, names=names, group=group, sizes=sizes):
+            # labels of shape 1 along their plates when every factor allows it (checked when
+            # compiling): the arguments' moments are one row per value, not one per element
+            broadcast = all(f.broadcast_enumeration for f in group)
+
+            def one(combo, names=names, group=group, sizes=sizes, broadcast=broadcast):
                 dvals, weight = {}, {f.name: 1.0 for f in group}
                 for j, d in enumerate(names):
                     b = blocks[d]
@@ -153,7 +157,7 @@ def expected_log_factors(fns, factors, blocks, views, data, key=None, curvature=
                         for f in group:
                             weight[f.name] = weight[f.name] * _chain_weight(f, d, views[d], states, sizes[j])
                         continue
-                    dvals.update(b.discrete_site_values(combo[j]))
+                    dvals.update(b.discrete_site_values(combo[j], broadcast))
                     w = jnp.take(views[d].probs, combo[j], axis=-1)
                     weight = {n: v * w for n, v in weight.items()}
                 els, scales, _ = _elementwise(fns, group, blocks, views, dvals, data, wrappers, sub)

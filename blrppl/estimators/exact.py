@@ -10,14 +10,20 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from blrppl.graph.trace import reduce_wrapped
+from blrppl.graph.trace import reduce_wrapped, unwrap
 
 
 def elementwise_expected_log_prob(factor, moments: dict, fn):
-    """L per batch element of the factor's (wrapped) distribution ``fn``."""
+    """L per batch element of the factor's (wrapped) distribution ``fn``: the rule's terms
+    broadcast to the batch shape of ``fn``'s base distribution first (enumerated labels may
+    come with size-1 plate dims, see :attr:`blrppl.graph.plan.Factor.broadcast_enumeration`),
+    then its wrappers applied."""
     moments = dict(moments)
     value = moments.pop("value")
-    return reduce_wrapped(fn, factor.rule.expected_log_prob(value, **moments))
+    out = factor.rule.expected_log_prob(value, **moments)
+    base_shape = unwrap(fn)[0].batch_shape
+    out = jnp.broadcast_to(out, jnp.broadcast_shapes(jnp.shape(out), base_shape))
+    return reduce_wrapped(fn, out)
 
 
 def reduce_factor(elementwise, scale):

@@ -19,8 +19,8 @@ from blrppl import moments as mom
 from blrppl.errors import FamilyError, UnsupportedFactorError, UnsupportedLatentError
 from blrppl.estimators import gram
 from blrppl.expressions import (
-    LINKS, ArgumentClass, ModelFunctions, ModelProgram, classify_form, distribution_leaves, gather_probe, pairing_probe,
-    probe_argument, projection_args, random_point, run_probes, too_many_columns,
+    LINKS, ArgumentClass, ModelFunctions, ModelProgram, classify_form, distribution_leaves, factor_arguments,
+    gather_probe, pairing_probe, probe_argument, projection_args, random_point, run_probes, too_many_columns,
 )
 from blrppl.expressions import _needs_gather_test as needs_gather_test
 from blrppl.graph.band import arrowhead_locals, chain_bandwidth
@@ -448,6 +448,12 @@ def compile_model(
         if stacks:
             fns = fns.with_stacks(stacks, data, tables)
         factors = [dataclasses.replace(f, gram_block=gram.eligible(f, blocks) or "") for f in factors]
+        rng = np.random.default_rng(0)
+        factors = [
+            dataclasses.replace(f, broadcast_enumeration=True)
+            if _broadcastable(f, blocks, fns, data, rng) else f
+            for f in factors
+        ]
     graph = nx.Graph()
     for name, b in blocks.items():
         graph.add_node(("block", name), kind=b.kind, shape=b.value_shape)
@@ -464,6 +470,38 @@ def compile_model(
         )
     plan = Plan(blocks=tuple(blocks.values()), factors=tuple(factors), order=order, subsampled=subsampled)
     return plan, fns, data, init_values, graph
+
+
+def _broadcastable(factor, blocks: dict, fns, data, rng: np.random.Generator, trials: int = 2) -> bool:
+    """Whether an enumerated factor's arguments, with its discrete blocks' values of shape 1
+    along every dim (every element at one value), equal its arguments with the full values
+    broadcast (:attr:`blrppl.graph.plan.Factor.broadcast_enumeration`): checked at a random
+    point of its continuous blocks, for random states. A model that reads a label's shape
+    (``z.shape[0]``, a ``scan`` over it) fails the check, or raises, and keeps full values."""
+    if not factor.discrete or factor.estimator != "exact" or factor.role != FactorRole.SITE:
+        return False
+    if factor.name in fns.stacks or any(blocks[d].chain or blocks[d].local is not None for d in factor.discrete):
+        return False
+    point = {n: random_point(blocks[n], rng) for n in factor.neighbours if n not in factor.discrete}
+    wanted = {factor.name: factor_arguments(factor)}
+    try:
+        for _ in range(trials):
+            states = {d: int(rng.integers(len(blocks[d].support_values))) for d in factor.discrete}
+            full, small = dict(point), dict(point)
+            for d, state in states.items():
+                full.update(blocks[d].discrete_site_values(state))
+                small.update(blocks[d].discrete_site_values(state, broadcast=True))
+            want = fns.args_of(wanted, full, data)[factor.name]
+            got = fns.args_of(wanted, small, data)[factor.name]
+            for arg, value in want.items():
+                value, other = np.asarray(value), np.asarray(got[arg])
+                if np.broadcast_shapes(value.shape, other.shape) != value.shape:
+                    return False
+                if not np.allclose(np.broadcast_to(other, value.shape), value, rtol=1e-6, atol=1e-12, equal_nan=True):
+                    return False
+    except Exception:  # (a model that cannot run with them: full values)
+        return False
+    return True
 
 
 def _param_block(record: SiteRecord) -> Block:

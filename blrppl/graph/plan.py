@@ -166,14 +166,16 @@ class Block:
         block's K states (the product of their supports, the first member slowest)."""
         return np.array(list(itertools.product(*[m.support_values for m in self.members])))
 
-    def discrete_site_values(self, state) -> dict:
+    def discrete_site_values(self, state, broadcast: bool = False) -> dict:
         """Site → value array (every element at one value) of a discrete block in state
-        ``state`` (an index into ``support_values``; traceable)."""
+        ``state`` (an index into ``support_values``; traceable); with ``broadcast``, of
+        shape 1 along every dim (see :attr:`Factor.broadcast_enumeration`)."""
+        shape = (1,) * len(self.value_shape) if broadcast else self.value_shape
         if self.members:
             row = jnp.asarray(self.joint_states)[state]
-            return {m.name: jnp.full(self.value_shape, row[i], dtype=row.dtype) for i, m in enumerate(self.members)}
+            return {m.name: jnp.full(shape, row[i], dtype=row.dtype) for i, m in enumerate(self.members)}
         support = jnp.asarray(self.support_values)
-        return {self.name: jnp.full(self.value_shape, support[state], dtype=support.dtype)}
+        return {self.name: jnp.full(shape, support[state], dtype=support.dtype)}
 
     def member_probs(self, probs) -> list:
         """(member block, its marginal probabilities ``(*B, K_m)``) for each member of a joint
@@ -335,6 +337,13 @@ class Factor:
             pseudo-factor: a block's log|det J| term or an online update's previous
             posterior; pseudo-factors are named ``"<block>:jacobian"`` and
             ``"<block>:previous"`` for display only).
+        chain_reads: for a factor of a hidden Markov chain, the chain positions each of its
+            elements reads (:class:`blrppl.graph.markov.Reads` per chain block).
+        broadcast_enumeration: the factor's enumerated discrete values may be passed with
+            size-1 plate dims (every element at one value) and its expected log-density
+            broadcast over its elements: its arguments were checked, at compile time, to
+            equal the full ones broadcast (a mixture's ``mu[z]`` is then one row per
+            component, not N copies of it).
     """
 
     name: str
@@ -357,6 +366,7 @@ class Factor:
     members: tuple = ()
     role: str = FactorRole.SITE
     chain_reads: tuple = ()
+    broadcast_enumeration: bool = False
 
     @property
     def kinds(self) -> dict:
