@@ -204,6 +204,7 @@ def make_log_weights(plan, fns, records, data_shapes, batch: int = BATCH):
     stacked = {m: f.name for f in plan.factors for m in f.members}
     sites = tuple(dict.fromkeys(stacked.get(n, n) for n in sites))
     site_discrete = {f.name: {d for d in f.discrete if not blocks[d].chain} for f in plan.factors if f.name in records}
+    broadcastable = {f.name: f.broadcast_enumeration for f in plan.factors}
     for f in plan.factors:
         for d in f.discrete:
             if blocks[d].chain:
@@ -247,11 +248,14 @@ def make_log_weights(plan, fns, records, data_shapes, batch: int = BATCH):
             shape = jnp.broadcast_shapes(*[blocks[d].full.value_shape for d in group])
             sizes = [len(blocks[d].support_values) for d in group]
             combos = np.array(list(itertools.product(*[range(k) for k in sizes])))
+            # labels of shape 1 along their plates when the fit's factors take them so (a
+            # mixture's component densities are then built once per component, not per point)
+            broadcast = all(broadcastable.get(n, False) for n in names)
 
-            def one(combo, group=group, names=names, shape=shape):
+            def one(combo, group=group, names=names, shape=shape, broadcast=broadcast):
                 vals = dict(values)
                 for j, d in enumerate(group):
-                    vals.update(blocks[d].full.discrete_site_values(combo[j]))
+                    vals.update(blocks[d].full.discrete_site_values(combo[j], broadcast))
                 lp = fns.log_probs(names, vals, data)
                 return sum(_reduce_to(_scaled(v, s), shape) for v, s in lp.values())
 
