@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import math
 import warnings
 
@@ -448,12 +449,8 @@ def compile_model(
         if stacks:
             fns = fns.with_stacks(stacks, data, tables)
         factors = [dataclasses.replace(f, gram_block=gram.eligible(f, blocks) or "") for f in factors]
-        rng = np.random.default_rng(0)
-        factors = [
-            dataclasses.replace(f, broadcast_enumeration=True)
-            if _broadcastable(f, blocks, fns, data, rng) else f
-            for f in factors
-        ]
+        broadcast = _broadcast_enumerated(factors, blocks, fns, data, np.random.default_rng(0))
+        factors = [dataclasses.replace(f, broadcast_enumeration=f.name in broadcast) for f in factors]
     graph = nx.Graph()
     for name, b in blocks.items():
         graph.add_node(("block", name), kind=b.kind, shape=b.value_shape)
@@ -472,36 +469,79 @@ def compile_model(
     return plan, fns, data, init_values, graph
 
 
-def _broadcastable(factor, blocks: dict, fns, data, rng: np.random.Generator, trials: int = 2) -> bool:
-    """Whether an enumerated factor's arguments, with its discrete blocks' values of shape 1
-    along every dim (every element at one value), equal its arguments with the full values
+#: enumerated states whose labels a broadcast check tries per factor: all of them up to
+#: this many, else this many at random
+BROADCAST_CHECK_STATES = 64
+
+
+def _broadcast_enumerated(factors, blocks: dict, fns, data, rng: np.random.Generator) -> set:
+    """The enumerated factors whose arguments, with their discrete blocks' values of shape 1
+    along every dim (every element at one value), equal their arguments with the full values
     broadcast (:attr:`blrppl.graph.plan.Factor.broadcast_enumeration`): checked at a random
-    point of its continuous blocks, for random states. A model that reads a label's shape
-    (``z.shape[0]``, a ``scan`` over it) fails the check, or raises, and keeps full values."""
-    if not factor.discrete or factor.estimator != "exact" or factor.role != FactorRole.SITE:
-        return False
-    if factor.name in fns.stacks or any(blocks[d].chain or blocks[d].local is not None for d in factor.discrete):
-        return False
-    point = {n: random_point(blocks[n], rng) for n in factor.neighbours if n not in factor.discrete}
-    wanted = {factor.name: factor_arguments(factor)}
+    point of their continuous blocks for every enumerated state (or
+    :data:`BROADCAST_CHECK_STATES` at random), in one compiled program. A model that reads a
+    label's shape (``z.shape[0]``, a reshape to N, a ``scan`` over it) fails the check, or
+    raises, and keeps full values."""
+    candidates = [
+        f for f in factors
+        if f.discrete and f.estimator == "exact" and f.role == FactorRole.SITE and f.name not in fns.stacks
+        and not any(blocks[d].chain or blocks[d].local is not None for d in f.discrete)
+    ]
+    if not candidates:
+        return set()
+    point = {
+        n: random_point(blocks[n], rng) for f in candidates for n in f.neighbours if n not in f.discrete
+    }
+    combos = {}
+    for f in candidates:
+        sizes = [len(blocks[d].support_values) for d in f.discrete]
+        if math.prod(sizes) <= BROADCAST_CHECK_STATES:
+            combos[f.name] = np.array(list(itertools.product(*[range(k) for k in sizes])), np.int32)
+        else:
+            combos[f.name] = np.stack([rng.integers(k, size=BROADCAST_CHECK_STATES) for k in sizes], axis=1).astype(np.int32)
+
+    def agrees(f, combo, data):
+        full, small = dict(point), dict(point)
+        for j, d in enumerate(f.discrete):
+            full.update(blocks[d].discrete_site_values(combo[j]))
+            small.update(blocks[d].discrete_site_values(combo[j], broadcast=True))
+        want = fns.args_of({f.name: factor_arguments(f)}, full, data)[f.name]
+        got = fns.args_of({f.name: factor_arguments(f)}, small, data)[f.name]
+        ok = jnp.array(True)
+        for arg, a in want.items():
+            b = got[arg]
+            if jnp.broadcast_shapes(jnp.shape(a), jnp.shape(b)) != jnp.shape(a):
+                raise ValueError("not broadcast")
+            b = jnp.broadcast_to(b, jnp.shape(a))
+            if jnp.issubdtype(jnp.result_type(a), jnp.inexact):
+                tol = 64 * jnp.finfo(jnp.result_type(a)).eps * (1.0 + jnp.abs(a))
+                close = (jnp.abs(a - b) <= tol) | (jnp.isnan(a) & jnp.isnan(b)) | (a == b)
+            else:
+                close = a == b
+            ok = ok & jnp.all(close)
+        return ok
+
+    static_false = set()
+
+    def check(data):
+        out = {}
+        for f in candidates:
+            try:
+                out[f.name] = jnp.all(jax.vmap(lambda c, f=f: agrees(f, c, data))(jnp.asarray(combos[f.name])))
+            except Exception:  # (a model that cannot run with them, or other shapes: full values)
+                static_false.add(f.name)
+        return out
+
     try:
-        for _ in range(trials):
-            states = {d: int(rng.integers(len(blocks[d].support_values))) for d in factor.discrete}
-            full, small = dict(point), dict(point)
-            for d, state in states.items():
-                full.update(blocks[d].discrete_site_values(state))
-                small.update(blocks[d].discrete_site_values(state, broadcast=True))
-            want = fns.args_of(wanted, full, data)[factor.name]
-            got = fns.args_of(wanted, small, data)[factor.name]
-            for arg, value in want.items():
-                value, other = np.asarray(value), np.asarray(got[arg])
-                if np.broadcast_shapes(value.shape, other.shape) != value.shape:
-                    return False
-                if not np.allclose(np.broadcast_to(other, value.shape), value, rtol=1e-6, atol=1e-12, equal_nan=True):
-                    return False
-    except Exception:  # (a model that cannot run with them: full values)
-        return False
-    return True
+        traced = store_jit(check, "broadcast").trace(data)
+        if not jax.tree.leaves(traced.out_info):
+            return set()
+        options = compiler_options(data)
+        key = program_key("broadcast", program_fingerprint(traced.jaxpr), jax.tree.structure(traced.out_info), options)
+        result = compile_program(key, lambda *_: traced.lower(), (data,), options)(data)
+    except Exception:  # (the check itself failed: full values everywhere)
+        return set()
+    return {name for name, ok in result.items() if name not in static_false and bool(ok)}
 
 
 def _param_block(record: SiteRecord) -> Block:
