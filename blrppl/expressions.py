@@ -45,6 +45,7 @@ from blrppl import moments as mom
 from blrppl.graph import forms as fm
 from blrppl.graph.data import DataSpec, RunData, compile_lowered, compiler_options
 from blrppl.graph.plan import Block
+from blrppl.products import product_second_moments
 from blrppl.graph.trace import PlateIndices, count_model_run, given_matrices, unwrap, value_mask
 
 #: dense Gaussian blocks whose elements mix in an argument get one column per scalar,
@@ -1170,6 +1171,11 @@ def _bilinear_extra(model_args, point: dict, sets: dict, roots: dict, factors) -
     Σ_{k,l} f(s_k, s'_l)²: |S|·|T| pushes. Otherwise, with Σ_A = Σ_s l_s r_sᵀ and
     Σ_B = Σ_t l'_t r'_tᵀ the blocks' tangent sets (``left`` and ``right``, as for affine
     arguments), it is Σ_{s,t} f(r_s, l'_t) f(l_s, r'_t): 2·|S|·|T| pushes.
+
+    With square roots on both sides, a product the program takes as a primitive (``X @ C.T``,
+    ``w * x``, ``(U[i] * V[j]).sum(-1)``) is read instead as a contraction of the two factors'
+    covariances (:func:`blrppl.products.product_second_moments`): for ``X @ C.T``, one
+    (N, D²) @ (D², M) product in place of D² pushes of (N, M).
     """
     pairs = sorted({pair for f in factors for _, ps in f.pairs for pair in ps})
     zeros = {n: jnp.zeros_like(x) for n, x in point.items()}
@@ -1180,6 +1186,13 @@ def _bilinear_extra(model_args, point: dict, sets: dict, roots: dict, factors) -
     out = {}
     for a, b in pairs:
         rooted = roots.get(a) is not None and roots.get(b) is not None
+        wanted = [(f.name, arg) for f in factors for arg, ps in f.pairs if (a, b) in ps]
+        if rooted:
+            # a product the program takes as a primitive: one contraction of covariances
+            contracted = product_second_moments(model_args, point, a, roots[a], b, roots[b], wanted)
+            if contracted is not None:
+                out[(a, b)] = contracted
+                continue
         if rooted:
             ka, kb = roots[a].shape[0], roots[b].shape[0]
             ta, tb = jnp.repeat(roots[a], kb, axis=0), tile(roots[b], ka)

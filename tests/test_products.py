@@ -1,0 +1,133 @@
+"""E[f(d_A, d_B)²] of products of two Gaussian blocks, read by contraction (``blrppl.products``).
+
+Each case is an argument as users write it (``X @ C.T``, ``jnp.einsum``, ``(U[i] * V[j]).sum(-1)``,
+``w * x``, a jitted helper), with per-element dense covariances for the two blocks. The reference
+is the definition: f_o(d_A, d_B) = d_Aᵀ H_o d_B with H_o the mixed second derivative of output o,
+so E[f_o²] = tr(H_oᵀ Σ_A H_o Σ_B) with the blocks' (block-diagonal) covariances, written here with
+dense matrices. Products the contraction cannot follow return None (the caller then pushes every
+pair of square roots instead), never a wrong value.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpyro
+import pytest
+
+from blrppl.products import product_second_moments
+
+numpyro.enable_x64()
+
+N, M, D = 7, 5, 3
+ROWS = np.array([0, 1, 2, 6, 6])
+COLS = np.array([1, 1, 4, 0, 3])
+
+
+def _setup():
+    rng = np.random.default_rng(0)
+    point = {"X": jnp.asarray(rng.normal(size=(N, D))), "C": jnp.asarray(rng.normal(size=(M, D)))}
+    chol = {
+        "X": jnp.asarray(np.tril(rng.normal(size=(N, D, D)))),
+        "C": jnp.asarray(np.tril(rng.normal(size=(M, D, D)))),
+    }
+    return point, chol
+
+
+def _reference(fn, point, chol):
+    """tr(H_oᵀ Σ_X H_o Σ_C) per output o, dense."""
+    def f(x, c):
+        return fn({"X": x.reshape(N, D), "C": c.reshape(M, D)})["f"]["loc"]
+
+    x0, c0 = point["X"].reshape(-1), point["C"].reshape(-1)
+    hess = jax.jacfwd(jax.jacrev(f, argnums=0), argnums=1)(x0, c0)  # (*out, N D, M D)
+    cov_x = jax.scipy.linalg.block_diag(*[l @ l.T for l in chol["X"]])
+    cov_c = jax.scipy.linalg.block_diag(*[l @ l.T for l in chol["C"]])
+    return jnp.einsum("...ij,ik,...kl,jl->...", hess, cov_x, hess, cov_c)
+
+
+def _contracted(fn, point, chol):
+    roots = {n: jnp.moveaxis(chol[n], -1, 0) for n in chol}
+    out = product_second_moments(fn, point, "X", roots["X"], "C", roots["C"], [("f", "loc")])
+    return None if out is None else out["f"]["loc"]
+
+
+def _jitted_matmul(x, c):
+    return x @ c.T
+
+
+READ_BY_CONTRACTION = {
+    "matmul plus a bias": lambda p: {"f": {"loc": p["X"] @ p["C"].T + 1.0}},
+    "scaled einsum": lambda p: {"f": {"loc": 2.0 * jnp.einsum("nd,md->nm", p["X"], p["C"])}},
+    "index pairs, summed": lambda p: {"f": {"loc": jnp.sum(p["X"][ROWS] * p["C"][COLS], -1) - p["X"][:5, 0]}},
+    "elementwise": lambda p: {"f": {"loc": (p["X"][:5] * p["C"]).reshape(-1)}},
+    "jitted helper, scaled": lambda p: {"f": {"loc": jax.jit(_jitted_matmul)(p["X"], p["C"]) * 3.0}},
+    "transposed then divided": lambda p: {"f": {"loc": (p["C"] @ p["X"].T).T / 4.0 + p["C"][:, :1].T}},
+    "product placed in a larger array": lambda p: {
+        "f": {"loc": jnp.concatenate([p["X"] @ p["C"].T, p["X"][:, :2]], axis=1)}
+    },
+    "a row of loadings from each side": lambda p: {"f": {"loc": jnp.einsum("d,nd->n", p["C"][2], p["X"])}},
+}
+
+
+@pytest.mark.parametrize("case", sorted(READ_BY_CONTRACTION))
+def test_contraction_equals_the_definition(case):
+    point, chol = _setup()
+    fn = READ_BY_CONTRACTION[case]
+    got = _contracted(fn, point, chol)
+    assert got is not None, f"{case}: expected the contraction to follow the product"
+    want = _reference(fn, point, chol)
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-10)
+
+
+def _scanned(p):
+    def body(carry, xc):
+        x, c = xc
+        return carry, x * c
+
+    _, out = jax.lax.scan(body, 0.0, (p["X"][:5], p["C"]))
+    return {"f": {"loc": out}}
+
+
+LEFT_TO_THE_PUSHES = {
+    "sum of two products": lambda p: {"f": {"loc": p["X"] @ p["C"].T + (2.0 * p["X"]) @ p["C"].T}},
+    "product inside a scan": _scanned,
+    "sum of a contraction": lambda p: {"f": {"loc": jnp.sum(p["X"] @ p["C"].T, axis=0)}},
+    "cumulative sum of a product": lambda p: {"f": {"loc": jnp.cumsum(p["X"][:5] * p["C"], axis=0)}},
+}
+
+
+@pytest.mark.parametrize("case", sorted(LEFT_TO_THE_PUSHES))
+def test_products_it_cannot_follow_are_left_to_the_pushes(case):
+    point, chol = _setup()
+    assert _contracted(LEFT_TO_THE_PUSHES[case], point, chol) is None
+
+
+def test_argument_without_the_product_has_no_extra_moment():
+    point, chol = _setup()
+
+    def fn(p):
+        return {"f": {"loc": p["X"] @ p["C"].T, "scale": jnp.exp(p["X"][:, 0])}, "g": {"loc": p["C"] + 1.0}}
+
+    roots = {n: jnp.moveaxis(chol[n], -1, 0) for n in chol}
+    out = product_second_moments(fn, point, "X", roots["X"], "C", roots["C"], [("g", "loc"), ("f", "loc")])
+    np.testing.assert_array_equal(out["g"]["loc"], np.zeros((M, D)))
+    np.testing.assert_allclose(out["f"]["loc"], _reference(lambda p: {"f": {"loc": fn(p)["f"]["loc"]}}, point, chol))
+
+
+def test_contraction_is_differentiable_like_the_definition():
+    """The messages are gradients of the moments with respect to the covariances."""
+    point, chol = _setup()
+    fn = READ_BY_CONTRACTION["matmul plus a bias"]
+    weights = jnp.asarray(np.random.default_rng(1).normal(size=(N, M)))
+
+    def through(method):
+        def total(lx, lc):
+            return jnp.sum(weights * method(fn, point, {"X": lx, "C": lc}))
+
+        return jax.grad(total, argnums=(0, 1))(chol["X"], chol["C"])
+
+    for got, want in zip(through(_contracted), through(_reference)):
+        np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-9)
