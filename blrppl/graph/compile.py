@@ -500,7 +500,7 @@ def _broadcast_enumerated(factors, blocks: dict, fns, data, rng: np.random.Gener
         else:
             combos[f.name] = np.stack([rng.integers(k, size=BROADCAST_CHECK_STATES) for k in sizes], axis=1).astype(np.int32)
 
-    def agrees(f, combo, data):
+    def agrees(f, combo, data, point):
         full, small = dict(point), dict(point)
         for j, d in enumerate(f.discrete):
             full.update(blocks[d].discrete_site_values(combo[j]))
@@ -523,22 +523,25 @@ def _broadcast_enumerated(factors, blocks: dict, fns, data, rng: np.random.Gener
 
     static_false = set()
 
-    def check(data):
+    # (the point and the states are arguments, not constants: XLA would fold the whole check,
+    # K × N × D × D comparisons for a mixture's precisions, at compile time: 17 s for K = 40)
+    def check(data, point, combos):
         out = {}
         for f in candidates:
             try:
-                out[f.name] = jnp.all(jax.vmap(lambda c, f=f: agrees(f, c, data))(jnp.asarray(combos[f.name])))
+                out[f.name] = jnp.all(jax.vmap(lambda c, f=f: agrees(f, c, data, point))(combos[f.name]))
             except Exception:  # (a model that cannot run with them, or other shapes: full values)
                 static_false.add(f.name)
         return out
 
     try:
-        traced = store_jit(check, "broadcast").trace(data)
+        args = (data, point, combos)
+        traced = store_jit(check, "broadcast").trace(*args)
         if not jax.tree.leaves(traced.out_info):
             return set()
         options = compiler_options(data)
         key = program_key("broadcast", program_fingerprint(traced.jaxpr), jax.tree.structure(traced.out_info), options)
-        result = compile_program(key, lambda *_: traced.lower(), (data,), options)(data)
+        result = compile_program(key, lambda *_: traced.lower(), args, options)(*args)
     except Exception:  # (the check itself failed: full values everywhere)
         return set()
     return {name for name, ok in result.items() if name not in static_false and bool(ok)}
