@@ -251,6 +251,41 @@ def _elementwise_work(plan, records) -> int:
     )
 
 
+#: at most this many label states counted per factor by :func:`_dense_work`
+_MAX_COUNTED_STATES = 1024
+
+
+def _dense_work(plan, records) -> int:
+    """The arithmetic a step spends on each factor element beyond reading it, summed:
+    elements × (event size × enumerated label states + Σ over products of two Gaussian
+    blocks of their element sizes' product). A mixture of N points in D dimensions with K
+    labels counts N·D·D·K, ``X @ C.T`` with D latent dimensions N·M·D²: the measure by which
+    small data still gets optimised code (:func:`blrppl.graph.data.compiler_options`)."""
+    blocks = {b.name: b for b in plan.blocks}
+
+    def element_size(b) -> int:
+        if not b.family.dense_event:
+            return 1
+        return int(np.prod([s for i, s in enumerate(b.value_shape) if i not in b.plate_axes]))
+
+    total = 0
+    for f in plan.factors:
+        if f.gram_block:
+            continue
+        states = 1
+        for d in f.discrete:
+            values = blocks[d].support_values if d in blocks else None
+            states = min(states * max(len(values or ()), 1), _MAX_COUNTED_STATES)
+        pairs = sum(element_size(blocks[a]) * element_size(blocks[b]) for _, ps in f.pairs for a, b in ps)
+        for n in f.members or (f.name,):
+            if n not in records:
+                continue
+            shape = records[n].value_shape
+            event = int(np.prod(shape[len(shape) - records[n].event_ndim :])) if records[n].event_ndim else 1
+            total += int(np.prod(shape)) * (event * states + pairs)
+    return total
+
+
 def _support_signature(records) -> tuple:
     """The values of every latent's support parameters (those computed from the data differ
     between data sets of the same shape; a compiled fit holds the bijections they give)."""
@@ -362,7 +397,7 @@ def _compile(model, records, data_spec, dyn_data, tracer, options, prior_spec, k
     fit_key = _stored_fit_key(tracer, dyn_data, options, prior_spec, supports, plan)
     # XLA compiles outside the GIL: the chunk compiles on a worker thread while the
     # diagnostics' program is traced here, then both compile at once
-    chunk_options = _compiler_options(dyn_data, _elementwise_work(plan, records))
+    chunk_options = _compiler_options(dyn_data, _elementwise_work(plan, records), _dense_work(plan, records))
     chunk_future = compile_program(
         fit_program_key(fit_key, "chunk", chunk_options),
         store_jit(chunk, "chunk").lower,

@@ -102,18 +102,25 @@ def compile_lowered(lowered, options: dict | None):
         return compile_lowered(lowered, options)
 
 
-def compiler_options(data, size: int | None = None) -> dict | None:
+def compiler_options(data, size: int | None = None, dense_work: int = 0) -> dict | None:
     """XLA options for compiling a function of ``data``: the CPU fusion emitters off, and
     backend optimisations off for small data, where compiling dominates running.
 
     ``size`` overrides the data's size as the measure of the elementwise work per call
     (a fit whose large data enter only through precomputed statistics does little
-    elementwise work per step: its linear algebra runs as fast unoptimised)."""
+    elementwise work per step: its linear algebra runs as fast unoptimised).
+
+    ``dense_work`` is the work of small data whose elements each carry dense arithmetic
+    (a D × D precision per point and label, D² products per entry of ``X @ C.T``): from
+    :data:`SMALL_DATA` on, such a program is compiled at optimisation level 1, which
+    costs little more to compile than level 0 and runs its elementwise loops 2–4× faster
+    (BayesPy's PCA, 500 × 20 with D = 10: 68 → 20 ms per step for 0.8 s more compiling;
+    the K = 40 mixture: 26 → 13 ms)."""
     if size is None:
         size = sum(int(np.prod(jnp.shape(x))) for x in jax.tree.leaves(data))
     options = dict(_FAST_COMPILE)
     if size < SMALL_DATA:
-        options["xla_backend_optimization_level"] = 0
+        options["xla_backend_optimization_level"] = 1 if dense_work >= SMALL_DATA else 0
     return options
 
 
