@@ -45,7 +45,7 @@ from blrppl import moments as mom
 from blrppl.graph import forms as fm
 from blrppl.graph.data import DataSpec, RunData, compile_lowered, compiler_options
 from blrppl.graph.plan import Block
-from blrppl.products import product_second_moments
+from blrppl.products import ProductMoments, product_second_moments
 from blrppl.graph.trace import PlateIndices, count_model_run, given_matrices, unwrap, value_mask
 
 #: dense Gaussian blocks whose elements mix in an argument get one column per scalar,
@@ -1121,9 +1121,19 @@ def group_moments(fns: ModelFunctions, factors, blocks: dict, views: dict, discr
                 left = tuple(rows_of(n, "left", f.name, arg) if n in used else None for n in fgauss)
                 right = tuple(rows_of(n, "right", f.name, arg) if n in used else None for n in fgauss)
                 pairs = dict(f.pairs)[arg]
-                moments[arg] = mom.BilinearGaussian(
-                    mom.AffineGaussian(value, left, right), sum(extra[pair][f.name][arg] for pair in pairs)
-                )
+                found = [extra[pair][f.name][arg] for pair in pairs]
+                whole = _whole_product_variance(f, arg, pairs, found)
+                if whole is not None:
+                    # the product's variance in full: the linear part's rows of its two
+                    # blocks are not read (nor computed: XLA drops unused pushes)
+                    drop = set(pairs[0])
+                    left = tuple(None if n in drop else r for n, r in zip(fgauss, left))
+                    right = tuple(None if n in drop else r for n, r in zip(fgauss, right))
+                    moments[arg] = mom.BilinearGaussian(mom.AffineGaussian(value, left, right), whole)
+                else:
+                    moments[arg] = mom.BilinearGaussian(
+                        mom.AffineGaussian(value, left, right), sum(m.extra for m in found)
+                    )
             elif kind == mom.ExpGaussian.kind:
                 # x = exp(a) with a affine: each pushed row is x · (the row of a)
                 left = tuple(rows_of(n, "left", f.name, arg) / value if n in used else None for n in fgauss)
@@ -1161,9 +1171,23 @@ def group_moments(fns: ModelFunctions, factors, blocks: dict, views: dict, discr
     return result
 
 
+def _whole_product_variance(f, arg: str, pairs, found):
+    """Var[x] under q(A) q(B) of an argument x that depends on the blocks A and B of its
+    one pair only through their product, when the contraction gave it and no other argument
+    of the factor reads A or B (no covariance with them is needed); else None."""
+    if len(pairs) != 1 or found[0].variance is None:
+        return None
+    blocks = set(pairs[0])
+    if any(set(used) & blocks for other, used in f.arg_blocks if other != arg):
+        return None
+    return found[0].variance
+
+
 def _bilinear_extra(model_args, point: dict, sets: dict, roots: dict, factors) -> dict:
-    """E[f(d_A, d_B)²] of every bilinear argument, per pair of blocks (A, B) it multiplies
-    (:class:`blrppl.moments.BilinearGaussian`): {(A, B): {factor: {argument: array}}}.
+    """The second moments of every bilinear argument, per pair of blocks (A, B) it
+    multiplies (:class:`blrppl.moments.BilinearGaussian`):
+    {(A, B): {factor: {argument: ProductMoments}}} (:class:`blrppl.products.ProductMoments`:
+    E[f(d_A, d_B)²], and the whole variance where the contraction gives it).
 
     E[(d_Aᵀ J d_B)²] = tr(Jᵀ Σ_A J Σ_B), each f(a, b) below the mixed second derivative of
     the arguments along a (in A) and b (in B). With square roots Σ_A = Σ_k s_k s_kᵀ and
@@ -1189,7 +1213,7 @@ def _bilinear_extra(model_args, point: dict, sets: dict, roots: dict, factors) -
         wanted = [(f.name, arg) for f in factors for arg, ps in f.pairs if (a, b) in ps]
         if rooted:
             # a product the program takes as a primitive: one contraction of covariances
-            contracted = product_second_moments(model_args, point, a, roots[a], b, roots[b], wanted)
+            contracted = product_second_moments(model_args, point, a, sets[a], b, sets[b], wanted)
             if contracted is not None:
                 out[(a, b)] = contracted
                 continue
@@ -1216,7 +1240,7 @@ def _bilinear_extra(model_args, point: dict, sets: dict, roots: dict, factors) -
             return jnp.sum(jnp.square(x), axis=0) if rooted else jnp.sum(x[:half] * x[half:], axis=0)
 
         out[(a, b)] = {
-            f.name: {arg: square(pushed[f.name][arg]) for arg, ps in f.pairs if (a, b) in ps}
+            f.name: {arg: ProductMoments(square(pushed[f.name][arg]), None) for arg, ps in f.pairs if (a, b) in ps}
             for f in factors
         }
     return out

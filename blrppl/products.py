@@ -14,17 +14,23 @@ of the program, the same sum is a contraction of the two factors' covariances:
 
   an (N, D²) @ (D², M) product for ``X @ C.T`` instead of D² arrays of (N, M).
 
-:func:`product_second_moments` evaluates the program (its jaxpr) once, carrying for each
-intermediate the pushed square-root tangents of A and of B (its affine parts) and, once a
-product of the two appears, the second moment of its bilinear part through the operations
-that keep it elementwise: layout, indexing, scaling by a constant, adding an affine term
-(uncorrelated with the bilinear part: its odd moments vanish). Anything else the product
-passes through (a sum of two products, a sum over a product already taken, a loop) makes the
-argument fall back to the pushes (the caller's job: the function returns None).
+When x depends on A and B through the product alone, its whole variance (the linear part's
+too) comes from the same contraction with the factors' means (:func:`_contract`), and the
+caller pushes no tangent of A or B through the model for it.
 
-The square roots are those of :meth:`blrppl.families.base.Family.tangent_roots`: valid over
-what one plate element of a non-mixing argument reads, so every covariance taken here (over
-the positions one output element combines) is exact.
+:func:`product_second_moments` evaluates the program (its jaxpr) once, carrying for each
+intermediate its affine parts' tangents along A's and B's tangent sets and, once a product of
+the two appears, the second moments of that product through the operations that keep it
+elementwise: layout, indexing, scaling by a constant, adding an affine term (uncorrelated
+with the bilinear part: its odd moments vanish). Anything else the product passes through (a
+sum of two products, a sum over a product already taken, a loop) makes the argument fall
+back to the pushes (the caller's job: the function returns None).
+
+The tangent sets are those of :meth:`blrppl.families.base.Family.tangent_sets` over one plate
+element, Σ = Σ_s l_s r_sᵀ with l_s unit columns and r_s = Σ l_s (no Cholesky factor, whose
+derivative would be in every message): valid over what one plate element of a non-mixing
+argument reads, so every covariance taken here (over the positions one output element
+combines) is exact.
 """
 
 from __future__ import annotations
@@ -60,15 +66,21 @@ class _Unsupported(Exception):
 
 
 class _Tags(NamedTuple):
-    """What a value carries besides itself: its affine tangents along A's and B's square
-    roots (``(k, *shape)`` or None for none) and its bilinear part: None, the second moment
-    (``ex``, the value's shape) or, for a product not yet summed, its two factors'
-    tangents (``prod``: (U, V), each ``(k, *shape)``, the part being Σ-free u·v)."""
+    """What a value carries besides itself: its affine parts' tangents along A's and B's
+    tangent sets (``(2k, *shape)``, the k left tangents then the k right ones, or None for
+    none) and its bilinear part: None, the second moment
+    (``ex``, the value's shape) or, for a product not yet summed, its two factors
+    (``prod``: (U, V, m_u, m_v), the tangent stacks and means of u and v, the part
+    being the elementwise u·v).
+
+    ``vt``: when the value's dependence on A and B is that product alone (plus terms in
+    neither block), its whole variance under q(A) q(B), Var[u·v]; None otherwise."""
 
     ta: jax.Array | None = None
     tb: jax.Array | None = None
     ex: jax.Array | None = None
     prod: tuple | None = None
+    vt: jax.Array | None = None
 
     @property
     def bilinear(self) -> bool:
@@ -79,36 +91,65 @@ class _Tags(NamedTuple):
 _BAD = "bad"
 
 
+def _halves(t):
+    """A stack of tangents [l_1 … l_k, r_1 … r_k] split into its left and right halves."""
+    k = t.shape[0] // 2
+    return t[:k], t[k:]
+
+
 def _variance(t):
-    return jnp.sum(jnp.square(t), axis=0)
+    """Σ_s l_s r_s: the variance of a value whose tangent stack is ``t``."""
+    left, right = _halves(t)
+    return jnp.sum(left * right, axis=0)
 
 
 def _ex_of(tags: _Tags, shape):
     """The second moment of a value's bilinear part (zeros when it has none)."""
     if tags.prod is not None:
-        u, v = tags.prod
+        u, v, _, _ = tags.prod
         return jnp.broadcast_to(_variance(u) * _variance(v), shape)
     return tags.ex
 
 
-def _contract(u, v, batch_u, batch_v, contract_u, contract_v):
-    """Σ_{c,c'} Cov[u_c, u_c'] Cov[v_c, v_c'] for u, v given by tangents (k, *shape) and
-    l (l, *shape): ``dot_general``'s output layout (batch, free of u, free of v)."""
+def _vt_of(tags: _Tags, shape):
+    """Var[u·v] of a value that depends on A and B through that product alone, else None:
+    Var[u] Var[v] + Var[u] m_v² + m_u² Var[v] elementwise (no difference of large terms)."""
+    if tags.prod is not None:
+        u, v, mu, mv = tags.prod
+        var_u, var_v = _variance(u), _variance(v)
+        return jnp.broadcast_to(var_u * (var_v + jnp.square(mv)) + jnp.square(mu) * var_v, shape)
+    return tags.vt
 
-    def grouped(t, batch, contract):
-        dims = range(1, t.ndim)
-        free = [d for d in dims if d - 1 not in batch and d - 1 not in contract]
-        order = [0] + [d + 1 for d in batch] + free + [d + 1 for d in contract]
+
+def _contract(u, v, mu, mv, batch_u, batch_v, contract_u, contract_v):
+    """For u, v given by tangents (k, *shape) and (l, *shape) and means, contracted over
+    c: E[f(d_u, d_v)²] = Σ_{c,c'} Cov[u_c, u_c'] Cov[v_c, v_c'] and the whole variance
+
+        Var[Σ_c u_c v_c] = Σ_{c,c'} Cov[u]_{cc'} (Cov[v] + m_v m_vᵀ)_{cc'} + (m_u m_uᵀ)_{cc'} Cov[v]_{cc'},
+
+    both in ``dot_general``'s output layout (batch, free of u, free of v)."""
+
+    def grouped(t, batch, contract, lead):
+        dims = range(lead, t.ndim)
+        free = [d for d in dims if d - lead not in batch and d - lead not in contract]
+        order = list(range(lead)) + [d + lead for d in batch] + free + [d + lead for d in contract]
         t = jnp.transpose(t, order)
-        b = t.shape[1 : 1 + len(batch)]
-        f = t.shape[1 + len(batch) : 1 + len(batch) + len(free)]
-        return t.reshape(t.shape[0], math.prod(b), math.prod(f), -1), b, f
+        b = t.shape[lead : lead + len(batch)]
+        f = t.shape[lead + len(batch) : lead + len(batch) + len(free)]
+        return t.reshape(*t.shape[:lead], math.prod(b), math.prod(f), -1), b, f
 
-    gu, b, fu = grouped(u, batch_u, contract_u)
-    gv, _, fv = grouped(v, batch_v, contract_v)
-    cov_u = jnp.einsum("kbfc,kbfd->bfcd", gu, gu)
-    cov_v = jnp.einsum("kbgc,kbgd->bgcd", gv, gv)
-    return jnp.einsum("bfcd,bgcd->bfg", cov_u, cov_v).reshape(*b, *fu, *fv)
+    gu, b, fu = grouped(u, batch_u, contract_u, 1)
+    gv, _, fv = grouped(v, batch_v, contract_v, 1)
+    mu, _, _ = grouped(mu, batch_u, contract_u, 0)
+    mv, _, _ = grouped(mv, batch_v, contract_v, 0)
+    cov_u = jnp.einsum("kbfc,kbfd->bfcd", *_halves(gu))
+    cov_v = jnp.einsum("kbgc,kbgd->bgcd", *_halves(gv))
+    outer_u = jnp.einsum("bfc,bfd->bfcd", mu, mu)
+    outer_v = jnp.einsum("bgc,bgd->bgcd", mv, mv)
+    extra = jnp.einsum("bfcd,bgcd->bfg", cov_u, cov_v)
+    whole = jnp.einsum("bfcd,bgcd->bfg", cov_u, cov_v + outer_v) + jnp.einsum("bfcd,bgcd->bfg", outer_u, cov_v)
+    shape = (*b, *fu, *fv)
+    return extra.reshape(shape), whole.reshape(shape)
 
 
 def _contraction_worth_it(u, v, batch_u, contract_u) -> bool:
@@ -208,7 +249,7 @@ class _Interpreter:
         return [
             _Tags(
                 None if ta is None else ta[j], None if tb is None else tb[j],
-                *(bil[j] if bil is not None else (None, None)),
+                *(bil[j] if bil is not None else (None, None, None)),
             )
             for j in range(len(outs))
         ]
@@ -224,29 +265,37 @@ class _Interpreter:
             u, v = tu.tb, tv.ta
         else:
             raise _Unsupported("a product of one block with itself")
+        mu, mv = vals
+        dtype = outs[0].dtype
         if name == "mul":
             shape = outs[0].shape
-            return [(None, (jnp.broadcast_to(u, u.shape[:1] + shape), jnp.broadcast_to(v, v.shape[:1] + shape)))]
+            lifted = [jnp.broadcast_to(x, x.shape[:1] + shape) for x in (u, v)]
+            return [(None, (*lifted, jnp.broadcast_to(mu, shape), jnp.broadcast_to(mv, shape)), None)]
         (contract_u, contract_v), (batch_u, batch_v) = eqn.params["dimension_numbers"]
         if not _contraction_worth_it(u, v, batch_u, contract_u):
             raise _Unsupported("a contraction dearer than the pushes")
-        ex = _contract(u, v, batch_u, batch_v, contract_u, contract_v)
-        return [(ex.astype(outs[0].dtype), None)]
+        ex, vt = _contract(u, v, mu, mv, batch_u, batch_v, contract_u, contract_v)
+        return [(ex.astype(dtype), None, vt.astype(dtype))]
 
     def follow(self, eqn, name, vals, tags, outs):
-        """The bilinear part of the outputs of an operation on values that may hold one."""
+        """The bilinear part (ex, prod, vt) of the outputs of an operation on values that
+        may hold one (None when none does)."""
         held = [i for i, t in enumerate(tags) if t is not None and t.bilinear]
         if not held:
             return None
         shape = outs[0].shape
+        # the other operands' dependence on A and B: none keeps a pure product pure
+        others_free = all(t is None for i, t in enumerate(tags) if i not in held)
         if name in _ELEMENTWISE_LAYOUT:
             if held != [0]:
                 raise _Unsupported("an index that depends on a product")
             t = tags[0]
             if t.prod is not None:
-                u, v = t.prod
-                return list(zip([None] * len(outs), zip(*[self._map(eqn, vals, x) for x in (u, v)])))
-            return [(x, None) for x in self.bind(eqn, [t.ex, *vals[1:]])]
+                mapped = zip(*[self._map(eqn, vals, x, lead) for x, lead in zip(t.prod, (1, 1, 0, 0))])
+                return [(None, p, None) for p in mapped]
+            exs = self.bind(eqn, [t.ex, *vals[1:]])
+            vts = self.bind(eqn, [t.vt, *vals[1:]]) if t.vt is not None and others_free else [None] * len(exs)
+            return list(zip(exs, [None] * len(exs), vts))
         if name in _PLACING:
             data = _PLACING[name]
             if data is None:
@@ -255,20 +304,31 @@ class _Interpreter:
                 data = tuple(range(1, len(vals)))
             if any(i not in data for i in held):
                 raise _Unsupported("an index that depends on a product")
-            new = list(vals)
+            ex_in, vt_in = list(vals), list(vals)
+            pure = all(tags[i] is None for i in range(len(vals)) if i not in data)
             for i in data:
-                t = tags[i]
-                new[i] = jnp.zeros_like(vals[i]) if t is None or not t.bilinear else _ex_of(t, jnp.shape(vals[i]))
-            return [(x, None) for x in self.bind(eqn, new)]
+                t, x_shape = tags[i], jnp.shape(vals[i])
+                zeros = jnp.zeros_like(vals[i])
+                ex_in[i] = zeros if t is None or not t.bilinear else _ex_of(t, x_shape)
+                vt = zeros if t is None else (_vt_of(t, x_shape) if t.bilinear else None)
+                pure = pure and vt is not None
+                vt_in[i] = vt
+            (ex,) = self.bind(eqn, ex_in)
+            vt = self.bind(eqn, vt_in)[0] if pure else None
+            return [(ex, None, vt)]
         if name in ("add", "add_any", "sub"):
             if len(held) > 1:
                 raise _Unsupported("a sum of two products")
-            t = tags[held[0]]
-            if t.prod is not None and jnp.shape(vals[held[0]]) == shape:
-                return [(None, t.prod)]
-            return [(jnp.broadcast_to(_ex_of(t, jnp.shape(vals[held[0]])), shape), None)]
-        if name == "neg":
-            return [(tags[0].ex, tags[0].prod)]
+            i = held[0]
+            t, x_shape = tags[i], jnp.shape(vals[i])
+            if t.prod is not None and x_shape == shape and others_free:
+                return [(None, t.prod, None)]
+            vt = _vt_of(t, x_shape)
+            vt = jnp.broadcast_to(vt, shape) if vt is not None and others_free else None
+            return [(jnp.broadcast_to(_ex_of(t, x_shape), shape), None, vt)]
+        if name == "neg":  # (a sign leaves every second moment as it is)
+            t = tags[0]
+            return [(t.ex, t.prod, t.vt)]
         if name in ("mul", "div"):
             if held != [0] and name == "div":
                 raise _Unsupported("a division by a product")
@@ -276,54 +336,81 @@ class _Interpreter:
             c = vals[1 - i]
             t = tags[i]
             if t.prod is not None:
-                u, v = t.prod
-                u = jnp.broadcast_to(u, u.shape[:1] + shape)
-                v = jnp.broadcast_to(v, v.shape[:1] + shape)
-                return [(None, (u * c if name == "mul" else u / c, v))]
-            c2 = jnp.square(c)
-            ex = t.ex * c2 if name == "mul" else t.ex / c2
-            return [(jnp.broadcast_to(ex, shape), None)]
+                u, v, mu, mv = (jnp.broadcast_to(x, x.shape[: x.ndim - len(jnp.shape(vals[i]))] + shape) for x in t.prod)
+                scale = c if name == "mul" else 1.0 / c
+                return [(None, (u * scale, v, mu * scale, mv), None)]
+            c2 = jnp.square(c) if name == "mul" else 1.0 / jnp.square(c)
+            vt = None if t.vt is None else jnp.broadcast_to(t.vt * c2, shape)
+            return [(jnp.broadcast_to(t.ex * c2, shape), None, vt)]
         if name == "reduce_sum" and tags[0].prod is not None:
-            u, v = tags[0].prod
+            u, v, mu, mv = tags[0].prod
             axes = tuple(eqn.params["axes"])
             batch = tuple(d for d in range(u.ndim - 1) if d not in axes)
             if not _contraction_worth_it(u, v, batch, axes):
                 raise _Unsupported("a contraction dearer than the pushes")
             # a sum over a product u_c v_c is a contraction with the kept dims as batch dims
-            ex = _contract(u, v, batch, batch, axes, axes)
-            return [(ex.reshape(shape).astype(outs[0].dtype), None)]
+            ex, vt = _contract(u, v, mu, mv, batch, batch, axes, axes)
+            dtype = outs[0].dtype
+            return [(ex.reshape(shape).astype(dtype), None, vt.reshape(shape).astype(dtype))]
         if name == "reduce_sum" and math.prod(jnp.shape(vals[0])) == math.prod(shape):
-            return [(x, None) for x in self.bind(eqn, [_ex_of(tags[0], jnp.shape(vals[0]))])]
+            t = tags[0]
+            (ex,) = self.bind(eqn, [_ex_of(t, jnp.shape(vals[0]))])
+            vt = _vt_of(t, jnp.shape(vals[0]))
+            return [(ex, None, None if vt is None else self.bind(eqn, [vt])[0])]
         raise _Unsupported(f"'{name}' of a product")
 
-    def _map(self, eqn, vals, t):
-        """An elementwise-layout equation applied to each tangent of a stack."""
+    def _map(self, eqn, vals, t, lead):
+        """An elementwise-layout equation applied to a value (``lead`` 0) or to each
+        tangent of a stack (``lead`` 1)."""
+        if lead == 0:
+            return tuple(self.bind(eqn, [t, *vals[1:]]))
         return jax.vmap(lambda x: tuple(self.bind(eqn, [x, *vals[1:]])))(t)
 
 
-def product_second_moments(fn, point: dict, a: str, roots_a, b: str, roots_b, wanted) -> dict | None:
-    """E[f(d_A, d_B)²] of the arguments ``wanted`` of ``fn`` (the model's arguments as a
-    function of the blocks' values), read by contraction (module docstring).
+class ProductMoments(NamedTuple):
+    """The second moments of an argument's product of blocks A and B.
+
+    Attributes:
+        extra: E[f(d_A, d_B)²] (:class:`blrppl.moments.BilinearGaussian`'s ``extra``).
+        variance: when the argument depends on A and B through the product alone (plus
+            terms in neither), its whole variance under q(A) q(B), Var[f(w_A, w_B)]: the
+            linear part's too, with no pushed tangents; else None.
+    """
+
+    extra: jax.Array
+    variance: jax.Array | None
+
+
+def product_second_moments(fn, point: dict, a: str, sets_a: dict, b: str, sets_b: dict, wanted) -> dict | None:
+    """The second moments of the arguments ``wanted`` of ``fn`` (the model's arguments as a
+    function of the blocks' values) that multiply blocks A and B, read by contraction
+    (module docstring).
 
     Args:
         fn: ``values -> {factor: {argument: value}}``.
         point: the blocks' values (their means) where ``fn`` is linearised.
-        a, b: the two blocks, with ``roots_a``/``roots_b`` their square-root tangents
-            (:meth:`blrppl.families.base.Family.tangent_roots`, in the layout of ``point``
-            with a leading axis).
+        a, b: the two blocks, with ``sets_a``/``sets_b`` their tangent sets ``left`` and
+            ``right`` (:meth:`blrppl.families.base.Family.tangent_sets`, not ``full``: over
+            one plate element; in the layout of ``point`` with a leading axis).
         wanted: (factor, argument) pairs, each bilinear in (A, B).
 
     Returns:
-        {factor: {argument: array}}, or None when some wanted argument's product passes
-        through an operation the contraction cannot follow (then pushes are used).
+        {factor: {argument: :class:`ProductMoments`}}, or None when some wanted argument's
+        product passes through an operation the contraction cannot follow (then pushes are
+        used).
     """
     closed, shapes = jax.make_jaxpr(fn, return_shape=True)(point)
     leaves, treedef = jax.tree_util.tree_flatten(point)
     index = jax.tree_util.tree_unflatten(treedef, list(range(len(leaves))))
     tags: list = [None] * len(leaves)
-    for name, roots, field in ((a, roots_a, "ta"), (b, roots_b, "tb")):
-        for i, r in zip(jax.tree_util.tree_leaves(index[name]), jax.tree_util.tree_leaves(roots)):
-            tags[i] = _Tags(**{field: r})
+    for name, sets, field in ((a, sets_a, "ta"), (b, sets_b, "tb")):
+        pieces = zip(
+            jax.tree_util.tree_leaves(index[name]),
+            jax.tree_util.tree_leaves(sets["left"]),
+            jax.tree_util.tree_leaves(sets["right"]),
+        )
+        for i, left, right in pieces:
+            tags[i] = _Tags(**{field: jnp.concatenate([left, right])})
     _, out_tags = _Interpreter().run(closed.jaxpr, closed.consts, leaves, tags)
     out_leaves, out_def = jax.tree_util.tree_flatten(shapes)
     out_index = jax.tree_util.tree_unflatten(out_def, list(range(len(out_leaves))))
@@ -333,10 +420,12 @@ def product_second_moments(fn, point: dict, a: str, roots_a, b: str, roots_b, wa
         t = out_tags[i]
         if t is _BAD:
             return None
-        shape = out_leaves[i].shape
+        shape, dtype = out_leaves[i].shape, out_leaves[i].dtype
         if t is None or not t.bilinear:
-            ex = jnp.zeros(shape, out_leaves[i].dtype)
+            zeros = jnp.zeros(shape, dtype)
+            moments = ProductMoments(zeros, zeros if t is None else None)
         else:
-            ex = _ex_of(t, shape)
-        result.setdefault(fname, {})[arg] = ex
+            vt = _vt_of(t, shape)
+            moments = ProductMoments(_ex_of(t, shape), None if vt is None else jnp.broadcast_to(vt, shape))
+        result.setdefault(fname, {})[arg] = moments
     return result

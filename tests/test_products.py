@@ -35,8 +35,10 @@ def _setup():
     return point, chol
 
 
-def _reference(fn, point, chol):
-    """tr(H_oᵀ Σ_X H_o Σ_C) per output o, dense."""
+def _reference(fn, point, chol, whole=False):
+    """tr(H_oᵀ Σ_X H_o Σ_C) per output o, dense; with ``whole`` the variance of a product
+    plus constants, g_Xᵀ Σ_X g_X + g_Cᵀ Σ_C g_C + tr(H_oᵀ Σ_X H_o Σ_C) (g the gradients at the
+    means: f is bilinear, so Var[f] = E[(f − f(m))²] holds these three uncorrelated terms)."""
     def f(x, c):
         return fn({"X": x.reshape(N, D), "C": c.reshape(M, D)})["f"]["loc"]
 
@@ -44,13 +46,33 @@ def _reference(fn, point, chol):
     hess = jax.jacfwd(jax.jacrev(f, argnums=0), argnums=1)(x0, c0)  # (*out, N D, M D)
     cov_x = jax.scipy.linalg.block_diag(*[l @ l.T for l in chol["X"]])
     cov_c = jax.scipy.linalg.block_diag(*[l @ l.T for l in chol["C"]])
-    return jnp.einsum("...ij,ik,...kl,jl->...", hess, cov_x, hess, cov_c)
+    extra = jnp.einsum("...ij,ik,...kl,jl->...", hess, cov_x, hess, cov_c)
+    if not whole:
+        return extra
+    g_x, g_c = jax.jacfwd(f, argnums=(0, 1))(x0, c0)
+    return extra + jnp.einsum("...i,ij,...j->...", g_x, cov_x, g_x) + jnp.einsum("...i,ij,...j->...", g_c, cov_c, g_c)
+
+
+def _sets(chol):
+    """Unit columns and the covariance's columns of each row (the family's tangent sets)."""
+    out = {}
+    for n, lower in chol.items():
+        cov = lower @ jnp.swapaxes(lower, -1, -2)
+        rows = cov.shape[0]
+        eye = jnp.broadcast_to(jnp.eye(D)[:, None, :], (D, rows, D))
+        out[n] = {"left": eye, "right": jnp.moveaxis(cov, -1, 0)}
+    return out
+
+
+def _moments(fn, point, chol):
+    sets = _sets(chol)
+    out = product_second_moments(fn, point, "X", sets["X"], "C", sets["C"], [("f", "loc")])
+    return None if out is None else out["f"]["loc"]
 
 
 def _contracted(fn, point, chol):
-    roots = {n: jnp.moveaxis(chol[n], -1, 0) for n in chol}
-    out = product_second_moments(fn, point, "X", roots["X"], "C", roots["C"], [("f", "loc")])
-    return None if out is None else out["f"]["loc"]
+    out = _moments(fn, point, chol)
+    return None if out is None else out.extra
 
 
 def _jitted_matmul(x, c):
@@ -82,6 +104,23 @@ def test_contraction_equals_the_definition(case):
     np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-10)
 
 
+#: arguments whose dependence on X and C is the product alone (plus constants)
+PURE = {"matmul plus a bias", "scaled einsum", "elementwise", "jitted helper, scaled", "a row of loadings from each side"}
+
+
+@pytest.mark.parametrize("case", sorted(READ_BY_CONTRACTION))
+def test_whole_variance_of_a_pure_product(case):
+    """Var[x] in full (no pushed rows needed) exactly for arguments that read X and C only
+    through their product; an added affine term in X or C (``- X[:5, 0]``) leaves it unknown."""
+    point, chol = _setup()
+    fn = READ_BY_CONTRACTION[case]
+    got = _moments(fn, point, chol).variance
+    if case not in PURE:
+        assert got is None
+        return
+    np.testing.assert_allclose(got, _reference(fn, point, chol, whole=True), rtol=1e-10, atol=1e-10)
+
+
 def _scanned(p):
     def body(carry, xc):
         x, c = xc
@@ -111,10 +150,13 @@ def test_argument_without_the_product_has_no_extra_moment():
     def fn(p):
         return {"f": {"loc": p["X"] @ p["C"].T, "scale": jnp.exp(p["X"][:, 0])}, "g": {"loc": p["C"] + 1.0}}
 
-    roots = {n: jnp.moveaxis(chol[n], -1, 0) for n in chol}
-    out = product_second_moments(fn, point, "X", roots["X"], "C", roots["C"], [("g", "loc"), ("f", "loc")])
-    np.testing.assert_array_equal(out["g"]["loc"], np.zeros((M, D)))
-    np.testing.assert_allclose(out["f"]["loc"], _reference(lambda p: {"f": {"loc": fn(p)["f"]["loc"]}}, point, chol))
+    sets = _sets(chol)
+    out = product_second_moments(fn, point, "X", sets["X"], "C", sets["C"], [("g", "loc"), ("f", "loc")])
+    np.testing.assert_array_equal(out["g"]["loc"].extra, np.zeros((M, D)))
+    assert out["g"]["loc"].variance is None  # (affine in C: its variance comes from pushed rows)
+    np.testing.assert_allclose(
+        out["f"]["loc"].extra, _reference(lambda p: {"f": {"loc": fn(p)["f"]["loc"]}}, point, chol)
+    )
 
 
 def test_contraction_is_differentiable_like_the_definition():
@@ -124,10 +166,17 @@ def test_contraction_is_differentiable_like_the_definition():
     weights = jnp.asarray(np.random.default_rng(1).normal(size=(N, M)))
 
     def through(method):
-        def total(lx, lc):
-            return jnp.sum(weights * method(fn, point, {"X": lx, "C": lc}))
+        def total(x, c, lx, lc):
+            return jnp.sum(weights * method(fn, {"X": x, "C": c}, {"X": lx, "C": lc}))
 
-        return jax.grad(total, argnums=(0, 1))(chol["X"], chol["C"])
+        return jax.grad(total, argnums=(0, 1, 2, 3))(point["X"], point["C"], chol["X"], chol["C"])
 
-    for got, want in zip(through(_contracted), through(_reference)):
-        np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-9)
+    def whole_contracted(fn, point, chol):
+        return _moments(fn, point, chol).variance
+
+    def whole_reference(fn, point, chol):
+        return _reference(fn, point, chol, whole=True)
+
+    for mine, definition in ((_contracted, _reference), (whole_contracted, whole_reference)):
+        for got, want in zip(through(mine), through(definition)):
+            np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-9)
