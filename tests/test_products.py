@@ -14,7 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import numpyro
+import numpyro.distributions as dist
 import pytest
+from jax import random
 
 from blrppl.products import product_second_moments
 
@@ -180,3 +182,58 @@ def test_contraction_is_differentiable_like_the_definition():
     for mine, definition in ((_contracted, _reference), (whole_contracted, whole_reference)):
         for got, want in zip(through(mine), through(definition)):
             np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-9)
+
+
+def _ppca(Y, latent_dim=3):
+    n, m = Y.shape
+    with numpyro.plate("M", m):
+        C = numpyro.sample("C", dist.Normal(0.0, 1.0).expand([latent_dim]).to_event(1))
+    with numpyro.plate("N", n):
+        X = numpyro.sample("X", dist.Normal(0.0, 1.0).expand([latent_dim]).to_event(1))
+    tau = numpyro.sample("tau", dist.Gamma(2.0, 1.0))
+    with numpyro.plate("n", n, dim=-2), numpyro.plate("m", m, dim=-1):
+        numpyro.sample("Y", dist.Normal(X @ C.T, 1 / jnp.sqrt(tau)), obs=Y)
+
+
+def test_factor_model_steps_equal_with_and_without_the_contraction(monkeypatch):
+    """Probabilistic PCA's messages and bound, after three steps from a random start: the
+    contraction (whole variance, no pushed rows) and the pushes of every pair of roots agree."""
+    import blrppl.expressions as expressions
+    from blrppl.engine.fit import init_nat, plan_model
+    from blrppl.engine.step import initial_state, make_step
+    from blrppl.graph.trace import trace_model
+    from blrppl.inputs import fit_options, model_arguments
+
+    Y = np.random.default_rng(2).normal(size=(12, 5))
+    args, kwargs = model_arguments({"Y": Y})
+    records, spec, dyn, _ = trace_model(_ppca, args, kwargs, random.PRNGKey(0))
+    with numpyro.validation_enabled(False):
+        plan, fns, dyn, init_values, *_ = plan_model(_ppca, records, spec, dyn, fit_options(), None, random.PRNGKey(1))
+    # (off the saddle at zero means, where the linear part of the product vanishes)
+    rng = np.random.default_rng(3)
+    for n in ("X", "C"):
+        init_values[n] = init_values[n] + rng.normal(size=np.shape(init_values[n]))
+    nat = {b.name: init_nat(b.full, init_values[b.name], None) for b in plan.blocks}
+    step, elbo, messages = make_step(plan, fns, "sequential")
+    state = initial_state(nat, random.PRNGKey(2), plan)
+    for _ in range(3):
+        state = step(state, dyn, {b: jnp.asarray(0.5) for b in plan.order})[0]
+
+    read = []
+    contraction = expressions.product_second_moments
+
+    def spy(*a, **k):
+        out = contraction(*a, **k)
+        read.append(out is not None and out["Y"]["loc"].variance is not None)
+        return out
+
+    def evaluate():
+        return {b: messages(state.nat, (b,), dyn) for b in plan.order}, elbo(state.nat, dyn)
+
+    monkeypatch.setattr(expressions, "product_second_moments", spy)
+    contracted = evaluate()
+    assert read and all(read)
+    monkeypatch.setattr(expressions, "product_second_moments", lambda *a, **k: None)
+    pushed = evaluate()
+    for got, want in zip(jax.tree.leaves(contracted), jax.tree.leaves(pushed)):
+        np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-10)
