@@ -216,8 +216,8 @@ def test_factor_model_steps_equal_with_and_without_the_contraction(monkeypatch):
     nat = {b.name: init_nat(b.full, init_values[b.name], None) for b in plan.blocks}
     step, elbo, messages = make_step(plan, fns, "sequential")
     state = initial_state(nat, random.PRNGKey(2), plan)
-    for _ in range(3):
-        state = step(state, dyn, {b: jnp.asarray(0.5) for b in plan.order})[0]
+    rho = {b: jnp.asarray(0.5) for b in plan.order}
+    state = jax.jit(lambda s: jax.lax.fori_loop(0, 3, lambda _, s: step(s, dyn, rho)[0], s))(state)
 
     read = []
     contraction = expressions.product_second_moments
@@ -227,8 +227,8 @@ def test_factor_model_steps_equal_with_and_without_the_contraction(monkeypatch):
         read.append(out is not None and out["Y"]["loc"].variance is not None)
         return out
 
-    def evaluate():
-        return {b: messages(state.nat, (b,), dyn) for b in plan.order}, elbo(state.nat, dyn)
+    def evaluate():  # (traced anew under each patch: a new function each time)
+        return jax.jit(lambda nat: ({b: messages(nat, (b,), dyn) for b in plan.order}, elbo(nat, dyn)))(state.nat)
 
     monkeypatch.setattr(expressions, "product_second_moments", spy)
     contracted = evaluate()
