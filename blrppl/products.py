@@ -40,6 +40,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.extend import core as jex_core
 
 #: primitives that move or select elements without combining them: f(x) applied to the
@@ -142,12 +143,18 @@ def _contract(u, v, mu, mv, batch_u, batch_v, contract_u, contract_v):
     gv, _, fv = grouped(v, batch_v, contract_v, 1)
     mu, _, _ = grouped(mu, batch_u, contract_u, 0)
     mv, _, _ = grouped(mv, batch_v, contract_v, 0)
-    cov_u = jnp.einsum("kbfc,kbfd->bfcd", *_halves(gu))
-    cov_v = jnp.einsum("kbgc,kbgd->bgcd", *_halves(gv))
-    outer_u = jnp.einsum("bfc,bfd->bfcd", mu, mu)
-    outer_v = jnp.einsum("bgc,bgd->bgcd", mv, mv)
-    extra = jnp.einsum("bfcd,bgcd->bfg", cov_u, cov_v)
-    whole = jnp.einsum("bfcd,bgcd->bfg", cov_u, cov_v + outer_v) + jnp.einsum("bfcd,bgcd->bfg", outer_u, cov_v)
+    # the symmetric matrices over (c, c') packed to c ≤ c', off-diagonal terms counted twice
+    # on u's side: half the multiply-adds of the contraction
+    rows, cols = np.triu_indices(gu.shape[-1])
+    twice = jnp.asarray(np.where(rows == cols, 1.0, 2.0), gu.dtype)
+
+    def packed_cov(g):
+        return jnp.einsum("kbfc,kbfd->bfcd", *_halves(g))[..., rows, cols]
+
+    cov_u, cov_v = packed_cov(gu) * twice, packed_cov(gv)
+    outer_u, outer_v = mu[..., rows] * mu[..., cols] * twice, mv[..., rows] * mv[..., cols]
+    extra = jnp.einsum("bfp,bgp->bfg", cov_u, cov_v)
+    whole = jnp.einsum("bfp,bgp->bfg", cov_u, cov_v + outer_v) + jnp.einsum("bfp,bgp->bfg", outer_u, cov_v)
     shape = (*b, *fu, *fv)
     return extra.reshape(shape), whole.reshape(shape)
 
