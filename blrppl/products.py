@@ -160,14 +160,16 @@ def _contract(u, v, mu, mv, batch_u, batch_v, contract_u, contract_v):
 
 
 def _contraction_worth_it(u, v, batch_u, contract_u) -> bool:
-    """Covariances over the contracted dims cost no more than pushing every root pair."""
+    """Covariances over the contracted dims cost no more than pushing every root pair
+    (u, v: tangent stacks of 2k and 2l rows, for k and l square roots)."""
     size_b = math.prod(u.shape[1 + d] for d in batch_u)
     size_c = math.prod(u.shape[1 + d] for d in contract_u)
     size_f = math.prod(u.shape[1:]) // max(size_b * size_c, 1)
     size_g = math.prod(v.shape[1:]) // max(size_b * size_c, 1)
-    k, l = u.shape[0], v.shape[0]
-    contraction = size_b * size_c**2 * (k * size_f + l * size_g + size_f * size_g)
-    pushes = k * l * size_b * size_f * size_g * size_c
+    k, l = u.shape[0] // 2, v.shape[0] // 2
+    contraction = size_b * size_c**2 * (2 * k * size_f + 2 * l * size_g + size_f * size_g)
+    # (each pushed pair at least forms u and v and their product)
+    pushes = k * l * size_b * size_c * (size_f * size_g + size_f + size_g)
     return contraction <= _MAX_COST_RATIO * pushes
 
 
