@@ -132,6 +132,8 @@ def test_ppca_contraction_is_read_exactly(ppca_fits):
     _, (fit, _) = ppca_fits
     text = fit.plan.describe()
     assert "loc:bilinear_gaussian" in text, text
+    # (the likelihood from data statistics: the textbook sweeps below check that path)
+    assert dict((f.name, f.gram_pair) for f in fit.plan.factors)["Y"] == ("X", "C"), text
     assert [b.name for b in fit.plan.blocks] == ["alpha", "C", "X", "tau"], text
     assert all(conj for _, conj in fit.plan.conjugate), text
     assert fit.posterior["X"].covariance_matrix.shape == (N, D, D)  # a full covariance per row
@@ -190,6 +192,7 @@ def test_matrix_factorisation_from_index_pairs():
     a, b = _fits(matrix_factorisation, {"row": row, "col": col, "rating": y[row, col]})
     text = a.plan.describe()
     assert "loc:bilinear_gaussian" in text and all(c for _, c in a.plan.conjugate), text
+    assert dict((f.name, f.gram_pair) for f in a.plan.factors)["rating"] == ("U", "V"), text
     _assert_steps(a, b, _mf_q, _mf_sweep(np.where(seen, y, 0.0), seen.astype(float)))
     assert _monotone(b)
 

@@ -152,3 +152,50 @@ def test_gram_on_host_matches_the_device_product():
     rows[np.arange(N), np.arange(N) % D] = RNG.normal(size=N)  # one scalar per element: diagonal
     diag = gram.gram_on_host(stats._replace(gram=jnp.asarray(rows))).gram
     np.testing.assert_allclose(diag, rows.T @ rows, rtol=1e-12)
+
+
+# ------------------------------------------- a prior on a plated block's own values (its rows)
+
+ROWS, WIDTH = 5, 3
+ROW_LOC = RNG.normal(size=(ROWS, 1))
+ROW_SCALE = 0.5 + RNG.uniform(size=(ROWS, WIDTH))
+
+
+def rows_prior(layout):
+    """Rows with a per-element Normal prior (a location per row, a scale per element), in
+    the plate's usual layout (rows first) or with the plate on the last axis (the block's
+    canonical layout is then a transpose of the site's)."""
+    loc, scale = (ROW_LOC, ROW_SCALE) if layout == "rows" else (ROW_LOC.T, ROW_SCALE.T)
+    with numpyro.plate("rows", ROWS, dim=-2 if layout == "rows" else -1):
+        x = numpyro.sample("x", dist.Normal(loc, scale))
+    numpyro.sample("y", dist.Normal(jnp.sum(x), 1.0), obs=1.0)
+
+
+def test_prior_on_a_plated_blocks_own_values_reads_means_and_variances():
+    """E[Σ_e log N(x_e | loc_e, s_e²)] = Σ_e (−((m_e − loc_e)² + v_e) / (2 s_e²) − log s_e
+    − ½ log 2π), with m_e and v_e each element's mean and variance under q: the statistics
+    give the definition at random rows' means and covariances, in both layouts."""
+    from blrppl.engine.fit import plan_model
+    from blrppl.families.gaussian import GaussianNat
+    from blrppl.graph.trace import trace_model
+    from blrppl.inputs import fit_options, model_arguments
+
+    for layout in ("rows", "columns"):
+        args, kwargs = model_arguments({"layout": layout})
+        records, spec, dyn, _ = trace_model(rows_prior, args, kwargs, random.PRNGKey(0))
+        options = fit_options(structure="mean-field")
+        plan, fns, dyn, *_ = plan_model(rows_prior, records, spec, dyn, options, None, random.PRNGKey(1))
+        block = plan.block("x")
+        assert block.batch_shape == (ROWS,) and block.family.dense_event, plan.describe()
+        (factor,) = [f for f in plan.factors if f.name == "x"]
+        assert factor.gram_block == "x", plan.describe()
+        stats = gram.statistics(fns, factor, block, dyn)
+        rng = np.random.default_rng(5)
+        r = rng.normal(size=(ROWS, WIDTH, WIDTH))
+        prec = np.eye(WIDTH) + r @ r.transpose(0, 2, 1)
+        view = block.family.rule_view(GaussianNat(jnp.asarray(rng.normal(size=(ROWS, WIDTH))), jnp.asarray(-0.5 * prec)))
+        got = gram.expected_log(factor, "x", stats, {"x": view})
+        m = np.asarray(view.mean)
+        v = np.diagonal(np.asarray(view.cov), axis1=-2, axis2=-1)
+        terms = -((m - ROW_LOC) ** 2 + v) / (2 * ROW_SCALE**2) - np.log(ROW_SCALE) - 0.5 * np.log(2 * np.pi)
+        np.testing.assert_allclose(got, np.sum(terms), rtol=1e-12, err_msg=layout)

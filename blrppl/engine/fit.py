@@ -30,7 +30,7 @@ from blrppl.engine.step import BLRState, initial_state, make_step
 from blrppl import families as fam
 from blrppl.errors import BLRError, InitValueError
 from blrppl.graph.compile import _block_init_values, compile_model, conjugate_blocks, init_nat
-from blrppl.estimators import gram
+from blrppl.estimators import bilinear, gram
 from blrppl.expressions import table_key
 from blrppl.graph.deps import output_dependencies
 from blrppl.graph.stack import stack_table
@@ -134,7 +134,9 @@ class CompiledFit:
                 options,
             )
         stats = self._statistics_compiled(data)
-        return {**({k: gram.gram_on_host(v) for k, v in stats.items()} if host else stats), **tables}
+        if host:
+            stats = {k: gram.gram_on_host(v) if isinstance(v, gram.GramStatistics) else v for k, v in stats.items()}
+        return {**stats, **tables}
 
     def run_data(self, dyn, previous=None):
         """What the compiled chunk reads: the model's array data, and the previous
@@ -209,17 +211,21 @@ def _stored_fit_key(tracer, dyn, options, prior_spec, supports, plan) -> str | N
 
 
 def _statistics_fns(plan, fns, data) -> tuple:
-    """``(statistics, constant)``: data → the statistics of the plan's ``gram_block``
-    factors that read the data (computed once per data set, see :meth:`CompiledFit.statistics`),
+    """``(statistics, constant)``: data → the statistics of the plan's ``gram_block`` and
+    ``gram_pair`` factors that read the data (computed once per data set, see :meth:`CompiledFit.statistics`),
     and → those of the factors that read none (a Gaussian prior's: constants); None for none."""
-    gram_factors = [f for f in plan.factors if f.gram_block]
+    gram_factors = [f for f in plan.factors if f.from_statistics]
     if not gram_factors:
         return None, None
     blocks = {b.name: b for b in plan.blocks}
 
     def of(factors):
         def statistics(data, rows=False):
-            return {f.name: gram.statistics(fns, f, blocks[f.gram_block], data, rows=rows) for f in factors}
+            return {
+                f.name: gram.statistics(fns, f, blocks[f.gram_block], data, rows=rows) if f.gram_block
+                else bilinear.statistics(fns, f, blocks, data)
+                for f in factors
+            }
 
         return statistics
 

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from blrppl.estimators.enumeration import expected_log_factors, is_jacobian
-from blrppl.estimators import gram
+from blrppl.estimators import bilinear, gram
 from blrppl.graph.data import host_array, split_run_data
 from blrppl.online import expected_log_previous, is_previous_posterior
 
@@ -189,8 +189,8 @@ def make_objective(plan, fns, curvature="auto"):
 
     ``data`` may be a :class:`blrppl.graph.data.RunData`: in an online fit it carries the
     previous posterior's natural parameters, read by the ``"<block>:previous"``
-    pseudo-factors, factors with a ``gram_block`` read their precomputed statistics
-    from it (:mod:`blrppl.estimators.gram`), and stacked factors their tables
+    pseudo-factors, factors with a ``gram_block`` or ``gram_pair`` read their precomputed
+    statistics from it (:mod:`blrppl.estimators.gram`, :mod:`blrppl.estimators.bilinear`), and stacked factors their tables
     (:mod:`blrppl.graph.stack`).
     """
     blocks = {b.name: b for b in plan.blocks}
@@ -201,7 +201,7 @@ def make_objective(plan, fns, curvature="auto"):
         factors = [f for f in plan.factors if factor_names is None or f.name in factor_names]
         total = expected_log_factors(
             fns,
-            [f for f in factors if not is_previous_posterior(f) and not f.gram_block],
+            [f for f in factors if not is_previous_posterior(f) and not f.from_statistics],
             blocks, views, run if fns.stacks else data, key, curvature,
         )
         for f in factors:
@@ -210,6 +210,8 @@ def make_objective(plan, fns, curvature="auto"):
                 total = total + expected_log_previous(blocks[n], views[n], previous[n])
             elif f.gram_block:
                 total = total + gram.expected_log(f, f.gram_block, statistics[f.name], views)
+            elif f.gram_pair:
+                total = total + bilinear.expected_log(f, statistics[f.name], views)
         return total
 
     return objective
@@ -323,7 +325,6 @@ def make_step(
             return user_rate(t)
         return decaying_rate(t) if n in decay_blocks else 1.0
     objective = make_objective(plan, fns, curvature)
-    elbo_parts = make_elbo(plan, fns, entropies=True)
     elbo_fn = make_elbo(plan, fns)
     blocks = {b.name: b for b in plan.blocks}
     factors_of = {b.name: tuple(f.name for f in plan.factors_of(b.name)) for b in plan.blocks}
@@ -343,8 +344,8 @@ def make_step(
 
     multiplied = {n for f in plan.factors for _, ps in f.pairs for pair in ps for n in pair}
 
-    def messages(nat, names, data, key=None):
-        views = views_of(plan, nat)
+    def messages(nat, names, data, key=None, views=None):
+        views = views_of(plan, nat) if views is None else views
         wanted = set().union(*(factors_of[n] for n in names)) if names else set()
 
         def obj(sub):
@@ -421,15 +422,32 @@ def make_step(
             nat[n], ok = _update_block(family, nat[n], msg, rate, max_halvings, proper[n], n in retracted)
             return ok
 
+        # each block's view (and entropy) is formed once per step and after each of its
+        # updates, and read by the messages of the blocks after it and by the ELBO (a dense
+        # block's factorisation is its costliest part: not repeated for every reader)
+        views, entropies = {}, {}
+
+        def refresh(n):
+            b = blocks[n]
+            if b.point:
+                views[n] = views_of(plan, {n: nat[n]}, (b,))[n]
+            else:
+                views[n], entropy = b.family.rule_view_and_entropy(nat[n])
+                entropies[n] = jnp.sum(entropy)
+
+        for n in blocks:
+            refresh(n)
         if schedule == "parallel":
             names = tuple(plan.order)
-            msgs = messages(nat, names, data, keys[0])
+            msgs = messages(nat, names, data, keys[0], views)
             for n in names:
                 valid = valid & update(n, msgs[n])
+                refresh(n)
         else:
             for n, k in zip(plan.order, keys):
-                valid = valid & update(n, messages(nat, (n,), data, k)[n])
-        elbo, entropies = elbo_parts(nat, data, key_elbo)
+                valid = valid & update(n, messages(nat, (n,), data, k, views)[n])
+                refresh(n)
+        elbo = objective(views, data, None, key_elbo) + sum(entropies.values())
         for n, (rate, valid_msg, msg) in deferred.items():
             at_message = jnp.isfinite(entropies[n]) & jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(msg)]))
             proper[n] = jnp.where(rate == 1.0, at_message, valid_msg)

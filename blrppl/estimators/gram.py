@@ -47,13 +47,28 @@ class GramStatistics(NamedTuple):
     log_coef: jax.Array  # Σ ω log c ()
 
 
-def eligible(factor, blocks) -> str | None:
+class ElementStatistics(NamedTuple):
+    """The statistics of a Normal factor on a plated block's own values (see
+    :func:`eligible`): per element of the site, κ and κ d0; and r, Σω, Σω log c."""
+
+    kappa: jax.Array  # κ (the block's canonical layout, (*B, D))
+    cross: jax.Array  # κ d0 (*B, D)
+    residual: jax.Array  # r ()
+    weight: jax.Array  # Σ ω ()
+    log_coef: jax.Array  # Σ ω log c ()
+
+
+def eligible(factor, blocks, fns=None, data=None) -> str | None:
     """The Gaussian block a factor may use precomputed statistics for, else None.
 
     The factor must be an exact Normal without enumerated neighbours whose value and
-    location depend on one dense, unplated, non-point Gaussian block of at least
-    :data:`MIN_DIM` scalars, and whose scale is a constant or a power of one scalar Gamma
-    block with a known exponent.
+    location depend on one dense, non-point Gaussian block, and whose scale is a constant or
+    a power of one scalar Gamma block with a known exponent. The block is unplated with at
+    least :data:`MIN_DIM` scalars; or plated, with the factor's value the block's own site
+    value, elementwise, and a constant location (a prior on a factor model's rows,
+    ``Normal(0, 1).expand([D]).to_event(1)`` in a plate): J is then the identity, G
+    diagonal, and the expectation reads the rows' means and variances only (the latent's
+    own prior; its shape is read off a trace of the model with ``fns`` and ``data``).
     """
     if factor.estimator != "exact" or factor.rule is None or factor.rule.dist_type is not dist.Normal:
         return None
@@ -65,7 +80,12 @@ def eligible(factor, blocks) -> str | None:
         return None
     (name,) = gauss
     b = blocks[name]
-    if not b.family.dense_event or b.family.banded or b.family.arrowhead or b.point or b.batch_shape or b.size < MIN_DIM:
+    if not b.family.dense_event or b.family.banded or b.family.arrowhead or b.point:
+        return None
+    if b.batch_shape:
+        if arg_blocks.get("loc") or b.members or b.local is not None or b.transform is not None:
+            return None
+    elif b.size < MIN_DIM:
         return None
     if kinds["scale"] == mom.PowerGamma.kind:
         (g,) = arg_blocks["scale"]
@@ -74,27 +94,81 @@ def eligible(factor, blocks) -> str | None:
             return None
     elif kinds["scale"] != mom.Const.kind:
         return None
+    # (a point block, a param, reads as a constant argument: its value changes every step,
+    # and the statistics would hold its first one)
+    if set(factor.neighbours) != {name} | set(arg_blocks.get("scale", ())):
+        return None
+    if b.batch_shape and not _reads_own_values(factor, b, fns, data):
+        return None
     return name
 
 
-def _scale_block(factor):
-    return dict(factor.arg_blocks)["scale"][0] if factor.kinds["scale"] == mom.PowerGamma.kind else None
-
-
-def statistics(fns, factor, block, data, rows: bool = False) -> GramStatistics:
-    """G, h, r, Σω and Σω log c of one eligible factor, from the model and the data; with
-    ``rows``, the ``gram`` field holds the rows A = diag(√(ωκ)) J whose Gram matrix AᵀA is G
-    (for :func:`gram_on_host`), or only the diagonal of A when J is the identity (a prior
-    on the block's own scalars: no D × D identity is formed)."""
-    gamma = _scale_block(factor)
-    names = factor.rule.arg_names
+def _reads_own_values(factor, block, fns, data) -> bool:
+    """Whether the factor's value is the block's site value itself, element by element: the
+    latent's own prior, whose value has the site's shape (read off a trace of the model, on
+    this data)."""
+    if fns is None or factor.observed or factor.name != block.name:
+        return False
     dtype = jnp.result_type(float)
-    fill = {} if gamma is None else {gamma: jnp.ones((), dtype)}  # c τ^a at τ = 1 reads c
+
+    def value_at(data, u):
+        return _args_fn(fns, factor, block, data)(u)["value"]
+
+    try:
+        got = jax.eval_shape(value_at, data, jax.ShapeDtypeStruct((block.size,), dtype))
+    except Exception:  # a model the trace cannot evaluate keeps the elementwise moments
+        return False
+    return tuple(got.shape) == tuple(block.value_shape)
+
+
+def _args_fn(fns, factor, block, data):
+    """u (the block's flat value) → the factor's arguments, τ = 1 for a scale c τ^a."""
+    gamma = scale_block(factor)
+    fill = {} if gamma is None else {gamma: jnp.ones((), jnp.result_type(float))}
 
     def args_at(u):
         values = dict(fill)
-        values[block.name] = u if block.members else block.to_site(u)
-        return fns.factor_args(factor.name, names, values, data)
+        canonical = u.reshape(tuple(block.batch_shape) + (-1,)) if block.batch_shape else u
+        values[block.name] = u if block.members else block.to_site(canonical)
+        return fns.factor_args(factor.name, factor.rule.arg_names, values, data)
+
+    return args_at
+
+
+def _element_statistics(fns, factor, block, data) -> ElementStatistics:
+    """κ, κ d0, r, Σω and Σω log c of a factor on a plated block's own values."""
+    dtype = jnp.result_type(float)
+    args = _args_fn(fns, factor, block, data)(jnp.zeros((block.size,), dtype))
+    shape = tuple(block.value_shape)
+    d0 = -jnp.broadcast_to(args["loc"], shape).astype(dtype)  # value − loc at u = 0
+    scale = jnp.broadcast_to(args["scale"], shape).astype(dtype)
+    fn, site_scale = fns.factor_wrappers([factor.name], data)[factor.name]
+    omega = jax.grad(lambda x: reduce_factor(reduce_wrapped(fn, x), site_scale))(jnp.zeros(shape, dtype))
+    kappa = omega / jnp.square(scale)
+    return ElementStatistics(  # (κ and κ d0 in the block's canonical layout, its views')
+        kappa=block.to_canonical(kappa),
+        cross=block.to_canonical(kappa * d0),
+        residual=jnp.sum(kappa * jnp.square(d0)),
+        weight=jnp.sum(omega),
+        log_coef=jnp.sum(omega * jnp.log(scale)),
+    )
+
+
+def scale_block(factor):
+    """The Gamma block τ of a factor whose scale is c τ^a, else None."""
+    return dict(factor.arg_blocks)["scale"][0] if factor.kinds["scale"] == mom.PowerGamma.kind else None
+
+
+def statistics(fns, factor, block, data, rows: bool = False) -> GramStatistics | ElementStatistics:
+    """G, h, r, Σω and Σω log c of one eligible factor, from the model and the data; with
+    ``rows``, the ``gram`` field holds the rows A = diag(√(ωκ)) J whose Gram matrix AᵀA is G
+    (for :func:`gram_on_host`), or only the diagonal of A when J is the identity (a prior
+    on the block's own scalars: no D × D identity is formed). For a plated block, the
+    :class:`ElementStatistics` of a factor on its own values."""
+    if block.batch_shape:
+        return _element_statistics(fns, factor, block, data)
+    dtype = jnp.result_type(float)
+    args_at = _args_fn(fns, factor, block, data)  # c τ^a at τ = 1 reads c
 
     def residual(u):
         args = args_at(u)
@@ -150,25 +224,35 @@ def gram_on_host(stats: GramStatistics) -> GramStatistics:
 
 
 def expected_log(factor, block_name, stats: GramStatistics, views) -> jax.Array:
-    """Σ_n ω_n E_q[log f_n] of an eligible factor from its statistics and the views."""
+    """Σ_n ω_n E_q[log f_n] of an eligible factor from its statistics and the views (for a
+    plated block's own values, Σ κ (m² + v) + 2 Σ m κ d0 + r with m and v each element's
+    mean and variance)."""
     view = views[block_name]
     m, cov = view.mean, view.cov
-    g = stats.gram
-    quad = m @ (g @ m) + 2.0 * (m @ stats.cross) + stats.residual + jnp.sum(g * cov)
-    gamma = _scale_block(factor)
-    if gamma is None:
-        t, log_tau_term = 1.0, 0.0
+    if isinstance(stats, ElementStatistics):
+        var = jnp.diagonal(cov, axis1=-2, axis2=-1)
+        quad = jnp.sum(stats.kappa * (m * m + var)) + 2.0 * jnp.sum(m * stats.cross) + stats.residual
     else:
-        power = dict(factor.powers)["scale"]
-        gv = views[gamma]
-        tau = mom.PowerGamma(
-            jnp.ones(()), float(power), jnp.reshape(gv.shape, ()), jnp.reshape(gv.rate, ()),
-            *(jnp.reshape(x, ()) if x is not None else None for x in (getattr(gv, "mean_log", None), getattr(gv, "mean", None))),
-        )
-        t = tau.expect_pow(-2.0)  # E[σ⁻²] / c⁻² = E[τ^(−2a)]
-        log_tau_term = tau.expect_log()  # a E[log τ]
+        g = stats.gram
+        quad = m @ (g @ m) + 2.0 * (m @ stats.cross) + stats.residual + jnp.sum(g * cov)
+    t, log_tau_term = scale_terms(factor, views)
     return -0.5 * t * quad - stats.log_coef - log_tau_term * stats.weight - 0.5 * _LOG_2PI * stats.weight
 
+
+
+def scale_terms(factor, views) -> tuple:
+    """(t, a E[log τ]) of a factor whose scale is c τ^a (t = E[τ^(−2a)]), or (1, 0) for a
+    constant scale."""
+    gamma = scale_block(factor)
+    if gamma is None:
+        return 1.0, 0.0
+    power = dict(factor.powers)["scale"]
+    gv = views[gamma]
+    tau = mom.PowerGamma(
+        jnp.ones(()), float(power), jnp.reshape(gv.shape, ()), jnp.reshape(gv.rate, ()),
+        *(jnp.reshape(x, ()) if x is not None else None for x in (getattr(gv, "mean_log", None), getattr(gv, "mean", None))),
+    )
+    return tau.expect_pow(-2.0), tau.expect_log()  # E[σ⁻²] / c⁻² = E[τ^(−2a)]; a E[log τ]
 
 
 def affine_jacobian(fn, u0, identity=None):

@@ -74,6 +74,17 @@ def _chol_solve(chol: jax.Array, b: jax.Array) -> jax.Array:
     return solve_triangular(chol, y, lower=True, trans="T")[..., 0]
 
 
+def _cov_of_chol(chol: jax.Array) -> jax.Array:
+    """(L Lᵀ)⁻¹ = L⁻ᵀ L⁻¹: one triangular solve against the identity and a product (fewer
+    LAPACK calls per matrix than two solves: for small matrices their overhead dominates)."""
+    inv = solve_triangular(chol, _eye_like(chol), lower=True)
+    return jnp.einsum("...ki,...kj->...ij", inv, inv)
+
+
+def _half_logdet(chol: jax.Array) -> jax.Array:
+    return jnp.log(jnp.diagonal(chol, axis1=-2, axis2=-1)).sum(-1)
+
+
 def _chol_inverse(chol: jax.Array) -> jax.Array:
     """(L Lᵀ)⁻¹ by two triangular solves against the identity, symmetrised."""
     inv = jax.scipy.linalg.cho_solve((chol, True), _eye_like(chol))
@@ -167,8 +178,41 @@ class GaussianDense(Family):
         return jnp.linalg.cholesky(-(nat.eta2 + jnp.swapaxes(nat.eta2, -1, -2)))
 
     def view(self, nat: GaussianNat) -> GaussianView:
-        chol = self._prec_chol(nat)
-        return GaussianView(_chol_solve(chol, nat.eta1), _chol_inverse(chol))
+        mean, cov, _ = self._factorised(nat)
+        return GaussianView(mean, cov)
+
+    def _factorised(self, nat: GaussianNat) -> tuple:
+        """(m, Σ, ½ log|S|) from the Cholesky factor L of the precision S: for a batch,
+        Σ = L⁻ᵀ L⁻¹ (one triangular solve and a product), and m = S⁻¹ η₁ (two solves with
+        the vector).
+
+        When every plate element has the same precision (rows of a factor model without
+        missing values, a regression's coefficients per group with one design), one
+        factorisation serves all of them; the test (bitwise equality of the precisions) and
+        the choice happen at run time."""
+        prec = -(nat.eta2 + jnp.swapaxes(nat.eta2, -1, -2))
+        batch, dim = prec.shape[:-2], prec.shape[-1]
+        count = math.prod(batch)
+
+        def each():
+            chol = jnp.linalg.cholesky(prec)
+            # (one matrix: two solves, whose rounding a fixed point of the fit has settled to)
+            cov = _cov_of_chol(chol) if count > 1 else _chol_inverse(chol)
+            return _chol_solve(chol, nat.eta1), cov, _half_logdet(chol)
+
+        if count <= 1:
+            return each()
+
+        def shared():
+            chol = jnp.linalg.cholesky(prec.reshape((count, dim, dim))[0])
+            rows = nat.eta1.reshape((count, dim)).T
+            white = solve_triangular(chol, rows, lower=True)
+            mean = solve_triangular(chol, white, lower=True, trans="T").T.reshape(nat.eta1.shape)
+            cov = jnp.broadcast_to(_cov_of_chol(chol), prec.shape)
+            return mean, cov, jnp.broadcast_to(_half_logdet(chol), batch)
+
+        flat = prec.reshape((count, dim * dim))
+        return jax.lax.cond(jnp.all(flat == flat[:1]), shared, each)
 
     def nat_from_view(self, view: GaussianView) -> GaussianNat:
         chol = jnp.linalg.cholesky(view.cov)
@@ -207,8 +251,8 @@ class GaussianDense(Family):
 
     def rule_view_and_entropy(self, nat: GaussianNat) -> tuple:
         """The view and the entropy from one Cholesky factor of the precision."""
-        chol = self._prec_chol(nat)
-        return GaussianView(_chol_solve(chol, nat.eta1), _chol_inverse(chol)), self._entropy(chol)
+        mean, cov, half_logdet = self._factorised(nat)
+        return GaussianView(mean, cov), 0.5 * self.dim * (1.0 + _LOG_2PI) - half_logdet
 
     def message_from_view_grad(self, nat: GaussianNat, view_grad: GaussianView) -> GaussianNat:
         mean = _chol_solve(self._prec_chol(nat), nat.eta1)

@@ -18,7 +18,7 @@ from numpyro.distributions import biject_to, constraints
 from blrppl import families as fam
 from blrppl import moments as mom
 from blrppl.errors import FamilyError, UnsupportedFactorError, UnsupportedLatentError
-from blrppl.estimators import gram
+from blrppl.estimators import bilinear, gram
 from blrppl.expressions import (
     LINKS, ArgumentClass, ModelFunctions, ModelProgram, classify_form, distribution_leaves, factor_arguments,
     gather_probe, pairing_probe, probe_argument, projection_args, random_point, run_probes, too_many_columns,
@@ -448,7 +448,11 @@ def compile_model(
         factors, stacks, tables = stack_factors(factors, records, forms, blocks, fns, data, np.random.default_rng(0))
         if stacks:
             fns = fns.with_stacks(stacks, data, tables)
-        factors = [dataclasses.replace(f, gram_block=gram.eligible(f, blocks) or "") for f in factors]
+        factors = [dataclasses.replace(f, gram_block=gram.eligible(f, blocks, fns, data) or "") for f in factors]
+        factors = [
+            dataclasses.replace(f, gram_pair=bilinear.eligible(f, blocks, fns, data) or ()) if not f.gram_block else f
+            for f in factors
+        ]
         broadcast = _broadcast_enumerated(factors, blocks, fns, data, np.random.default_rng(0))
         factors = [dataclasses.replace(f, broadcast_enumeration=f.name in broadcast) for f in factors]
     graph = nx.Graph()

@@ -329,6 +329,10 @@ class Factor:
         gram_block: for an exact Normal factor linear in one large dense Gaussian block,
             that block: its expectation comes from data statistics computed once per fit
             (:mod:`blrppl.estimators.gram`) instead of the elementwise moments.
+        gram_pair: for an exact Normal factor whose location multiplies a row of the
+            Gaussian block A by a row of B in each element (``X @ C.T``), ``(A, B)``: its
+            expectation comes from data statistics computed once per fit
+            (:mod:`blrppl.estimators.bilinear`).
         why: for a factor without a closed form, why (the argument whose form no rule
             reads, and what that form is: read off the model's program).
         members: for a stacked factor (:mod:`blrppl.graph.stack`), the sites it holds (its
@@ -362,6 +366,7 @@ class Factor:
     pairs: tuple = ()
     subsampled: tuple = ()
     gram_block: str = ""
+    gram_pair: tuple = ()
     why: str = ""
     members: tuple = ()
     role: str = FactorRole.SITE
@@ -371,6 +376,12 @@ class Factor:
     @property
     def kinds(self) -> dict:
         return dict(self.arg_kinds)
+
+    @property
+    def from_statistics(self) -> bool:
+        """Whether the factor's expectation comes from data statistics (``gram_block`` or
+        ``gram_pair``) rather than from the moments of its arguments."""
+        return bool(self.gram_block or self.gram_pair)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -468,7 +479,9 @@ class Plan:
         rows[0] += ("why not exact",) if why else ()
         for f in self.factors:
             args = ", ".join(f"{k}:{v}" for k, v in f.arg_kinds)
-            estimator = f"{f.estimator} (data statistics)" if f.gram_block else f.estimator
+            # (a plated block's own prior reads its rows' moments: no data statistics to show)
+            own_prior = f.gram_block and self.block(f.gram_block).batch_shape
+            estimator = f"{f.estimator} (data statistics)" if f.from_statistics and not own_prior else f.estimator
             if f.members:
                 estimator += f" ({len(f.members)} sites stacked)"
             row = (f.name, f.dist_name, ", ".join(f.neighbours) or "-", estimator, args)

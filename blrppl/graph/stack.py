@@ -152,7 +152,7 @@ def _is_affine(form) -> bool:
 def _candidate(f, record, forms: dict, blocks: dict) -> bool:
     if f.name not in forms or record is None or record.is_factor or record.is_param:
         return False
-    if f.discrete or f.gram_block or f.subsampled or f.estimator not in _ESTIMATORS:
+    if f.discrete or f.from_statistics or f.subsampled or f.estimator not in _ESTIMATORS:
         return False
     if record.has_mask or record.has_scale or record.plates or record.reinterpreted_ndim:
         return False

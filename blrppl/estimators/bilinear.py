@@ -1,0 +1,255 @@
+"""Normal factors whose mean multiplies rows of two Gaussian blocks: expectations from data
+statistics (the textbook VMP updates of factor models).
+
+A Normal factor with observed y_e whose location is
+
+    loc_e = c_e + s_e a_{i(e)}ᵀ b_{j(e)},
+
+each element reading one row a_i (D scalars) of the Gaussian block A and one row b_j of the
+Gaussian block B (``X @ C.T``, ``(U[users] * V[items]).sum(-1)``, ``jnp.einsum("nd,md->nm",
+X, C)``; c_e and s_e constants), and whose scale is a constant or c'_e τ^p with τ one scalar
+Gamma block, has
+
+    Σ_e ω_e E_q[log N(y_e | loc_e, σ_e²)]
+        = −½ t (r − 2 Σ_ij W1_ij m_iᵀ m'_j + Σ_ij W2_ij ⟨S_i, S'_j⟩) − Σ_e ω_e log c'_e
+          − p E[log τ] Σ_e ω_e − ½ log(2π) Σ_e ω_e,
+
+with m_i, S_i = Σ_i + m_i m_iᵀ the mean and second moment of row i of A under q (m'_j, S'_j
+of B), t = E[τ^(−2p)], ω_e the weight of element e (mask, expansion, the site's scale),
+κ_e = c'_e^(−2), and the statistics, computed once per fit from the data,
+
+    W1_ij = Σ_{e: (i(e), j(e)) = (i, j)} ω_e κ_e s_e (y_e − c_e),
+    W2_ij = Σ_{e: (i(e), j(e)) = (i, j)} ω_e κ_e s_e²,
+    r = Σ_e ω_e κ_e (y_e − c_e)².
+
+The messages, its gradients, are the conjugate ones of VMP: row i of A receives
+λ̃_i = (t Σ_j W1_ij m'_j, −½ t Σ_j W2_ij S'_j). When every element carries the same weight
+once per pair (no mask: W2 = w 11ᵀ), Σ_ij W2_ij ⟨S_i, S'_j⟩ = w ⟨Σ_i S_i, Σ_j S'_j⟩ and a
+step costs O((N_A + N_B) D²) for the factor, else O(N_A N_B D²) (half of it: ⟨S, S'⟩ over
+the packed upper triangles). No tangent of either block is pushed through the model.
+
+The structure (which rows each element reads, and s_e, c_e) is read off the model by
+probes: with every row of A equal to k·1 and every row of B to 1, loc_e − c_e = k s_e D, so
+i(e) = (loc_e at A = (i + 1)·1) / (loc_e at A = 1) − 1, exact in floating point (sums of
+equal terms). At compile time the form is checked at random rows of both blocks; a factor
+that fails the check (affine terms in A or B, a weighted contraction, an element reading
+several rows) keeps the elementwise moments.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpyro.distributions as dist
+
+from blrppl import moments as mom
+from blrppl.estimators.exact import reduce_factor
+from blrppl.estimators.gram import _LOG_2PI, scale_block, scale_terms
+from blrppl.graph.trace import reduce_wrapped
+
+#: the pairs (i, j) of rows form a dense N_A × N_B grid of weights when it holds at most
+#: this many entries, or at most this many times the factor's elements
+MAX_GRID = 1 << 24
+GRID_PER_ELEMENT = 4
+
+
+class BilinearStatistics(NamedTuple):
+    """The data statistics of one factor (see the module docstring)."""
+
+    cross: jax.Array  # W1 (N_A, N_B)
+    quad: jax.Array  # W2 (N_A, N_B)
+    uniform: jax.Array  # () bool: W2 = w 11ᵀ
+    residual: jax.Array  # r ()
+    weight: jax.Array  # Σ ω ()
+    log_coef: jax.Array  # Σ ω log c' ()
+
+
+def candidate(factor, blocks) -> tuple | None:
+    """The blocks (A, B) of a factor whose form may allow the statistics (the probes of
+    :func:`eligible` decide), else None."""
+    if factor.estimator != "exact" or factor.rule is None or factor.rule.dist_type is not dist.Normal:
+        return None
+    if factor.discrete or factor.subsampled or factor.members:
+        return None
+    kinds, arg_blocks = factor.kinds, dict(factor.arg_blocks)
+    if arg_blocks.get("value") or kinds.get("loc") != mom.BilinearGaussian.kind:
+        return None
+    pairs = dict(factor.pairs).get("loc", ())
+    if len(pairs) != 1 or set(arg_blocks["loc"]) != set(pairs[0]):
+        return None
+    a, b = pairs[0]
+    for n in (a, b):
+        blk = blocks[n]
+        fam = blk.family
+        if not (fam.gaussian and fam.dense_event) or fam.banded or fam.arrowhead:
+            return None
+        if blk.point or blk.members or blk.local is not None or blk.transform is not None:
+            return None
+    if _event_size(blocks[a]) != _event_size(blocks[b]):
+        return None
+    if kinds["scale"] == mom.PowerGamma.kind:
+        (g,) = arg_blocks["scale"]
+        if blocks[g].size != 1 or dict(factor.powers).get("scale") is None:
+            return None
+    elif kinds["scale"] != mom.Const.kind:
+        return None
+    # (a point block, a param, reads as a constant argument, but changes every step)
+    if set(factor.neighbours) != {a, b} | set(arg_blocks.get("scale", ())):
+        return None
+    return a, b
+
+
+def _event_size(block) -> int:
+    return block.size // max(1, int(np.prod(block.batch_shape)))
+
+
+def _rows(block) -> int:
+    return int(np.prod(block.batch_shape))
+
+
+def _probe_fns(fns, factor, blocks, data):
+    """``(args_at, omega)``: the factor's arguments at rows of A and B given in the blocks'
+    canonical layouts (``(*batch, D)``), τ = 1; the weight of each element."""
+    a, b = dict(factor.pairs)["loc"][0]
+    gamma = scale_block(factor)
+    names = factor.rule.arg_names
+    dtype = jnp.result_type(float)
+
+    def args_at(xa, xb):
+        values = {a: blocks[a].to_site(xa), b: blocks[b].to_site(xb)}
+        if gamma is not None:
+            values[gamma] = jnp.ones((), dtype)
+        args = fns.factor_args(factor.name, names, values, data)
+        shape = jnp.broadcast_shapes(*(jnp.shape(args[k]) for k in ("value", "loc", "scale")))
+        return {k: jnp.broadcast_to(args[k], shape).astype(dtype) for k in ("value", "loc", "scale")}
+
+    def omega(shape):
+        fn, site_scale = fns.factor_wrappers([factor.name], data)[factor.name]
+        return jax.grad(lambda x: reduce_factor(reduce_wrapped(fn, x), site_scale))(jnp.zeros(shape, dtype))
+
+    return args_at, omega
+
+
+def _structure(args_at, ba, bb):
+    """c_e, s_e, i(e), j(e) (flat over the elements) from four evaluations of the model."""
+    dtype = jnp.result_type(float)
+    shape_a, shape_b = tuple(ba.batch_shape) + (-1,), tuple(bb.batch_shape) + (-1,)
+    d = _event_size(ba)
+    ra, rb = _rows(ba), _rows(bb)
+    ones_a, ones_b = jnp.ones((ra, d), dtype), jnp.ones((rb, d), dtype)
+    count_a = jnp.arange(1, ra + 1, dtype=dtype)[:, None] * ones_a
+    count_b = jnp.arange(1, rb + 1, dtype=dtype)[:, None] * ones_b
+
+    def loc(xa, xb):
+        return args_at(xa.reshape(shape_a), xb.reshape(shape_b))["loc"].reshape(-1)
+
+    c = loc(0.0 * ones_a, 0.0 * ones_b)
+    unit = loc(ones_a, ones_b) - c
+    nonzero = unit != 0
+    safe = jnp.where(nonzero, unit, 1.0)
+    i = jnp.where(nonzero, jnp.round((loc(count_a, ones_b) - c) / safe) - 1, 0.0)
+    j = jnp.where(nonzero, jnp.round((loc(ones_a, count_b) - c) / safe) - 1, 0.0)
+    return c, unit / d, i.astype(jnp.int32), j.astype(jnp.int32)
+
+
+def statistics(fns, factor, blocks, data) -> BilinearStatistics:
+    """W1, W2 (dense over the pairs of rows), whether W2 is uniform, r, Σω and Σω log c' of
+    one eligible factor, from the model and the data."""
+    a, b = dict(factor.pairs)["loc"][0]
+    ba, bb = blocks[a], blocks[b]
+    args_at, omega_of = _probe_fns(fns, factor, blocks, data)
+    c, s, i, j = _structure(args_at, ba, bb)
+    zeros_a = jnp.zeros(tuple(ba.batch_shape) + (_event_size(ba),), jnp.result_type(float))
+    zeros_b = jnp.zeros(tuple(bb.batch_shape) + (_event_size(bb),), jnp.result_type(float))
+    args = args_at(zeros_a, zeros_b)
+    omega = omega_of(args["value"].shape)
+    kappa = (omega / jnp.square(args["scale"])).reshape(-1)
+    resid = args["value"].reshape(-1) - c
+    grid = jnp.zeros((_rows(ba), _rows(bb)), resid.dtype)
+    w1 = grid.at[i, j].add(kappa * s * resid)
+    w2 = grid.at[i, j].add(kappa * s * s)
+    return BilinearStatistics(
+        cross=w1,
+        quad=w2,
+        uniform=jnp.all(w2 == w2[0, 0]),
+        residual=jnp.sum(kappa * jnp.square(resid)),
+        weight=jnp.sum(omega),
+        log_coef=jnp.sum(omega * jnp.log(args["scale"])),
+    )
+
+
+def eligible(factor, blocks, fns, data) -> tuple | None:
+    """The blocks (A, B) when the factor's location is c_e + s_e a_iᵀ b_j (checked at random
+    rows of A and B, on this data) and its grid of row pairs is small enough, else None."""
+    pair = candidate(factor, blocks)
+    if pair is None:
+        return None
+    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(data)):
+        return None  # (traced inside a user's jit: the probes need values)
+    ba, bb = blocks[pair[0]], blocks[pair[1]]
+    d, ra, rb = _event_size(ba), _rows(ba), _rows(bb)
+    rng = np.random.default_rng(0)
+    xa, xb = rng.normal(size=(ra, d)), rng.normal(size=(rb, d))
+
+    def check(data, xa, xb):
+        args_at, _ = _probe_fns(fns, factor, blocks, data)
+        c, s, i, j = _structure(args_at, ba, bb)
+        shape_a, shape_b = tuple(ba.batch_shape) + (d,), tuple(bb.batch_shape) + (d,)
+        got = args_at(xa.reshape(shape_a), xb.reshape(shape_b))["loc"].reshape(-1) - c
+        terms = xa[i] * xb[j]
+        want = s * jnp.sum(terms, -1)
+        eps = jnp.finfo(want.dtype).eps
+        bound = 64 * eps * d * (jnp.abs(s) * jnp.sum(jnp.abs(terms), -1) + jnp.abs(c))
+        inside = (i >= 0) & (i < ra) & (j >= 0) & (j < rb)
+        return jnp.all(jnp.abs(got - want) <= bound) & jnp.all(inside | (s == 0)), got.size
+
+    dtype = jnp.result_type(float)
+    try:
+        ok, size = jax.jit(check)(data, jnp.asarray(xa, dtype), jnp.asarray(xb, dtype))
+    except Exception:  # a model the probes cannot evaluate keeps the elementwise moments
+        return None
+    if not bool(ok) or ra * rb > max(MAX_GRID, GRID_PER_ELEMENT * int(size)) or ra * rb > 16 * MAX_GRID:
+        return None
+    return pair
+
+
+def _rows_of(view):
+    """Means ``(N, D)`` and covariances ``(N, D, D)`` of the rows of a dense Gaussian block."""
+    d = view.mean.shape[-1]
+    return view.mean.reshape(-1, d), view.cov.reshape(-1, d, d)
+
+
+def _uniform_quad(w2, ma, ca, mb, cb):
+    """w ⟨Σ_i S_i, Σ_j S'_j⟩, with Σ_i S_i = Σ_i Σ_i + Mᵀ M."""
+    sa = jnp.sum(ca, 0) + ma.T @ ma
+    sb = jnp.sum(cb, 0) + mb.T @ mb
+    return w2[0, 0] * jnp.sum(sa * sb)
+
+
+def _grid_quad(w2, ma, ca, mb, cb):
+    """Σ_ij W2_ij ⟨S_i, S'_j⟩ over the packed upper triangles (off-diagonal entries twice)."""
+    d = ma.shape[-1]
+    upper = np.triu_indices(d)
+    twice = jnp.asarray(np.where(upper[0] == upper[1], 1.0, 2.0), ma.dtype)
+
+    def packed(m, c):
+        return c[:, upper[0], upper[1]] + m[:, upper[0]] * m[:, upper[1]]
+
+    return jnp.sum((w2 @ packed(mb, cb)) * (twice * packed(ma, ca)))
+
+
+def expected_log(factor, stats: BilinearStatistics, views) -> jax.Array:
+    """Σ_e ω_e E_q[log f_e] of an eligible factor from its statistics and the views."""
+    a, b = dict(factor.pairs)["loc"][0]
+    ma, ca = _rows_of(views[a])
+    mb, cb = _rows_of(views[b])
+    cross = jnp.sum((stats.cross @ mb) * ma)
+    quad = jax.lax.cond(stats.uniform, _uniform_quad, _grid_quad, stats.quad, ma, ca, mb, cb)
+    t, log_tau_term = scale_terms(factor, views)
+    return (
+        -0.5 * t * (stats.residual - 2.0 * cross + quad)
+        - stats.log_coef - log_tau_term * stats.weight - 0.5 * _LOG_2PI * stats.weight
+    )
