@@ -198,3 +198,23 @@ def test_other_products_keep_the_elementwise_moments(model):
     plan, *_ = _plan(model, {"Y": _Y})
     (factor,) = [f for f in plan.factors if f.observed]
     assert factor.kinds["loc"] == "bilinear_gaussian" and factor.gram_pair == (), plan.describe()
+
+
+def _sparse_ratings(users, items, r):
+    with numpyro.plate("users", 400):
+        U = numpyro.sample("U", dist.Normal(jnp.zeros(D), 1.0).to_event(1))
+    with numpyro.plate("items", 300):
+        V = numpyro.sample("V", dist.Normal(jnp.zeros(D), 1.0).to_event(1))
+    with numpyro.plate("ratings", len(users)):
+        numpyro.sample("r", dist.Normal(jnp.sum(U[users] * V[items], -1), SIGMA), obs=r)
+
+
+def test_a_sparse_grid_of_row_pairs_keeps_the_elementwise_moments():
+    """200 ratings of 400 users × 300 items: the grid of row pairs (120,000 entries, 600 per
+    rating) would cost a step far more than the ratings themselves."""
+    rng = np.random.default_rng(1)
+    data = {"users": rng.integers(0, 400, 200), "items": rng.integers(0, 300, 200), "r": rng.normal(size=200)}
+    plan, *_ = _plan(_sparse_ratings, data)
+    (factor,) = [f for f in plan.factors if f.observed]
+    assert bilinear.candidate(factor, {b.name: b for b in plan.blocks}) == ("U", "V")
+    assert factor.gram_pair == (), plan.describe()

@@ -50,9 +50,12 @@ from blrppl.estimators.exact import reduce_factor
 from blrppl.estimators.gram import _LOG_2PI, scale_block, scale_terms
 from blrppl.graph.trace import reduce_wrapped
 
-#: the pairs (i, j) of rows form a dense N_A × N_B grid of weights when it holds at most
-#: this many entries, or at most this many times the factor's elements
+#: the pairs (i, j) of rows form a dense N_A × N_B grid of weights (a step then does
+#: N_A N_B D² work with a mask): used when the grid holds at most ``GRID_PER_ELEMENT`` times
+#: the factor's elements (or at most ``SMALL_GRID`` entries), and at most ``MAX_GRID``; a
+#: sparser one (a few ratings of many users and items) keeps the elementwise moments
 MAX_GRID = 1 << 24
+SMALL_GRID = 1 << 16
 GRID_PER_ELEMENT = 4
 
 
@@ -211,7 +214,7 @@ def eligible(factor, blocks, fns, data) -> tuple | None:
         ok, size = jax.jit(check)(data, jnp.asarray(xa, dtype), jnp.asarray(xb, dtype))
     except Exception:  # a model the probes cannot evaluate keeps the elementwise moments
         return None
-    if not bool(ok) or ra * rb > max(MAX_GRID, GRID_PER_ELEMENT * int(size)) or ra * rb > 16 * MAX_GRID:
+    if not bool(ok) or ra * rb > min(MAX_GRID, max(SMALL_GRID, GRID_PER_ELEMENT * int(size))):
         return None
     return pair
 
