@@ -184,7 +184,7 @@ class GaussianDense(Family):
     def _factorised(self, nat: GaussianNat) -> tuple:
         """(m, Σ, ½ log|S|) from the Cholesky factor L of the precision S: for a batch,
         Σ = L⁻ᵀ L⁻¹ (one triangular solve and a product), and m = S⁻¹ η₁ (two solves with
-        the vector).
+        the vector; Σ η₁ when the batch shares S).
 
         When every plate element has the same precision (rows of a factor model without
         missing values, a regression's coefficients per group with one design), one
@@ -205,11 +205,11 @@ class GaussianDense(Family):
 
         def shared():
             chol = jnp.linalg.cholesky(prec.reshape((count, dim, dim))[0])
-            rows = nat.eta1.reshape((count, dim)).T
-            white = solve_triangular(chol, rows, lower=True)
-            mean = solve_triangular(chol, white, lower=True, trans="T").T.reshape(nat.eta1.shape)
-            cov = jnp.broadcast_to(_cov_of_chol(chol), prec.shape)
-            return mean, cov, jnp.broadcast_to(_half_logdet(chol), batch)
+            cov = _cov_of_chol(chol)
+            # (a product with Σ, not two triangular solves with every row: LAPACK's solves
+            # with many right-hand sides cost far more than the product at small D)
+            mean = (nat.eta1.reshape((count, dim)) @ cov).reshape(nat.eta1.shape)
+            return mean, jnp.broadcast_to(cov, prec.shape), jnp.broadcast_to(_half_logdet(chol), batch)
 
         flat = prec.reshape((count, dim * dim))
         return jax.lax.cond(jnp.all(flat == flat[:1]), shared, each)
