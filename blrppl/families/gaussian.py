@@ -190,12 +190,11 @@ class GaussianDense(Family):
         missing values, a regression's coefficients per group with one design), one
         factorisation serves all of them; the test (bitwise equality of the precisions) and
         the choice happen at run time."""
-        prec = -(nat.eta2 + jnp.swapaxes(nat.eta2, -1, -2))
-        batch, dim = prec.shape[:-2], prec.shape[-1]
+        batch, dim = nat.eta2.shape[:-2], nat.eta2.shape[-1]
         count = math.prod(batch)
 
         def each():
-            chol = jnp.linalg.cholesky(prec)
+            chol = jnp.linalg.cholesky(-(nat.eta2 + jnp.swapaxes(nat.eta2, -1, -2)))
             # (one matrix: two solves, whose rounding a fixed point of the fit has settled to)
             cov = _cov_of_chol(chol) if count > 1 else _chol_inverse(chol)
             return _chol_solve(chol, nat.eta1), cov, _half_logdet(chol)
@@ -204,14 +203,15 @@ class GaussianDense(Family):
             return each()
 
         def shared():
-            chol = jnp.linalg.cholesky(prec.reshape((count, dim, dim))[0])
+            first = nat.eta2.reshape((count, dim, dim))[0]
+            chol = jnp.linalg.cholesky(-(first + first.T))
             cov = _cov_of_chol(chol)
             # (a product with Σ, not two triangular solves with every row: LAPACK's solves
             # with many right-hand sides cost far more than the product at small D)
             mean = (nat.eta1.reshape((count, dim)) @ cov).reshape(nat.eta1.shape)
-            return mean, jnp.broadcast_to(cov, prec.shape), jnp.broadcast_to(_half_logdet(chol), batch)
+            return mean, jnp.broadcast_to(cov, nat.eta2.shape), jnp.broadcast_to(_half_logdet(chol), batch)
 
-        flat = prec.reshape((count, dim * dim))
+        flat = nat.eta2.reshape((count, dim * dim))
         return jax.lax.cond(jnp.all(flat == flat[:1]), shared, each)
 
     def nat_from_view(self, view: GaussianView) -> GaussianNat:
