@@ -175,22 +175,22 @@ def test_expectation_and_messages_equal_the_definition(case):
             np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-12, err_msg=f"{n}.{field}")
 
 
-def _affine_term(Y):
-    with numpyro.plate("M", M):
-        C = numpyro.sample("C", dist.Normal(0.0, 1.0).expand([D]).to_event(1))
-    with numpyro.plate("N", N):
-        X = numpyro.sample("X", dist.Normal(0.0, 1.0).expand([D]).to_event(1))
-    with numpyro.plate("n", N, dim=-2), numpyro.plate("m", M, dim=-1):
-        numpyro.sample("Y", dist.Normal(X @ C.T + X[:, :1], SIGMA), obs=Y)
+def _pca_with(loc_of):
+    """A factor model whose likelihood's mean is ``loc_of(X, C)``."""
+
+    def model(Y):
+        with numpyro.plate("M", M):
+            C = numpyro.sample("C", dist.Normal(0.0, 1.0).expand([D]).to_event(1))
+        with numpyro.plate("N", N):
+            X = numpyro.sample("X", dist.Normal(0.0, 1.0).expand([D]).to_event(1))
+        with numpyro.plate("n", N, dim=-2), numpyro.plate("m", M, dim=-1):
+            numpyro.sample("Y", dist.Normal(loc_of(X, C), SIGMA), obs=Y)
+
+    return model
 
 
-def _weighted_contraction(Y):
-    with numpyro.plate("M", M):
-        C = numpyro.sample("C", dist.Normal(0.0, 1.0).expand([D]).to_event(1))
-    with numpyro.plate("N", N):
-        X = numpyro.sample("X", dist.Normal(0.0, 1.0).expand([D]).to_event(1))
-    with numpyro.plate("n", N, dim=-2), numpyro.plate("m", M, dim=-1):
-        numpyro.sample("Y", dist.Normal((X * jnp.arange(1.0, D + 1)) @ C.T, SIGMA), obs=Y)
+_affine_term = _pca_with(lambda X, C: X @ C.T + X[:, :1])
+_weighted_contraction = _pca_with(lambda X, C: (X * jnp.arange(1.0, D + 1)) @ C.T)
 
 
 @pytest.mark.parametrize("model", [_affine_term, _weighted_contraction], ids=["affine term", "weighted"])

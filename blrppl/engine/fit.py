@@ -212,8 +212,9 @@ def _stored_fit_key(tracer, dyn, options, prior_spec, supports, plan) -> str | N
 
 def _statistics_fns(plan, fns, data) -> tuple:
     """``(statistics, constant)``: data → the statistics of the plan's ``gram_block`` and
-    ``gram_pair`` factors that read the data (computed once per data set, see :meth:`CompiledFit.statistics`),
-    and → those of the factors that read none (a Gaussian prior's: constants); None for none."""
+    ``gram_pair`` factors that read the data (computed once per data set, see
+    :meth:`CompiledFit.statistics`), and → those of the factors that read none (a Gaussian
+    prior's: constants); None for none."""
     gram_factors = [f for f in plan.factors if f.from_statistics]
     if not gram_factors:
         return None, None

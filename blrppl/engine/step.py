@@ -190,8 +190,8 @@ def make_objective(plan, fns, curvature="auto"):
     ``data`` may be a :class:`blrppl.graph.data.RunData`: in an online fit it carries the
     previous posterior's natural parameters, read by the ``"<block>:previous"``
     pseudo-factors, factors with a ``gram_block`` or ``gram_pair`` read their precomputed
-    statistics from it (:mod:`blrppl.estimators.gram`, :mod:`blrppl.estimators.bilinear`), and stacked factors their tables
-    (:mod:`blrppl.graph.stack`).
+    statistics from it (:mod:`blrppl.estimators.gram`, :mod:`blrppl.estimators.bilinear`),
+    and stacked factors their tables (:mod:`blrppl.graph.stack`).
     """
     blocks = {b.name: b for b in plan.blocks}
 
