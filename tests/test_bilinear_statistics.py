@@ -66,6 +66,18 @@ def ratings(users, items, r):
         numpyro.sample("r", dist.Normal(3.0 + 0.5 * jnp.sum(U[users] * V[items], -1), SIGMA), obs=r)
 
 
+BIG = 1e13  # an offset far larger than the product's scale (the indices must not cancel against it)
+
+
+def tiny_product_on_a_big_offset(users, items, r):
+    with numpyro.plate("users", N):
+        U = numpyro.sample("U", dist.Normal(jnp.zeros(D), 1.0).to_event(1))
+    with numpyro.plate("items", M):
+        V = numpyro.sample("V", dist.Normal(jnp.zeros(D), 1.0).to_event(1))
+    with numpyro.plate("ratings", len(users)):
+        numpyro.sample("r", dist.Normal(BIG + 1e-3 * jnp.sum(U[users] * V[items], -1), SIGMA), obs=r)
+
+
 def transposed(Yt):
     # (M, N) data, C first in the product: the pair is (C, X), C's rows along the data's rows
     with numpyro.plate("M", M):
@@ -94,6 +106,10 @@ CASES = {
     "U[users] * V[items], offset": (
         ratings, {"users": _USERS, "items": _ITEMS, "r": _R}, ("U", "V"),
         (_USERS, _ITEMS, 0.5, 3.0, _R, 1.0, False),
+    ),
+    "big offset": (
+        tiny_product_on_a_big_offset, {"users": _USERS, "items": _ITEMS, "r": BIG + _R}, ("U", "V"),
+        (_USERS, _ITEMS, 1e-3, BIG, BIG + _R, 1.0, False),
     ),
     "C @ X.T": (transposed, {"Yt": _Y.T}, ("C", "X"), (_T_I, _T_J, 1.0, 0.0, _Y.T.ravel(), 1.0, False)),
 }

@@ -29,9 +29,9 @@ step costs O((N_A + N_B) D²) for the factor, else O(N_A N_B D²) (half of it: �
 the packed upper triangles). No tangent of either block is pushed through the model.
 
 The structure (which rows each element reads, and s_e, c_e) is read off the model by
-probes: with every row of A equal to k·1 and every row of B to 1, loc_e − c_e = k s_e D, so
-i(e) = (loc_e at A = (i + 1)·1) / (loc_e at A = 1) − 1, exact in floating point (sums of
-equal terms). At compile time the form is checked at random rows of both blocks; a factor
+probes: c_e is loc_e at A = B = 0, and with every row of B equal to 1 the derivative of loc_e
+along rows k·1 of A is k s_e D, so i(e) = (derivative along rows (i + 1)·1) / (along rows 1)
+− 1, exact in floating point (sums of equal terms, no offset to cancel); j(e) likewise. At compile time the form is checked at random rows of both blocks; a factor
 that fails the check (affine terms in A or B, a weighted contraction, an element reading
 several rows) keeps the elementwise moments.
 """
@@ -149,12 +149,18 @@ def _structure(args_at, ba, bb):
     def loc(xa, xb):
         return args_at(xa.reshape(shape_a), xb.reshape(shape_b))["loc"].reshape(-1)
 
-    c = loc(0.0 * ones_a, 0.0 * ones_b)
-    unit = loc(ones_a, ones_b) - c
+    zero_a, zero_b = 0.0 * ones_a, 0.0 * ones_b
+    c = loc(zero_a, zero_b)
+    # directional derivatives (loc is linear in A given B): s_e k D along rows k·1 of A, with
+    # no cancellation against the offset c_e (in float32 c_e + s_e k D would lose the index
+    # when |c_e| is far larger than |s_e| D)
+    unit = jax.jvp(lambda xa: loc(xa, ones_b), (zero_a,), (ones_a,))[1]
+    along_a = jax.jvp(lambda xa: loc(xa, ones_b), (zero_a,), (count_a,))[1]
+    along_b = jax.jvp(lambda xb: loc(ones_a, xb), (zero_b,), (count_b,))[1]
     nonzero = unit != 0
     safe = jnp.where(nonzero, unit, 1.0)
-    i = jnp.where(nonzero, jnp.round((loc(count_a, ones_b) - c) / safe) - 1, 0.0)
-    j = jnp.where(nonzero, jnp.round((loc(ones_a, count_b) - c) / safe) - 1, 0.0)
+    i = jnp.where(nonzero, jnp.round(along_a / safe) - 1, 0.0)
+    j = jnp.where(nonzero, jnp.round(along_b / safe) - 1, 0.0)
     return c, unit / d, i.astype(jnp.int32), j.astype(jnp.int32)
 
 

@@ -239,7 +239,6 @@ def expected_log(factor, block_name, stats: GramStatistics, views) -> jax.Array:
     return -0.5 * t * quad - stats.log_coef - log_tau_term * stats.weight - 0.5 * _LOG_2PI * stats.weight
 
 
-
 def scale_terms(factor, views) -> tuple:
     """(t, a E[log τ]) of a factor whose scale is c τ^a (t = E[τ^(−2a)]), or (1, 0) for a
     constant scale."""

@@ -78,7 +78,7 @@ def _cov_of_chol(chol: jax.Array) -> jax.Array:
     """(L Lᵀ)⁻¹ = L⁻ᵀ L⁻¹: one triangular solve against the identity and a product (fewer
     LAPACK calls per matrix than two solves: for small matrices their overhead dominates)."""
     inv = solve_triangular(chol, _eye_like(chol), lower=True)
-    return jnp.einsum("...ki,...kj->...ij", inv, inv)
+    return _sym(jnp.einsum("...ki,...kj->...ij", inv, inv))
 
 
 def _half_logdet(chol: jax.Array) -> jax.Array:
