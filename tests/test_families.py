@@ -921,3 +921,24 @@ def test_gaussian_curvature_algebra_diagonal():
     np.testing.assert_allclose(fam.marginal_variance(view), prec)
     np.testing.assert_allclose(fam.positive_curvature(jnp.array([1.0, -4.0])), [1.0, 4.0])
     np.testing.assert_allclose(fam.curvature_of_hessian(jnp.arange(4.0).reshape(2, 2), (2,)), [0.0, 3.0])
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["rows share S", "one row differs"])
+def test_dense_rows_view_and_entropy_with_and_without_a_shared_precision(shared):
+    """A plated dense Gaussian whose rows share one precision S (factorised once) and one
+    whose rows do not (factorised row by row): m = S⁻¹ η₁, Σ = S⁻¹ and the entropy
+    ½ D (1 + log 2π) − ½ log|S| per row, against numpy's inverse and log-determinant."""
+    rng = np.random.default_rng(7)
+    rows, dim = 6, 4
+    r = rng.normal(size=(dim, dim))
+    prec = np.broadcast_to(np.eye(dim) + r @ r.T, (rows, dim, dim)).copy()
+    if not shared:
+        prec[3] += np.diag(np.arange(1.0, dim + 1))
+    eta1 = rng.normal(size=(rows, dim))
+    family = GaussianDense(dim)
+    view, entropy = family.rule_view_and_entropy(GaussianNat(jnp.asarray(eta1), jnp.asarray(-0.5 * prec)))
+    cov = np.linalg.inv(prec)
+    np.testing.assert_allclose(view.cov, cov, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(view.mean, np.einsum("nij,nj->ni", cov, eta1), rtol=1e-10, atol=1e-12)
+    want = 0.5 * dim * (1 + np.log(2 * np.pi)) - 0.5 * np.linalg.slogdet(prec)[1]
+    np.testing.assert_allclose(entropy, want, rtol=1e-12)
