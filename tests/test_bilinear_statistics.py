@@ -57,25 +57,23 @@ def masked_pca(Y, seen):
         numpyro.sample("Y", dist.Normal(jnp.einsum("nd,md->nm", X, C), SIGMA), obs=Y)
 
 
-def ratings(users, items, r):
-    with numpyro.plate("users", N):
-        U = numpyro.sample("U", dist.Normal(jnp.zeros(D), 1.0).to_event(1))
-    with numpyro.plate("items", M):
-        V = numpyro.sample("V", dist.Normal(jnp.zeros(D), 1.0).to_event(1))
-    with numpyro.plate("ratings", len(users)):
-        numpyro.sample("r", dist.Normal(3.0 + 0.5 * jnp.sum(U[users] * V[items], -1), SIGMA), obs=r)
+def _ratings_with(offset, factor):
+    """Ratings of (user, item) pairs, r ~ N(offset + factor · U[user]·V[item], σ)."""
+
+    def model(users, items, r):
+        with numpyro.plate("users", N):
+            U = numpyro.sample("U", dist.Normal(jnp.zeros(D), 1.0).to_event(1))
+        with numpyro.plate("items", M):
+            V = numpyro.sample("V", dist.Normal(jnp.zeros(D), 1.0).to_event(1))
+        with numpyro.plate("ratings", len(users)):
+            numpyro.sample("r", dist.Normal(offset + factor * jnp.sum(U[users] * V[items], -1), SIGMA), obs=r)
+
+    return model
 
 
+ratings = _ratings_with(3.0, 0.5)
 BIG = 1e13  # an offset far larger than the product's scale (the indices must not cancel against it)
-
-
-def tiny_product_on_a_big_offset(users, items, r):
-    with numpyro.plate("users", N):
-        U = numpyro.sample("U", dist.Normal(jnp.zeros(D), 1.0).to_event(1))
-    with numpyro.plate("items", M):
-        V = numpyro.sample("V", dist.Normal(jnp.zeros(D), 1.0).to_event(1))
-    with numpyro.plate("ratings", len(users)):
-        numpyro.sample("r", dist.Normal(BIG + 1e-3 * jnp.sum(U[users] * V[items], -1), SIGMA), obs=r)
+tiny_product_on_a_big_offset = _ratings_with(BIG, 1e-3)
 
 
 def transposed(Yt):

@@ -46,9 +46,7 @@ import numpy as np
 import numpyro.distributions as dist
 
 from blrppl import moments as mom
-from blrppl.estimators.exact import reduce_factor
-from blrppl.estimators.gram import _LOG_2PI, scale_block, scale_terms
-from blrppl.graph.trace import reduce_wrapped
+from blrppl.estimators.gram import _LOG_2PI, element_weights, scale_block, scale_terms
 
 #: the pairs (i, j) of rows form a dense N_A × N_B grid of weights (a step then does
 #: N_A N_B D² work with a mask): used when the grid holds at most ``GRID_PER_ELEMENT`` times
@@ -91,7 +89,7 @@ def candidate(factor, blocks) -> tuple | None:
             return None
         if blk.point or blk.members or blk.local is not None or blk.transform is not None:
             return None
-    if _event_size(blocks[a]) != _event_size(blocks[b]):
+    if blocks[a].family.dim != blocks[b].family.dim:
         return None
     if kinds["scale"] == mom.PowerGamma.kind:
         (g,) = arg_blocks["scale"]
@@ -105,17 +103,13 @@ def candidate(factor, blocks) -> tuple | None:
     return a, b
 
 
-def _event_size(block) -> int:
-    return block.size // max(1, int(np.prod(block.batch_shape)))
-
-
 def _rows(block) -> int:
     return int(np.prod(block.batch_shape))
 
 
-def _probe_fns(fns, factor, blocks, data):
-    """``(args_at, omega)``: the factor's arguments at rows of A and B given in the blocks'
-    canonical layouts (``(*batch, D)``), τ = 1; the weight of each element."""
+def _probe_fn(fns, factor, blocks, data):
+    """The factor's arguments (broadcast to its elements) at rows of A and B given in the
+    blocks' canonical layouts (``(*batch, D)``), τ = 1."""
     a, b = dict(factor.pairs)["loc"][0]
     gamma = scale_block(factor)
     names = factor.rule.arg_names
@@ -129,18 +123,14 @@ def _probe_fns(fns, factor, blocks, data):
         shape = jnp.broadcast_shapes(*(jnp.shape(args[k]) for k in ("value", "loc", "scale")))
         return {k: jnp.broadcast_to(args[k], shape).astype(dtype) for k in ("value", "loc", "scale")}
 
-    def omega(shape):
-        fn, site_scale = fns.factor_wrappers([factor.name], data)[factor.name]
-        return jax.grad(lambda x: reduce_factor(reduce_wrapped(fn, x), site_scale))(jnp.zeros(shape, dtype))
-
-    return args_at, omega
+    return args_at
 
 
 def _structure(args_at, ba, bb):
     """c_e, s_e, i(e), j(e) (flat over the elements) from four evaluations of the model."""
     dtype = jnp.result_type(float)
     shape_a, shape_b = tuple(ba.batch_shape) + (-1,), tuple(bb.batch_shape) + (-1,)
-    d = _event_size(ba)
+    d = ba.family.dim
     ra, rb = _rows(ba), _rows(bb)
     ones_a, ones_b = jnp.ones((ra, d), dtype), jnp.ones((rb, d), dtype)
     count_a = jnp.arange(1, ra + 1, dtype=dtype)[:, None] * ones_a
@@ -169,12 +159,12 @@ def statistics(fns, factor, blocks, data) -> BilinearStatistics:
     one eligible factor, from the model and the data."""
     a, b = dict(factor.pairs)["loc"][0]
     ba, bb = blocks[a], blocks[b]
-    args_at, omega_of = _probe_fns(fns, factor, blocks, data)
+    args_at = _probe_fn(fns, factor, blocks, data)
     c, s, i, j = _structure(args_at, ba, bb)
-    zeros_a = jnp.zeros(tuple(ba.batch_shape) + (_event_size(ba),), jnp.result_type(float))
-    zeros_b = jnp.zeros(tuple(bb.batch_shape) + (_event_size(bb),), jnp.result_type(float))
+    zeros_a = jnp.zeros(tuple(ba.batch_shape) + (ba.family.dim,), jnp.result_type(float))
+    zeros_b = jnp.zeros(tuple(bb.batch_shape) + (bb.family.dim,), jnp.result_type(float))
     args = args_at(zeros_a, zeros_b)
-    omega = omega_of(args["value"].shape)
+    omega = element_weights(fns, factor, data, args["value"].shape)
     kappa = (omega / jnp.square(args["scale"])).reshape(-1)
     resid = args["value"].reshape(-1) - c
     grid = jnp.zeros((_rows(ba), _rows(bb)), resid.dtype)
@@ -199,12 +189,12 @@ def eligible(factor, blocks, fns, data) -> tuple | None:
     if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(data)):
         return None  # (traced inside a user's jit: the probes need values)
     ba, bb = blocks[pair[0]], blocks[pair[1]]
-    d, ra, rb = _event_size(ba), _rows(ba), _rows(bb)
+    d, ra, rb = ba.family.dim, _rows(ba), _rows(bb)
     rng = np.random.default_rng(0)
     xa, xb = rng.normal(size=(ra, d)), rng.normal(size=(rb, d))
 
     def check(data, xa, xb):
-        args_at, _ = _probe_fns(fns, factor, blocks, data)
+        args_at = _probe_fn(fns, factor, blocks, data)
         c, s, i, j = _structure(args_at, ba, bb)
         shape_a, shape_b = tuple(ba.batch_shape) + (d,), tuple(bb.batch_shape) + (d,)
         got = args_at(xa.reshape(shape_a), xb.reshape(shape_b))["loc"].reshape(-1) - c

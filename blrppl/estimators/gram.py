@@ -142,8 +142,7 @@ def _element_statistics(fns, factor, block, data) -> ElementStatistics:
     shape = tuple(block.value_shape)
     d0 = -jnp.broadcast_to(args["loc"], shape).astype(dtype)  # value − loc at u = 0
     scale = jnp.broadcast_to(args["scale"], shape).astype(dtype)
-    fn, site_scale = fns.factor_wrappers([factor.name], data)[factor.name]
-    omega = jax.grad(lambda x: reduce_factor(reduce_wrapped(fn, x), site_scale))(jnp.zeros(shape, dtype))
+    omega = element_weights(fns, factor, data, shape)
     kappa = omega / jnp.square(scale)
     return ElementStatistics(  # (κ and κ d0 in the block's canonical layout, its views')
         kappa=block.to_canonical(kappa),
@@ -152,6 +151,14 @@ def _element_statistics(fns, factor, block, data) -> ElementStatistics:
         weight=jnp.sum(omega),
         log_coef=jnp.sum(omega * jnp.log(scale)),
     )
+
+
+def element_weights(fns, factor, data, shape) -> jax.Array:
+    """The weight ω of each element of a factor in its total (its mask, expansion and the
+    site's scale): the total is linear in the elementwise terms, so ω is its gradient."""
+    fn, site_scale = fns.factor_wrappers([factor.name], data)[factor.name]
+    zeros = jnp.zeros(shape, jnp.result_type(float))
+    return jax.grad(lambda x: reduce_factor(reduce_wrapped(fn, x), site_scale))(zeros)
 
 
 def scale_block(factor):
@@ -180,10 +187,7 @@ def statistics(fns, factor, block, data, rows: bool = False) -> GramStatistics |
     jac = affine_jacobian(residual, u0, identity=_EYE)  # (*elements, D), or _EYE
     args = args_at(u0)
     scale = jnp.broadcast_to(args["scale"], d0.shape).astype(dtype)
-    fn, site_scale = fns.factor_wrappers([factor.name], data)[factor.name]
-    # the weight of each element in the factor's total (mask, expansion, the site's scale):
-    # the total is linear in the elementwise terms
-    omega = jax.grad(lambda x: reduce_factor(reduce_wrapped(fn, x), site_scale))(jnp.zeros(d0.shape, dtype))
+    omega = element_weights(fns, factor, data, d0.shape)
     kappa = omega / jnp.square(scale)
     flat_k = kappa.reshape(-1)
     flat_d = d0.reshape(-1)
