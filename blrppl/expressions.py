@@ -42,7 +42,7 @@ from numpyro import handlers
 from numpyro.primitives import Messenger
 
 from blrppl import moments as mom
-from blrppl.graph import forms as fm
+from blrppl.graph import forms as fm, scan_map
 from blrppl.graph.data import DataSpec, RunData, compile_lowered, compiler_options
 from blrppl.graph.plan import Block
 from blrppl.products import ProductMoments, product_second_moments
@@ -149,9 +149,11 @@ class ModelProgram:
             start += n
         return closed, out_tree, slices
 
-    def sites(self, names, full: dict, data, indices: dict, spec: DataSpec) -> dict:
+    def sites(self, names, full: dict, data, indices: dict, spec: DataSpec, vectorise: bool = False) -> dict:
         """The trace entries of the sites ``names`` with latent values ``full`` (every
-        latent, constrained), data leaves ``data`` and plate minibatch ``indices``."""
+        latent, constrained), data leaves ``data`` and plate minibatch ``indices``; with
+        ``vectorise``, the program's scans whose carries are known ahead run as maps over
+        their steps (:mod:`blrppl.graph.scan_map`: the same values, without the loop)."""
         inputs = (full, tuple(data), dict(indices))
         flat, in_tree = jax.tree.flatten(inputs)
         self._specs[id(spec)] = spec  # (a spec holding arrays is not hashable: keyed by identity, kept alive)
@@ -164,16 +166,19 @@ class ModelProgram:
             return self._run(full, args, kwargs, indices, names)
         closed, out_tree, slices = traced
         wanted = frozenset(names)
-        key = (signature, wanted)
+        key = (signature, wanted, vectorise)
         if key not in self._pruned:
             used = [False] * out_tree.num_leaves
             for n in wanted:
                 a, b = slices[n]
                 used[a:b] = [True] * (b - a)
             jaxpr, used_inputs = _dce(closed.jaxpr, used)
-            self._pruned[key] = (jaxpr, used_inputs, used)
-        jaxpr, used_inputs, used = self._pruned[key]
-        outs = iter(jax.core.eval_jaxpr(jaxpr, closed.consts, *[x for x, u in zip(flat, used_inputs) if u]))
+            consts = closed.consts
+            if vectorise:
+                jaxpr, consts = scan_map.vectorise(jaxpr, consts)
+            self._pruned[key] = (jaxpr, consts, used_inputs, used)
+        jaxpr, consts, used_inputs, used = self._pruned[key]
+        outs = iter(jax.core.eval_jaxpr(jaxpr, consts, *[x for x, u in zip(flat, used_inputs) if u]))
         leaves = [next(outs) if u else None for u in used]
         entries = jax.tree.unflatten(out_tree, leaves)
         return {n: entries[n] for n in names}
@@ -317,6 +322,16 @@ class ModelFunctions:
         self.joints = dict(joints or {})
         self.plate_indices = dict(plate_indices or {})
         self.stacks = dict(stacks or {})
+        self.vectorise = False
+
+    def vectorised(self) -> "ModelFunctions":
+        """These functions evaluating the model's scans whose carries are known ahead as
+        maps over their steps (:mod:`blrppl.graph.scan_map`): for the programs a fit runs
+        many times. (The compiler's structural analyses read the scans as written.)"""
+        out = ModelFunctions.__new__(ModelFunctions)
+        out.__dict__.update(self.__dict__)
+        out.vectorise = True
+        return out
 
     def with_stacks(self, stacks: dict, data=None, tables=None) -> "ModelFunctions":
         """These functions with the stacked factors ``stacks`` (by name), and their
@@ -366,7 +381,7 @@ class ModelFunctions:
             data = data.leaves
         full = self.site_values(values)
         plain = tuple(n for n in names if n not in self.stacks)
-        out = self.program.sites(plain, full, data, indices, self.data_spec) if plain else {}
+        out = self.program.sites(plain, full, data, indices, self.data_spec, self.vectorise) if plain else {}
         for n in names:
             if n in self.stacks:
                 out[n] = self.stacks[n].site(tables[table_key(n)], full)
