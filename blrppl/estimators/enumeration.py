@@ -87,20 +87,35 @@ def _chain_states(block, state, k: int, pairs: bool):
     return jnp.where(odd, b, a)
 
 
-def _chain_weight(factor, name, view, states, num_states: int):
-    """Per element of ``factor``: the chain marginal of the states its element reads under
-    ``states`` (flat positions), see the module docstring."""
+def _chain_weights(factor, name, view, num_states: int):
+    """``(num_states, *elements)``: for each enumerated state (a, b) of the chain ``name``
+    (:func:`_chain_states`) and element of ``factor``, the chain marginal of the states the
+    element reads (module docstring). Formed once for all states by reshaping the element's
+    marginals (no gather indexed by the state: its derivative would be a scatter per state
+    and element)."""
     reads = dict(factor.chain_reads)[name]
     k = view.probs.shape[-1]
     width = view.probs.shape[0]
-    lo, hi = np.clip(reads.lo, 0, None), np.clip(reads.hi, 0, None)
-    v_lo, v_hi = states[lo], states[hi]
-    single = view.probs[lo % width, lo // width, v_lo] * (k / num_states)
+    lo = np.clip(reads.lo, 0, None)
+    # the state at an even chain step is a, at an odd one b: an element whose first state
+    # sits at an odd step reads (b, a)
+    odd = (lo // width) % 2 == 1
+    probs = view.probs[lo % width, lo // width]  # (*elements, K)
+    if num_states > k:
+        by_a = jnp.repeat(probs, k, axis=-1)  # [a·K + b] = q(z = a)
+        by_b = jnp.tile(probs, (1,) * (probs.ndim - 1) + (k,))  # [a·K + b] = q(z = b)
+        single = jnp.where(odd[..., None], by_b, by_a) * (k / num_states)
+    else:
+        single = probs
     if view.pair_probs.shape[1]:
         t = np.minimum(lo // width, view.pair_probs.shape[1] - 1)
-        pair = view.pair_probs[lo % width, t, v_lo, v_hi]
-        single = jnp.where(reads.hi >= 0, pair, single)
-    return jnp.where(reads.lo >= 0, single, 1.0 / num_states)
+        pair = view.pair_probs[lo % width, t]  # (*elements, K, K): q(z_t = v, z_{t+1} = w)
+        shape = pair.shape[:-2] + (k * k,)
+        pair = jnp.where(odd[..., None], jnp.reshape(jnp.swapaxes(pair, -1, -2), shape), jnp.reshape(pair, shape))
+        if num_states > k:
+            single = jnp.where((reads.hi >= 0)[..., None], pair, single)
+    weight = jnp.where((reads.lo >= 0)[..., None], single, 1.0 / num_states)
+    return jnp.moveaxis(weight, -1, 0)
 
 
 def expected_log_factors(fns, factors, blocks, views, data, key=None, curvature="auto"):
@@ -146,7 +161,12 @@ def expected_log_factors(fns, factors, blocks, views, data, key=None, curvature=
             # compiling): the arguments' moments are one row per value, not one per element
             broadcast = all(f.broadcast_enumeration for f in group)
 
-            def one(combo, names=names, group=group, sizes=sizes, broadcast=broadcast):
+            chain_weights = {
+                (f.name, d): _chain_weights(f, d, views[d], sizes[j])
+                for j, d in enumerate(names) if blocks[d].chain for f in group
+            }
+
+            def one(combo, names=names, group=group, sizes=sizes, broadcast=broadcast, chain_weights=chain_weights):
                 dvals, weight = {}, {f.name: 1.0 for f in group}
                 for j, d in enumerate(names):
                     b = blocks[d]
@@ -155,7 +175,7 @@ def expected_log_factors(fns, factors, blocks, views, data, key=None, curvature=
                         states = _chain_states(b, combo[j], k, sizes[j] > k)
                         dvals.update(b.chain_site_values(states))
                         for f in group:
-                            weight[f.name] = weight[f.name] * _chain_weight(f, d, views[d], states, sizes[j])
+                            weight[f.name] = weight[f.name] * jnp.take(chain_weights[f.name, d], combo[j], axis=0)
                         continue
                     dvals.update(b.discrete_site_values(combo[j], broadcast))
                     w = jnp.take(views[d].probs, combo[j], axis=-1)

@@ -137,8 +137,21 @@ class CategoricalChain(Family):
 
     def view(self, nat: ChainNat) -> ChainView:
         """Marginals and pair marginals by forward–backward."""
+        return self._view_and_log_partition(nat)[0]
+
+    def rule_view_and_entropy(self, nat: ChainNat) -> tuple:
+        """(μ, H) from one forward–backward: H = A(λ) − ⟨λ, μ⟩ with A = log Z read off the
+        same forward pass as the marginals."""
+        view, log_z = self._view_and_log_partition(nat)
+        return view, log_z - self._inner(nat, view)
+
+    @staticmethod
+    def _inner(nat: ChainNat, mu: ChainView) -> jax.Array:
+        return jnp.sum(mu.probs * nat.unary, (-2, -1)) + jnp.sum(mu.pair_probs * nat.pair, (-3, -2, -1))
+
+    def _view_and_log_partition(self, nat: ChainNat) -> tuple:
         xp = np if isinstance(nat.unary, np.ndarray) else jnp
-        alpha, beta, _ = _forward_backward(nat)
+        alpha, beta, log_z = _forward_backward(nat)
         # each step normalised on its own (not by the chain's log Z: in float32 the rounding
         # of a log Z of −10⁴ alone would move every marginal by 10⁻³)
         log_p = alpha + beta
@@ -147,7 +160,7 @@ class CategoricalChain(Family):
         shape = log_pair.shape
         flat = xp.reshape(log_pair, shape[:2] + (shape[2] * shape[3],))
         pair = xp.reshape(xp.exp(flat - _logsumexp(xp, flat, -1)[..., None]), shape)
-        return ChainView(probs, pair)
+        return ChainView(probs, pair), log_z
 
     def nat_from_view(self, view) -> ChainNat:
         """The chain with these marginals: ψ_t = log q(z_t), Φ_t = log q(z_t, z_{t+1}) −
@@ -198,9 +211,9 @@ class CategoricalChain(Family):
         return inner - self.log_partition(nat)
 
     def entropy(self, nat: ChainNat, mean_params: ChainView | None = None) -> jax.Array:
-        mu = self.view(nat) if mean_params is None else mean_params
-        inner = jnp.sum(mu.probs * nat.unary, (-2, -1)) + jnp.sum(mu.pair_probs * nat.pair, (-3, -2, -1))
-        return self.log_partition(nat) - inner
+        if mean_params is None:
+            return self.rule_view_and_entropy(nat)[1]
+        return self.log_partition(nat) - self._inner(nat, mean_params)
 
     def message_from_view_grad(self, nat: ChainNat, view_grad: ChainView) -> ChainNat:
         """λ̃ = ∇_μ L: the view is μ itself."""
@@ -215,21 +228,28 @@ class CategoricalChain(Family):
         nat = jax.tree.map(jnp.asarray, nat)
         alpha, _, _ = _forward_backward(nat)
         shape = tuple(sample_shape) + alpha.shape[:1]
-        keys = jax.random.split(rng_key, self.length)
-        last = jax.random.categorical(keys[-1], alpha[:, -1], axis=-1, shape=shape)
+        # one uniform per state, drawn before the loop (no PRNG work inside it): each state
+        # is its conditional's inverse CDF at its uniform
+        u = jnp.moveaxis(jax.random.uniform(rng_key, shape + (self.length,), alpha.dtype), -1, 0)
+
+        def draw(logits, u_t):
+            cdf = jnp.cumsum(jax.nn.softmax(logits, axis=-1), axis=-1)
+            return jnp.sum(u_t[..., None] > cdf[..., :-1], axis=-1).astype(jnp.int32)
+
+        last = draw(jnp.broadcast_to(alpha[:, -1], shape + alpha.shape[-1:]), u[-1])
 
         def back(nxt, inputs):
-            a_t, p_t, key = inputs  # (C, K), (C, K, K)
+            a_t, p_t, u_t = inputs  # (C, K), (C, K, K), shape
             logits = a_t + jnp.take_along_axis(
                 jnp.broadcast_to(p_t, shape + p_t.shape[1:]), nxt[..., None, None], axis=-1
             )[..., 0]
-            z = jax.random.categorical(key, logits, axis=-1)
+            z = draw(logits, u_t)
             return z, z
 
         if self.length == 1:
             return last[..., None]
         _, rest = jax.lax.scan(
-            back, last, (jnp.moveaxis(alpha[:, :-1], 1, 0), jnp.moveaxis(nat.pair, 1, 0), keys[:-1]), reverse=True
+            back, last, (jnp.moveaxis(alpha[:, :-1], 1, 0), jnp.moveaxis(nat.pair, 1, 0), u[:-1]), reverse=True
         )
         return jnp.concatenate([jnp.moveaxis(rest, 0, -1), last[..., None]], -1)
 
