@@ -574,10 +574,27 @@ def _median_time(fn, *args, repeats: int = 5) -> float:
     return float(np.median(times))
 
 
+def _first_fit_and_step(model, args) -> dict:
+    """A chain bench row's fit fields: ``blr_fit``'s first fit (wall seconds, compile, run,
+    steps; :func:`_fit_row`), and its time per step after the first as the classic-VMP rows
+    measure it (:func:`_blr_timing`): the run times of 10 steps less that of one, each the
+    median of three, over 9 (a run's fixed cost, starting the loop and reading the state
+    back, left out)."""
+    t0 = time.perf_counter()
+    r = blr_fit(model, args, progress_bar=False)
+    wall = time.perf_counter() - t0
+
+    def median_run(steps):
+        return float(np.median([blr_fit(model, args, num_steps=steps, tol=1e-30, progress_bar=False).run_time for _ in range(3)]))
+
+    one, ten = median_run(1), median_run(10)
+    return {**_fit_row(len(args[0]), r), "first_fit": wall, "per_step": max(ten - one, 0.0) / 9}, r
+
+
 def chain_scaling(sizes=(1_000, 10_000, 100_000), log=print) -> list:
     """A random walk observed through Poisson counts (log link), T = ``sizes``: ``blr_fit``'s
-    first fit of each length (compile, run, steps, time per step) against one hand-written
-    banded solve pass of the same length, timed in the same run: the Thomas algorithm in JAX
+    first fit of each length (wall time, compile, run, steps) and its time per step after
+    the first (:func:`_first_fit_and_step`) against one hand-written banded solve pass of the same length, timed in the same run: the Thomas algorithm in JAX
     (two ``lax.scan``, jitted, compile excluded, median of 5) and LAPACK's banded Cholesky solve
     (``scipy.linalg.solveh_banded``)."""
     import scipy.linalg
@@ -586,7 +603,7 @@ def chain_scaling(sizes=(1_000, 10_000, 100_000), log=print) -> list:
     for n in sizes:
         rng = np.random.default_rng(n)
         c = rng.poisson(np.exp(1.5 + np.cumsum(0.02 * rng.normal(size=n)))).astype(float)
-        r = blr_fit(poisson_walk_model, (c,), progress_bar=False)
+        fit, r = _first_fit_and_step(poisson_walk_model, (c,))
         diag = jnp.asarray(2.0 + rng.uniform(size=n))
         off = jnp.asarray(-np.ones(n - 1) * 0.9)
         v = jnp.asarray(rng.normal(size=n))
@@ -598,7 +615,7 @@ def chain_scaling(sizes=(1_000, 10_000, 100_000), log=print) -> list:
             scipy.linalg.solveh_banded(ab, np.asarray(v))
             lapack.append(time.perf_counter() - t0)
         row = {
-            **_fit_row(n, r),
+            **fit,
             "bandwidth": r.plan.block("x").family.bandwidth if r.plan.block("x").family.banded else None,
             "thomas": thomas,
             "lapack": float(np.median(lapack)),
@@ -670,27 +687,28 @@ def _forward_backward_pass(log_init, log_trans, log_lik):
 
 
 def hmm_scaling(sizes=(1_000, 10_000, 100_000), log=print) -> list:
-    """:func:`hmm_model` for T = ``sizes``: ``blr_fit``'s first fit of each length (compile,
-    run, steps, time per step, states decoded right) against one hand-written
+    """:func:`hmm_model` for T = ``sizes``: ``blr_fit``'s first fit of each length (wall
+    time, compile, run, steps, states decoded right) and its time per step after the first
+    (:func:`_first_fit_and_step`) against one hand-written
     forward–backward pass of the same length and K, timed in the same run (jitted, compile
     excluded, median of 5)."""
     rows = []
     k = HMM_STATES
     for n in sizes:
         x, y = hmm_data(n, seed=n)
-        r = blr_fit(hmm_model, (y,), progress_bar=False)
+        fit, r = _first_fit_and_step(hmm_model, (y,))
         rng = np.random.default_rng(n)
         log_trans = jnp.asarray(np.log(rng.dirichlet(np.ones(k), size=k)))
         log_lik = jnp.asarray(rng.normal(size=(n, k)))
         log_init = jnp.asarray(np.full(k, -np.log(k)))
         fb = _median_time(jax.jit(_forward_backward_pass), log_init, log_trans, log_lik)
         decoded = np.asarray(r.posterior["x"].probs).argmax(-1)
-        row = {**_fit_row(n, r), "forward_backward": fb, "decoded": float(np.mean(decoded == x))}
+        row = {**fit, "forward_backward": fb, "decoded": float(np.mean(decoded == x))}
         per_step = row["per_step"]
         row["ratio"] = per_step / row["forward_backward"]
         rows.append(row)
         log(
-            f"  HMM K={k} T={n:>7,}  compile {row['compile_time']:6.2f} s  run {row['run_time']:7.3f} s  steps "
+            f"  HMM K={k} T={n:>7,}  first fit {row['first_fit']:6.2f} s  compile {row['compile_time']:6.2f} s  run {row['run_time']:7.3f} s  steps "
             f"{row['steps']}  {1e3 * per_step:.2f} ms/step; hand-written forward-backward {1e3 * row['forward_backward']:.2f} "
             f"ms; step / pass {row['ratio']:.1f}; states decoded right {row['decoded']:.3f}"
         )
