@@ -29,18 +29,13 @@ no steps.
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.extend import core as jex_core
 
 from blrppl.graph.deps import _jaxpr_deps
-
-#: a step's ``table[i]`` (a ``dynamic_slice`` of a loop-invariant array by a per-step index)
-#: on an array of at most this many elements is a masked sum once mapped, not a gather: a
-#: gather's derivative is a scatter-add of every step's slice into the small table, which
-#: XLA's CPU backend runs one update at a time (K = 5 HMM, T = 10⁴: 4.5 ms of a step)
-MASKED_TAKE_MAX = 1024
 
 #: a scan is mapped only when its recurrent part has at most this fraction of its body's
 #: equations (a counter and a key: a handful of a body's dozens)
@@ -53,14 +48,19 @@ def _dce(jaxpr, used_outputs):
     return pe.dce_jaxpr(jaxpr, list(used_outputs))
 
 
+def subjaxprs(eqn):
+    """The jaxprs an equation's parameters hold (a call's, a scan's body, a cond's
+    branches)."""
+    for value in eqn.params.values():
+        for v in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(v, jex_core.ClosedJaxpr):
+                yield v.jaxpr
+            elif isinstance(v, jex_core.Jaxpr):
+                yield v
+
+
 def _has_scan(jaxpr) -> bool:
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "scan":
-            return True
-        for sub in jex_core.jaxprs_in_params(eqn.params):
-            if _has_scan(sub):
-                return True
-    return False
+    return any(eqn.primitive.name == "scan" or any(_has_scan(sub) for sub in subjaxprs(eqn)) for eqn in jaxpr.eqns)
 
 
 def vectorise(jaxpr, consts):
@@ -74,10 +74,9 @@ def vectorise(jaxpr, consts):
     return closed.jaxpr, closed.consts
 
 
-def evaluate(jaxpr, consts, *args, masked=frozenset()):
+def evaluate(jaxpr, consts, *args):
     """``jax.core.eval_jaxpr`` with every mappable scan (also inside ``pjit`` calls) evaluated
-    as a map over its steps; the equations whose ids are in ``masked`` (small-table slices,
-    :func:`_masked_takes`) as masked sums."""
+    as a map over its steps."""
     env = {}
 
     def read(v):
@@ -90,9 +89,7 @@ def evaluate(jaxpr, consts, *args, masked=frozenset()):
     for eqn in jaxpr.eqns:
         invals = [read(v) for v in eqn.invars]
         outs = None
-        if id(eqn) in masked:
-            outs = [_masked_take(eqn, invals)]
-        elif eqn.primitive.name == "scan":
+        if eqn.primitive.name == "scan":
             outs = _scan_as_map(eqn, invals)
         elif eqn.primitive.name in ("pjit", "jit") and _has_scan(eqn.params["jaxpr"].jaxpr):
             sub = eqn.params["jaxpr"]
@@ -100,7 +97,8 @@ def evaluate(jaxpr, consts, *args, masked=frozenset()):
         if outs is None:
             bind = eqn.primitive.get_bind_params(eqn.params)  # (older jax: (subfuns, params))
             subfuns, params = bind if isinstance(bind, tuple) else ((), bind)
-            with eqn.ctx.manager:
+            ctx = getattr(eqn, "ctx", None)
+            with ctx.manager if ctx is not None else contextlib.nullcontext():
                 outs = eqn.primitive.bind(*subfuns, *invals, **params)
             if not eqn.primitive.multiple_results:
                 outs = [outs]
@@ -108,48 +106,6 @@ def evaluate(jaxpr, consts, *args, masked=frozenset()):
             if not isinstance(v, jex_core.DropVar):
                 env[v] = x
     return [read(v) for v in jaxpr.outvars]
-
-
-def _masked_takes(jaxpr, batched, length: int) -> frozenset:
-    """Ids of the equations of ``jaxpr`` (to be mapped over ``length`` steps; ``batched``
-    flags its inputs that differ between steps) that slice one axis of a small
-    step-invariant array at an index that differs between steps. (Not an axis of the
-    scan's length: that is a per-step value, read once per step, its derivative a scatter
-    without collisions.)"""
-    varying = {v for v, b in zip(jaxpr.invars, batched) if b}
-    out = set()
-    for eqn in jaxpr.eqns:
-        ins = [v for v in eqn.invars if not isinstance(v, jex_core.Literal)]
-        if not any(v in varying for v in ins):
-            continue
-        varying.update(eqn.outvars)
-        if eqn.primitive.name != "dynamic_slice":
-            continue
-        operand, starts = eqn.invars[0], eqn.invars[1:]
-        shape, sizes = operand.aval.shape, eqn.params["slice_sizes"]
-        cut = [d for d, (n, k) in enumerate(zip(shape, sizes)) if n != k]
-        if (
-            not isinstance(operand, jex_core.Literal)
-            and operand not in varying
-            and len(cut) == 1
-            and sizes[cut[0]] == 1
-            and shape[cut[0]] != length
-            and 0 < int(np.prod(shape)) <= MASKED_TAKE_MAX
-            and not any(v in varying for d, v in enumerate(starts) if d != cut[0] and not isinstance(v, jex_core.Literal))
-        ):
-            out.add(id(eqn))
-    return frozenset(out)
-
-
-def _masked_take(eqn, invals):
-    """A ``dynamic_slice`` of one axis d (size 1) as Σ_k [k = i] x_k along d (the index
-    clamped as ``dynamic_slice`` clamps it): the same values, with a dense derivative."""
-    operand, starts = invals[0], invals[1:]
-    shape, sizes = jnp.shape(operand), eqn.params["slice_sizes"]
-    (d,) = [d for d, (n, k) in enumerate(zip(shape, sizes)) if n != k]
-    i = jnp.clip(starts[d], 0, shape[d] - 1)
-    mask = jnp.reshape(jnp.arange(shape[d]) == i, [shape[d] if a == d else 1 for a in range(len(shape))])
-    return jnp.sum(jnp.where(mask, operand, jnp.zeros((), jnp.result_type(operand))), axis=d, keepdims=True)
 
 
 def _counter_step(body, carry_index: int):
@@ -243,8 +199,7 @@ def _scan_as_map(eqn, invals):
         if not steps:  # (reads neither a carry nor an input: the same at every step)
             outs = evaluate(pruned, body_consts, *used_consts)
             return [jnp.broadcast_to(o, (length,) + jnp.shape(o)) for o in outs]
-        masked = _masked_takes(pruned, [False] * len(used_consts) + [True] * len(steps), length)
-        return jax.vmap(lambda *s: evaluate(pruned, body_consts, *used_consts, *s, masked=masked))(*steps)
+        return jax.vmap(lambda *s: evaluate(pruned, body_consts, *used_consts, *s))(*steps)
 
     pending = list(free)
     while pending:
