@@ -107,13 +107,12 @@ def _chain_weights(factor, name, view, num_states: int):
         single = jnp.where(odd[..., None], by_b, by_a) * (k / num_states)
     else:
         single = probs
-    if view.pair_probs.shape[1]:
+    if num_states > k and view.pair_probs.shape[1]:
         t = np.minimum(lo // width, view.pair_probs.shape[1] - 1)
         pair = view.pair_probs[lo % width, t]  # (*elements, K, K): q(z_t = v, z_{t+1} = w)
         shape = pair.shape[:-2] + (k * k,)
         pair = jnp.where(odd[..., None], jnp.reshape(jnp.swapaxes(pair, -1, -2), shape), jnp.reshape(pair, shape))
-        if num_states > k:
-            single = jnp.where((reads.hi >= 0)[..., None], pair, single)
+        single = jnp.where((reads.hi >= 0)[..., None], pair, single)
     weight = jnp.where((reads.lo >= 0)[..., None], single, 1.0 / num_states)
     return jnp.moveaxis(weight, -1, 0)
 
