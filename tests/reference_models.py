@@ -129,6 +129,18 @@ def factor_model(y=None):
         numpyro.sample("y", dist.Normal(mu[0], 1.0), obs=y)
 
 
+def ppca_model(Y, latent_dim=3):
+    """Probabilistic PCA as users write it: rows of loadings C and factors X, Y ≈ X @ C.T."""
+    n, m = Y.shape
+    with numpyro.plate("M", m):
+        C = numpyro.sample("C", dist.Normal(0.0, 1.0).expand([latent_dim]).to_event(1))
+    with numpyro.plate("N", n):
+        X = numpyro.sample("X", dist.Normal(0.0, 1.0).expand([latent_dim]).to_event(1))
+    tau = numpyro.sample("tau", dist.Gamma(2.0, 1.0))
+    with numpyro.plate("n", n, dim=-2), numpyro.plate("m", m, dim=-1):
+        numpyro.sample("Y", dist.Normal(X @ C.T, 1 / jnp.sqrt(tau)), obs=Y)
+
+
 SIMPLEX_CENTERS = np.array([[0.0, 0.0], [4.0, 0.0], [0.0, 4.0]])
 
 

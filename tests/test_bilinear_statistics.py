@@ -26,6 +26,7 @@ import numpyro.distributions as dist
 import pytest
 from jax import random
 
+import reference_models as rm
 from blrppl.engine.fit import init_nat, plan_model
 from blrppl.estimators import bilinear
 from blrppl.families.gaussian import GaussianNat
@@ -39,13 +40,7 @@ SIGMA = 0.7
 
 
 def pca(Y):
-    with numpyro.plate("M", M):
-        C = numpyro.sample("C", dist.Normal(0.0, 1.0).expand([D]).to_event(1))
-    with numpyro.plate("N", N):
-        X = numpyro.sample("X", dist.Normal(0.0, 1.0).expand([D]).to_event(1))
-    tau = numpyro.sample("tau", dist.Gamma(2.0, 1.0))
-    with numpyro.plate("n", N, dim=-2), numpyro.plate("m", M, dim=-1):
-        numpyro.sample("Y", dist.Normal(X @ C.T, 1 / jnp.sqrt(tau)), obs=Y)
+    return rm.ppca_model(Y, D)
 
 
 def masked_pca(Y, seen):

@@ -14,10 +14,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import numpyro
-import numpyro.distributions as dist
 import pytest
 from jax import random
 
+import reference_models as rm
 from blrppl.products import product_second_moments
 
 numpyro.enable_x64()
@@ -184,17 +184,6 @@ def test_contraction_is_differentiable_like_the_definition():
             np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-9)
 
 
-def _ppca(Y, latent_dim=3):
-    n, m = Y.shape
-    with numpyro.plate("M", m):
-        C = numpyro.sample("C", dist.Normal(0.0, 1.0).expand([latent_dim]).to_event(1))
-    with numpyro.plate("N", n):
-        X = numpyro.sample("X", dist.Normal(0.0, 1.0).expand([latent_dim]).to_event(1))
-    tau = numpyro.sample("tau", dist.Gamma(2.0, 1.0))
-    with numpyro.plate("n", n, dim=-2), numpyro.plate("m", m, dim=-1):
-        numpyro.sample("Y", dist.Normal(X @ C.T, 1 / jnp.sqrt(tau)), obs=Y)
-
-
 def test_factor_model_steps_equal_with_and_without_the_contraction(monkeypatch):
     """Probabilistic PCA's messages and bound, after three steps from a random start: the
     contraction (whole variance, no pushed rows) and the pushes of every pair of roots agree
@@ -211,9 +200,9 @@ def test_factor_model_steps_equal_with_and_without_the_contraction(monkeypatch):
     monkeypatch.setattr(gram, "eligible", lambda *a, **k: None)
     Y = np.random.default_rng(2).normal(size=(12, 5))
     args, kwargs = model_arguments({"Y": Y})
-    records, spec, dyn, _ = trace_model(_ppca, args, kwargs, random.PRNGKey(0))
+    records, spec, dyn, _ = trace_model(rm.ppca_model, args, kwargs, random.PRNGKey(0))
     with numpyro.validation_enabled(False):
-        plan, fns, dyn, init_values, *_ = plan_model(_ppca, records, spec, dyn, fit_options(), None, random.PRNGKey(1))
+        plan, fns, dyn, init_values, *_ = plan_model(rm.ppca_model, records, spec, dyn, fit_options(), None, random.PRNGKey(1))
     # (off the saddle at zero means, where the linear part of the product vanishes)
     rng = np.random.default_rng(3)
     for n in ("X", "C"):
