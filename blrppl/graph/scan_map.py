@@ -137,18 +137,12 @@ def _scan_as_map(eqn, invals):
     deps = _jaxpr_deps(jaxpr, [frozenset({i}) for i in range(n_in)])
     # carry j's next value reads the carries reads[j]
     reads = [{k - n_consts for k in deps[j] if n_consts <= k < n_consts + n_carry} for j in range(n_carry)]
-    # recurrent: on a cycle, and everything they read
+    # recurrent: on a cycle, and everything they read (reach: the transitive closure of reads)
     reach = [set(r) for r in reads]
-    changed = True
-    while changed:
-        changed = False
-        for j in range(n_carry):
-            more = set().union(*(reach[k] for k in reach[j])) - reach[j] if reach[j] else set()
-            if more:
-                reach[j] |= more
-                changed = True
+    for _ in range(n_carry):
+        reach = [r.union(*(reach[k] for k in r)) for r in reach]
     recurrent = {j for j in range(n_carry) if j in reach[j]}
-    recurrent |= set().union(*(reach[j] for j in recurrent)) if recurrent else set()
+    recurrent = recurrent.union(*(reach[j] for j in recurrent))
     free = [j for j in range(n_carry) if j not in recurrent]
     if not free and n_out == n_carry:
         return None
@@ -170,13 +164,13 @@ def _scan_as_map(eqn, invals):
         step = _counter_step(rec_body, sum(rec_used[:at])) if len(rec) == 1 and rec_used[at] else None
         if step is not None:
             (j,) = rec
-            c0 = init[j]
+            c0 = jnp.asarray(init[j])
             seq[j] = c0 + jnp.asarray(step, c0.dtype) * jnp.arange(length, dtype=c0.dtype)
             last[j] = c0 + jnp.asarray(step, c0.dtype) * jnp.asarray(length, c0.dtype)
         else:
             used_consts = [x for x, u in zip(consts, rec_used[:n_consts]) if u]
             rec_used_carry = rec_used[n_consts : n_consts + n_carry]
-            used_xs = [u for u in rec_used[n_consts + n_carry :]]
+            used_xs = rec_used[n_consts + n_carry :]
 
             def rec_step(carry, x):
                 full = dict(zip(rec, carry))
