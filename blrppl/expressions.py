@@ -1026,11 +1026,12 @@ def _tangent_sets(block: Block, view, full: bool) -> dict:
 SPLIT_PUSH_FLOATS = 1 << 20
 
 
-def _push_tangents(lin, point: dict, sets: dict, out) -> tuple:
+def _push_tangents(lin, point: dict, sets: dict, out, row_wise=frozenset()) -> dict:
     """Every block's tangent sets pushed through the linearised model ``lin``.
 
-    Returns ``(pushed, rows)``: ``pushed[block]`` holds the arguments' pushes of that
-    block's rows, and ``rows[(block, tag)] = (start, stop)`` its rows of a set.
+    Returns ``(block, tag) → pushes``: the arguments' pushes of that set's rows, a pytree
+    with the rows as leading axis, or for a block in ``row_wise`` a list of one pytree per
+    row.
 
     Small groups push every block's rows in one batched JVP (the others' tangents zero):
     one copy of the linear model in the program. Once rows × argument elements exceed
@@ -1039,7 +1040,22 @@ def _push_tangents(lin, point: dict, sets: dict, out) -> tuple:
     it reads: in a mixture, the D² pushed rows of a precision matrix's Wishart block no
     longer run through the mean's N × D gather, nor the mean's 2D rows through the
     precision's N × D × D one.
+
+    The blocks in ``row_wise`` (Gamma, Beta, Dirichlet, Wishart: a few rows, each read by
+    its own moment) push one row at a time, each row an unbatched JVP: a row no argument
+    reads is dead code the compiler drops, with its share of the gathers' transposes (a
+    Dirichlet read only through E[log π], as a Categorical's probabilities are, pushes one
+    row of its three: in a hidden Markov chain's K² enumerated runs of ``trans[prev]`` the
+    scatter-add of the gradient was the step's costliest operation).
     """
+    zeros = {n: jnp.zeros_like(x) for n, x in point.items()}
+    pushed = {}
+    for n in row_wise & sets.keys():
+        for tag, stack in sets[n].items():
+            pushed[(n, tag)] = [lin({**zeros, n: row}) for row in stack]
+    sets = {n: tags for n, tags in sets.items() if n not in row_wise}
+    if not sets:
+        return pushed
     rows, offsets = {}, {}
     for n, tags in sets.items():
         total = 0
@@ -1057,18 +1073,19 @@ def _push_tangents(lin, point: dict, sets: dict, out) -> tuple:
             after = jnp.zeros((count - start - offsets[n],) + point[n].shape, point[n].dtype)
             tangents[n] = jnp.concatenate([before, stack, after], axis=0)
             start += offsets[n]
-        joint = jax.vmap(lin)(tangents)
-        pushed, start = {}, 0
+        joint = jax.vmap(lambda t: lin({**zeros, **t}))(tangents)
+        by_block, start = {}, 0
         for n in sets:
-            pushed[n] = jax.tree.map(lambda x, lo=start, hi=start + offsets[n]: x[lo:hi], joint)
+            by_block[n] = jax.tree.map(lambda x, lo=start, hi=start + offsets[n]: x[lo:hi], joint)
             start += offsets[n]
-        return pushed, rows
-    zeros = {n: jnp.zeros_like(x) for n, x in point.items()}
-    pushed = {}
-    for n, tags in sets.items():
-        stack = jnp.concatenate(list(tags.values()), axis=0)
-        pushed[n] = jax.vmap(lambda t, n=n: lin({**zeros, n: t}))(stack)
-    return pushed, rows
+    else:
+        by_block = {}
+        for n, tags in sets.items():
+            stack = jnp.concatenate(list(tags.values()), axis=0)
+            by_block[n] = jax.vmap(lambda t, n=n: lin({**zeros, n: t}))(stack)
+    for (n, tag), (lo, hi) in rows.items():
+        pushed[(n, tag)] = jax.tree.map(lambda x, lo=lo, hi=hi: x[lo:hi], by_block[n])
+    return pushed
 
 
 def group_moments(fns: ModelFunctions, factors, blocks: dict, views: dict, discrete_values: dict, data) -> dict:
@@ -1105,11 +1122,12 @@ def group_moments(fns: ModelFunctions, factors, blocks: dict, views: dict, discr
     out, lin = jax.linearize(model_args, point)
     full = {n for f in factors for n, mode in f.columns if mode == "full"}
     sets = {n: _tangent_sets(blocks[n], views[n], n in full) for n in cont}
-    pushed, rows = _push_tangents(lin, point, sets, out)
+    row_wise = frozenset(n for n in cont if not blocks[n].family.gaussian)
+    pushed = _push_tangents(lin, point, sets, out, row_wise)
 
     def rows_of(n, tag, fname, arg):
-        lo, hi = rows[(n, tag)]
-        return pushed[n][fname][arg][lo:hi]
+        rows = pushed[(n, tag)]
+        return [r[fname][arg] for r in rows] if isinstance(rows, list) else rows[fname][arg]
 
     gauss = [n for n in cont if blocks[n].family.gaussian]
     paired = {n for f in factors for _, ps in f.pairs for pair in ps for n in pair}

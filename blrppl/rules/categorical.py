@@ -9,6 +9,9 @@ from jax import lax
 from blrppl.rules._common import const_value
 from blrppl.rules.registry import register_rule
 
+#: categories up to which E[log π_z] is picked by a select per category, not a gather
+ONE_HOT_MAX = 32
+
 
 @register_rule(
     dist.CategoricalProbs,
@@ -43,5 +46,10 @@ def categorical_probs_expected_log_prob(value, probs):
     log_p = probs.expect_log()
     shape = lax.broadcast_shapes(z.shape, log_p.shape[:-1])
     log_p = jnp.broadcast_to(log_p, shape + log_p.shape[-1:])
-    idx = jnp.broadcast_to(z, shape)[..., None]
-    return jnp.take_along_axis(log_p, idx, axis=-1)[..., 0]
+    z = jnp.broadcast_to(z, shape)
+    k = log_p.shape[-1]
+    if k > ONE_HOT_MAX:
+        return jnp.take_along_axis(log_p, z[..., None], axis=-1)[..., 0]
+    # a select per category: its derivative is elementwise (a gather's is a serial
+    # scatter-add, the costliest part of an HMM's enumerated transition runs)
+    return jnp.sum(jnp.where(z[..., None] == jnp.arange(k, dtype=z.dtype), log_p, 0.0), axis=-1)
