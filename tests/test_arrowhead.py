@@ -153,8 +153,7 @@ def counts_model(county, x, counts=None):
 def test_poisson_group_effects_reach_the_dense_optimum(monkeypatch):
     """Every exact message of these factors lies in the arrowhead pattern, so the arrowhead
     family holds the dense Gaussian's fixed point: both fits (the dense limit lowered to
-    25 scalars so that the small model gets an arrowhead) agree to their convergence
-    tolerance."""
+    25 scalars so that the small model gets an arrowhead) agree once both have settled."""
     from blrppl.graph import compile as compile_mod
 
     rng = np.random.default_rng(3)
@@ -169,7 +168,8 @@ def test_poisson_group_effects_reach_the_dense_optimum(monkeypatch):
     arrow, dense = fits[None], fits["joint"]
     assert arrow.plan.blocks[0].family.arrowhead and arrow.plan.blocks[0].family.num_globals == 3
     assert not dense.plan.blocks[0].family.arrowhead
-    assert arrow.converged and dense.converged
+    for fit in (arrow, dense):  # at the fixed point, up to rounding (the last bits may cycle)
+        assert np.ptp(fit.elbo[-20:]) <= 1e-12 * abs(fit.elbo[-1])
     for site in ("mu", "beta", "tau", "a"):
         p, q = arrow.posterior[site], dense.posterior[site]
         np.testing.assert_allclose(np.ravel(p.mean), np.ravel(q.mean), rtol=1e-7, atol=1e-9)

@@ -26,7 +26,7 @@ import numpyro
 
 from blrppl.engine.loop import BAD_RATE, CONVERGED, NONFINITE, STATIONARY, STATIONARY_STEPS, empty_history, history_size, make_chunk, run_loop
 from blrppl.engine import start as start_mod
-from blrppl.engine.step import BLRState, initial_state, make_step
+from blrppl.engine.step import BLRState, initial_state, make_step, with_views
 from blrppl import families as fam
 from blrppl.errors import BLRError, InitValueError
 from blrppl.graph.compile import _block_init_values, compile_model, conjugate_blocks, init_nat
@@ -401,6 +401,7 @@ def _compile(model, records, data_spec, dyn_data, tracer, options, prior_spec, k
     chunk = make_chunk(
         step, chunk_size, tol, window, epoch, rate_fn, () if plan.subsampled else tuple(plan.order),
         elbo_fn=None if plan.subsampled else elbo_fn, exact_block=exact_block,
+        views_fn=None if plan.subsampled else functools.partial(with_views, plan),
     )
     init_shapes = {
         n: jax.ShapeDtypeStruct(blocks[n].value_shape, jnp.result_type(v)) if blocks[n].local else v

@@ -64,7 +64,7 @@ def _all_finite(tree) -> jax.Array:
 
 def make_chunk(
     step, chunk_size: int, tol: float, window: int = 0, epoch: int = 0, rate_fn=None, blocks=(),
-    elbo_fn=None, exact_block=None,
+    elbo_fn=None, exact_block=None, views_fn=None,
 ):
     """``chunk(state, data, steps_left, rho, history) -> (state, elbo buffer, steps run, stop
     code, invalid steps, history)``; ``rho`` is the per-block step-size dict passed to
@@ -87,7 +87,10 @@ def make_chunk(
     With ``elbo_fn`` (exact ELBOs), a state whose ELBO is unknown (NaN: a fresh start) has it
     computed before the first step, so that backtracking checks that step too. With
     ``exact_block`` (the plan's only block, conjugate: one step at ρ = 1 is its exact
-    posterior) the run converges after one such step.
+    posterior) the run converges after one such step. With ``views_fn`` (a state → the
+    state with its views, :func:`blrppl.engine.step.with_views`) the loop carries each
+    block's view from step to step (formed once per chunk, then at the end of each step);
+    the chunk returns the state without them.
 
     A step in which some block found no valid update (it kept its parameters, so the ELBO
     may not move) never counts as converged, nor does a step after which the messages to a
@@ -118,6 +121,9 @@ def make_chunk(
                 lambda s: s,
                 state,
             )
+
+        if views_fn is not None:
+            state = views_fn(state)
 
         def cond(carry):
             _, i, _, stop, _, _, _, _ = carry
@@ -177,6 +183,7 @@ def make_chunk(
         zero = jnp.zeros((), jnp.int32)
         init = (state, zero, buf, zero, zero, history, proper0, zero)
         state, n, buf, stop, invalid, history, proper, undone = jax.lax.while_loop(cond, body, init)
+        state = state._replace(views=None, entropies=None)
         return state, buf, n, stop, invalid, history, proper, undone
 
     return chunk

@@ -29,7 +29,12 @@ class BLRState(NamedTuple):
     Monte Carlo estimators and minibatches), the damping factor that backtracking applies
     to every ρ, for models with subsampled plates the
     :class:`blrppl.engine.subsample.MinibatchState` (None otherwise), and the number of
-    steps accepted in a row (the damping grows back only after two)."""
+    steps accepted in a row (the damping grows back only after two).
+
+    Inside a run's loop the state also carries each block's rule view and entropy of
+    ``nat`` (``views``, ``entropies``: :func:`views_and_entropies`), which a step forms at
+    its end and the next one reads instead of forming them again (a chain's view is a
+    forward–backward pass); None elsewhere (see :func:`with_views`)."""
 
     nat: dict
     step: jax.Array
@@ -38,6 +43,8 @@ class BLRState(NamedTuple):
     damping: jax.Array
     minibatch: Any = None
     streak: Any = None
+    views: Any = None
+    entropies: Any = None
 
 
 def initial_state(nat, rng_key, plan=None) -> BLRState:
@@ -91,6 +98,27 @@ def views_of(plan, nat: dict, blocks=None) -> dict:
             view = view._replace(**{view._fields[1]: jnp.zeros_like(view[1])})
         out[b.name] = view
     return out
+
+
+def views_and_entropies(plan, nat: dict, blocks=None) -> tuple[dict, dict]:
+    """The rule view of every block (of ``blocks``, default the plan's), as
+    :func:`views_of`, and the summed entropy H(q_b) of every one that is not a point block,
+    both from one factorisation of its parameters (``family.rule_view_and_entropy``)."""
+    views, entropies = {}, {}
+    for b in plan.blocks if blocks is None else blocks:
+        if b.point:
+            views[b.name] = views_of(plan, {b.name: nat[b.name]}, (b,))[b.name]
+        else:
+            views[b.name], entropy = b.family.rule_view_and_entropy(nat[b.name])
+            entropies[b.name] = jnp.sum(entropy)
+    return views, entropies
+
+
+def with_views(plan, state: BLRState) -> BLRState:
+    """``state`` carrying the views and entropies of its parameters (what a run's loop
+    carries from step to step; see :class:`BLRState`)."""
+    views, entropies = views_and_entropies(plan, state.nat)
+    return state._replace(views=views, entropies=entropies)
 
 
 #: most Newton iterations of a param block's M-step in one sweep
@@ -233,13 +261,7 @@ def make_elbo(plan, fns, entropies: bool = False):
     objective = make_objective(plan, fns)  # values only: the curvature estimator is irrelevant
 
     def elbo(nat, data, key=None):
-        views, parts = {}, {}
-        for b in plan.blocks:
-            if b.point:
-                views[b.name] = views_of(plan, {b.name: nat[b.name]}, (b,))[b.name]
-                continue
-            views[b.name], entropy = b.family.rule_view_and_entropy(nat[b.name])
-            parts[b.name] = jnp.sum(entropy)
+        views, parts = views_and_entropies(plan, nat)
         value = objective(views, data, None, key) + sum(parts.values())
         return (value, parts) if entropies else value
 
@@ -422,21 +444,20 @@ def make_step(
             nat[n], ok = _update_block(family, nat[n], msg, rate, max_halvings, proper[n], n in retracted)
             return ok
 
-        # each block's view (and entropy) is formed once per step and after each of its
-        # updates, and read by the messages of the blocks after it and by the ELBO (a dense
-        # block's factorisation is its costliest part: not repeated for every reader)
-        views, entropies = {}, {}
+        # each block's view (and entropy) is formed after each of its updates, and read by
+        # the messages of the blocks after it and by the ELBO (a dense block's factorisation
+        # is its costliest part: not repeated for every reader); those of the state's own
+        # parameters come with it inside a run's loop (the previous step formed them)
+        carried = state.views is not None
+        if carried:
+            views, entropies = dict(state.views), dict(state.entropies)
+        else:
+            views, entropies = views_and_entropies(plan, nat)
 
         def refresh(n):
-            b = blocks[n]
-            if b.point:
-                views[n] = views_of(plan, {n: nat[n]}, (b,))[n]
-            else:
-                views[n], entropy = b.family.rule_view_and_entropy(nat[n])
-                entropies[n] = jnp.sum(entropy)
-
-        for n in blocks:
-            refresh(n)
+            view, entropy = views_and_entropies(plan, nat, (blocks[n],))
+            views.update(view)
+            entropies.update(entropy)
         if schedule == "parallel":
             names = tuple(plan.order)
             msgs = messages(nat, names, data, keys[0], views)
@@ -453,6 +474,8 @@ def make_step(
             proper[n] = jnp.where(rate == 1.0, at_message, valid_msg)
         delta = _relative_delta(state.nat, nat)
         new_state = state._replace(nat=nat, step=state.step + 1, elbo=elbo, rng_key=key)
+        if carried:
+            new_state = new_state._replace(views=views, entropies=entropies)
         return new_state, BLRInfo(elbo=elbo, max_delta=delta, valid=valid, proper=proper)
 
     return step, elbo_fn, messages
