@@ -57,6 +57,13 @@ def test_band_linear_algebra_equals_dense(n, b):
     np.testing.assert_allclose(_band.matvec(jnp.asarray(upper), jnp.asarray(v)), s @ v, rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(_band.inverse_band(rows), _band.from_dense(np.linalg.inv(s), b), atol=1e-12)
     np.testing.assert_allclose(_band.logdet(rows), np.linalg.slogdet(s)[1], rtol=1e-12)
+    # the two-pass forms: factor and L⁻¹ v down the rows, L⁻ᵀ y and the band of M⁻¹ up
+    rows2, white = _band.cholesky_and_solve_lower(jnp.asarray(upper), jnp.asarray(v))
+    np.testing.assert_allclose(rows2, want_rows, atol=1e-12)
+    np.testing.assert_allclose(white, np.linalg.solve(chol, v), rtol=1e-10, atol=1e-12)
+    x, band = _band.solve_upper_and_inverse_band(rows2, white)
+    np.testing.assert_allclose(x, np.linalg.solve(s, v), rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(band, _band.from_dense(np.linalg.inv(s), b), atol=1e-12)
     full = _band.full_band(jnp.asarray(upper))
     want = np.array([[s[i, i + d] if 0 <= i + d < n else 0.0 for d in range(-b, b + 1)] for i in range(n)])
     np.testing.assert_array_equal(full, want)

@@ -4,8 +4,10 @@ A symmetric n × n matrix M with half-bandwidth b (M_ij = 0 for |i − j| > b) i
 *upper band* ``U`` of shape ``(n, b + 1)``: ``U[i, d] = M[i, i + d]``, zero where i + d ≥ n.
 Its lower Cholesky factor L (M = L Lᵀ, same bandwidth) is stored by rows,
 ``R[i, d] = L[i, i − d]``, zero where i − d < 0. Every routine is one ``lax.scan`` over the
-n rows with O(b²) work per row (Rue & Held 2005, ch. 2: band Cholesky; the selected
-inverse is Takahashi's recursion), for one matrix: batch with ``jax.vmap``.
+n rows with O(b²) work per row (Rue & Held 2005, ch. 2: band Cholesky; the selected inverse
+is Takahashi's recursion), for one matrix: batch with ``jax.vmap``. The factorisation and a
+forward solve share one pass down the rows, a backward solve and the selected inverse one
+pass up: a chain's mean and covariance band cost two passes.
 """
 
 from __future__ import annotations
@@ -54,30 +56,39 @@ def matvec(upper: jax.Array, x: jax.Array) -> jax.Array:
     return out
 
 
-def cholesky(upper: jax.Array) -> jax.Array:
-    """Rows ``R`` of the lower Cholesky factor of M (upper band ``U``); NaN where M is not
-    positive definite.
+def cholesky_and_solve_lower(upper: jax.Array, v: jax.Array | None = None):
+    """One pass down the rows: the rows ``R`` of the lower Cholesky factor of M (upper band
+    ``U``; NaN where M is not positive definite) and, given ``v``, y = L⁻¹ v (else None).
 
     Row i from the previous b rows: with W = L[i−b:i, i−b:i] (lower triangular) and
     s = M[i, i−b:i], the off-diagonal part l = W⁻¹ s (forward substitution) and the
-    diagonal √(M_ii − |l|²). Rows before the first are taken as identity rows.
+    diagonal √(M_ii − |l|²); then y_i = (v_i − Σ_{d≥1} L[i, i − d] y_{i−d}) / L_ii, in the
+    same iteration. Rows before the first are taken as identity rows.
     """
     n, w = upper.shape
     b = w - 1
     rows = lower_rows(upper)  # rows[i, d] = M[i, i − d]
+    vs = jnp.zeros((n,), upper.dtype) if v is None else v
     if b == 0:
-        return jnp.sqrt(rows)
+        r = jnp.sqrt(rows)
+        return r, None if v is None else v / r[:, 0]
     if b == 1:  # (tridiagonal: scalar carries, the common chain)
 
-        def step(d_prev, row):
+        def step(carry, inp):
+            d_prev, y_prev = carry
+            row, vi = inp
             off = row[1] / d_prev
             d = jnp.sqrt(row[0] - off * off)
-            return d, (d, off)
+            y = (vi - off * y_prev) / d if v is not None else y_prev
+            return (d, y), (d, off, y)
 
-        _, (diag, off) = jax.lax.scan(step, jnp.ones((), upper.dtype), rows, unroll=_UNROLL)
-        return jnp.stack([diag, off], axis=1)
+        zero = jnp.zeros((), upper.dtype)
+        _, (diag, off, y) = jax.lax.scan(step, (jnp.ones((), upper.dtype), zero), (rows, vs), unroll=_UNROLL)
+        return jnp.stack([diag, off], axis=1), None if v is None else y
 
-    def body(window, row):
+    def body(carry, inp):  # prev[d − 1] = y_{i − d}
+        window, prev = carry
+        row, vi = inp
         s = row[::-1]  # s[q] = M[i, i − b + q], q = 0 … b
         off = []
         for q in range(b):
@@ -91,11 +102,20 @@ def cholesky(upper: jax.Array) -> jax.Array:
         new = new.at[: b - 1, : b - 1].set(window[1:, 1:])
         new = new.at[b - 1, : b - 1].set(off[1:])
         new = new.at[b - 1, b - 1].set(diag)
-        return new, jnp.concatenate([diag[None], off[::-1]])  # R[i, d] = L[i, i − d]
+        row_out = jnp.concatenate([diag[None], off[::-1]])  # R[i, d] = L[i, i − d]
+        if v is None:
+            return (new, prev), (row_out, vi)
+        y = (vi - jnp.dot(row_out[1:], prev)) / diag
+        return (new, jnp.concatenate([y[None], prev[:-1]])), (row_out, y)
 
-    init = jnp.eye(b, dtype=upper.dtype)
-    _, out = jax.lax.scan(body, init, rows, unroll=_UNROLL)
-    return out
+    init = (jnp.eye(b, dtype=upper.dtype), jnp.zeros((b,), upper.dtype))
+    _, (out, y) = jax.lax.scan(body, init, (rows, vs), unroll=_UNROLL)
+    return out, None if v is None else y
+
+
+def cholesky(upper: jax.Array) -> jax.Array:
+    """Rows ``R`` of the lower Cholesky factor of M (see :func:`cholesky_and_solve_lower`)."""
+    return cholesky_and_solve_lower(upper)[0]
 
 
 def logdet(chol_rows: jax.Array) -> jax.Array:
@@ -131,28 +151,67 @@ def _columns(chol_rows: jax.Array) -> jax.Array:
     return jnp.stack([_shift_up(chol_rows[:, d], d) for d in range(chol_rows.shape[1])], axis=1)
 
 
-def solve_upper(chol_rows: jax.Array, y: jax.Array) -> jax.Array:
-    """L⁻ᵀ y: x_i = (y_i − Σ_{d≥1} L[i + d, i] x_{i+d}) / L_ii (a backward pass)."""
-    b = chol_rows.shape[1] - 1
+def solve_upper_and_inverse_band(chol_rows: jax.Array, y: jax.Array | None = None, band: bool = True):
+    """One pass up the rows: given ``y``, x = L⁻ᵀ y (else None), and with ``band`` the upper
+    band of M⁻¹ (else None).
+
+    x_i = (y_i − Σ_{d≥1} L[i + d, i] x_{i+d}) / L_ii. The band is Takahashi's recursion: with
+    Σ = M⁻¹ = L⁻ᵀ L⁻¹, Lᵀ Σ = L⁻¹ is lower triangular with diagonal 1/L_ii, so for j ≥ i
+    Σ_ij = (δ_ij / L_ii − Σ_{k=1..b} L[i+k, i] Σ[i+k, j]) / L_ii, computed from the last row
+    up with the window Σ[i+1:i+b+1, i+1:i+b+1] carried; both in the same iteration.
+    """
+    n, w = chol_rows.shape
+    b = w - 1
+    dtype = chol_rows.dtype
+    ys = jnp.zeros((n,), dtype) if y is None else y
     if b == 0:
-        return y / chol_rows[:, 0]
+        lii = chol_rows[:, 0]
+        return None if y is None else y / lii, (1.0 / lii**2)[:, None] if band else None
     cols = _columns(chol_rows)
     if b == 1:
 
-        def step(x_next, inp):
+        def step(carry, inp):  # carry: x_{i+1}, Σ[i+1, i+1]
+            x_next, var_next = carry
             col, yi = inp
-            x = (yi - col[1] * x_next) / col[0]
-            return x, x
+            lii, below = col[0], col[1]
+            x = (yi - below * x_next) / lii if y is not None else x_next
+            if band:
+                off = -below * var_next / lii
+                var = (1.0 / lii - below * off) / lii
+            else:
+                off = var = var_next
+            return (x, var), (x, var, off)
 
-        return jax.lax.scan(step, jnp.zeros((), y.dtype), (cols, y), reverse=True, unroll=_UNROLL)[1]
+        zero = jnp.zeros((), dtype)
+        _, (x, var, off) = jax.lax.scan(step, (zero, zero), (cols, ys), reverse=True, unroll=_UNROLL)
+        return None if y is None else x, jnp.stack([var, off], axis=1) if band else None
 
-    def body(nxt, inp):  # nxt[d − 1] = x_{i + d}
+    def body(carry, inp):  # nxt[d − 1] = x_{i + d}
+        nxt, window = carry
         col, yi = inp
-        x = (yi - jnp.dot(col[1:], nxt)) / col[0]
-        return jnp.concatenate([x[None], nxt[:-1]]), x
+        lii, below = col[0], col[1:]
+        x = (yi - jnp.dot(below, nxt)) / lii if y is not None else nxt[0]
+        if band:
+            off = -(below @ window) / lii  # Σ[i, i + q], q = 1 … b
+            diag = (1.0 / lii - jnp.dot(below, off)) / lii
+            new = jnp.zeros_like(window)
+            new = new.at[1:, 1:].set(window[:-1, :-1])
+            new = new.at[0, 0].set(diag)
+            new = new.at[0, 1:].set(off[:-1])
+            new = new.at[1:, 0].set(off[:-1])
+            row = jnp.concatenate([diag[None], off])
+        else:
+            new, row = window, jnp.zeros((w,), dtype)
+        return (jnp.concatenate([x[None], nxt[:-1]]), new), (x, row)
 
-    _, out = jax.lax.scan(body, jnp.zeros((b,), y.dtype), (cols, y), reverse=True, unroll=_UNROLL)
-    return out
+    init = (jnp.zeros((b,), dtype), jnp.zeros((b, b), dtype))
+    _, (x, rows) = jax.lax.scan(body, init, (cols, ys), reverse=True, unroll=_UNROLL)
+    return None if y is None else x, rows if band else None
+
+
+def solve_upper(chol_rows: jax.Array, y: jax.Array) -> jax.Array:
+    """L⁻ᵀ y (a backward pass, see :func:`solve_upper_and_inverse_band`)."""
+    return solve_upper_and_inverse_band(chol_rows, y, band=False)[0]
 
 
 def solve(chol_rows: jax.Array, v: jax.Array) -> jax.Array:
@@ -161,42 +220,9 @@ def solve(chol_rows: jax.Array, v: jax.Array) -> jax.Array:
 
 
 def inverse_band(chol_rows: jax.Array) -> jax.Array:
-    """The upper band of M⁻¹ (the entries within the bandwidth only: Takahashi's recursion).
-
-    With Σ = M⁻¹ = L⁻ᵀ L⁻¹, Lᵀ Σ = L⁻¹ is lower triangular with diagonal 1/L_ii, so for
-    j ≥ i:  Σ_ij = (δ_ij / L_ii − Σ_{k=1..b} L[i+k, i] Σ[i+k, j]) / L_ii, computed from the
-    last row up with the window Σ[i+1:i+b+1, i+1:i+b+1] carried.
-    """
-    n, w = chol_rows.shape
-    b = w - 1
-    if b == 0:
-        return (1.0 / chol_rows[:, 0] ** 2)[:, None]
-    cols = _columns(chol_rows)
-    if b == 1:
-
-        def step(var_next, col):  # var_next = Σ[i+1, i+1]
-            lii, below = col[0], col[1]
-            off = -below * var_next / lii
-            var = (1.0 / lii - below * off) / lii
-            return var, (var, off)
-
-        _, (var, off) = jax.lax.scan(step, jnp.zeros((), chol_rows.dtype), cols, reverse=True, unroll=_UNROLL)
-        return jnp.stack([var, off], axis=1)
-
-    def body(window, col):
-        lii, below = col[0], col[1:]
-        off = -(below @ window) / lii  # Σ[i, i + q], q = 1 … b
-        diag = (1.0 / lii - jnp.dot(below, off)) / lii
-        new = jnp.zeros_like(window)
-        new = new.at[1:, 1:].set(window[:-1, :-1])
-        new = new.at[0, 0].set(diag)
-        new = new.at[0, 1:].set(off[:-1])
-        new = new.at[1:, 0].set(off[:-1])
-        return new, jnp.concatenate([diag[None], off])
-
-    init = jnp.zeros((b, b), chol_rows.dtype)
-    _, out = jax.lax.scan(body, init, cols, reverse=True, unroll=_UNROLL)
-    return out
+    """The upper band of M⁻¹: the entries within the bandwidth only (Takahashi's recursion,
+    see :func:`solve_upper_and_inverse_band`)."""
+    return solve_upper_and_inverse_band(chol_rows)[1]
 
 
 def to_dense(upper) -> np.ndarray | jax.Array:

@@ -126,20 +126,24 @@ class GaussianBanded(Family):
     def _chol(self, nat: BandedGaussianNat) -> jax.Array:
         return _vectorized(_band.cholesky, "(n,w)->(n,w)")(-2.0 * nat.eta2)
 
-    def _view_of(self, chol, eta1) -> BandedGaussianView:
-        mean = _vectorized(_band.solve, "(n,w),(n)->(n)")(chol, eta1)
-        cov = _vectorized(_band.inverse_band, "(n,w)->(n,w)")(chol)
-        return BandedGaussianView(mean, cov)
+    def _chol_and_view(self, nat: BandedGaussianNat) -> tuple:
+        """The Cholesky rows and the view, in two passes over the chain: the factor and
+        L⁻¹ η₁ down, m = L⁻ᵀ L⁻¹ η₁ and the band of Σ up."""
+        down = _vectorized(_band.cholesky_and_solve_lower, "(n,w),(n)->(n,w),(n)")
+        chol, white = down(-2.0 * nat.eta2, nat.eta1)
+        up = _vectorized(_band.solve_upper_and_inverse_band, "(n,w),(n)->(n),(n,w)")
+        mean, cov = up(chol, white)
+        return chol, BandedGaussianView(mean, cov)
 
     def _entropy(self, chol) -> jax.Array:
         return 0.5 * self.dim * (1.0 + _LOG_2PI) - jnp.sum(jnp.log(chol[..., 0]), -1)
 
     def view(self, nat: BandedGaussianNat) -> BandedGaussianView:
-        return self._view_of(self._chol(nat), nat.eta1)
+        return self._chol_and_view(nat)[1]
 
     def rule_view_and_entropy(self, nat: BandedGaussianNat) -> tuple:
-        chol = self._chol(nat)
-        return self._view_of(chol, nat.eta1), self._entropy(chol)
+        chol, view = self._chol_and_view(nat)
+        return view, self._entropy(chol)
 
     def entropy(self, nat: BandedGaussianNat, mean_params=None) -> jax.Array:
         return self._entropy(self._chol(nat))
