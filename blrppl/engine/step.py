@@ -277,30 +277,50 @@ def _relative_delta(old, new):
     return jnp.max(jnp.stack(diffs)) if diffs else jnp.zeros(())
 
 
-def _update_block(family, nat_old, message, rho, max_halvings, message_valid=None, retract=False):
+def _update_block(family, nat_old, message, rho, max_halvings, message_valid=None, retract=False, formed=None):
     """The family's step (1−ρ)λ + ρ λ̃ (improved BLR for Gaussians at ρ < 1), halving ρ
-    until the result is valid."""
+    until the result is valid. Returns ``(λ, ok)``.
+
+    With ``formed = (view_and_entropy, view, entropy)`` (a Gaussian block: its validity is
+    that its factorisation succeeds) each candidate is factorised once, for its validity (a
+    finite entropy and view) and for the view and entropy the step reads after the update,
+    which are returned too: ``(λ, ok, view, entropy)`` (the given ones of ``nat_old`` when no
+    candidate is valid)."""
+
+    def all_finite(tree):
+        return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
 
     def candidate(r):
         # a block whose messages may be invalid (non-conjugate Gaussians) retracts when they are
         new = family.update(nat_old, message, r, retract & ~message_valid if retract else False)
+        if formed is not None:
+            view, entropy = formed[0](new)
+            entropy = jnp.sum(entropy)
+            ok = jnp.isfinite(entropy) & all_finite(new) & all_finite(view)
+            extra = (view, entropy)
+        else:
+            ok, extra = None, ()
         if message_valid is None or retract:
-            return new, family.is_valid(new)
-        # at ρ = 1 the candidate is the message, whose validity is known
-        return new, jax.lax.cond(r == 1.0, lambda: message_valid, lambda: family.is_valid(new))
+            ok = family.is_valid(new) if ok is None else ok
+        elif ok is None:
+            # at ρ = 1 the candidate is the message, whose validity is known
+            ok = jax.lax.cond(r == 1.0, lambda: message_valid, lambda: family.is_valid(new))
+        else:
+            ok = jnp.where(r == 1.0, message_valid, ok)
+        return (new, ok, *extra)
 
     def cond(carry):
-        _, k, _, ok = carry
+        _, k, _, ok, *_ = carry
         return jnp.logical_and(~ok, k < max_halvings)
 
     def body(carry):
-        r, k, _, _ = carry
-        new, ok = candidate(0.5 * r)
-        return 0.5 * r, k + 1, new, ok
+        r, k, *_ = carry
+        return (0.5 * r, k + 1, *candidate(0.5 * r))
 
     rho = jnp.asarray(rho, dtype=jnp.result_type(float))
-    _, _, new, ok = jax.lax.while_loop(cond, body, (rho, 0, *candidate(rho)))
-    return jax.tree.map(lambda a, b: jnp.where(ok, b, a), nat_old, new), ok
+    _, _, new, ok, *extra = jax.lax.while_loop(cond, body, (rho, 0, *candidate(rho)))
+    keep = jax.tree.map(lambda a, b: jnp.where(ok, b, a), (nat_old, *formed[1:]) if formed else (nat_old,), (new, *extra))
+    return (keep[0], ok, *keep[1:])
 
 
 def decaying_rate(t, tau: float = 10.0, kappa: float = 0.6):
@@ -429,25 +449,11 @@ def make_step(
             key = key_elbo = state.rng_key
             keys = [key] * len(plan.order)
 
-        def update(n, msg):
-            family = blocks[n].family
-            rate = rho[n] * block_rate(n, state.step) * state.damping
-            if n in exact_gaussian:
-                # at ρ = 1 the new parameters are the message, factorised once by the ELBO's
-                # entropy: a message that is not a valid natural parameter makes it non-finite
-                # and the step is undone; at ρ < 1 the message is checked here
-                valid_msg = jax.lax.cond(rate == 1.0, lambda: jnp.array(True), lambda: family.is_valid(msg))
-                deferred[n] = (rate, valid_msg, msg)
-                nat[n], ok = _update_block(family, nat[n], msg, rate, max_halvings, valid_msg)
-                return ok
-            proper[n] = family.is_valid(msg)
-            nat[n], ok = _update_block(family, nat[n], msg, rate, max_halvings, proper[n], n in retracted)
-            return ok
-
-        # each block's view (and entropy) is formed after each of its updates, and read by
-        # the messages of the blocks after it and by the ELBO (a dense block's factorisation
-        # is its costliest part: not repeated for every reader); those of the state's own
-        # parameters come with it inside a run's loop (the previous step formed them)
+        # each block's view (and entropy) is formed at each of its updates (a Gaussian's from
+        # the factorisation that checks the update), and read by the messages of the blocks
+        # after it and by the ELBO (a dense block's factorisation is its costliest part: not
+        # repeated for every reader); those of the state's own parameters come with it
+        # inside a run's loop (the previous step formed them)
         carried = state.views is not None
         if carried:
             views, entropies = dict(state.views), dict(state.entropies)
@@ -458,16 +464,40 @@ def make_step(
             view, entropy = views_and_entropies(plan, nat, (blocks[n],))
             views.update(view)
             entropies.update(entropy)
+
+        def update(n, msg):
+            """Update block n; its view and entropy after it: from the update's own
+            factorisation for Gaussian blocks, else formed again."""
+            family = blocks[n].family
+            rate = rho[n] * block_rate(n, state.step) * state.damping
+            formed = None
+            if n in retracted or n in exact_gaussian:
+                formed = (family.rule_view_and_entropy, views[n], entropies[n])
+            if n in exact_gaussian:
+                # at ρ = 1 the new parameters are the message, factorised once by the ELBO's
+                # entropy: a message that is not a valid natural parameter makes it non-finite
+                # and the step is undone; at ρ < 1 the message is checked here
+                valid_msg = jax.lax.cond(rate == 1.0, lambda: jnp.array(True), lambda: family.is_valid(msg))
+                deferred[n] = (rate, valid_msg, msg)
+                nat[n], ok, views[n], entropies[n] = _update_block(family, nat[n], msg, rate, max_halvings, valid_msg, formed=formed)
+                return ok
+            proper[n] = family.is_valid(msg)
+            out = _update_block(family, nat[n], msg, rate, max_halvings, proper[n], n in retracted, formed)
+            nat[n], ok = out[:2]
+            if formed is None:
+                refresh(n)
+            else:
+                views[n], entropies[n] = out[2:]
+            return ok
+
         if schedule == "parallel":
             names = tuple(plan.order)
             msgs = messages(nat, names, data, keys[0], views)
             for n in names:
                 valid = valid & update(n, msgs[n])
-                refresh(n)
         else:
             for n, k in zip(plan.order, keys):
                 valid = valid & update(n, messages(nat, (n,), data, k, views)[n])
-                refresh(n)
         elbo = objective(views, data, None, key_elbo) + sum(entropies.values())
         for n, (rate, valid_msg, msg) in deferred.items():
             at_message = jnp.isfinite(entropies[n]) & jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(msg)]))
