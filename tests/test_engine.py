@@ -147,3 +147,30 @@ def test_chunk_retraces_only_for_new_shapes(captured):
     except Exception:  # the plan may hold shape-specific constants; the trace still ran
         pass
     assert traces["count"] == base + 1
+
+
+def test_a_float32_elbo_falling_by_rounding_is_not_backtracked():
+    """At a fixed point a float32 ELBO moves by an ulp or so from step to step. A step whose
+    ELBO falls by that much is accepted (the fall is below 16 machine epsilons, relative)
+    and the run converges; a fall of 10⁻⁴ (relative) is still undone, ρ halved, until the
+    run stops. (Undoing every ulp-sized fall stopped a float32 HMM as if no step size
+    worked, after 60 halvings.)"""
+    from blrppl.engine.loop import CONVERGED, NONFINITE
+    from blrppl.engine.step import BLRInfo, initial_state
+
+    def run(fall):
+        def step(state, data, rho):
+            elbo = (state.elbo - fall * jnp.abs(state.elbo)).astype(jnp.float32)
+            info = BLRInfo(elbo=elbo, max_delta=jnp.zeros((), jnp.float32), valid=jnp.array(True), proper={})
+            return state._replace(step=state.step + 1, elbo=elbo), info
+
+        chunk = jax.jit(engine_loop.make_chunk(step, 200, 1e-5))
+        state = initial_state({"x": jnp.zeros((), jnp.float32)}, jax.random.key(0))
+        state = state._replace(elbo=jnp.asarray(-1000.0, jnp.float32), damping=jnp.asarray(1.0, jnp.float32))
+        out = chunk(state, None, jnp.asarray(200, jnp.int32), {}, engine_loop.empty_history(0))
+        return int(out[3]), int(out[7])  # stop code, steps undone
+
+    ulp = float(np.spacing(np.float32(1000.0))) / 1000.0
+    assert run(ulp) == (CONVERGED, 0)
+    stop, undone = run(1e-4)
+    assert stop == NONFINITE and undone > 50

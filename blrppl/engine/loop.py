@@ -6,9 +6,9 @@ updates the progress bar. A run stops when
 * the relative ELBO change is at most ``tol`` and the largest relative change of a natural
   parameter is at most ``sqrt(tol)`` (converged), or
 * backtracking finds no acceptable step: a step that makes the ELBO or a natural parameter
-  non-finite, or lowers an exact ELBO, is undone and every ρ halved (doubled again, up to
-  1, after two accepted steps in a row); when the damping falls below ``MIN_DAMPING`` the run ends
-  with the last valid state, or
+  non-finite, or lowers an exact ELBO by more than rounding (:func:`drop_slack`), is undone
+  and every ρ halved (doubled again, up to 1, after two accepted steps in a row); when the
+  damping falls below ``MIN_DAMPING`` the run ends with the last valid state, or
 * ``num_steps`` steps have run.
 """
 
@@ -55,6 +55,15 @@ class LoopOutcome(NamedTuple):
     improper: tuple = ()
     #: steps undone by backtracking
     rejected_steps: int = 0
+
+
+def drop_slack(elbo) -> float:
+    """The relative fall of an exact ELBO that backtracking undoes a step for: 10⁻⁹, or
+    16 machine epsilons when that is larger (float32: 1.9·10⁻⁶). Below it the fall is
+    rounding: at a fixed point a float32 ELBO of 10³ moves by an ulp (6·10⁻⁵) from step to
+    step, and a step undone for that is undone again at every smaller ρ until the run stops
+    as if no step size worked."""
+    return max(1e-9, 16 * float(jnp.finfo(jnp.result_type(elbo)).eps))
 
 
 def _all_finite(tree) -> jax.Array:
@@ -145,7 +154,7 @@ def make_chunk(
             else:
                 # backtracking: a step that lowers the (exact) ELBO is undone and ρ halved
                 known = jnp.isfinite(st.elbo)
-                drop = info.elbo < st.elbo - 1e-9 * jnp.maximum(1.0, jnp.abs(st.elbo))
+                drop = info.elbo < st.elbo - drop_slack(st.elbo) * jnp.maximum(1.0, jnp.abs(st.elbo))
                 accept = finite & ~(known & drop)
                 change = jnp.abs(info.elbo - st.elbo) <= tol * jnp.maximum(1.0, jnp.abs(info.elbo))
                 proper = jnp.all(jnp.stack([jnp.array(True)] + list(jax.tree.leaves(info.proper))))
