@@ -396,3 +396,25 @@ def test_an_initial_state_of_another_dtype_is_a_clear_error():
 
     with pytest.raises(BLRError, match="(?s)dtype differs from its initial state's.*dtype=int"):
         blr_fit(model, (y,), progress_bar=False)
+
+
+def test_numpy_chain_parameters_take_the_host_loop_or_the_compiled_scan_alike(monkeypatch):
+    """A chain's view of numpy parameters (the discrete start's E-step under the prior) runs
+    a host loop for short chains and the compiled scan for long ones; both equal the
+    forward–backward written here, in numpy."""
+    from blrppl.families import categorical_chain as cc
+
+    rng = np.random.default_rng(4)
+    chains, length = 2, 7
+    unary = rng.normal(size=(chains, length, K))
+    log_trans = rng.normal(size=(chains, K, K))
+    pair = np.repeat(log_trans[:, None], length - 1, axis=1)
+    family = cc.CategoricalChain(length, K)
+    for limit in (10**9, 0):
+        monkeypatch.setattr(cc, "HOST_LOOP_STATES", limit)
+        view = family.view(cc.ChainNat(unary, pair))
+        assert isinstance(view.probs, np.ndarray) and isinstance(view.pair_probs, np.ndarray)
+        for c in range(chains):
+            marg, pairs, _ = forward_backward(np.zeros(K), log_trans[c], unary[c])
+            np.testing.assert_allclose(view.probs[c], marg, rtol=1e-10, atol=1e-14)
+            np.testing.assert_allclose(view.pair_probs[c], pairs, rtol=1e-10, atol=1e-14)
