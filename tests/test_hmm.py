@@ -10,6 +10,7 @@ marginals and the ELBO (= log evidence at the exact posterior) must agree to rou
 from __future__ import annotations
 
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import numpyro
@@ -418,3 +419,25 @@ def test_numpy_chain_parameters_take_the_host_loop_or_the_compiled_scan_alike(mo
             marg, pairs, _ = forward_backward(np.zeros(K), log_trans[c], unary[c])
             np.testing.assert_allclose(view.probs[c], marg, rtol=1e-10, atol=1e-14)
             np.testing.assert_allclose(view.pair_probs[c], pairs, rtol=1e-10, atol=1e-14)
+
+
+def test_enumerated_states_run_in_chunks_alike(monkeypatch):
+    """A long chain's K² enumerated states run in a sequential map over chunks (the
+    intermediates of all of them at once outgrow the caches): forced here on the tones
+    model (the transition's 4 states of 180 elements in chunks of 2, the emission's 2 states
+    of 720 elements one at a time), the run equals the one of all states at once."""
+    from blrppl.estimators import enumeration
+
+    seqs, lengths = tones_data()
+    monkeypatch.setenv("BLRPPL_COMPILATION_CACHE", "0")
+    fits = []
+    for limit in (enumeration.CHUNK_STATE_ELEMENTS, 500):
+        monkeypatch.setattr(enumeration, "CHUNK_STATE_ELEMENTS", limit)
+        fits.append(blr_fit(
+            lambda *a: tones_hmm(*a), (jnp.asarray(seqs), jnp.asarray(lengths)), rng_key=random.PRNGKey(0),
+            tol=1e-30, num_steps=20, progress_bar=False,
+        ))
+    whole, chunked = fits
+    np.testing.assert_allclose(chunked.elbo, whole.elbo, rtol=1e-12)
+    for a, b in zip(jax.tree.leaves(chunked.nat), jax.tree.leaves(whole.nat)):
+        np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-12)
