@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from blrppl.engine.step import BLRState
+from blrppl.engine.step import BLRState, all_finite
 from blrppl.graph.data import host_array
 
 CONTINUE, CONVERGED, NONFINITE, BAD_RATE, STATIONARY = 0, 1, 2, 3, 4
@@ -64,11 +64,6 @@ def drop_slack(elbo) -> float:
     step, and a step undone for that is undone again at every smaller ρ until the run stops
     as if no step size worked."""
     return max(1e-9, 16 * float(jnp.finfo(jnp.result_type(elbo)).eps))
-
-
-def _all_finite(tree) -> jax.Array:
-    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
-    return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
 
 
 def make_chunk(
@@ -146,7 +141,7 @@ def make_chunk(
             else:
                 bad_rate = jnp.array(False)
             new, info = step(st, data, rho)
-            finite = jnp.isfinite(info.elbo) & _all_finite(new.nat)
+            finite = jnp.isfinite(info.elbo) & all_finite(new.nat)
             accept = finite
             if window:
                 history = jnp.where(finite, jnp.roll(history, -1).at[-1].set(info.elbo), history)

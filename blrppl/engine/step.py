@@ -268,6 +268,12 @@ def make_elbo(plan, fns, entropies: bool = False):
     return elbo
 
 
+def all_finite(tree) -> jax.Array:
+    """Scalar bool: every element of every leaf finite (True for no leaves)."""
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
+    return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
+
+
 def _relative_delta(old, new):
     diffs = [
         jnp.max(jnp.abs(a - b) / (1.0 + jnp.abs(a)))
@@ -286,9 +292,6 @@ def _update_block(family, nat_old, message, rho, max_halvings, message_valid=Non
     finite entropy and view) and for the view and entropy the step reads after the update,
     which are returned too: ``(λ, ok, view, entropy)`` (the given ones of ``nat_old`` when no
     candidate is valid)."""
-
-    def all_finite(tree):
-        return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
 
     def candidate(r):
         # a block whose messages may be invalid (non-conjugate Gaussians) retracts when they are
@@ -500,7 +503,7 @@ def make_step(
                 valid = valid & update(n, messages(nat, (n,), data, k, views)[n])
         elbo = objective(views, data, None, key_elbo) + sum(entropies.values())
         for n, (rate, valid_msg, msg) in deferred.items():
-            at_message = jnp.isfinite(entropies[n]) & jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(msg)]))
+            at_message = jnp.isfinite(entropies[n]) & all_finite(msg)
             proper[n] = jnp.where(rate == 1.0, at_message, valid_msg)
         delta = _relative_delta(state.nat, nat)
         new_state = state._replace(nat=nat, step=state.step + 1, elbo=elbo, rng_key=key)

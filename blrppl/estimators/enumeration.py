@@ -120,7 +120,7 @@ def _chain_weights(factor, name, view, num_states: int):
 
 #: a chain's enumerated states run in chunks of at most this many states × elements: all K²
 #: at once, a K = 5 HMM of 10⁵ steps held (25, 10⁵, 5) arrays per intermediate, past the
-#: caches (chunks of 5 states: 132 -> 108 ms per step; no change at 10⁴ steps)
+#: caches (in chunks of 5 states: about 135 -> 120 ms per step; no change at 10⁴ steps)
 CHUNK_STATE_ELEMENTS = 1 << 20
 
 
