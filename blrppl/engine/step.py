@@ -296,21 +296,17 @@ def _update_block(family, nat_old, message, rho, max_halvings, message_valid=Non
     def candidate(r):
         # a block whose messages may be invalid (non-conjugate Gaussians) retracts when they are
         new = family.update(nat_old, message, r, retract & ~message_valid if retract else False)
-        if formed is not None:
+        if formed is None:
+            extra, checked = (), lambda: family.is_valid(new)
+        else:
             view, entropy = formed[0](new)
             entropy = jnp.sum(entropy)
-            ok = jnp.isfinite(entropy) & all_finite(new) & all_finite(view)
-            extra = (view, entropy)
-        else:
-            ok, extra = None, ()
+            factorised = jnp.isfinite(entropy) & all_finite(new) & all_finite(view)
+            extra, checked = (view, entropy), lambda: factorised
         if message_valid is None or retract:
-            ok = family.is_valid(new) if ok is None else ok
-        elif ok is None:
-            # at ρ = 1 the candidate is the message, whose validity is known
-            ok = jax.lax.cond(r == 1.0, lambda: message_valid, lambda: family.is_valid(new))
-        else:
-            ok = jnp.where(r == 1.0, message_valid, ok)
-        return (new, ok, *extra)
+            return (new, checked(), *extra)
+        # at ρ = 1 the candidate is the message, whose validity is known
+        return (new, jax.lax.cond(r == 1.0, lambda: message_valid, checked), *extra)
 
     def cond(carry):
         _, k, _, ok, *_ = carry
@@ -482,7 +478,7 @@ def make_step(
                 # and the step is undone; at ρ < 1 the message is checked here
                 valid_msg = jax.lax.cond(rate == 1.0, lambda: jnp.array(True), lambda: family.is_valid(msg))
                 deferred[n] = (rate, valid_msg, msg)
-                nat[n], ok, views[n], entropies[n] = _update_block(family, nat[n], msg, rate, max_halvings, valid_msg, formed=formed)
+                nat[n], ok, views[n], entropies[n] = _update_block(family, nat[n], msg, rate, max_halvings, valid_msg, False, formed)
                 return ok
             proper[n] = family.is_valid(msg)
             out = _update_block(family, nat[n], msg, rate, max_halvings, proper[n], n in retracted, formed)
