@@ -133,7 +133,8 @@ def _mismatch(new, old) -> str | None:
         )
     if new.kind != old.kind:
         return f"its previous posterior is {old.kind}, the new fit gives it a {new.kind} block"
-    if new.value_shape != old.value_shape or new.plate_axes != old.plate_axes or new.family != old.family:
+    family_differs = new.family != old.family and not _tie_only(new.family, old.family)
+    if new.value_shape != old.value_shape or new.plate_axes != old.plate_axes or family_differs:
         return (
             f"its previous block {old.name!r} has shape {old.value_shape}, the new one has shape "
             f"{new.value_shape}; if this latent is per datum, put it in the data's plate "
@@ -158,6 +159,7 @@ def online_plan(plan, graph, records, spec):
     previous_of = {site: sig for sig in spec for site in sig.sites}
     local = local_sites(records)
     matched = []
+    plan = _untie_previous(plan, previous_of)
     for block in plan.blocks:
         known = [s for s in block.sites if s in previous_of]
         is_local = [s for s in block.sites if s in local]
@@ -211,6 +213,32 @@ def online_plan(plan, graph, records, spec):
     return plan, graph, tuple(matched)
 
 
+def _tie_only(new_family, old_family) -> bool:
+    """Whether two families differ only in their rows sharing one covariance
+    (:class:`blrppl.families.GaussianTied` against :class:`blrppl.families.GaussianDense`)."""
+    return (
+        isinstance(new_family, fam.GaussianDense) and isinstance(old_family, fam.GaussianDense)
+        and new_family.dim == old_family.dim and new_family.tied_rows != old_family.tied_rows
+    )
+
+
+def _untie_previous(plan, previous_of):
+    """``plan`` with each block whose rows share one covariance given a covariance per row
+    when its previous posterior has one per row (a prior that differs by row: its rows
+    no longer share a precision); a block whose previous rows shared one stays tied, and a
+    previous tied posterior is read per row by an untied block (:func:`previous_nat`)."""
+    untied = {
+        b.name for b in plan.blocks
+        if b.family.tied_rows and b.sites[0] in previous_of and _tie_only(b.family, previous_of[b.sites[0]].family)
+    }
+    if not untied:
+        return plan
+    blocks = tuple(
+        dataclasses.replace(b, family=fam.GaussianDense(b.family.dim)) if b.name in untied else b for b in plan.blocks
+    )
+    return dataclasses.replace(plan, blocks=blocks, tied=tuple(t for t in plan.tied if t[0] not in untied))
+
+
 def _previous_factor(block) -> Factor:
     return Factor(
         name=block.name + PREVIOUS_SUFFIX,
@@ -237,6 +265,9 @@ def previous_nat(previous, matched, like: dict) -> dict:
         site = previous.plan.block(name).sites[0]
         nat = previous.nat.get(name) if isinstance(previous.nat, dict) else None
         want = like[name]
+        if nat is not None and previous.plan.block(name).family.tied_rows and jnp.ndim(want.eta2) > 2:
+            # (rows that shared one covariance, now each with its own)
+            nat = nat._replace(eta2=np.broadcast_to(np.asarray(nat.eta2), np.shape(want.eta2)))
         ok = nat is not None and jax.tree.structure(nat) == jax.tree.structure(want)
         ok = ok and all(np.shape(a) == np.shape(b) for a, b in zip(jax.tree.leaves(nat), jax.tree.leaves(want)))
         if not ok:

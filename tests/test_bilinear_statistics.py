@@ -29,7 +29,7 @@ from jax import random
 import reference_models as rm
 from blrppl.engine.fit import init_nat, plan_model
 from blrppl.estimators import bilinear
-from blrppl.families.gaussian import GaussianNat
+from blrppl.families.gaussian import GaussianDense, GaussianNat
 from blrppl.graph.trace import trace_model
 from blrppl.inputs import fit_options, model_arguments
 
@@ -128,6 +128,10 @@ def _views(plan, init_values, seed=1):
             r = rng.normal(size=rows[:-1] + (rows[-1], rows[-1]))
             prec = np.eye(rows[-1]) + r @ np.swapaxes(r, -1, -2) / rows[-1]
             nat = GaussianNat(jnp.asarray(rng.normal(size=rows)), jnp.asarray(-0.5 * prec))
+            # (rows given one covariance by the plan, GaussianTied, are read here as any
+            # dense rows: the statistics hold for every covariance per row)
+            views[b.name] = GaussianDense(b.family.dim).rule_view(nat)
+            continue
         views[b.name] = b.family.rule_view(nat)
     return views
 

@@ -149,6 +149,41 @@ def test_ppca_step_is_the_textbook_sweep(ppca_fits):
     assert _monotone(b)
 
 
+def ppca_complete(Y, seen):
+    """:func:`ppca` under another name (a compiled fit of its own)."""
+    return ppca(Y, seen)
+
+
+def ppca_masks(Y, seen):
+    """:func:`ppca` under another name (a compiled fit of its own)."""
+    return ppca(Y, seen)
+
+
+def test_ppca_rows_without_missing_entries_share_one_covariance():
+    # every row of X then has the precision I + τ Σ_m E[c_m c_mᵀ]: the plan holds one
+    # covariance for all of them, and the steps are still the textbook sweeps
+    y, _ = _data()
+    seen = np.ones_like(y, dtype=bool)
+    a, b = _fits(ppca_complete, {"Y": y, "seen": seen})
+    blocks = {blk.name: blk for blk in b.plan.blocks}
+    assert blocks["X"].family.tied_rows, b.plan.describe()
+    assert "gaussian (rows share one covariance)" in b.plan.describe()
+    assert b.nat["X"].eta2.shape == (D, D)
+    assert b.posterior["X"].covariance_matrix.shape == (N, D, D)
+    _assert_steps(a, b, _ppca_q, _ppca_sweep(y, seen.astype(float)))
+    assert _monotone(b)
+
+
+def test_other_data_with_a_mask_gives_rows_their_own_covariances():
+    # the compiled fit of complete data ties X's rows; the same model on data of the same
+    # shapes with missing entries must not reuse it
+    y, seen = _data()
+    _fits(ppca_masks, {"Y": y, "seen": np.ones_like(seen)}, steps=1)
+    a, b = _fits(ppca_masks, {"Y": np.where(seen, y, 0.0), "seen": seen})
+    assert not any(blk.family.tied_rows for blk in b.plan.blocks), b.plan.describe()
+    _assert_steps(a, b, _ppca_q, _ppca_sweep(np.where(seen, y, 0.0), seen.astype(float)))
+
+
 # ------------------------------------------------ matrix factorisation from (row, col) pairs
 
 
@@ -407,3 +442,35 @@ def test_online_update_of_a_factor_model():
     assert second.converged, second.message
     assert "C:previous" in second.plan.describe()
     assert np.all(np.asarray(second.posterior["C"].variance) < np.asarray(first.posterior["C"].variance))
+
+
+def _masked_loadings():
+    """A new model function (a compiled fit of its own: a fit compiled on data with missing
+    entries keeps the rows' own covariances for complete data of the same shapes)."""
+
+    def model(Y, seen):
+        with numpyro.plate("M", Y.shape[1]):
+            C = numpyro.sample("C", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
+        with numpyro.plate("N", Y.shape[0]):
+            X = numpyro.sample("X", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
+            numpyro.sample("Y", dist.Normal(X @ C.T, 0.3).mask(seen).to_event(1), obs=Y)
+
+    return model
+
+
+@pytest.mark.parametrize("complete", [(True, False), (False, True), (True, True)], ids=["tied-then-own", "own-then-tied", "tied-then-tied"])
+def test_online_update_between_rows_with_one_and_with_own_covariances(complete):
+    """The loadings' rows share one covariance after complete data, not after data with
+    missing entries: either posterior is the prior of a fit on the other kind of data (the
+    rows then have their own covariances unless both fits tie them)."""
+    rng = np.random.default_rng(5)
+    y = rng.normal(size=(60, 2)) @ rng.normal(size=(2, 5)) + 0.3 * rng.normal(size=(60, 5))
+    seen = [np.ones((30, 5), bool) if c else rng.random((30, 5)) < 0.7 for c in complete]
+    model = _masked_loadings()
+    first = blr_fit(model, (y[:30], seen[0]), progress_bar=False)
+    second = blr_fit(model, (y[30:], seen[1]), prior=first, progress_bar=False)
+    assert first.plan.block("C").family.tied_rows == complete[0], first.plan.describe()
+    assert second.plan.block("C").family.tied_rows == all(complete), second.plan.describe()
+    assert second.converged and "C:previous" in second.plan.describe(), second.message
+    assert np.all(np.asarray(second.posterior["C"].variance) < np.asarray(first.posterior["C"].variance))
+

@@ -29,7 +29,7 @@ from blrppl.engine import start as start_mod
 from blrppl.engine.step import BLRState, initial_state, make_step, with_views
 from blrppl import families as fam
 from blrppl.errors import BLRError, InitValueError
-from blrppl.graph.compile import _block_init_values, compile_model, conjugate_blocks, init_nat
+from blrppl.graph.compile import _block_init_values, compile_model, conjugate_blocks, init_nat, rows_share_precision
 from blrppl.estimators import bilinear, gram
 from blrppl.expressions import table_key
 from blrppl.graph.deps import output_dependencies
@@ -80,6 +80,7 @@ class CompiledFit:
     #: data → the precomputed statistics of the plan's ``gram_block`` factors (None: none)
     statistics_fn: Callable | None = None
     _statistics_compiled: Any = None
+    _last_statistics: Any = None  # (data, its statistics): the last data set's
     #: data → the tables of the plan's stacked factors (:mod:`blrppl.graph.stack`; None: none)
     tables_fn: Callable | None = None
 
@@ -121,6 +122,8 @@ class CompiledFit:
         backend optimisations off: matrix products, as fast without), traced inside a
         user's ``jit``. On a CPU the Gram matrices AᵀA are then formed by the host's BLAS
         (a symmetric rank-k update: half the work of XLA's general product)."""
+        if self._last_statistics is not None and self._last_statistics[0] is dyn:
+            return self._last_statistics[1]  # (checked by ties_hold, then read by run_data)
         tables = self.tables_fn(dyn) if self.tables_fn is not None else {}
         if self.statistics_fn is None:
             return tables
@@ -139,12 +142,20 @@ class CompiledFit:
         stats = self._statistics_compiled(data)
         if host:
             stats = {k: gram.gram_on_host(v) if isinstance(v, gram.GramStatistics) else v for k, v in stats.items()}
-        return {**stats, **tables}
+        self._last_statistics = (dyn, {**stats, **tables})
+        return self._last_statistics[1]
+
+    def ties_hold(self, dyn) -> bool:
+        """Whether the rows of the plan's tied blocks (:class:`blrppl.families.GaussianTied`)
+        still share one precision on this data (a mask may differ from the data the plan
+        was compiled on; statistics that read no data cannot change)."""
+        return not self.plan.tied or bool(rows_share_precision(self.plan.tied, self.statistics(dyn)))
 
     def run_data(self, dyn, previous=None):
         """What the compiled chunk reads: the model's array data, and the previous
         posterior (online fits) and data statistics when the plan has them."""
         stats = self.statistics(dyn)
+        self._last_statistics = None  # (the data is not held past its fit's start)
         if not (previous or stats):
             return dyn
         return RunData(dyn, dict(previous or {}), stats)
@@ -523,6 +534,10 @@ def _prepare_locked(model, args, kwargs, options, rng_key, prior, init_values, s
     records, data_spec, dyn_data, tracer = trace_model(
         model, args, kwargs, k_trace, tracer=bundle.tracer if bundle else tracer
     )
+    if bundle is not None and not bundle.ties_hold(dyn_data):
+        # (rows the compiled data gave one precision do not share it in this data: a mask
+        # that differs; the plan is made again, with those rows' own covariances)
+        bundle = None
     plates = subsampled_plates(records)
     init_records = records
     if plates:

@@ -216,16 +216,20 @@ def eligible(factor, blocks, fns, data) -> tuple | None:
 
 
 def _rows_of(view):
-    """Means ``(N, D)`` and covariances ``(N, D, D)`` of the rows of a dense Gaussian block."""
+    """Means ``(N, D)`` and covariances ``(N, D, D)`` of the rows of a dense Gaussian block,
+    or ``(1, D, D)``: the one covariance of rows that share it (``GaussianTied``)."""
     d = view.mean.shape[-1]
     return view.mean.reshape(-1, d), view.cov.reshape(-1, d, d)
 
 
+def _second_moment_sum(m, c):
+    """Σ_i S_i = Σ_i Σ_i + Mᵀ M (N Σ for rows sharing Σ)."""
+    return jnp.sum(c, 0) * (m.shape[0] // c.shape[0]) + m.T @ m
+
+
 def _uniform_quad(w2, ma, ca, mb, cb):
-    """w ⟨Σ_i S_i, Σ_j S'_j⟩, with Σ_i S_i = Σ_i Σ_i + Mᵀ M."""
-    sa = jnp.sum(ca, 0) + ma.T @ ma
-    sb = jnp.sum(cb, 0) + mb.T @ mb
-    return w2[0, 0] * jnp.sum(sa * sb)
+    """w ⟨Σ_i S_i, Σ_j S'_j⟩."""
+    return w2[0, 0] * jnp.sum(_second_moment_sum(ma, ca) * _second_moment_sum(mb, cb))
 
 
 def _grid_quad(w2, ma, ca, mb, cb):
@@ -234,7 +238,7 @@ def _grid_quad(w2, ma, ca, mb, cb):
     upper = np.triu_indices(d)
     twice = jnp.asarray(np.where(upper[0] == upper[1], 1.0, 2.0), ma.dtype)
 
-    def packed(m, c):
+    def packed(m, c):  # (a shared covariance, (1, D, D), broadcasts over the rows)
         return c[:, upper[0], upper[1]] + m[:, upper[0]] * m[:, upper[1]]
 
     return jnp.sum((w2 @ packed(mb, cb)) * (twice * packed(ma, ca)))

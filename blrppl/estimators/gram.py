@@ -234,6 +234,7 @@ def expected_log(factor, block_name, stats: GramStatistics, views) -> jax.Array:
     view = views[block_name]
     m, cov = view.mean, view.cov
     if isinstance(stats, ElementStatistics):
+        # (rows sharing one covariance, ``GaussianTied``: its diagonal broadcasts over them)
         var = jnp.diagonal(cov, axis1=-2, axis2=-1)
         quad = jnp.sum(stats.kappa * (m * m + var)) + 2.0 * jnp.sum(m * stats.cross) + stats.residual
     else:

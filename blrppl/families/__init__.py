@@ -26,6 +26,7 @@ from blrppl.families.gaussian_banded import (
     BandedPrecisionNormal,
     GaussianBanded,
 )
+from blrppl.families.gaussian_tied import GaussianTied
 from blrppl.families.wishart import Wishart, WishartNat, WishartRuleView, WishartView
 
 #: family name → family class (``GaussianDense``, ``Dirichlet`` and ``Categorical`` take
@@ -73,6 +74,7 @@ __all__ = [
     "GaussianDense",
     "GaussianDiag",
     "GaussianNat",
+    "GaussianTied",
     "GaussianView",
     "MarkovChainPosterior",
     "Wishart",

@@ -52,6 +52,9 @@ class Family:
     banded: ClassVar[bool] = False
     #: whether the family is a Gaussian with an arrowhead precision (``GaussianArrowhead``)
     arrowhead: ClassVar[bool] = False
+    #: whether the family's rows share one covariance (``GaussianTied``: its rule view holds
+    #: the rows' means and one ``(D, D)`` covariance)
+    tied_rows: ClassVar[bool] = False
     #: whether the family's value is an index into its block's enumerated values (the site's
     #: value is ``support_values[x]``), not the site's value itself
     indexes_support: ClassVar[bool] = False

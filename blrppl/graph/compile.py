@@ -441,6 +441,7 @@ def compile_model(
                 "fit with structure='mean-field' or structure='joint'",
                 site=odd[0],
             )
+    tied = ()
     if subsampled:
         factors = _check_subsampled(factors, records, blocks, {p.name for p in subsampled})
     else:
@@ -455,6 +456,9 @@ def compile_model(
         ]
         broadcast = _broadcast_enumerated(factors, blocks, fns, data, np.random.default_rng(0))
         factors = [dataclasses.replace(f, broadcast_enumeration=f.name in broadcast) for f in factors]
+        tied = tied_blocks(factors, blocks, fns, data)
+        for n in {n for n, _, _ in tied}:
+            blocks[n] = dataclasses.replace(blocks[n], family=fam.GaussianTied(blocks[n].family.dim))
     graph = nx.Graph()
     for name, b in blocks.items():
         graph.add_node(("block", name), kind=b.kind, shape=b.value_shape)
@@ -469,8 +473,75 @@ def compile_model(
         order = tuple(n for n in order if blocks[n].local is not None) + tuple(
             n for n in order if blocks[n].local is None
         )
-    plan = Plan(blocks=tuple(blocks.values()), factors=tuple(factors), order=order, subsampled=subsampled)
+    plan = Plan(
+        blocks=tuple(blocks.values()), factors=tuple(factors), order=order, subsampled=subsampled,
+        tied=() if subsampled else tied,
+    )
     return plan, fns, data, init_values, graph
+
+
+def tied_blocks(factors, blocks: dict, fns, data) -> tuple:
+    """The plated dense Gaussian blocks whose rows every factor gives the same precision, on
+    this data: ``(block, factor, side)`` for each factor on each such block (the facts a fit
+    on other data checks again, see :func:`rows_share_precision`).
+
+    A block qualifies when every factor on it reads precomputed data statistics (its own
+    prior, :mod:`blrppl.estimators.gram`; a product of two blocks' rows,
+    :mod:`blrppl.estimators.bilinear`) and each gives all its rows one precision: the
+    prior's per-element precisions κ are equal from row to row; the product's weights
+    W2 are equal along the block's rows (no mask, no row-dependent scale). Its fixed point
+    in the dense family then has one covariance for all rows, and :class:`GaussianTied`
+    holds one (a factor model's rows: one D × D Cholesky per step instead of one per row).
+    """
+    candidates = {}
+    for n, b in blocks.items():
+        if type(b.family) is not fam.GaussianDense or b.family.dim < 2 or math.prod(b.batch_shape) < 2:
+            continue
+        if b.point or b.members or b.local is not None or b.transform is not None:
+            continue
+        on = [f for f in factors if n in f.neighbours]
+        if on and all((f.gram_block == n or n in f.gram_pair) and f.name not in fns.stacks for f in on):
+            candidates[n] = [(n, f.name, f.gram_pair.index(n) if f.gram_pair else 0) for f in on]
+    if not candidates:
+        return ()
+    by_name = {f.name: f for f in factors}
+
+    def shared(data):
+        # (one program for every block's facts: the statistics run the model a few times)
+        out = {}
+        for n, facts in candidates.items():
+            stats = {}
+            for _, name, _ in facts:
+                f = by_name[name]
+                stats[name] = (
+                    gram.statistics(fns, f, blocks[n], data) if f.gram_block else bilinear.statistics(fns, f, blocks, data)
+                )
+            out[n] = rows_share_precision(facts, stats)
+        return out
+
+    options = compiler_options(data, 0)
+    try:
+        holds = jax.jit(shared).lower(data).compile(compiler_options=options)(data)
+    except Exception:  # (a model the statistics cannot evaluate keeps its rows' own covariances)
+        return ()
+    return tuple(fact for n, facts in candidates.items() if bool(holds[n]) for fact in facts)
+
+
+def rows_share_precision(facts, stats: dict):
+    """Whether the statistics ``stats`` (factor → statistics) give every row of the blocks
+    in ``facts`` (:func:`tied_blocks`) one precision (a bool array); facts of factors not in
+    ``stats`` are not checked."""
+    holds = jnp.array(True)
+    for _, name, side in facts:
+        if name not in stats:
+            continue
+        s = stats[name]
+        if isinstance(s, gram.ElementStatistics):
+            kappa = jnp.reshape(s.kappa, (-1, jnp.shape(s.kappa)[-1]))
+            holds = holds & jnp.all(kappa == kappa[:1])
+        else:
+            holds = holds & jnp.all(s.quad == (s.quad[:1] if side == 0 else s.quad[:, :1]))
+    return holds
 
 
 #: enumerated states whose labels a broadcast check tries per factor: all of them up to

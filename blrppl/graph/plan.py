@@ -397,6 +397,10 @@ class Plan:
         subsampled: the :class:`SubsampledPlate` s of the model (empty: every step sees
             all the data). With subsampled plates the blocks inside them are *local*
             (``Block.local``) and the others *global*.
+        tied: ``(block, factor, side)`` for every factor on a block whose rows share one
+            covariance (:class:`blrppl.families.GaussianTied`): the facts of the data the
+            plan was compiled on that a fit on other data checks again
+            (:func:`blrppl.graph.compile.tied_blocks`).
     """
 
     blocks: tuple
@@ -404,6 +408,7 @@ class Plan:
     order: tuple
     conjugate: tuple = ()
     subsampled: tuple = ()
+    tied: tuple = ()
 
     @property
     def local_blocks(self) -> tuple:
@@ -458,6 +463,8 @@ class Plan:
         for b in self.blocks:
             full = b.full
             kind = f"{b.kind} (bandwidth {b.family.bandwidth})" if b.family.banded else b.kind
+            if b.family.tied_rows:
+                kind = f"{b.kind} (rows share one covariance)"
             if b.family.arrowhead:
                 local = ", ".join(m.name for m in b.members if not m.family.dense_event)
                 kind = f"{b.kind} ({b.family.num_globals} dense + {local} diagonal)"
