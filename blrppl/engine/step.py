@@ -283,6 +283,55 @@ def _relative_delta(old, new):
     return jnp.max(jnp.stack(diffs)) if diffs else jnp.zeros(())
 
 
+def _candidate(family, nat_old, message, r, message_valid, retract, formed):
+    """The candidate of :func:`_update_block` at step size ``r``: ``(λ, valid)``, with its
+    view and entropy when ``formed``."""
+    # a block whose messages may be invalid (non-conjugate Gaussians) retracts when they are
+    new = family.update(nat_old, message, r, retract & ~message_valid if retract else False)
+    if formed is None:
+        extra, checked = (), lambda: family.is_valid(new)
+    else:
+        view, entropy = formed[0](new)
+        entropy = jnp.sum(entropy)
+        factorised = jnp.isfinite(entropy) & all_finite(new) & all_finite(view)
+        extra, checked = (view, entropy), lambda: factorised
+    if message_valid is None or retract:
+        return (new, checked(), *extra)
+    # at ρ = 1 the candidate is the message, whose validity is known
+    return (new, jax.lax.cond(r == 1.0, lambda: message_valid, checked), *extra)
+
+
+def _update_retracted(family, nat_old, message, rho, max_halvings, formed):
+    """:func:`_update_block` of a Gaussian block whose messages may be invalid (non-conjugate:
+    an invalid one is retracted), returning also whether the message was valid:
+    ``(λ, ok, view, entropy, message valid)``.
+
+    At ρ = 1 the plain candidate is the message itself: its factorisation, which the step
+    needs for the view, tells whether the message is a valid natural parameter (no
+    factorisation of the message on its own); when it is not, the next candidate is the
+    retraction at the same ρ, then ρ is halved. At ρ < 1 the message is checked first (a
+    convex combination may be valid when the message is not)."""
+    rho = jnp.asarray(rho, dtype=jnp.result_type(float))
+    at_one = rho == 1.0
+    checked = jax.lax.cond(at_one, lambda: jnp.array(True), lambda: family.is_valid(message))
+    first = _candidate(family, nat_old, message, rho, checked, True, formed)
+    message_valid = jnp.where(at_one, first[1], checked)
+    retry = at_one & ~message_valid  # (the retraction at ρ = 1 before any halving)
+
+    def cond(carry):
+        _, k, _, ok, *_ = carry
+        return jnp.logical_and(~ok, k < max_halvings)
+
+    def body(carry):
+        r, k, *_ = carry
+        r = jnp.where(retry & (k == 0), r, 0.5 * r)
+        return (r, k + 1, *_candidate(family, nat_old, message, r, message_valid, True, formed))
+
+    _, _, new, ok, view, entropy = jax.lax.while_loop(cond, body, (rho, 0, *first))
+    keep = jax.tree.map(lambda a, b: jnp.where(ok, b, a), (nat_old, *formed[1:]), (new, view, entropy))
+    return (keep[0], ok, *keep[1:], message_valid)
+
+
 def _update_block(family, nat_old, message, rho, max_halvings, message_valid=None, retract=False, formed=None):
     """The family's step (1−ρ)λ + ρ λ̃ (improved BLR for Gaussians at ρ < 1), halving ρ
     until the result is valid. Returns ``(λ, ok)``.
@@ -294,19 +343,7 @@ def _update_block(family, nat_old, message, rho, max_halvings, message_valid=Non
     candidate is valid)."""
 
     def candidate(r):
-        # a block whose messages may be invalid (non-conjugate Gaussians) retracts when they are
-        new = family.update(nat_old, message, r, retract & ~message_valid if retract else False)
-        if formed is None:
-            extra, checked = (), lambda: family.is_valid(new)
-        else:
-            view, entropy = formed[0](new)
-            entropy = jnp.sum(entropy)
-            factorised = jnp.isfinite(entropy) & all_finite(new) & all_finite(view)
-            extra, checked = (view, entropy), lambda: factorised
-        if message_valid is None or retract:
-            return (new, checked(), *extra)
-        # at ρ = 1 the candidate is the message, whose validity is known
-        return (new, jax.lax.cond(r == 1.0, lambda: message_valid, checked), *extra)
+        return _candidate(family, nat_old, message, r, message_valid, retract, formed)
 
     def cond(carry):
         _, k, _, ok, *_ = carry
@@ -480,13 +517,14 @@ def make_step(
                 deferred[n] = (rate, valid_msg, msg)
                 nat[n], ok, views[n], entropies[n] = _update_block(family, nat[n], msg, rate, max_halvings, valid_msg, False, formed)
                 return ok
+            if n in retracted:
+                nat[n], ok, views[n], entropies[n], proper[n] = _update_retracted(
+                    family, nat[n], msg, rate, max_halvings, formed
+                )
+                return ok
             proper[n] = family.is_valid(msg)
-            out = _update_block(family, nat[n], msg, rate, max_halvings, proper[n], n in retracted, formed)
-            nat[n], ok = out[:2]
-            if formed is None:
-                refresh(n)
-            else:
-                views[n], entropies[n] = out[2:]
+            nat[n], ok = _update_block(family, nat[n], msg, rate, max_halvings, proper[n])
+            refresh(n)
             return ok
 
         if schedule == "parallel":
