@@ -18,6 +18,31 @@ GAMMA_NEWTON_STEPS = 5
 DIRICHLET_NEWTON_STEPS = 16
 
 
+#: the largest table :func:`formed_once` materialises (larger ones are read element by
+#: element, where fusing their computation into the reader costs nothing extra)
+FORMED_ONCE_MAX = 1 << 12
+
+
+def formed_once(fn, *args):
+    """``fn(*args)``, computed once where it is formed when it is a small table
+    (≤ :data:`FORMED_ONCE_MAX` elements), e.g. ψ(α) − ψ(α₀) of a Dirichlet's rows.
+
+    XLA fuses an elementwise producer into each consumer; when the consumer gathers the
+    table by many elements (a hidden Markov chain's K² enumerated transitions at every
+    step of the chain, a mixture's components by every point) ψ is then evaluated per
+    element (a fifth of a K = 5, T = 1,000 HMM's step). A conditional's result is a
+    buffer that consumers read (an optimisation barrier does not survive XLA's CPU
+    pipeline); both branches are ``fn``, and the predicate (the arguments are finite) only
+    keeps XLA from removing the conditional."""
+    leaves = jax.tree.leaves(args)
+    if not any(isinstance(a, jax.core.Tracer) for a in leaves):
+        return fn(*args)  # (concrete values: nothing to fuse, and no program to compile)
+    if sum(x.size for x in jax.tree.leaves(jax.eval_shape(fn, *args))) > FORMED_ONCE_MAX:
+        return fn(*args)
+    finite = jnp.stack([jnp.all(jnp.isfinite(a)) for a in leaves]).all()
+    return jax.lax.cond(finite, fn, fn, *args)
+
+
 #: ψ′ is shifted up by this many steps of its recurrence before its asymptotic series is read
 _TRIGAMMA_SHIFT = 10
 

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpyro.distributions as dist
 from jax.scipy.special import digamma, gammaln
 
-from blrppl.families._special import dirichlet_concentration_from_mean, sherman_morrison_denominator, trigamma
+from blrppl.families._special import dirichlet_concentration_from_mean, formed_once, sherman_morrison_denominator, trigamma
 from blrppl.families.base import Family
 
 
@@ -91,7 +91,7 @@ class Beta(Family):
     def rule_view(self, nat: BetaNat) -> BetaRuleView:
         """(α, β, ψ(α) − ψ(α₀), ψ(β) − ψ(α₀)): the view with the mean parameters as extra leaves."""
         alpha, beta = self.view(nat)
-        mean_params = self.mean_params(nat)
+        mean_params = formed_once(self.mean_params, nat)
         return BetaRuleView(alpha, beta, mean_params.eta1, mean_params.eta2)
 
     def mean_params_in(self, view) -> BetaNat | None:

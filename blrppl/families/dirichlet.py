@@ -11,7 +11,7 @@ import numpy as np
 import numpyro.distributions as dist
 from jax.scipy.special import digamma, gammaln
 
-from blrppl.families._special import dirichlet_concentration_from_mean, dirichlet_fisher_solve
+from blrppl.families._special import dirichlet_concentration_from_mean, dirichlet_fisher_solve, formed_once
 from blrppl.families.base import Family
 
 
@@ -96,7 +96,7 @@ class Dirichlet(Family):
 
     def rule_view(self, nat: DirichletNat) -> DirichletRuleView:
         """(α, ψ(α) − ψ(α₀)): the view with the mean parameters as an extra leaf."""
-        return DirichletRuleView(nat.eta + 1.0, self.mean_params(nat).eta)
+        return DirichletRuleView(nat.eta + 1.0, formed_once(lambda n: self.mean_params(n).eta, nat))
 
     def mean_params_in(self, view) -> DirichletNat | None:
         """E[log p] of a :class:`DirichletRuleView`."""

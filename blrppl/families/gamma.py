@@ -11,7 +11,7 @@ import numpy as np
 import numpyro.distributions as dist
 from jax.scipy.special import digamma, gammaln
 
-from blrppl.families._special import gamma_shape_from_mean, trigamma, x_trigamma_minus_one
+from blrppl.families._special import formed_once, gamma_shape_from_mean, trigamma, x_trigamma_minus_one
 from blrppl.families.base import Family
 
 
@@ -99,7 +99,7 @@ class Gamma(Family):
     def rule_view(self, nat: GammaNat) -> GammaRuleView:
         """(a, b, ψ(a) − log b, a / b): the view with the mean parameters as extra leaves."""
         a, b = self.view(nat)
-        return GammaRuleView(a, b, digamma(a) - jnp.log(b), a / b)
+        return GammaRuleView(a, b, formed_once(lambda a, b: digamma(a) - jnp.log(b), a, b), a / b)
 
     def mean_params_in(self, view) -> GammaNat | None:
         """(E[log x], E[x]) of a :class:`GammaRuleView`."""
