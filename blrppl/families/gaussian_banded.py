@@ -10,6 +10,7 @@ and no n × n matrix is ever formed.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import ClassVar, NamedTuple
 
@@ -226,9 +227,8 @@ class GaussianBanded(Family):
         cls = np.arange(n) % k
         left = (cls[None, :] == np.arange(k)[:, None]).astype(np.dtype(mean.dtype))
         left = jnp.broadcast_to(left.reshape((k,) + (1,) * (mean.ndim - 1) + (n,)), (k,) + mean.shape)
-        offset = (np.arange(k)[:, None] - cls[None, :] + b) % k  # (K, n): b + d(class of k, c)
         full_cov = _vectorized(_band.full_band, "(n,w)->(n,v)")(cov)  # (*B, n, 2b + 1)
-        right = jnp.moveaxis(full_cov[..., np.arange(n)[None, :], offset], -2, 0)  # (K, *B, n)
+        right = jnp.moveaxis(_colour_rows(full_cov, b), -1, 0)  # (K, *B, n)
         return {"left": left, "right": right}
 
     def view_covariance(self, view: BandedGaussianView) -> jax.Array:
@@ -248,6 +248,37 @@ class GaussianBanded(Family):
 
     def to_numpyro(self, nat: BandedGaussianNat) -> "BandedPrecisionNormal":
         return BandedPrecisionNormal(nat.eta1, -2.0 * nat.eta2, validate_args=False)  # (valid by construction)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _colour_rows(full_cov: jax.Array, b: int) -> jax.Array:
+    """``out[..., i, c] = full_cov[..., i, (c − i + b) mod K]`` (K = 2b + 1): Σ[i, j] for the
+    scalar j of class c within distance b of i, from the full band (``full[i, b + d] =
+    Σ[i, i + d]``). For each i the map c ↦ diagonal is a permutation of the K diagonals, so
+    the gradient is the inverse permutation, again a gather (the gradient of a gather is
+    a scatter-add: a serial loop over the K·n entries on a CPU, ~1 ms per step at n = 10⁵)."""
+    return _rows_permuted(full_cov, b, inverse=False)
+
+
+def _rows_permuted(x, b: int, inverse: bool):
+    k, n = x.shape[-1], x.shape[-2]
+    cls = np.arange(n)[:, None] % k
+    cols = np.arange(k)[None, :]
+    # forward: column c of row i reads diagonal (c − i + b) mod K; inverse: diagonal d of row
+    # i goes to column (d + i − b) mod K
+    index = (cols + cls - b) % k if inverse else (cols - cls + b) % k
+    return jnp.take_along_axis(x, jnp.asarray(index.astype(np.int32)).reshape((1,) * (x.ndim - 2) + (n, k)), axis=-1)
+
+
+def _colour_rows_fwd(full_cov, b):
+    return _rows_permuted(full_cov, b, inverse=False), None
+
+
+def _colour_rows_bwd(b, _, g):
+    return (_rows_permuted(g, b, inverse=True),)
+
+
+_colour_rows.defvjp(_colour_rows_fwd, _colour_rows_bwd)
 
 
 def _precision_of_band(cov: jax.Array, b: int) -> jax.Array:
