@@ -52,3 +52,18 @@ def run_in_new_process(code: str, cache, **env_extra) -> dict:
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT"))
     return json.loads(line[len("RESULT"):])
+
+
+def fresh_fit(model, args, monkeypatch, num_steps: int):
+    """A fit compiled afresh (a new model function: the in-memory fit cache is keyed on the
+    model; no program store: the programs of a run patched by the caller are not stored
+    or loaded), ``num_steps`` steps from ``PRNGKey(0)``."""
+    from jax import random
+
+    from blrppl import blr_fit
+
+    monkeypatch.setenv("BLRPPL_COMPILATION_CACHE", "0")
+    return blr_fit(
+        lambda *a: model(*a), args, num_steps=num_steps, tol=1e-30, rng_key=random.PRNGKey(0), progress_bar=False
+    )
+

@@ -15,11 +15,10 @@ import numpy as np
 import numpyro
 import numpyro.distributions as dist
 import pytest
-from jax import random
 from numpyro.contrib.control_flow import scan
 
 import blrppl.engine.fit as fit_module
-from blrppl import blr_fit
+from checks import fresh_fit
 from blrppl.engine import loop as engine_loop
 
 
@@ -70,9 +69,7 @@ def _fit(model, args, carry: bool, monkeypatch):
         return engine_loop.make_chunk(*a, **options)
 
     monkeypatch.setattr(fit_module, "make_chunk", chunk)
-    monkeypatch.setenv("BLRPPL_COMPILATION_CACHE", "0")
-    # a new function each time: the in-memory fit cache is keyed on the model
-    return blr_fit(lambda *a: model(*a), args, num_steps=25, tol=1e-30, rng_key=random.PRNGKey(0), progress_bar=False)
+    return fresh_fit(model, args, monkeypatch, num_steps=25)
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -16,9 +16,8 @@ import numpy as np
 import numpyro
 import numpyro.distributions as dist
 import pytest
-from jax import random
 
-from blrppl import blr_fit
+from checks import fresh_fit
 from blrppl.engine import step as step_module
 
 
@@ -59,9 +58,7 @@ def _fit(model, args, update, monkeypatch, seen):
         return out
 
     monkeypatch.setattr(step_module, "_update_retracted", recording)
-    monkeypatch.setenv("BLRPPL_COMPILATION_CACHE", "0")
-    # a new function each time: the in-memory fit cache is keyed on the model
-    return blr_fit(lambda *a: model(*a), args, num_steps=15, tol=1e-30, rng_key=random.PRNGKey(0), progress_bar=False)
+    return fresh_fit(model, args, monkeypatch, num_steps=15)
 
 
 @pytest.mark.parametrize("name", list(CASES))
