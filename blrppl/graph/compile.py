@@ -474,8 +474,7 @@ def compile_model(
             n for n in order if blocks[n].local is None
         )
     plan = Plan(
-        blocks=tuple(blocks.values()), factors=tuple(factors), order=order, subsampled=subsampled,
-        tied=() if subsampled else tied,
+        blocks=tuple(blocks.values()), factors=tuple(factors), order=order, subsampled=subsampled, tied=tied
     )
     return plan, fns, data, init_values, graph
 
