@@ -45,3 +45,7 @@ def test_a_small_table_read_by_many_elements_is_formed_once(rows, materialised):
     np.testing.assert_allclose(formed_once(_psi_table, a), _psi_table(a), rtol=0)  # concrete: fn itself
     hlo = jax.jit(read).lower(a, idx).compile().as_text()
     assert ("conditional(" in hlo) == materialised
+    # parameters no valid state has (a non-finite concentration) give NaN, as ψ's table would
+    # give inf or NaN: the fit's finite checks reject either
+    bad = jax.jit(lambda a: formed_once(_psi_table, a))(a.at[0, 0].set(jnp.inf))
+    assert not np.all(np.isfinite(bad))

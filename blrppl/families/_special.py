@@ -32,15 +32,21 @@ def formed_once(fn, *args):
     step of the chain, a mixture's components by every point) ψ is then evaluated per
     element (a fifth of a K = 5, T = 1,000 HMM's step). A conditional's result is a
     buffer that consumers read (an optimisation barrier does not survive XLA's CPU
-    pipeline); both branches are ``fn``, and the predicate (the arguments are finite) only
-    keeps XLA from removing the conditional."""
+    pipeline); its predicate, the arguments are finite, keeps XLA from removing it, and
+    non-finite arguments (parameters no valid state has) give NaN (one copy of ``fn`` in
+    the program: a second branch computing ``fn`` costs compile time)."""
     leaves = jax.tree.leaves(args)
     if not any(isinstance(a, jax.core.Tracer) for a in leaves):
         return fn(*args)  # (concrete values: nothing to fuse, and no program to compile)
     if sum(x.size for x in jax.tree.leaves(jax.eval_shape(fn, *args))) > FORMED_ONCE_MAX:
         return fn(*args)
     finite = jnp.stack([jnp.all(jnp.isfinite(a)) for a in leaves]).all()
-    return jax.lax.cond(finite, fn, fn, *args)
+    shapes = jax.eval_shape(fn, *args)
+
+    def not_finite(*_):
+        return jax.tree.map(lambda s: jnp.full(s.shape, jnp.nan, s.dtype), shapes)
+
+    return jax.lax.cond(finite, fn, not_finite, *args)
 
 
 #: ψ′ is shifted up by this many steps of its recurrence before its asymptotic series is read

@@ -12,7 +12,7 @@ import numpy as np
 import numpyro.distributions as dist
 from jax.scipy.special import digamma, multigammaln
 
-from blrppl.families._special import formed_once, trigamma
+from blrppl.families._special import trigamma
 from blrppl.families.base import Family
 
 #: Newton steps of the mean → natural parameter inversion (the degrees of freedom from
@@ -132,7 +132,7 @@ class Wishart(Family):
 
     def rule_view(self, nat: WishartNat) -> WishartRuleView:
         """(E[Λ], E[log|Λ|])."""
-        return WishartRuleView(*formed_once(self.mean_params, nat))
+        return WishartRuleView(*self.mean_params(nat))
 
     def mean_params_in(self, view) -> WishartNat | None:
         return WishartNat(view.mean, view.mean_logdet) if isinstance(view, WishartRuleView) else None
