@@ -38,10 +38,10 @@ def formed_once(fn, *args):
     leaves = jax.tree.leaves(args)
     if not any(isinstance(a, jax.core.Tracer) for a in leaves):
         return fn(*args)  # (concrete values: nothing to fuse, and no program to compile)
-    if sum(x.size for x in jax.tree.leaves(jax.eval_shape(fn, *args))) > FORMED_ONCE_MAX:
+    shapes = jax.eval_shape(fn, *args)
+    if sum(x.size for x in jax.tree.leaves(shapes)) > FORMED_ONCE_MAX:
         return fn(*args)
     finite = jnp.stack([jnp.all(jnp.isfinite(a)) for a in leaves]).all()
-    shapes = jax.eval_shape(fn, *args)
 
     def not_finite(*_):
         return jax.tree.map(lambda s: jnp.full(s.shape, jnp.nan, s.dtype), shapes)

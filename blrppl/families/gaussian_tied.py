@@ -70,10 +70,10 @@ class GaussianTied(GaussianDense):
     def _chol(self, nat: GaussianNat) -> jax.Array:
         return jnp.linalg.cholesky(-(nat.eta2 + nat.eta2.T))
 
-    def _factorised(self, nat: GaussianNat) -> tuple:
-        """(rows' means, Σ, ½ log|S|) from one Cholesky factor of S: m_p = Σ η₁_p, a product
-        (not two triangular solves per row)."""
-        chol = self._chol(nat)
+    def _factorised(self, nat: GaussianNat, chol=None) -> tuple:
+        """(rows' means, Σ, ½ log|S|) from one Cholesky factor of S (``chol``, when the caller
+        has it): m_p = Σ η₁_p, a product (not two triangular solves per row)."""
+        chol = self._chol(nat) if chol is None else chol
         cov = _cov_of_chol(chol)
         mean = (nat.eta1.reshape((-1, self.dim)) @ cov).reshape(nat.eta1.shape)
         return mean, cov, _half_logdet(chol)
@@ -138,8 +138,8 @@ class GaussianTied(GaussianDense):
 
     def log_prob(self, nat: GaussianNat, x: jax.Array) -> jax.Array:
         """log N(x_p | m_p, Σ) per row (``x``: ``(*sample, *B, D)``)."""
-        mean, _, half_logdet = self._factorised(nat)
         chol = self._chol(nat)
+        mean, _, half_logdet = self._factorised(nat, chol)
         white = jnp.einsum("...i,ij->...j", x - mean, chol)  # Lᵀ(x − m)
         return -0.5 * jnp.sum(white**2, -1) + half_logdet - 0.5 * self.dim * _LOG_2PI
 
@@ -188,8 +188,8 @@ class GaussianTied(GaussianDense):
 
     def sample(self, nat: GaussianNat, rng_key: jax.Array, sample_shape: tuple[int, ...] = ()) -> jax.Array:
         """x_p = m_p + L⁻ᵀ ε_p with S = L Lᵀ, ε_p ~ N(0, I): reparameterised."""
-        mean, _, _ = self._factorised(nat)
         chol = self._chol(nat)
+        mean, _, _ = self._factorised(nat, chol)
         shape = tuple(sample_shape) + mean.shape
         eps = jax.random.normal(rng_key, shape, dtype=mean.dtype).reshape((-1, self.dim))
         z = solve_triangular(chol, eps.T, lower=True, trans="T").T
