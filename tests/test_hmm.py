@@ -441,3 +441,32 @@ def test_enumerated_states_run_in_chunks_alike(monkeypatch):
     np.testing.assert_allclose(chunked.elbo, whole.elbo, rtol=1e-12)
     for a, b in zip(jax.tree.leaves(chunked.nat), jax.tree.leaves(whole.nat)):
         np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-12)
+
+
+def test_an_aligned_mixture_probes_only_its_random_sets(monkeypatch):
+    """A mixture's labels are read aligned (``y[i]`` reads ``z[i]``): the probe evaluates its
+    random sets in a program of their own width, not padded to the width of the bit probes a
+    chain needs (which cost a 2,000-point mixture's compile 2 s)."""
+    from blrppl.graph import markov
+    from blrppl.graph.compile import compile_model
+    from blrppl.graph.trace import trace_model
+
+    probes = []
+    aligned = markov.is_aligned
+
+    def recording(probe):
+        probes.append(probe)
+        return aligned(probe)
+
+    monkeypatch.setattr(markov, "is_aligned", recording)
+    y = np.random.default_rng(5).normal(size=300)
+
+    def mixture(y):
+        with numpyro.plate("n", y.shape[0]):
+            z = numpyro.sample("z", dist.Bernoulli(0.3))
+            numpyro.sample("y", dist.Normal(jnp.asarray(LOCS)[z], 1.0), obs=y)
+
+    records, spec, dyn, _ = trace_model(mixture, (jnp.asarray(y),), {}, random.PRNGKey(0))
+    compile_model(mixture, records, spec, dyn, rng_key=random.PRNGKey(1))
+    (probe,) = probes
+    assert probe.width > markov._CHECKS and set(probe._compiled) == {markov._CHECKS}

@@ -130,14 +130,15 @@ class Probe:
         # compiled program, all rounds of a chunk of sets at once (one pass of a ``scan``
         # model for all of them), the chunk as wide as the memory budget allows
         self.width = int(np.clip(_BUDGET // (_ROUNDS * self.size), 1, max(2 * _bits(self.size), _CHECKS)))
-        self._compiled = None
+        self._compiled = {}
         self._random = None
         self.bases = rng.integers(0, self.k, size=(_ROUNDS, self.size))
         self.moved = (self.bases + rng.integers(1, np.maximum(self.k, 2), size=(_ROUNDS, self.size))) % self.k
 
-    def depends(self, sets: np.ndarray) -> dict:
+    def depends(self, sets: np.ndarray, width: int | None = None) -> dict:
         """Sets ``(S, P)`` (bool) → factor → ``(S, *batch)`` bool: whether the element's
-        log-density changes when the set's positions move, in some round."""
+        log-density changes when the set's positions move, in some round (``width``: sets
+        per compiled evaluation, at most :attr:`width`)."""
         names = tuple(f.name for f in self.touching)
         # (a scan model's steps as a map: values equal to the scan as written, and a probe
         # of a 10⁵-step chain runs ~100 of them: 4.8 -> 1.1 s)
@@ -165,12 +166,13 @@ class Probe:
             return changed
 
         count = len(sets)
-        pad = (-count) % self.width
-        chunks = np.concatenate([sets, np.zeros((pad, self.size), bool)]).reshape(-1, self.width, self.size)
-        if self._compiled is None:
+        width = min(width or self.width, self.width)
+        pad = (-count) % width
+        chunks = np.concatenate([sets, np.zeros((pad, self.size), bool)]).reshape(-1, width, self.size)
+        if width not in self._compiled:
             lowered = jax.jit(run).lower(chunks[0], self.bases, self.moved, self.data)
-            self._compiled = compile_lowered(lowered, compiler_options(self.data))
-        outs = [self._compiled(c, self.bases, self.moved, self.data) for c in chunks]
+            self._compiled[width] = compile_lowered(lowered, compiler_options(self.data))
+        outs = [self._compiled[width](c, self.bases, self.moved, self.data) for c in chunks]
         return {n: np.concatenate([np.asarray(o[j]) for o in outs])[:count] for j, n in enumerate(names)}
 
     def random_sets(self) -> tuple:
@@ -178,7 +180,9 @@ class Probe:
         read by the alignment test and by the check of decoded readings."""
         if self._random is None:
             sets = self.rng.random((_CHECKS, self.size)) < 0.5
-            self._random = (sets, self.depends(sets))
+            # (a program of their own width: most groups are aligned and probed no further,
+            # and evaluating padding sets cost a 2,000-point mixture 2 s of its compile)
+            self._random = (sets, self.depends(sets, width=_CHECKS))
         return self._random
 
 
