@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import numpyro.distributions as dist
+from jax.scipy.linalg import solve_triangular
 from jax.scipy.special import digamma, multigammaln
 
 from blrppl.families._special import trigamma
@@ -50,6 +51,17 @@ class WishartRuleView(NamedTuple):
 
 def _sym(x):
     return 0.5 * (x + jnp.swapaxes(x, -1, -2))
+
+
+def _spd_inv(x):
+    """The inverse of symmetric positive definite matrices through their Cholesky factor
+    L: (L⁻¹)ᵀ L⁻¹. (``jnp.linalg.inv`` pivots an LU factorisation: its permutation is a
+    loop of scatters per matrix, which unoptimised programs run op by op.) NaN where x is
+    not positive definite."""
+    chol = jnp.linalg.cholesky(x)
+    eye = jnp.broadcast_to(jnp.eye(x.shape[-1], dtype=x.dtype), x.shape)
+    inv_chol = solve_triangular(chol, eye, lower=True)
+    return jnp.swapaxes(inv_chol, -1, -2) @ inv_chol
 
 
 def _logdet(x):
@@ -128,7 +140,7 @@ class Wishart(Family):
 
     def view(self, nat: WishartNat) -> WishartView:
         df = 2.0 * nat.eta_logdet + self.dim + 1.0
-        return WishartView(df, jnp.linalg.inv(-2.0 * _sym(nat.eta_mat)))
+        return WishartView(df, _spd_inv(-2.0 * _sym(nat.eta_mat)))
 
     def rule_view(self, nat: WishartNat) -> WishartRuleView:
         """(E[Λ], E[log|Λ|])."""
@@ -138,7 +150,7 @@ class Wishart(Family):
         return WishartNat(view.mean, view.mean_logdet) if isinstance(view, WishartRuleView) else None
 
     def nat_from_view(self, view: WishartView) -> WishartNat:
-        inv = jnp.linalg.inv(view.scale_matrix)
+        inv = _spd_inv(view.scale_matrix)
         return WishartNat(-0.5 * _sym(inv), 0.5 * (view.df - self.dim - 1.0))
 
     def mean_params(self, nat: WishartNat) -> WishartNat:
