@@ -1018,7 +1018,11 @@ def base_values(blocks: dict, views: dict, names) -> dict:
 
 def _tangent_sets(block: Block, view, full: bool) -> dict:
     """Stacks of tangents (site layout) to push through the linearised model."""
-    return {tag: jax.vmap(block.to_site)(stack) for tag, stack in block.family.tangent_sets(view, full).items()}
+    return _site_layout(block, block.family.tangent_sets(view, full))
+
+
+def _site_layout(block: Block, sets: dict) -> dict:
+    return {tag: jax.vmap(block.to_site)(stack) for tag, stack in sets.items()}
 
 
 #: pushed floats (tangent rows × argument elements) above which each block's tangents are
@@ -1121,12 +1125,20 @@ def group_moments(fns: ModelFunctions, factors, blocks: dict, views: dict, discr
 
     out, lin = jax.linearize(model_args, point)
     full = {n for f in factors for n, mode in f.columns if mode == "full"}
+    # (a chain's factor whose elements each read one of its scalars takes the two rows of
+    # its diagonal, pushed on their own; the 2(2b + 1) colour rows are pushed for the
+    # others, and are dead code the compiler drops when no factor reads them)
+    scalar = {(f.name, n) for f in factors for n, mode in f.columns if mode == "scalar"}
     sets = {n: _tangent_sets(blocks[n], views[n], n in full) for n in cont}
     row_wise = frozenset(n for n in cont if not blocks[n].family.gaussian)
     pushed = _push_tangents(lin, point, sets, out, row_wise)
+    zeros = {n: jnp.zeros_like(x) for n, x in point.items()}
+    for n in {n for _, n in scalar}:
+        for tag, stack in _site_layout(blocks[n], blocks[n].family.scalar_tangent_sets(views[n])).items():
+            pushed[(n, "scalar_" + tag)] = jax.vmap(lambda t, n=n: lin({**zeros, n: t}))(stack)
 
     def rows_of(n, tag, fname, arg):
-        rows = pushed[(n, tag)]
+        rows = pushed[(n, "scalar_" + tag if (fname, n) in scalar else tag)]
         return [r[fname][arg] for r in rows] if isinstance(rows, list) else rows[fname][arg]
 
     gauss = [n for n in cont if blocks[n].family.gaussian]

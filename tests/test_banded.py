@@ -385,3 +385,112 @@ def test_state_space_with_its_initial_state_is_one_banded_block_equal_to_kalman(
     np.testing.assert_allclose(float(r.posterior["x0"].variance), variances[0], rtol=1e-8)
     np.testing.assert_allclose(r.posterior["x"].mean, means[1:], atol=1e-8)
     np.testing.assert_allclose(r.posterior["x"].variance, variances[1:], rtol=1e-8)
+
+
+# -- observations that read one scalar of a chain ------------------------------------------------
+
+
+def poisson_walk(c):
+    x = numpyro.sample("x", dist.GaussianRandomWalk(0.1, num_steps=c.shape[0]))
+    with numpyro.plate("t", c.shape[0]):
+        numpyro.sample("c", dist.Poisson(jnp.exp(x)), obs=c)
+
+
+def logistic_scan(y):
+    """One site per step, Bernoulli observations through a logit (quadrature)."""
+
+    def step(prev, y_t):
+        x = numpyro.sample("x", dist.Normal(0.9 * prev, 0.5))
+        numpyro.sample("y", dist.Bernoulli(logits=x), obs=y_t)
+        return x, None
+
+    scan(step, 0.0, y)
+
+
+def shuffled_counts(c):
+    """Each count reads one step of the walk, in a shuffled order (a gather)."""
+    idx = np.random.default_rng(3).permutation(c.shape[0])
+    x = numpyro.sample("x", dist.GaussianRandomWalk(0.1, num_steps=c.shape[0]))
+    with numpyro.plate("t", c.shape[0]):
+        numpyro.sample("c", dist.Poisson(jnp.exp(x[idx])), obs=c)
+
+
+def neighbour_counts(c):
+    """Each count reads two neighbouring steps (the chain's band, not one scalar)."""
+    x = numpyro.sample("x", dist.GaussianRandomWalk(0.1, num_steps=c.shape[0] + 1))
+    with numpyro.plate("t", c.shape[0]):
+        numpyro.sample("c", dist.Poisson(jnp.exp(0.5 * (x[1:] + x[:-1]))), obs=c)
+
+
+def _counts(n=T):
+    rng = np.random.default_rng(5)
+    return rng.poisson(np.exp(1.0 + np.cumsum(0.1 * rng.normal(size=n)))).astype(float)
+
+
+def _binary(n=600):
+    # (beyond the dense joint block: a logistic chain of 60 steps is fitted as one dense block)
+    return (np.random.default_rng(6).uniform(size=n) < 0.6).astype(float)
+
+
+@pytest.mark.parametrize(
+    "model,data,scalar",
+    [
+        (rw_grw, np.zeros(T), {"y"}),
+        (rw_vector, np.zeros(T), {"x", "y"}),  # (x's own prior reads each step alone)
+        (ar2_scan, np.zeros(T), {"y"}),
+        (local_trend, np.zeros(T), {"y"}),
+        (logistic_scan, _binary(), {"y"}),
+        (shuffled_counts, _counts(), {"c"}),
+        (neighbour_counts, _counts(), set()),
+    ],
+)
+def test_factors_reading_one_scalar_of_a_chain(model, data, scalar):
+    """Observations of one step each (in order or gathered) read the chain through its
+    diagonal (``"scalar"`` columns); the chain's own factors and observations of two steps
+    keep the colour rows."""
+    plan = _plan(model, data)
+    (block,) = [b for b in plan.blocks if not b.discrete]
+    assert block.family.banded, plan.describe()
+    modes = {f.name: dict(f.columns).get(block.name) for f in plan.factors if block.name in f.neighbours}
+    assert {n for n, mode in modes.items() if mode == "scalar"} == scalar, modes
+
+
+@pytest.mark.parametrize(
+    "model,data", [(poisson_walk, _counts()), (logistic_scan, _binary()), (neighbour_counts, _counts())]
+)
+def test_scalar_reads_give_the_colour_rows_moments(model, data, monkeypatch):
+    """A fit whose observations read the chain's diagonal (two pushed rows) takes the same
+    steps as one through the 2(2b + 1) colour rows (float64, 1e-10): closed-form (Poisson),
+    quadrature (logit) and an observation of two steps (colour rows in both)."""
+    import blrppl.graph.compile as compile_mod
+    from checks import fresh_fit
+
+    args = (jnp.asarray(data),)
+    fast = fresh_fit(model, args, monkeypatch, num_steps=8)
+    monkeypatch.setattr(compile_mod, "_scalar_columns", lambda f, chains: f)
+    slow = fresh_fit(model, args, monkeypatch, num_steps=8)
+    assert fast.plan.block("x").family.banded
+    assert [dict(f.columns).get("x") for f in slow.plan.factors] != [dict(f.columns).get("x") for f in fast.plan.factors] or model is neighbour_counts
+    np.testing.assert_allclose(np.asarray(fast.elbo), np.asarray(slow.elbo), rtol=1e-10)
+    np.testing.assert_allclose(fast.posterior["x"].mean, slow.posterior["x"].mean, rtol=1e-10, atol=1e-10)
+    np.testing.assert_allclose(fast.posterior["x"].variance, slow.posterior["x"].variance, rtol=1e-10)
+
+
+def three_sines(y):
+    """Each observation reads three neighbouring steps through sines: a chain (bandwidth 2)
+    whose observations have neither closed form nor quadrature (three projections)."""
+    x = numpyro.sample("x", dist.GaussianRandomWalk(0.3, num_steps=len(y) + 2))
+    with numpyro.plate("t", len(y)):
+        numpyro.sample("y", dist.Normal(jnp.sin(x[:-2]) + jnp.sin(x[1:-1]) + jnp.sin(x[2:]), 0.5), obs=y)
+
+
+def test_chain_observed_through_quadrature_is_banded_and_through_draws_is_not():
+    """A logistic AR(1) (quadrature observations, decided on the final blocks) is a chain;
+    a chain whose observations need draws is compiled again without the band (its view gives
+    no draws of the whole chain), not refused."""
+    logistic = _plan(logistic_scan, _binary())
+    estimators = {f.name: f.estimator for f in logistic.factors}
+    assert logistic.block("x").family.banded and estimators["y"] == "quadrature", logistic.describe()
+    sines = _plan(three_sines, np.zeros(T))
+    estimators = {f.name: f.estimator for f in sines.factors}
+    assert not sines.block("x").family.banded and estimators["y"] == "monte_carlo", sines.describe()

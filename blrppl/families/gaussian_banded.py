@@ -231,6 +231,15 @@ class GaussianBanded(Family):
         right = jnp.moveaxis(_colour_rows(full_cov, b), -1, 0)  # (K, *B, n)
         return {"left": left, "right": right}
 
+    def scalar_tangent_sets(self, view: BandedGaussianView) -> dict:
+        """The tangent pair of arguments whose elements each read one scalar: ``left`` the
+        ones vector, ``right`` the diagonal of Σ. An element x_n = a_n w_p + c_n (and every
+        argument it is paired with, reading the same p) gets (J left)_n (J right)_n =
+        a_n² Σ_pp = Var[x_n]: two pushed rows in place of the 2(2b + 1) colour rows
+        (which reads of this kind the compiler checks: :class:`blrppl.graph.band.Chain`)."""
+        mean, cov = view
+        return {"left": jnp.ones((1,) + mean.shape, mean.dtype), "right": cov[..., 0][None]}
+
     def view_covariance(self, view: BandedGaussianView) -> jax.Array:
         return view.cov
 

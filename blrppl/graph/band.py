@@ -15,12 +15,17 @@ Z (exact), and from the 2(2b + 1) colour tangents of the banded family
 The two agree for every element exactly when each element's scalars fit in b + 1
 consecutive positions (otherwise a product a_j a_k Σ_jk with |j − k| > b is lost or
 misplaced, which a random Z reveals with probability 1).
+The same run tells, per factor, whether each of its elements reads one scalar (b = 0: the
+colour tangents are the ones vector and the diagonal of Σ), as a chain's observations
+``y[t] ~ Poisson(exp(x[t]))`` do: their moments then need the two rows
+(:meth:`blrppl.families.GaussianBanded.scalar_tangent_sets`), not the 2(2b + 1).
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -121,11 +126,12 @@ def _probe(
     name: str, blocks: dict, factors, fns, data, rng: np.random.Generator, site_block: dict | None,
     estimators: tuple = ("exact", "quadrature"),
 ):
-    """``(run, n)``: ``run(tangents)`` pushes tangents ``(k, n)`` of the block ``name`` at a
-    random point through a random combination of each touching factor's arguments per
-    element (:func:`_combiner`), one compiled program per shape of ``tangents``: a list of
-    ``(k, elements)`` arrays, one per factor. None when the block qualifies for no structure
-    (a factor whose estimator is not one of ``estimators``, or no factor)."""
+    """``(run, n, names)``: ``run(tangents)`` pushes tangents ``(k, n)`` of the block
+    ``name`` at a random point through a random combination of each touching factor's
+    arguments per element (:func:`_combiner`), one compiled program per shape of
+    ``tangents``: a list of ``(k, elements)`` arrays, one per factor (``names``, in that
+    order). None when the block qualifies for no structure (a factor whose estimator is not
+    one of ``estimators``, or no factor)."""
     block = blocks[name]
     n = block.size
     site_block = site_block or {}
@@ -156,34 +162,50 @@ def _probe(
         lowered = jax.jit(pushed).lower(x0, tangents, data)
         return [np.asarray(o) for o in compile_lowered(lowered, compiler_options(data))(x0, tangents, data)]
 
-    return run, n
+    return run, n, tuple(f.name for f in touching)
+
+
+class Chain(NamedTuple):
+    """What the probe found of a chain: its half-bandwidth, and the factors each of whose
+    elements reads one scalar of it (through all its arguments)."""
+
+    bandwidth: int
+    scalar_reads: frozenset
 
 
 def chain_bandwidth(
-    name: str, blocks: dict, factors, fns, data, rng: np.random.Generator, site_block: dict | None = None
-) -> int | None:
+    name: str, blocks: dict, factors, fns, data, rng: np.random.Generator, site_block: dict | None = None,
+    estimators: tuple = ("exact", "quadrature"),
+) -> Chain | None:
     """The smallest half-bandwidth b in :data:`CANDIDATES` such that the block ``name`` is a
-    chain of bandwidth b (see the module docstring), or None.
+    chain of bandwidth b (see the module docstring), with the factors that read one scalar
+    per element; or None.
 
-    Only blocks whose factors all have closed-form or quadrature messages qualify (those read
-    the block through the moments of their arguments). ``site_block`` maps the sites the
-    factors name as neighbours to the block holding them, when ``blocks`` merges some.
+    Only blocks whose factors' estimators are among ``estimators`` qualify (closed form and
+    quadrature read the block through the moments of their arguments; the compiler passes
+    its provisional Monte Carlo ones too, and checks the final classes). ``site_block`` maps
+    the sites the factors name as neighbours to the block holding them, when ``blocks``
+    merges some.
     """
-    probe = _probe(name, blocks, factors, fns, data, rng, site_block)
+    probe = _probe(name, blocks, factors, fns, data, rng, site_block, estimators)
     if probe is None:
         return None
-    run, n = probe
+    run, n, names = probe
     z = rng.normal(size=(n, _REFERENCE_COLUMNS))
     candidates = [b for b in CANDIDATES if 2 * b + 1 < n]
     if not candidates:
         return None
+    scalar = []
 
     def fitting(stage) -> list:
+        # (b = 0, one scalar per element, is checked per factor along with the first stage)
         stacks, offsets = [z.T], {}
-        for b in stage:
+        for b in stage + ([0] if not scalar else []):
             offsets[b] = sum(len(s) for s in stacks)
             stacks += list(_colour_sets(z, b))
         outs = run(np.concatenate(stacks, 0))
+        if 0 in offsets:
+            scalar.append(frozenset(f for f, o in zip(names, outs) if _agrees(o, offsets[0], 1)))
         return [b for b in stage if all(_agrees(o, offsets[b], 2 * b + 1) for o in outs)]
 
     try:
@@ -192,7 +214,7 @@ def chain_bandwidth(
     except _Unpaired:
         return None
     smaller = fitting(candidates[:-1]) if len(candidates) > 1 else []
-    return smaller[0] if smaller else candidates[-1]
+    return Chain(smaller[0] if smaller else candidates[-1], scalar[0])
 
 
 def arrowhead_locals(
@@ -219,7 +241,7 @@ def arrowhead_locals(
     parts = [p for p in spans if spans[p][1] - spans[p][0] >= 2]
     if probe is None or not parts:
         return ()
-    run, n = probe
+    run, n, _ = probe
     sets = [(p,) for p in parts] + [(p, q) for i, p in enumerate(parts) for q in parts[i + 1 :]]
     stacks = []
     for s in sets:

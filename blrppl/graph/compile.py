@@ -128,7 +128,7 @@ BANDED_MIN_DIM = 32
 
 def compile_model(
     model, records, data_spec, data, families=None, rng_key=None, structure=None, point=(),
-    point_space="unconstrained", subsampled=(), arrowhead=True,
+    point_space="unconstrained", subsampled=(), arrowhead=True, banded=True,
 ):
     """Build blocks, the factor graph and the plan of a traced model.
 
@@ -172,6 +172,8 @@ def compile_model(
         arrowhead: whether a joint block beyond :data:`JOINT_MAX_DIM` may be an arrowhead
             (False: the compilation again after an arrowhead whose factors turned out to
             have only Monte Carlo messages, which its view cannot give).
+        banded: whether a Gaussian block may be a chain (False: the compilation again after
+            a chain whose factors turned out to have only Monte Carlo messages).
 
     Returns:
         (plan, model functions, dynamic data leaves, init values dict (block space),
@@ -324,7 +326,7 @@ def compile_model(
     # every dense Gaussian together (in model order), else each block alone unless it joins
     # the dense joint block
     chains = {}
-    if structure is None:
+    if structure is None and banded:
         every = [n for n, b in {**blocks, **dense}.items() if joinable(n, b)]
         # (a chain couples its own elements: some block's elements are mixed by a factor, or
         # it is one vector of a distribution with an event dim, as a GaussianRandomWalk)
@@ -339,10 +341,12 @@ def compile_model(
                 plate_indices, program,
             )
             site_block = {m: joint for m in trial[joint].sites}
-            b = chain_bandwidth(joint, trial, factors, trial_fns, data, np.random.default_rng(0), site_block)
-            if b is not None and 3 * (2 * b + 1) <= trial[joint].size:
-                blocks = {**trial, joint: _banded(trial[joint], b)}
-                chains[joint], merge, densified = b, False, []
+            chain = chain_bandwidth(
+                joint, trial, factors, trial_fns, data, np.random.default_rng(0), site_block, _PROVISIONAL
+            )
+            if chain is not None and 3 * (2 * chain.bandwidth + 1) <= trial[joint].size:
+                blocks = {**trial, joint: _banded(trial[joint], chain.bandwidth)}
+                chains[joint], merge, densified = chain, False, []
         candidates = [
             n for n, b in blocks.items()
             if b.family.gaussian and not b.point and not b.members and b.local is None and n not in families
@@ -350,10 +354,13 @@ def compile_model(
         ]
         for n in candidates if not chains else ():
             if not (merge and n in members):
-                b = chain_bandwidth(n, {**blocks, n: dense.get(n, blocks[n])}, factors, fns, data, np.random.default_rng(0))
-                if b is not None and 3 * (2 * b + 1) <= blocks[n].size:
-                    chains[n] = b
-                    blocks[n] = _banded(blocks[n], b)
+                chain = chain_bandwidth(
+                    n, {**blocks, n: dense.get(n, blocks[n])}, factors, fns, data, np.random.default_rng(0),
+                    estimators=_PROVISIONAL,
+                )
+                if chain is not None and 3 * (2 * chain.bandwidth + 1) <= blocks[n].size:
+                    chains[n] = chain
+                    blocks[n] = _banded(blocks[n], chain.bandwidth)
     densified = [n for n in densified if n not in chains]
     if merge:
         members = [n for n in members if n not in chains]
@@ -418,28 +425,21 @@ def compile_model(
     factors = [
         dataclasses.replace(f, chain_reads=chain_reads[f.name]) if f.name in chain_reads else f for f in factors
     ]
+    factors = [_scalar_columns(f, chains) for f in factors]
     factors += [
         _jacobian_factor(b)
         for b in blocks.values()
         if _transformed(b) and not b.param and not (b.point and point_space == "constrained")
     ]
     for n in [*chains, *(b.name for b in blocks.values() if b.family.arrowhead)]:
-        # (a chain's factors were closed-form or quadrature when it was found; a factor whose
-        # class changed with the final blocks would need draws of the whole chain)
+        # (a chain or an arrowhead is chosen on the factors' structure, before their final
+        # classes: a factor without closed form or quadrature would need draws of the whole
+        # block, which its view cannot give; its members are then fitted as without it)
         odd = [f.name for f in factors if n in f.neighbours and f.estimator not in ("exact", "quadrature")]
-        if odd and blocks[n].family.arrowhead:
-            # (an arrowhead was chosen on the factors' structure; without closed forms or
-            # quadrature its members are fitted as without it)
+        if odd:
             return compile_model(
                 model, records, data_spec, data, families, rng_key, structure, point, point_space, subsampled,
-                arrowhead=False,
-            )
-        if odd:
-            raise UnsupportedFactorError(
-                f"factor '{odd[0]}' has no closed form or quadrature for the structured block '{n}' "
-                f"({blocks[n].kind}); "
-                "fit with structure='mean-field' or structure='joint'",
-                site=odd[0],
+                arrowhead=arrowhead and n in chains, banded=banded and n not in chains,
             )
     tied = ()
     if subsampled:
@@ -928,6 +928,23 @@ def _plate_coupled(blocks: dict, factors: list) -> list:
             if columns == "full" and b.family.gaussian and b.batch_shape and n not in out:
                 out.append(n)
     return out
+
+
+#: the estimators of factors a chain or an arrowhead may have while the family policy
+#: iterates: closed form, or "monte_carlo" until the quadrature probes (which run on the
+#: final blocks) decide (a logistic or Student-t observation of a chain gets quadrature)
+_PROVISIONAL = ("exact", "quadrature", "monte_carlo")
+
+
+def _scalar_columns(f: Factor, chains: dict) -> Factor:
+    """The factor with ``"scalar"`` columns for each chain it reads one scalar of per
+    element (:class:`blrppl.graph.band.Chain`), when its messages come from its arguments'
+    moments (closed form or quadrature): their covariances are then the diagonal of the
+    chain's Σ (:meth:`blrppl.families.GaussianBanded.scalar_tangent_sets`)."""
+    if f.estimator not in ("exact", "quadrature") or not any(f.name in chains[n].scalar_reads for n, _ in f.columns if n in chains):
+        return f
+    columns = tuple((n, "scalar" if n in chains and f.name in chains[n].scalar_reads else mode) for n, mode in f.columns)
+    return dataclasses.replace(f, columns=columns)
 
 
 def _banded(block: Block, bandwidth: int) -> Block:
