@@ -97,6 +97,7 @@ def blr_fit(
             k-means++ starts of mixtures, Monte Carlo draws).
         tol: convergence tolerance on the relative ELBO change (default 1e-8 in float64,
             1e-5 in float32); natural parameters must also move less than ``sqrt(tol)``.
+            An argument of the compiled loop: a refit with another ``tol`` compiles nothing.
         progress_bar: show a progress bar.
         prior: a previous fit's :class:`BLRResult`, whose posterior replaces the model's
             prior (online / sequential Bayes: fit the new data only). Each *global* block

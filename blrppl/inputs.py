@@ -209,7 +209,6 @@ class FitOptions:
             self.families,
             self.schedule,
             self.rate_fn,
-            self.tol,
             self.structure,
             self.point,
             self.mc_curvature,

@@ -27,7 +27,7 @@ from blrppl import autoguides
 from blrppl.engine import fit
 from blrppl.engine.step import BLRState
 from blrppl.errors import BLRError, UnsupportedGuideError
-from blrppl.graph.data import DataSpec, split_run_data
+from blrppl.graph.data import DataSpec, host_array, split_run_data
 from blrppl.graph.trace import trace_model
 from blrppl.guide import PlanGuide, plan_params
 from blrppl.inputs import DEFAULT_NUM_STEPS, as_key, call_arguments, fit_options
@@ -258,7 +258,8 @@ class BLR:
         if not traced:
             self._updated_with = tuple(dyn)
         chunk = bundle.chunk_fn if traced else bundle.chunk
-        new_state = chunk(state, data, one, prepared.rho, history)[0]
+        tol = host_array(prepared.tol, jnp.result_type(float))
+        new_state = chunk(state, data, one, prepared.rho, history, tol)[0]
         return new_state, -new_state.elbo
 
     def stable_update(self, state: BLRState, *args, **kwargs):

@@ -46,6 +46,23 @@ def test_a_fit_runs_the_model_at_most_three_times_and_a_refit_compiles_nothing()
     np.testing.assert_array_equal(first.elbo, again.elbo)
 
 
+def test_a_refit_with_another_tol_compiles_nothing():
+    """``tol`` is an argument of the compiled loop: a looser one stops the same program
+    earlier, a tighter one later (the steps themselves are the same)."""
+
+    def model(X, y=None):
+        regression(X, y)
+
+    fits = [
+        blr_fit(model, {"X": X, "y": Y}, rng_key=random.PRNGKey(0), tol=tol, progress_bar=False)
+        for tol in (1e-10, 1e-3, 1e-10)
+    ]
+    assert [f.compile_counts.xla_compilations for f in fits[1:]] == [0, 0]
+    assert fits[1].num_steps < fits[0].num_steps == fits[2].num_steps
+    np.testing.assert_array_equal(fits[1].elbo, fits[0].elbo[: fits[1].num_steps])
+    assert "1e-03" in fits[1].message or "0.001" in fits[1].message
+
+
 def test_model_program_traces_once_and_prunes_to_the_sites_asked_for():
     program = ModelProgram(regression)
     spec, data = DataSpec.split((), {"X": X, "y": Y})

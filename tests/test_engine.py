@@ -52,8 +52,8 @@ def captured():
 
         return counting_step, elbo_fn, messages
 
-    def capturing_make_chunk(step, chunk_size, tol, *rest, **options):
-        chunk = engine_loop.make_chunk(step, chunk_size, tol, *rest, **options)
+    def capturing_make_chunk(step, chunk_size, *rest, **options):
+        chunk = engine_loop.make_chunk(step, chunk_size, *rest, **options)
         got["chunk"] = chunk
         return chunk
 
@@ -164,10 +164,10 @@ def test_a_float32_elbo_falling_by_rounding_is_not_backtracked():
             info = BLRInfo(elbo=elbo, max_delta=jnp.zeros((), jnp.float32), valid=jnp.array(True), proper={})
             return state._replace(step=state.step + 1, elbo=elbo), info
 
-        chunk = jax.jit(engine_loop.make_chunk(step, 200, 1e-5))
+        chunk = jax.jit(engine_loop.make_chunk(step, 200))
         state = initial_state({"x": jnp.zeros((), jnp.float32)}, jax.random.key(0))
         state = state._replace(elbo=jnp.asarray(-1000.0, jnp.float32), damping=jnp.asarray(1.0, jnp.float32))
-        out = chunk(state, None, jnp.asarray(200, jnp.int32), {}, engine_loop.empty_history(0))
+        out = chunk(state, None, jnp.asarray(200, jnp.int32), {}, engine_loop.empty_history(0), jnp.float32(1e-5))
         return int(out[3]), int(out[7])  # stop code, steps undone
 
     ulp = float(np.spacing(np.float32(1000.0))) / 1000.0

@@ -365,7 +365,7 @@ def plan_model(model, records, data_spec, dyn_data, options, prior_spec, k_probe
 
 def _compile(model, records, data_spec, dyn_data, tracer, options, prior_spec, k_probe, supports=()):
     """Compile a model: plan, initialisation, the jitted chunk of steps, posterior export."""
-    rate_fn, tol, chunk_size, curvature = options.rate_fn, options.tol, CHUNK_SIZE, options.mc_curvature
+    rate_fn, chunk_size, curvature = options.rate_fn, CHUNK_SIZE, options.mc_curvature
     default_rate = options.learning_rate is None
     plan, fns, dyn_data, init_values, graph, online = plan_model(
         model, records, data_spec, dyn_data, options, prior_spec, k_probe
@@ -410,7 +410,7 @@ def _compile(model, records, data_spec, dyn_data, tracer, options, prior_spec, k
         step, elbo_fn = _with_statistics(step, constant), _with_statistics(elbo_fn, constant)
     exact_block = _one_exact_block(plan)
     chunk = make_chunk(
-        step, chunk_size, tol, window, epoch, rate_fn, () if plan.subsampled else tuple(plan.order),
+        step, chunk_size, window, epoch, rate_fn, () if plan.subsampled else tuple(plan.order),
         elbo_fn=None if plan.subsampled else elbo_fn, exact_block=exact_block,
         views_fn=None if plan.subsampled else functools.partial(with_views, plan),
     )
@@ -441,7 +441,7 @@ def _compile(model, records, data_spec, dyn_data, tracer, options, prior_spec, k
     chunk_future = compile_program(
         fit_program_key(fit_key, "chunk", chunk_options),
         store_jit(chunk, "chunk").lower,
-        (state, run_data, steps, rho, history),
+        (state, run_data, steps, rho, history, jax.ShapeDtypeStruct((), dtype)),
         chunk_options,
         _COMPILER.submit,
     )
@@ -616,7 +616,7 @@ def _prepare_locked(model, args, kwargs, options, rng_key, prior, init_values, s
             _CACHE.pop(key, None)  # a compilation that failed is not kept: the next fit retries
             raise
     if any(b.discrete for b in plan.blocks) and not plan.subsampled:
-        state = _discrete_start(bundle, plan, init_records, state, dyn_data, start, rng, block_values)
+        state = _discrete_start(bundle, plan, init_records, state, dyn_data, start, rng, block_values, tol)
     jax.block_until_ready(state)
     counts = CompileCounts(
         model_runs() - runs0, xla_compilations() - compilations0, background_compilations() - background0
@@ -665,13 +665,13 @@ def _some(values) -> str:
     return shown + (", ..." if flat.size > 3 else "")
 
 
-def _discrete_start(bundle, plan, records, state, data, start, rng, block_values):
+def _discrete_start(bundle, plan, records, state, data, start, rng, block_values, tol):
     """The starting state of a fit with enumerated latents (see :mod:`blrppl.engine.start`):
     start 0 takes an E-step under the prior means unless it leaves two values of a
     discrete block tied; other starts, and tied ones, start from k-means++ responsibilities."""
     history = empty_history(bundle.window)
     if start == 0:
-        after = start_mod.estep_first(bundle.chunk, plan, state, data, history)
+        after = start_mod.estep_first(bundle.chunk, plan, state, data, history, tol)
         probs = start_mod.discrete_probs(plan, after.nat)
         if not any(start_mod.tied(p) for p in probs.values()):
             return after
@@ -818,8 +818,8 @@ def run(prepared: Prepared, state: BLRState, num_steps: int, progress_bar: bool)
     bundle = prepared.bundle
     t1 = time.perf_counter()
     outcome = run_loop(
-        bundle.chunk, state, prepared.dyn_data, prepared.rho, num_steps, prepared.chunk_size, progress_bar,
-        bundle.window,
+        bundle.chunk, state, prepared.dyn_data, prepared.rho, prepared.tol, num_steps, prepared.chunk_size,
+        progress_bar, bundle.window,
     )
     jax.block_until_ready(outcome.state)
     t2 = time.perf_counter()

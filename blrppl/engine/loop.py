@@ -14,7 +14,6 @@ updates the progress bar. A run stops when
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import jax
@@ -67,12 +66,13 @@ def drop_slack(elbo) -> float:
 
 
 def make_chunk(
-    step, chunk_size: int, tol: float, window: int = 0, epoch: int = 0, rate_fn=None, blocks=(),
+    step, chunk_size: int, window: int = 0, epoch: int = 0, rate_fn=None, blocks=(),
     elbo_fn=None, exact_block=None, views_fn=None,
 ):
-    """``chunk(state, data, steps_left, rho, history) -> (state, elbo buffer, steps run, stop
-    code, invalid steps, history)``; ``rho`` is the per-block step-size dict passed to
-    ``step``.
+    """``chunk(state, data, steps_left, rho, history, tol) -> (state, elbo buffer, steps run,
+    stop code, invalid steps, history)``; ``rho`` is the per-block step-size dict passed to
+    ``step``, ``tol`` the convergence tolerance (a scalar array: a fit with another ``tol``
+    runs the same program).
 
     With ``window`` > 0 the ELBO is a Monte Carlo estimate and convergence is tested on
     windowed means: the mean of the last ``window`` ELBOs against the mean of the
@@ -102,9 +102,7 @@ def make_chunk(
     natural parameter. With a user schedule ``rate_fn`` the run stops
     (code ``BAD_RATE``) before a step whose ρ is not a finite number ≥ 0.
     """
-    param_tol = math.sqrt(tol)
-
-    def windowed_converged(history, count):
+    def windowed_converged(history, count, tol):
         recent, previous = history[window:], history[:window]
         diff = jnp.abs(recent.mean() - previous.mean())
         se = jnp.sqrt((recent.var() + previous.var()) / window)
@@ -113,8 +111,10 @@ def make_chunk(
             return (count >= 4 * window) & (jnp.mod(count, epoch) == 0) & (diff <= tol * scale)
         return (count >= 4 * window) & ((diff <= tol * scale) | (diff <= 0.5 * se))
 
-    def chunk(state, data, steps_left, rho, history):
+    def chunk(state, data, steps_left, rho, history, tol):
         dtype = jnp.result_type(float)
+        tol = jnp.asarray(tol, dtype)
+        param_tol = jnp.sqrt(tol)
         buf = jnp.full((chunk_size,), jnp.nan, dtype)
         limit = jnp.minimum(steps_left, chunk_size)
         proper0 = {n: jnp.array(True) for n in blocks}
@@ -145,7 +145,7 @@ def make_chunk(
             accept = finite
             if window:
                 history = jnp.where(finite, jnp.roll(history, -1).at[-1].set(info.elbo), history)
-                conv = finite & info.valid & windowed_converged(history, new.step)
+                conv = finite & info.valid & windowed_converged(history, new.step, tol)
             else:
                 # backtracking: a step that lowers the (exact) ELBO is undone and ρ halved
                 known = jnp.isfinite(st.elbo)
@@ -193,9 +193,13 @@ def make_chunk(
     return chunk
 
 
-def run_loop(chunk_fn, state: BLRState, data, rho, num_steps: int, chunk_size: int, progress_bar: bool, window: int = 0):
-    """Run chunks until convergence, a stop, or ``num_steps``."""
+def run_loop(
+    chunk_fn, state: BLRState, data, rho, tol: float, num_steps: int, chunk_size: int, progress_bar: bool,
+    window: int = 0,
+):
+    """Run chunks until convergence (relative tolerance ``tol``), a stop, or ``num_steps``."""
     history = empty_history(window)
+    tol = host_array(tol, jnp.result_type(float))
     elbos, total, stop, invalid, proper, rejected = [], 0, CONTINUE, 0, {}, 0
     bar = None
     if progress_bar:
@@ -207,7 +211,7 @@ def run_loop(chunk_fn, state: BLRState, data, rho, num_steps: int, chunk_size: i
             bar = None
     while total < num_steps and stop == CONTINUE:
         state, buf, n, stop_arr, inv, history, last_proper, rej = chunk_fn(
-            state, data, host_array(num_steps - total, np.int32), rho, history
+            state, data, host_array(num_steps - total, np.int32), rho, history, tol
         )
         n = int(n)
         rejected += int(rej)

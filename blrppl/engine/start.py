@@ -114,10 +114,10 @@ def seeded_probs(plan, records, rng: np.random.Generator) -> dict:
     return out
 
 
-def estep_first(chunk, plan, state, data, history):
+def estep_first(chunk, plan, state, data, history, tol: float):
     """The state after one sweep that updates only the discrete blocks (ρ = 1 for them, 0
     for the others), with its step counter reset."""
     dtype = jnp.result_type(float)
     rho = {n: host_array(1.0 if plan.block(n).discrete else 0.0, dtype) for n in plan.order}
-    new = chunk(state, data, host_array(1, np.int32), rho, history)[0]
+    new = chunk(state, data, host_array(1, np.int32), rho, history, host_array(tol, dtype))[0]
     return new._replace(step=state.step, elbo=state.elbo, damping=state.damping)
