@@ -161,7 +161,7 @@ def test_a_float32_elbo_falling_by_rounding_is_not_backtracked():
     def run(fall):
         def step(state, data, rho):
             elbo = (state.elbo - fall * jnp.abs(state.elbo)).astype(jnp.float32)
-            info = BLRInfo(elbo=elbo, max_delta=jnp.zeros((), jnp.float32), valid=jnp.array(True), proper={})
+            info = BLRInfo(elbo=elbo, valid=jnp.array(True), proper={})
             return state._replace(step=state.step + 1, elbo=elbo), info
 
         chunk = jax.jit(engine_loop.make_chunk(step, 200))
@@ -174,3 +174,27 @@ def test_a_float32_elbo_falling_by_rounding_is_not_backtracked():
     assert run(ulp) == (CONVERGED, 0)
     stop, undone = run(1e-4)
     assert stop == NONFINITE and undone > 50
+
+
+def test_a_settled_elbo_converges_only_once_the_parameters_stop_moving():
+    """With the ELBO unchanged from step to step, the run converges at once when the natural
+    parameters do not move, and not while they move by more than sqrt(tol) relative (it ends
+    as stationary, on its flat ELBO history, instead)."""
+    from blrppl.engine.loop import CONVERGED, STATIONARY
+    from blrppl.engine.step import BLRInfo, initial_state
+
+    def run(growth):
+        def step(state, data, rho):
+            nat = {"x": state.nat["x"] * (1.0 + growth)}
+            info = BLRInfo(elbo=state.elbo, valid=jnp.array(True), proper={})
+            return state._replace(nat=nat, step=state.step + 1), info
+
+        chunk = jax.jit(engine_loop.make_chunk(step, 50))
+        state = initial_state({"x": jnp.ones((3,))}, jax.random.key(0))
+        state = state._replace(elbo=jnp.asarray(-10.0), damping=jnp.asarray(1.0))
+        out = chunk(state, None, jnp.asarray(50, jnp.int32), {}, engine_loop.empty_history(0), jnp.asarray(1e-8))
+        return int(out[3]), int(out[2])  # stop code, steps run
+
+    assert run(0.0) == (CONVERGED, 1)
+    stop, steps = run(1e-2)
+    assert stop == STATIONARY and steps > 1

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from blrppl.engine.step import BLRState, all_finite
+from blrppl.engine.step import BLRState, all_finite, relative_delta
 from blrppl.graph.data import host_array
 
 CONTINUE, CONVERGED, NONFINITE, BAD_RATE, STATIONARY = 0, 1, 2, 3, 4
@@ -153,7 +153,11 @@ def make_chunk(
                 accept = finite & ~(known & drop)
                 change = jnp.abs(info.elbo - st.elbo) <= tol * jnp.maximum(1.0, jnp.abs(info.elbo))
                 proper = jnp.all(jnp.stack([jnp.array(True)] + list(jax.tree.leaves(info.proper))))
-                settled = change & (info.max_delta <= param_tol) & known
+                # (the parameters' relative change, a reduction over all of them, only once
+                # the ELBO has settled)
+                settled = jax.lax.cond(
+                    change & known, lambda: relative_delta(st.nat, new.nat) <= param_tol, lambda: jnp.array(False)
+                )
                 if exact_block is not None and rate_fn is None:
                     settled = settled | ((rho[exact_block] == 1.0) & (st.damping == 1.0))
                 history = jnp.where(accept, jnp.roll(history, -1).at[-1].set(info.elbo), history)

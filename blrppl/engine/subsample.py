@@ -179,7 +179,6 @@ def make_minibatch_step(
     messages: Callable,
     elbo_fn: Callable,
     update_block: Callable,
-    relative_delta: Callable,
     state_type,
     info_type,
     schedule: str,
@@ -193,7 +192,6 @@ def make_minibatch_step(
             ``names`` (minibatch natural parameters, :class:`MinibatchData`).
         elbo_fn: :func:`minibatch_elbo`.
         update_block: ``(family, nat, message, rho) -> (nat, ok)``.
-        relative_delta: largest relative change between two nat pytrees.
         state_type, info_type: the engine's BLRState and BLRInfo.
         schedule: ``"sequential"`` (one block after another, local blocks first) or
             ``"parallel"`` (all local blocks at once, then all global blocks at once).
@@ -239,13 +237,12 @@ def make_minibatch_step(
                 nat[n], ok = apply(n, messages(nat, (n,), batch, k)[n])
                 valid = valid & ok
         elbo = elbo_fn(nat, batch, key_elbo)
-        delta = relative_delta(old, nat)
         full = {n: nat[n] for n in glob}
         for n in local:
             full[n] = scatter_local(blocks[n], state.nat[n], nat[n], indices)
         averaged = tail_average(mb._replace(order=order, indices=indices), t, nat)
         new_state = state._replace(nat=full, step=t + 1, elbo=elbo, rng_key=key, minibatch=averaged)
-        return new_state, info_type(elbo=elbo, max_delta=delta, valid=valid)
+        return new_state, info_type(elbo=elbo, valid=valid)
 
     return step
 
