@@ -79,11 +79,14 @@ SMALL_DATA = 200_000
 
 #: XLA's CPU fusion emitters roughly double the compile time of a fit's loop and its probes;
 #: without them the loop runs at the same speed on 10⁵–10⁶ data rows and up to 1.5× slower on
-#: small data (diamonds: 0.3 → 0.45 s of run for 1.4 s less compilation). Of the YNNPACK
-#: library fusions of recent jaxlibs only matrix products are kept: as YNN fusions a step's
-#: sums over 10⁵ elements ran at 5–60 ns per element (a Poisson random walk of 10⁵ steps:
-#: 24 → 14 ms per step); a jaxlib without the option drops it.
-_FAST_COMPILE = {"xla_cpu_use_fusion_emitters": False, "xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT"}
+#: small data (diamonds: 0.3 → 0.45 s of run for 1.4 s less compilation). The YNNPACK
+#: library fusions of recent jaxlibs are off: as YNN fusions a step's sums over 10⁵ elements
+#: ran at 5–60 ns per element (a Poisson random walk of 10⁵ steps: 24 → 14 ms per step
+#: without), and with only matrix products kept as YNN fusions, two processes fitting factor
+#: models at once (pytest's two workers) got NaN or non-moving fits about one run in six (a
+#: model's first run with 30 NaN entries of ``z @ W.T``; 0 in 14 runs without; the large
+#: PCA's step 13.7 → 15.6 ms); a jaxlib without the option drops it.
+_FAST_COMPILE = {"xla_cpu_use_fusion_emitters": False, "xla_cpu_experimental_ynn_fusion_type": ""}
 
 
 #: XLA options this jaxlib rejected (unknown options are errors, not ignored): found at the
