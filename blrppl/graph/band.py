@@ -41,6 +41,10 @@ from blrppl.graph.trace import unwrap
 CANDIDATES = (1, 2, 3, 4, 6, 8)
 #: columns of the random covariance factor Z
 _REFERENCE_COLUMNS = 3
+#: the estimators of factors a chain or an arrowhead may have while the compiler's family
+#: policy iterates: closed form, or "monte_carlo" until the quadrature probes (which run on
+#: the final blocks) decide (a logistic or Student-t observation of a chain gets quadrature)
+PROVISIONAL = ("exact", "quadrature", "monte_carlo")
 
 
 def _every_argument(site: dict) -> dict:
@@ -195,26 +199,27 @@ def chain_bandwidth(
     candidates = [b for b in CANDIDATES if 2 * b + 1 < n]
     if not candidates:
         return None
-    scalar = []
 
-    def fitting(stage) -> list:
-        # (b = 0, one scalar per element, is checked per factor along with the first stage)
+    def fitting(stage, with_scalar: bool = False):
+        """The bandwidths of ``stage`` every factor fits, and (``with_scalar``: b = 0 checked
+        per factor in the same run) the factors reading one scalar per element."""
         stacks, offsets = [z.T], {}
-        for b in stage + ([0] if not scalar else []):
+        for b in stage + ([0] if with_scalar else []):
             offsets[b] = sum(len(s) for s in stacks)
             stacks += list(_colour_sets(z, b))
         outs = run(np.concatenate(stacks, 0))
-        if 0 in offsets:
-            scalar.append(frozenset(f for f, o in zip(names, outs) if _agrees(o, offsets[0], 1)))
-        return [b for b in stage if all(_agrees(o, offsets[b], 2 * b + 1) for o in outs)]
+        fits = [b for b in stage if all(_agrees(o, offsets[b], 2 * b + 1) for o in outs)]
+        scalar = frozenset(f for f, o in zip(names, outs) if _agrees(o, offsets[0], 1)) if with_scalar else None
+        return fits, scalar
 
     try:
-        if not fitting(candidates[-1:]):
-            return None
+        widest, scalar = fitting(candidates[-1:], with_scalar=True)
     except _Unpaired:
         return None
-    smaller = fitting(candidates[:-1]) if len(candidates) > 1 else []
-    return Chain(smaller[0] if smaller else candidates[-1], scalar[0])
+    if not widest:
+        return None
+    smaller = fitting(candidates[:-1])[0] if len(candidates) > 1 else []
+    return Chain(smaller[0] if smaller else candidates[-1], scalar)
 
 
 def arrowhead_locals(
@@ -237,7 +242,7 @@ def arrowhead_locals(
     per-site block can leave a factor Monte Carlo that the merged block gives quadrature):
     only the arguments' structure is probed here, and the compiler checks the final ones.
     """
-    probe = _probe(name, blocks, factors, fns, data, rng, site_block, ("exact", "quadrature", "monte_carlo"))
+    probe = _probe(name, blocks, factors, fns, data, rng, site_block, PROVISIONAL)
     parts = [p for p in spans if spans[p][1] - spans[p][0] >= 2]
     if probe is None or not parts:
         return ()

@@ -24,7 +24,7 @@ from blrppl.expressions import (
     gather_probe, pairing_probe, probe_argument, projection_args, random_point, run_probes, too_many_columns,
 )
 from blrppl.expressions import _needs_gather_test as needs_gather_test
-from blrppl.graph.band import arrowhead_locals, chain_bandwidth
+from blrppl.graph.band import PROVISIONAL, arrowhead_locals, chain_bandwidth
 from blrppl.graph import markov
 from blrppl.graph.data import compiler_options
 from blrppl.graph.program_store import compile_program, jit as store_jit, program_key
@@ -214,7 +214,6 @@ def compile_model(
     subsampled = tuple(subsampled)
     plate_indices = {p.name: np.arange(p.subsample_size) for p in subsampled}
     latent = [r for r in records.values() if not r.observed]
-    params = {r.name for r in latent if r.is_param}
     site_init = {r.name: np.asarray(r.init_value) for r in latent}
     unconstrained = {r.name: r.unconstrained_init for r in latent if r.unconstrained_init is not None}
     # params are not sites with a density: they are inputs of the factors, never factors
@@ -342,7 +341,7 @@ def compile_model(
             )
             site_block = {m: joint for m in trial[joint].sites}
             chain = chain_bandwidth(
-                joint, trial, factors, trial_fns, data, np.random.default_rng(0), site_block, _PROVISIONAL
+                joint, trial, factors, trial_fns, data, np.random.default_rng(0), site_block, PROVISIONAL
             )
             if chain is not None and 3 * (2 * chain.bandwidth + 1) <= trial[joint].size:
                 blocks = {**trial, joint: _banded(trial[joint], chain.bandwidth)}
@@ -356,7 +355,7 @@ def compile_model(
             if not (merge and n in members):
                 chain = chain_bandwidth(
                     n, {**blocks, n: dense.get(n, blocks[n])}, factors, fns, data, np.random.default_rng(0),
-                    estimators=_PROVISIONAL,
+                    estimators=PROVISIONAL,
                 )
                 if chain is not None and 3 * (2 * chain.bandwidth + 1) <= blocks[n].size:
                     chains[n] = chain
@@ -930,21 +929,15 @@ def _plate_coupled(blocks: dict, factors: list) -> list:
     return out
 
 
-#: the estimators of factors a chain or an arrowhead may have while the family policy
-#: iterates: closed form, or "monte_carlo" until the quadrature probes (which run on the
-#: final blocks) decide (a logistic or Student-t observation of a chain gets quadrature)
-_PROVISIONAL = ("exact", "quadrature", "monte_carlo")
-
-
 def _scalar_columns(f: Factor, chains: dict) -> Factor:
     """The factor with ``"scalar"`` columns for each chain it reads one scalar of per
     element (:class:`blrppl.graph.band.Chain`), when its messages come from its arguments'
     moments (closed form or quadrature): their covariances are then the diagonal of the
     chain's Σ (:meth:`blrppl.families.GaussianBanded.scalar_tangent_sets`)."""
-    if f.estimator not in ("exact", "quadrature") or not any(f.name in chains[n].scalar_reads for n, _ in f.columns if n in chains):
+    if f.estimator not in ("exact", "quadrature"):
         return f
     columns = tuple((n, "scalar" if n in chains and f.name in chains[n].scalar_reads else mode) for n, mode in f.columns)
-    return dataclasses.replace(f, columns=columns)
+    return f if columns == f.columns else dataclasses.replace(f, columns=columns)
 
 
 def _banded(block: Block, bandwidth: int) -> Block:
