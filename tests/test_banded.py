@@ -75,6 +75,28 @@ def test_band_cholesky_of_an_indefinite_matrix_is_not_finite():
     assert not np.all(np.isfinite(_band.cholesky(jnp.asarray(_band.from_dense(s, 1)))))
 
 
+@pytest.mark.parametrize("b", [1, 2])
+def test_banded_validity_is_positive_definiteness(b):
+    """A precision is valid exactly when it is positive definite, whether or not it is
+    diagonally dominant (the elementwise shortcut), and never with a NaN."""
+    n = 12
+    rng = np.random.default_rng(b)
+    dominant = _banded_spd(rng, n, b)
+    walk = np.diag(np.r_[2.0 * np.ones(n - 1), 1.0]) - np.eye(n, k=1) - np.eye(n, k=-1)  # PD, not dominant
+    walk = walk + 1e-3 * np.eye(n)
+    indefinite = walk - 0.5 * np.eye(n)
+    family = GaussianBanded(n, b)
+
+    def valid(s, eta1=None):
+        nat = BandedGaussianNat(jnp.asarray(np.zeros(n) if eta1 is None else eta1), jnp.asarray(-0.5 * _band.from_dense(s, b)))
+        return bool(jax.jit(family.is_valid)(nat))
+
+    assert np.all(np.linalg.eigvalsh(walk) > 0) and np.any(np.linalg.eigvalsh(indefinite) < 0)
+    assert valid(dominant) and valid(walk)
+    assert not valid(indefinite) and not valid(-dominant)
+    assert not valid(dominant, np.r_[np.nan, np.zeros(n - 1)])
+
+
 @pytest.mark.parametrize("n,b", [(6, 1), (9, 2), (3, 2), (1, 1), (40, 3)])
 def test_banded_family_equals_dense_family(n, b):
     rng = np.random.default_rng(n + 100 * b)
@@ -134,9 +156,10 @@ def test_banded_message_is_the_dense_message_restricted_to_the_band():
 
 @pytest.mark.parametrize("b", [1, 2, 3])
 def test_colour_rows_gradient_is_the_gathers(b):
-    """The covariance rows per colour are a gather with a hand-written gradient (the inverse
-    permutation): value and gradient equal those of the plain gather (whose gradient is a
-    scatter-add), batched rows included."""
+    """The covariance rows per colour are a permutation of each row's diagonals with a
+    hand-written gradient (the inverse permutation): value and gradient equal those of the
+    plain gather (whose gradient is a scatter-add), batched rows included; neither is a
+    gather or a scatter in the compiled program (selects, one elementwise loop)."""
     k, n = 2 * b + 1, 17
     rng = np.random.default_rng(b)
     x = jnp.asarray(rng.normal(size=(2, n, k)))
@@ -147,10 +170,12 @@ def test_colour_rows_gradient_is_the_gathers(b):
         return jnp.sum(x[..., np.arange(n)[:, None], offset] * g)
 
     def rows(x):
-        return jnp.sum(_colour_rows(x, b) * g)
+        return jnp.sum(jnp.moveaxis(_colour_rows(x, b), 0, -1) * g)
 
     np.testing.assert_array_equal(rows(x), plain(x))
     np.testing.assert_allclose(jax.grad(rows)(x), jax.grad(plain)(x), rtol=0, atol=0)
+    hlo = jax.jit(jax.value_and_grad(rows)).lower(x).compile().as_text()
+    assert "gather(" not in hlo and "scatter(" not in hlo
 
 
 @pytest.mark.parametrize("b", [1, 2, 3])

@@ -207,8 +207,16 @@ class GaussianBanded(Family):
         return self._message(view_grad, None)
 
     def is_valid(self, nat: BandedGaussianNat) -> jax.Array:
+        """Finite, with a positive definite precision: at once when the precision is
+        strictly diagonally dominant with a positive diagonal (Gershgorin's circles: an
+        elementwise test, which a chain's messages usually pass, a walk's precision plus
+        positive curvatures), else by its Cholesky factor (a sequential pass)."""
         finite = jnp.all(jnp.isfinite(nat.eta1)) & jnp.all(jnp.isfinite(nat.eta2))
-        return finite & jnp.all(jnp.isfinite(self._chol(nat)))
+        prec = -2.0 * nat.eta2
+        above = jnp.abs(prec[..., 1:])  # |M[i, i + d]|, d = 1 … b
+        below = _vectorized(_band.lower_rows, "(n,w)->(n,w)")(jnp.abs(prec))[..., 1:]  # |M[i, i − d]|
+        dominant = jnp.all(prec[..., 0] > jnp.sum(above, -1) + jnp.sum(below, -1))
+        return finite & jax.lax.cond(dominant, lambda: jnp.array(True), lambda: jnp.all(jnp.isfinite(self._chol(nat))))
 
     # -- moments of arguments --------------------------------------------------------------
     def linearisation_point(self, view: BandedGaussianView) -> jax.Array:
@@ -228,7 +236,7 @@ class GaussianBanded(Family):
         left = (cls[None, :] == np.arange(k)[:, None]).astype(np.dtype(mean.dtype))
         left = jnp.broadcast_to(left.reshape((k,) + (1,) * (mean.ndim - 1) + (n,)), (k,) + mean.shape)
         full_cov = _vectorized(_band.full_band, "(n,w)->(n,v)")(cov)  # (*B, n, 2b + 1)
-        right = jnp.moveaxis(_colour_rows(full_cov, b), -1, 0)  # (K, *B, n)
+        right = _colour_rows(full_cov, b)  # (K, *B, n)
         return {"left": left, "right": right}
 
     def scalar_tangent_sets(self, view: BandedGaussianView) -> dict:
@@ -261,30 +269,55 @@ class GaussianBanded(Family):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
 def _colour_rows(full_cov: jax.Array, b: int) -> jax.Array:
-    """``out[..., i, c] = full_cov[..., i, (c − i + b) mod K]`` (K = 2b + 1): Σ[i, j] for the
-    scalar j of class c within distance b of i, from the full band (``full[i, b + d] =
-    Σ[i, i + d]``). For each i the map c ↦ diagonal is a permutation of the K diagonals, so
-    the gradient is the inverse permutation, again a gather (the gradient of a gather is
-    a scatter-add: a serial loop over the K·n entries on a CPU, ~1 ms per step at n = 10⁵)."""
-    return _rows_permuted(full_cov, b, inverse=False)
+    """``out[c, ..., i] = full_cov[..., i, (c − i + b) mod K]`` (K = 2b + 1): Σ[i, j] for
+    the scalar j of class c within distance b of i, from the full band (``full[i, b + d] =
+    Σ[i, i + d]``), colour first (the layout of the pushed tangent rows). For each i the map
+    c ↦ diagonal is a permutation of the K diagonals, so the gradient is the inverse
+    permutation. Both are K selects per colour by i mod K, one elementwise loop (as a
+    gather, a table lookup per entry, the rows and their gradient took 1 ms per step at
+    n = 10⁵; the gather's own gradient is a scatter-add, a serial loop over the K·n entries
+    on a CPU)."""
+    return _rows_permuted(full_cov, b)
 
 
-def _rows_permuted(x, b: int, inverse: bool):
-    k, n = x.shape[-1], x.shape[-2]
-    cls = np.arange(n)[:, None] % k
-    cols = np.arange(k)[None, :]
-    # forward: column c of row i reads diagonal (c − i + b) mod K; inverse: diagonal d of row
-    # i goes to column (d + i − b) mod K
-    index = (cols + cls - b) % k if inverse else (cols - cls + b) % k
-    return jnp.take_along_axis(x, jnp.asarray(index.astype(np.int32)).reshape((1,) * (x.ndim - 2) + (n, k)), axis=-1)
+def _phase(shape: tuple, axis: int, k: int) -> jax.Array:
+    """i mod K along ``axis`` of an array of ``shape``."""
+    return jax.lax.broadcasted_iota(np.int32, shape, axis) % k
+
+
+def _rows_permuted(full, b: int) -> jax.Array:
+    """(…, n, K) → (K, …, n): colour c of row i reads diagonal (c − i + b) mod K."""
+    k = full.shape[-1]
+    phase = _phase(full.shape[:-1], full.ndim - 2, k)
+    colours = []
+    for c in range(k):
+        out = full[..., (c + b) % k]
+        for r in range(1, k):
+            out = jnp.where(phase == r, full[..., (c - r + b) % k], out)
+        colours.append(out)
+    return jnp.stack(colours, 0)
+
+
+def _rows_unpermuted(rows, b: int) -> jax.Array:
+    """The inverse of :func:`_rows_permuted`, (K, …, n) → (…, n, K): diagonal d of row i
+    comes from colour (d + i − b) mod K."""
+    k = rows.shape[0]
+    phase = _phase(rows.shape[1:], rows.ndim - 2, k)
+    diagonals = []
+    for d in range(k):
+        out = rows[(d - b) % k]
+        for r in range(1, k):
+            out = jnp.where(phase == r, rows[(d + r - b) % k], out)
+        diagonals.append(out)
+    return jnp.stack(diagonals, -1)
 
 
 def _colour_rows_fwd(full_cov, b):
-    return _rows_permuted(full_cov, b, inverse=False), None
+    return _rows_permuted(full_cov, b), None
 
 
 def _colour_rows_bwd(b, _, g):
-    return (_rows_permuted(g, b, inverse=True),)
+    return (_rows_unpermuted(g, b),)
 
 
 _colour_rows.defvjp(_colour_rows_fwd, _colour_rows_bwd)
