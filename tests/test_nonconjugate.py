@@ -366,3 +366,56 @@ def test_bad_initialisation_no_false_convergence(name, scale):
     result = bad_fit(name, scale)
     if result.converged:
         assert_converged(result)
+
+
+def _walk_counts(c):
+    x = numpyro.sample("x", dist.GaussianRandomWalk(0.2, num_steps=c.shape[0]))
+    with numpyro.plate("t", c.shape[0]):
+        numpyro.sample("c", dist.Poisson(jnp.exp(x)), obs=c)
+
+
+def _volatility(r):
+    sigma = numpyro.sample("sigma", dist.HalfNormal(0.5))
+    h = numpyro.sample("h", dist.GaussianRandomWalk(sigma, num_steps=r.shape[0]))
+    with numpyro.plate("t", r.shape[0]):
+        numpyro.sample("r", dist.Normal(0.0, jnp.exp(h / 2)), obs=r)
+
+
+def _logistic(X, y):
+    b = numpyro.sample("b", dist.Normal(0.0, 1.0).expand([X.shape[1]]).to_event(1))
+    with numpyro.plate("n", X.shape[0]):
+        numpyro.sample("y", dist.Bernoulli(logits=X @ b), obs=y)
+
+
+_RNG = np.random.default_rng(7)
+_X = _RNG.normal(size=(80, 3))
+
+
+@pytest.mark.parametrize(
+    "model,args,block",
+    [
+        (_walk_counts, (jnp.asarray(_RNG.poisson(3.0, size=60).astype(float)),), "x"),
+        (_volatility, (jnp.asarray(0.3 * _RNG.normal(size=50)),), "h"),
+        (_logistic, (jnp.asarray(_X), jnp.asarray((_RNG.random(80) < 0.5).astype(float))), "b"),
+    ],
+    ids=["poisson-walk", "volatility", "logistic"],
+)
+def test_conjugate_factors_of_a_non_conjugate_block_message_from_the_fixed_view(model, args, block, monkeypatch):
+    """A non-conjugate Gaussian block's conjugate factors (its prior, a walk's own density)
+    give their messages at the family's fixed view, apart from the others' (loop-invariant
+    when their other inputs are constants): the same steps as one message from the
+    block's view (float64, 1e-10)."""
+    import blrppl.engine.step as step_mod
+    from checks import fresh_fit
+    from blrppl.graph.compile import factor_conjugate
+
+    split = fresh_fit(model, args, monkeypatch, num_steps=8)
+    b = split.plan.block(block)
+    assert not dict(split.plan.conjugate)[block]
+    assert any(factor_conjugate(f, b) for f in split.plan.factors_of(block))
+    monkeypatch.setattr(step_mod, "factor_conjugate", lambda f, b: False)
+    whole = fresh_fit(model, args, monkeypatch, num_steps=8)
+    np.testing.assert_allclose(np.asarray(split.elbo), np.asarray(whole.elbo), rtol=1e-10)
+    for name in split.posterior:
+        np.testing.assert_allclose(split.posterior[name].mean, whole.posterior[name].mean, rtol=1e-9, atol=1e-10)
+        np.testing.assert_allclose(split.posterior[name].variance, whole.posterior[name].variance, rtol=1e-9, atol=1e-12)
