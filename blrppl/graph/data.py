@@ -82,10 +82,12 @@ SMALL_DATA = 200_000
 #: small data (diamonds: 0.3 → 0.45 s of run for 1.4 s less compilation). The YNNPACK
 #: library fusions of recent jaxlibs are off: as YNN fusions a step's sums over 10⁵ elements
 #: ran at 5–60 ns per element (a Poisson random walk of 10⁵ steps: 24 → 14 ms per step
-#: without), and with only matrix products kept as YNN fusions, two processes fitting factor
-#: models at once (pytest's two workers) got NaN or non-moving fits about one run in six (a
-#: model's first run with 30 NaN entries of ``z @ W.T``; 0 in 14 runs without; the large
-#: PCA's step 13.7 → 15.6 ms); a jaxlib without the option drops it.
+#: without), and with only matrix products kept as YNN fusions, fits of a small factor model
+#: on a loaded machine came out NaN now and then (a model's first run with 30 NaN entries of
+#: ``X @ C.T``, or every step rejected): 10 of 336 fits in a loop of fresh compiles against 0
+#: of 213 without, and 5 of 41 runs of its test file with pytest's two workers against 0 of 30
+#: (plain dots of its shapes compiled and run alone never failed); the large PCA's step
+#: 13.7 → 15.6 ms without; a jaxlib without the option drops it.
 _FAST_COMPILE = {"xla_cpu_use_fusion_emitters": False, "xla_cpu_experimental_ynn_fusion_type": ""}
 
 
