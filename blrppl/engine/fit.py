@@ -282,9 +282,7 @@ def _dense_work(plan, records) -> int:
     blocks of their element sizes' product), and for each hidden Markov chain its states ×
     K² × :data:`_CHAIN_WORK`. A mixture of N points in D dimensions with K
     labels counts N·D·D·K, ``X @ C.T`` with D latent dimensions N·M·D²: the measure by which
-    small data still gets optimised code (:func:`blrppl.graph.data.compiler_options`). A
-    plan with a Wishart block counts at least :data:`SMALL_DATA` (its step's many small
-    matrix kernels)."""
+    small data still gets optimised code (:func:`blrppl.graph.data.compiler_options`)."""
     blocks = {b.name: b for b in plan.blocks}
 
     def element_size(b) -> int:
@@ -316,19 +314,25 @@ def _dense_work(plan, records) -> int:
             # T = 1,000: 11.9 → 3.4 ms per step at level 1, for 1.1 s more compiling)
             k = len(b.support_values)
             total += b.size * k * k * _CHAIN_WORK
-    if any(isinstance(b.family, fam.Wishart) for b in plan.blocks):
-        # a precision matrix's step is many small matrix kernels (Cholesky factors and
-        # triangular solves per matrix, log-determinants and digammas, D × D quadratic
-        # forms per point and label), which unoptimised code runs 4-5x slower: BayesPy's
-        # small mixture (K = 10, N = 200, D = 2) 0.38 -> 0.08 ms per step at level 1, for
-        # 1.3 s more on its first fit (a stored program costs nothing the next time)
-        total = max(total, SMALL_DATA)
     return total
 
 
 #: :func:`_dense_work` of one state of a hidden Markov chain per K² (from T = 1,000 at K = 5
 #: on, a chain's fit compiles optimised)
 _CHAIN_WORK = 8
+
+
+def _step_work(plan, dense_work: int) -> int:
+    """The :func:`_dense_work` by which a fit's loop is compiled: at least
+    :data:`SMALL_DATA` (optimised code) for a plan with a Wishart block, whose step is many
+    small matrix kernels (Cholesky factors and triangular solves per matrix, log-determinants
+    and digammas, D × D quadratic forms per point and label) that unoptimised code runs 4-5×
+    slower: BayesPy's small mixture (K = 10, N = 200, D = 2) 0.38 → 0.08 ms per step, for
+    0.7 s more compiling on its first fit (a stored program costs nothing the next time).
+    The diagnostics' program, run once per fit, keeps the plain measure."""
+    if any(isinstance(b.family, fam.Wishart) for b in plan.blocks):
+        return max(dense_work, SMALL_DATA)
+    return dense_work
 
 
 def _support_signature(records) -> tuple:
@@ -446,7 +450,7 @@ def _compile(model, records, data_spec, dyn_data, tracer, options, prior_spec, k
     # XLA compiles outside the GIL: the chunk compiles on a worker thread while the
     # diagnostics' program is traced here, then both compile at once
     dense_work = _dense_work(plan, records)
-    chunk_options = _compiler_options(dyn_data, _elementwise_work(plan, records), dense_work)
+    chunk_options = _compiler_options(dyn_data, _elementwise_work(plan, records), _step_work(plan, dense_work))
     chunk_future = compile_program(
         fit_program_key(fit_key, "chunk", chunk_options),
         store_jit(chunk, "chunk").lower,
