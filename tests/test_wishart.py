@@ -304,6 +304,20 @@ def test_mixture_with_wishart_precisions_is_closed_form(gmm_fits):
     assert "relabelling" in fit.message and "structure='joint'" not in fit.message, fit.message
 
 
+def test_the_loop_of_a_wishart_plan_compiles_optimised(gmm_fits):
+    """A plan with a Wishart block (a step of many small matrix kernels) compiles its loop
+    optimised however small its data; without the Wishart block the same plan would not."""
+    import dataclasses
+
+    from blrppl.engine.fit import _step_work
+    from blrppl.graph.data import SMALL_DATA
+
+    _, fit, _ = gmm_fits
+    assert _step_work(fit.plan, 0) == SMALL_DATA
+    without = dataclasses.replace(fit.plan, blocks=tuple(b for b in fit.plan.blocks if b.name != "Lam"))
+    assert _step_work(without, 0) == 0
+
+
 def test_mixture_step_is_one_textbook_sweep(gmm_fits):
     x, fit_a, fit_b = gmm_fits
     want = _gmm_sweep(x)(_gmm_q(fit_a))
