@@ -280,36 +280,31 @@ def _colour_rows(full_cov: jax.Array, b: int) -> jax.Array:
     return _rows_permuted(full_cov, b)
 
 
-def _phase(shape: tuple, axis: int, k: int) -> jax.Array:
-    """i mod K along ``axis`` of an array of ``shape``."""
-    return jax.lax.broadcasted_iota(np.int32, shape, axis) % k
+def _by_phase(pick, k: int, phase: jax.Array) -> list:
+    """For each output column o < K: ``pick(o, r)`` where i mod K = r (``phase``), as K − 1
+    selects over the K candidates."""
+    columns = []
+    for o in range(k):
+        out = pick(o, 0)
+        for r in range(1, k):
+            out = jnp.where(phase == r, pick(o, r), out)
+        columns.append(out)
+    return columns
 
 
 def _rows_permuted(full, b: int) -> jax.Array:
     """(…, n, K) → (K, …, n): colour c of row i reads diagonal (c − i + b) mod K."""
     k = full.shape[-1]
-    phase = _phase(full.shape[:-1], full.ndim - 2, k)
-    colours = []
-    for c in range(k):
-        out = full[..., (c + b) % k]
-        for r in range(1, k):
-            out = jnp.where(phase == r, full[..., (c - r + b) % k], out)
-        colours.append(out)
-    return jnp.stack(colours, 0)
+    phase = jax.lax.broadcasted_iota(np.int32, full.shape[:-1], full.ndim - 2) % k  # i mod K
+    return jnp.stack(_by_phase(lambda c, r: full[..., (c - r + b) % k], k, phase), 0)
 
 
 def _rows_unpermuted(rows, b: int) -> jax.Array:
     """The inverse of :func:`_rows_permuted`, (K, …, n) → (…, n, K): diagonal d of row i
     comes from colour (d + i − b) mod K."""
     k = rows.shape[0]
-    phase = _phase(rows.shape[1:], rows.ndim - 2, k)
-    diagonals = []
-    for d in range(k):
-        out = rows[(d - b) % k]
-        for r in range(1, k):
-            out = jnp.where(phase == r, rows[(d + r - b) % k], out)
-        diagonals.append(out)
-    return jnp.stack(diagonals, -1)
+    phase = jax.lax.broadcasted_iota(np.int32, rows.shape[1:], rows.ndim - 2) % k
+    return jnp.stack(_by_phase(lambda d, r: rows[(d + r - b) % k], k, phase), -1)
 
 
 def _colour_rows_fwd(full_cov, b):
