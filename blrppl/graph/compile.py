@@ -1504,28 +1504,26 @@ def conjugate_blocks(plan) -> tuple:
         if b.discrete:
             out.append((b.name, True))
             continue
-        out.append((b.name, not b.point and all(factor_conjugate(f, b) for f in plan.factors_of(b.name))))
+        conj = not b.point
+        for f in plan.factors_of(b.name):
+            if f.estimator != "exact" or (b.batch_shape and (b.name, "full") in f.columns):
+                # (a factor mixing independent elements of the block: its message to one
+                # element depends on the others' q, mean-field coordinate steps iterate)
+                conj = False
+                break
+            blocks_of = dict(f.arg_blocks)
+            if any(k == mom.ExpGaussian.kind and b.name in blocks_of.get(a, ()) for a, k in f.arg_kinds):
+                conj = False  # (a log-normal scale: E[σ⁻²] = exp(−2m + 2v) is not linear in μ)
+                break
+            # the powers c·τ^a of the factor's arguments: each reads one Gamma block
+            for arg, power in f.powers:
+                if b.name not in blocks_of.get(arg, ()):
+                    continue
+                allowed = f.rule.conjugate_powers.get(arg, ()) if f.rule is not None else ()
+                if power is None or not any(np.isclose(power, a) for a in allowed):
+                    conj = False
+        out.append((b.name, conj))
     return tuple(out)
-
-
-def factor_conjugate(f, b) -> bool:
-    """Whether the message of factor ``f`` to the continuous block ``b`` is independent of
-    b's own q (see :func:`conjugate_blocks`)."""
-    if f.estimator != "exact" or (b.batch_shape and (b.name, "full") in f.columns):
-        # (a factor mixing independent elements of the block: its message to one element
-        # depends on the others' q, mean-field coordinate steps iterate)
-        return False
-    blocks_of = dict(f.arg_blocks)
-    if any(k == mom.ExpGaussian.kind and b.name in blocks_of.get(a, ()) for a, k in f.arg_kinds):
-        return False  # (a log-normal scale: E[σ⁻²] = exp(−2m + 2v) is not linear in μ)
-    # the powers c·τ^a of the factor's arguments: each reads one Gamma block
-    for arg, power in f.powers:
-        if b.name not in blocks_of.get(arg, ()):
-            continue
-        allowed = f.rule.conjugate_powers.get(arg, ()) if f.rule is not None else ()
-        if power is None or not any(np.isclose(power, a) for a in allowed):
-            return False
-    return True
 
 
 def _check_aligned(factor: SiteRecord, discrete: SiteRecord, name: str):
