@@ -484,6 +484,30 @@ def distribution_leaves(site: dict):
     return base, leaves, tree
 
 
+def log_prob_reads(base, leaves, tree: CanonicalTree, value) -> frozenset:
+    """The positions (canonical order) of the leaves a distribution's ``log_prob`` reads.
+
+    numpyro keeps fields its density never uses (a ``StudentT`` holds a ``Chi2`` of its
+    ``df`` for sampling): such a leaf is not a parameter of the factor, and counting it
+    would give a Student-t with a latent ``df`` four projections instead of two. Read off
+    the density's program (dead-code elimination); every leaf when it cannot be traced.
+    """
+    everything = frozenset(range(len(leaves)))
+
+    def aval(x):
+        return jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
+
+    def density(ls, v):
+        return jnp.sum(tree.unflatten(ls).log_prob(v))
+
+    try:
+        closed = jax.make_jaxpr(density)([aval(x) for x in leaves], aval(value))
+    except Exception:  # noqa: BLE001 - a density that does not trace abstractly: keep every leaf
+        return everything
+    _, used = _dce(closed.jaxpr, [True])
+    return frozenset(i for i in everything if used[i])
+
+
 def projection_args(links) -> Callable:
     """Extractor of the projections η = g⁻¹(leaf) of a quadrature factor from a site entry.
 

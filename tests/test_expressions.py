@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import numpyro.distributions as dist
 import pytest
 
 from blrppl import families as fam
@@ -187,3 +188,22 @@ def test_probe_points_respect_supports():
         np.testing.assert_allclose(x.sum(-1), 1.0)
     for x in seen["z"]:
         assert set(np.unique(x)) <= {0, 1, 2, 3}
+
+
+@pytest.mark.parametrize(
+    "make, read",
+    [
+        # canonical leaves: _chi2 (concentration, df, rate), df, loc, scale; the Chi2 is kept
+        # for sampling only
+        (lambda: dist.StudentT(jnp.full(3, 4.0), 0.0, jnp.ones(3)), {3, 4, 5}),
+        # concentration, df, rate: the density is the Gamma's
+        (lambda: dist.Chi2(jnp.full(3, 4.0)), {0, 2}),
+        (lambda: dist.Normal(0.0, jnp.ones(3)), {0, 1}),
+    ],
+)
+def test_log_prob_reads_only_the_leaves_the_density_uses(make, read):
+    from blrppl.expressions import canonical_leaves, log_prob_reads
+
+    d = make()
+    leaves, tree = canonical_leaves(d)
+    assert log_prob_reads(d, leaves, tree, jnp.ones(3)) == frozenset(read)

@@ -20,7 +20,7 @@ from blrppl import moments as mom
 from blrppl.errors import FamilyError, UnsupportedFactorError, UnsupportedLatentError
 from blrppl.estimators import bilinear, gram
 from blrppl.expressions import (
-    LINKS, ArgumentClass, ModelFunctions, ModelProgram, classify_form, distribution_leaves, factor_arguments,
+    LINKS, ArgumentClass, ModelFunctions, ModelProgram, classify_form, distribution_leaves, factor_arguments, log_prob_reads,
     gather_probe, pairing_probe, probe_argument, projection_args, random_point, run_probes, too_many_columns,
 )
 from blrppl.expressions import _needs_gather_test as needs_gather_test
@@ -1001,8 +1001,10 @@ def _dependencies(model, data_spec, data, records, rules, site_init, plate_indic
                 support_leaves = jax.tree.leaves(site["fn"].support)
                 args.update({f"support:{i}": jnp.asarray(x) for i, x in enumerate(support_leaves)})
             if not records[name].is_factor:
-                base, leaves, _ = distribution_leaves(site)
-                args.update({f"leaf:{i}": leaf for i, leaf in enumerate(leaves)})
+                base, leaves, tree = distribution_leaves(site)
+                # (only the leaves its density reads: not a field kept for sampling)
+                read = log_prob_reads(base, leaves, tree, site["value"])
+                args.update({f"leaf:{i}": leaf for i, leaf in enumerate(leaves) if i in read})
                 items = _elementwise_items(base, leaves)
                 loc = _location_leaf(base, leaves)
                 if loc is not None and {"value", f"leaf:{loc}"} <= items:

@@ -185,7 +185,8 @@ def _signature(f, entry, forms: dict):
     _, leaves, tree = distribution_leaves(entry)
     items = [jnp.asarray(x) for x in leaves] + [jnp.asarray(entry["value"])]
     keys = [f"leaf:{i}" for i in range(len(leaves))] + ["value"]
-    affine = tuple(not isinstance(forms[f.name].get(k, fm.Opaque("unknown")), fm.Const) for k in keys)
+    # (a leaf the density does not read has no form: a constant of the table, never read)
+    affine = tuple(k in forms[f.name] and not isinstance(forms[f.name][k], fm.Const) for k in keys)
     layout = _Layout(tree, tuple(base.batch_shape), tuple((x.shape, x.dtype) for x in items), affine)
     factor = (f.observed, f.estimator, id(f.rule), f.arg_kinds, f.arg_blocks, f.columns, f.neighbours, f.links, f.powers, f.dist_name, f.why)
     return factor, layout
