@@ -54,6 +54,7 @@ def _cases():
     return {
         "hmm": (hmm, (np.array([-2.0, 0.0, 2.0])[z] + 0.7 * rng.normal(size=40),)),
         # counts far above the prior's exp(0): backtracking rejects some of its first steps
+        # (without the first step's line search, which probes ρ by steps it undoes)
         "poisson walk": (poisson_walk, (rng.poisson(np.exp(4.0 + np.cumsum(0.3 * rng.normal(size=50)))).astype(float),)),
         "student-t regression": (regression, (X, X @ np.array([1.0, -0.5, 0.2]) + rng.standard_t(4, size=30))),
     }
@@ -62,25 +63,26 @@ def _cases():
 CASES = _cases()
 
 
-def _fit(model, args, carry: bool, monkeypatch):
+def _fit(model, args, carry: bool, monkeypatch, search: bool = True):
     def chunk(*a, **options):
         if not carry:
             options["views_fn"] = None
+        options["first_search"] = options.get("first_search", False) and search
         return engine_loop.make_chunk(*a, **options)
 
     monkeypatch.setattr(fit_module, "make_chunk", chunk)
     return fresh_fit(model, args, monkeypatch, num_steps=25)
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_carried_views_give_the_same_run(name, monkeypatch):
+@pytest.mark.parametrize("name, search", [(n, True) for n in CASES] + [("poisson walk", False)])
+def test_carried_views_give_the_same_run(name, search, monkeypatch):
     model, args = CASES[name]
-    carried = _fit(model, args, True, monkeypatch)
-    afresh = _fit(model, args, False, monkeypatch)
+    carried = _fit(model, args, True, monkeypatch, search)
+    afresh = _fit(model, args, False, monkeypatch, search)
     assert carried.num_steps == afresh.num_steps > 1
     np.testing.assert_allclose(carried.elbo, afresh.elbo, rtol=1e-10)
     for a, b in zip(jax.tree.leaves(carried.nat), jax.tree.leaves(afresh.nat)):
         np.testing.assert_allclose(a, b, rtol=1e-8, atol=1e-10)
     assert carried.state.views is None  # not returned: only the loop carries them
-    if name == "poisson walk":
+    if name == "poisson walk" and not search:
         assert carried.diagnostics.rejected_steps == afresh.diagnostics.rejected_steps > 0

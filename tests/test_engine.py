@@ -198,3 +198,44 @@ def test_a_settled_elbo_converges_only_once_the_parameters_stop_moving():
     assert run(0.0) == (CONVERGED, 1)
     stop, steps = run(1e-2)
     assert stop == STATIONARY and steps > 1
+
+
+@pytest.mark.parametrize(
+    "gain, first_search, start_step, x1, elbo1, damping1",
+    [
+        # probes ρ = 1 (x 17.8, ELBO -282: up from -441), ½ (x -1.1, ELBO -4.41: better),
+        # ¼ (x -10.55, ELBO -133: worse): the step is taken at ½
+        (1.8, True, 0, -1.1, -4.41, 0.5),
+        # no search: the full step raises the ELBO and is kept
+        (1.8, False, 0, 17.8, -282.24, 1.0),
+        # not a fresh start (a continued run): no search either
+        (1.8, True, 5, 17.8, -282.24, 1.0),
+        # ρ = 1 lowers the ELBO (x 32.5: -992): undone, then ½ (x 6.25, -27.6) is the best
+        (2.5, True, 0, 6.25, -27.5625, 0.5),
+        # ρ = 1 is the exact step: ½ is worse and the step is taken at 1
+        (1.0, True, 0, 1.0, 0.0, 1.0),
+    ],
+)
+def test_the_first_step_from_a_fresh_start_is_a_line_search(gain, first_search, start_step, x1, elbo1, damping1):
+    """A toy step that may overshoot: x ← x + gain · ρ (1 − x) with ELBO −(x − 1)², from
+    x = −20. With ``first_search`` the first step of a fresh state is taken at the probed ρ
+    with the best ELBO; the probes are neither counted as steps nor as undone steps."""
+    from blrppl.engine.step import BLRInfo, initial_state
+
+    def step(state, data, rho):
+        x = state.nat["x"]
+        x = x + state.damping * gain * (1.0 - x)
+        elbo = -((x - 1.0) ** 2)
+        info = BLRInfo(elbo=elbo, valid=jnp.array(True), proper={})
+        return state._replace(nat={"x": x}, step=state.step + 1, elbo=elbo), info
+
+    chunk = jax.jit(engine_loop.make_chunk(step, 10, first_search=first_search))
+    state = initial_state({"x": jnp.asarray(-20.0)}, jax.random.key(0))
+    state = state._replace(elbo=jnp.asarray(-441.0), damping=jnp.asarray(1.0), step=jnp.asarray(start_step))
+    out = chunk(state, None, jnp.asarray(1, jnp.int32), {}, engine_loop.empty_history(0), jnp.asarray(1e-8))
+    new, buf, n, undone = out[0], out[1], int(out[2]), int(out[7])
+    assert (n, undone) == (1, 0)
+    assert float(new.nat["x"]) == pytest.approx(x1)
+    assert float(buf[0]) == pytest.approx(elbo1)
+    assert float(new.damping) == damping1
+    assert int(new.step) == start_step + 1

@@ -426,6 +426,7 @@ def _compile(model, records, data_spec, dyn_data, tracer, options, prior_spec, k
         step, chunk_size, window, epoch, rate_fn, () if plan.subsampled else tuple(plan.order),
         elbo_fn=None if plan.subsampled else elbo_fn, exact_block=exact_block,
         views_fn=None if plan.subsampled else functools.partial(with_views, plan),
+        first_search=_first_search(plan, window, default_rate),
     )
     init_shapes = {
         n: jax.ShapeDtypeStruct(blocks[n].value_shape, jnp.result_type(v)) if blocks[n].local else v
@@ -691,6 +692,17 @@ def _discrete_start(bundle, plan, records, state, data, start, rng, block_values
     seeded = start_mod.seeded_probs(plan, records, rng)
     nat = bundle.init_fn(block_values, seeded)
     return state._replace(nat={**state.nat, **{n: nat[n] for n in seeded}})
+
+
+def _first_search(plan, window: int, default_rate: bool) -> bool:
+    """Whether the first step is a line search over ρ (:mod:`blrppl.engine.loop`): exact
+    ELBOs, the default step sizes, and a block whose messages depend on its own q (a
+    conjugate block's step at ρ = 1 is its exact update given the others)."""
+    conjugate = dict(plan.conjugate)
+    return (
+        default_rate and not window and not plan.subsampled
+        and any(not conjugate.get(b.name, False) and not b.point for b in plan.blocks)
+    )
 
 
 def _one_exact_block(plan) -> str | None:

@@ -10,6 +10,14 @@ updates the progress bar. A run stops when
   and every ρ halved (doubled again, up to 1, after two accepted steps in a row); when the
   damping falls below ``MIN_DAMPING`` the run ends with the last valid state, or
 * ``num_steps`` steps have run.
+
+The first step from a fresh start of a plan with non-conjugate blocks is a line search:
+from an arbitrary starting point a full step (a damped Newton step on the factors' expected
+log-densities) can overshoot far beyond the optimum of a log-density that is nearly linear
+there (a Student-t's log-scale far above its data) and still raise the start's ELBO, which
+its Σ = I makes very low; the fit may then end in another basin. So the first step is
+probed at ρ, ρ/2, ρ/4, … from the start while the ELBO keeps rising, and taken at the best
+(the probes are undone and not counted as steps; ρ grows back as after backtracking).
 """
 
 from __future__ import annotations
@@ -41,6 +49,8 @@ def empty_history(window: int):
 #: backtracking gives up when the damping of ρ falls below this (an exp link far below its
 #: data, e.g. Poisson counts of 10⁹ from a prior at 0, needs ρ ≈ 2⁻³¹ on its first step)
 MIN_DAMPING = 2.0**-60
+#: the first step's line search probes ρ down to this
+SEARCH_FLOOR = 2.0**-20
 
 
 class LoopOutcome(NamedTuple):
@@ -67,7 +77,7 @@ def drop_slack(elbo) -> float:
 
 def make_chunk(
     step, chunk_size: int, window: int = 0, epoch: int = 0, rate_fn=None, blocks=(),
-    elbo_fn=None, exact_block=None, views_fn=None,
+    elbo_fn=None, exact_block=None, views_fn=None, first_search: bool = False,
 ):
     """``chunk(state, data, steps_left, rho, history, tol) -> (state, elbo buffer, steps run,
     stop code, invalid steps, history)``; ``rho`` is the per-block step-size dict passed to
@@ -101,6 +111,11 @@ def make_chunk(
     block in ``blocks`` (the names the step reports in ``info.proper``) were not a valid
     natural parameter. With a user schedule ``rate_fn`` the run stops
     (code ``BAD_RATE``) before a step whose ρ is not a finite number ≥ 0.
+
+    With ``first_search`` (exact ELBOs only), the first step of a fresh state (step 0) is
+    the line search of the module docstring: probes at halved damping while each raises
+    the ELBO above the last, then the step again at the best damping (only scalars are
+    carried: the best probe is computed once more, not kept).
     """
     def windowed_converged(history, count, tol):
         recent, previous = history[window:], history[:window]
@@ -118,6 +133,12 @@ def make_chunk(
         buf = jnp.full((chunk_size,), jnp.nan, dtype)
         limit = jnp.minimum(steps_left, chunk_size)
         proper0 = {n: jnp.array(True) for n in blocks}
+        # the first step's line search: (probing, best ELBO so far, its damping)
+        search0 = (
+            jnp.asarray(first_search) & (state.step == 0),
+            jnp.full((), -jnp.inf, jnp.result_type(state.elbo)),
+            jnp.ones((), jnp.result_type(state.damping)),
+        )
         if elbo_fn is not None and exact_block is None:
             state = jax.lax.cond(
                 jnp.isnan(state.elbo),
@@ -130,11 +151,11 @@ def make_chunk(
             state = views_fn(state)
 
         def cond(carry):
-            _, i, _, stop, _, _, _, _ = carry
+            _, i, _, stop, _, _, _, _, _ = carry
             return (i < limit) & (stop == CONTINUE)
 
         def body(carry):
-            st, i, buf, _, invalid, history, _, undone = carry
+            st, i, buf, _, invalid, history, _, undone, (probing, best_elbo, best_damping) = carry
             if rate_fn is not None:
                 rate = jnp.asarray(rate_fn(st.step))
                 bad_rate = ~(jnp.isfinite(rate) & (rate >= 0))
@@ -165,32 +186,48 @@ def make_chunk(
                 flat = jnp.all(jnp.isfinite(history)) & (spread <= tol * jnp.maximum(1.0, jnp.abs(info.elbo)))
                 stationary = accept & info.valid & proper & flat & ~settled
                 conv = accept & info.valid & proper & (settled | flat)
+            # the first step's line search: every probe is undone; one that raises the ELBO
+            # above the best probe is recorded and the next probe halves ρ; the search ends at
+            # the first probe that does not (or at the floor), and the step is then computed
+            # again at the best damping (accepted: its ELBO did not drop)
+            better = probing & accept & (info.elbo > best_elbo)
+            ends = probing & jnp.isfinite(best_elbo) & (~better | (st.damping <= SEARCH_FLOOR))
+            best_damping = jnp.where(better, st.damping, best_damping)
+            best_elbo = jnp.where(better, info.elbo, best_elbo)
+            probe = probing
+            accept = accept & ~probing
+            conv = conv & ~probing
+            probing = probing & ~ends
             accept = accept & ~bad_rate
             # ρ grows back (×2, up to 1) after two accepted steps in a row: a damped step that
             # worked right after a rejection does not restore the step that failed
             streak = st.streak + 1
             grown = jnp.where(streak >= 2, jnp.minimum(1.0, 2.0 * st.damping), st.damping)
             rejected = st._replace(
-                step=st.step + 1, rng_key=new.rng_key, damping=0.5 * st.damping, streak=jnp.zeros_like(st.streak)
+                step=jnp.where(probe, st.step, st.step + 1),
+                rng_key=new.rng_key,
+                damping=jnp.where(ends, best_damping, 0.5 * st.damping),
+                streak=jnp.zeros_like(st.streak),
             )
             new = jax.tree.map(
                 lambda a, b: jnp.where(accept, b, a), rejected, new._replace(damping=grown, streak=streak)
             )
             buf = buf.at[i].set(jnp.where(accept, info.elbo, st.elbo))
-            stuck = ~accept & (new.damping < MIN_DAMPING)
+            stuck = ~accept & ~ends & (new.damping < MIN_DAMPING)
             converged_code = CONVERGED if window else jnp.where(stationary, STATIONARY, CONVERGED)
             stop = jnp.where(stuck, NONFINITE, jnp.where(conv & ~bad_rate, converged_code, CONTINUE))
             stop = jnp.where(bad_rate, BAD_RATE, stop)
             new = jax.tree.map(lambda a, b: jnp.where(bad_rate, a, b), st, new)
-            invalid = invalid + jnp.where(info.valid | bad_rate, 0, 1).astype(jnp.int32)
-            i = i + jnp.where(stuck | bad_rate, 0, 1).astype(jnp.int32)
+            invalid = invalid + jnp.where(info.valid | bad_rate | probe, 0, 1).astype(jnp.int32)
+            i = i + jnp.where(stuck | bad_rate | probe, 0, 1).astype(jnp.int32)
             last_proper = info.proper if info.proper is not None else {}
-            undone = undone + jnp.where(accept | bad_rate, 0, 1).astype(jnp.int32)
-            return new, i, buf, stop.astype(jnp.int32), invalid, history, last_proper, undone
+            undone = undone + jnp.where(accept | bad_rate | probe, 0, 1).astype(jnp.int32)
+            search = (probing, best_elbo, best_damping)
+            return new, i, buf, stop.astype(jnp.int32), invalid, history, last_proper, undone, search
 
         zero = jnp.zeros((), jnp.int32)
-        init = (state, zero, buf, zero, zero, history, proper0, zero)
-        state, n, buf, stop, invalid, history, proper, undone = jax.lax.while_loop(cond, body, init)
+        init = (state, zero, buf, zero, zero, history, proper0, zero, search0)
+        state, n, buf, stop, invalid, history, proper, undone, _ = jax.lax.while_loop(cond, body, init)
         state = state._replace(views=None, entropies=None)
         return state, buf, n, stop, invalid, history, proper, undone
 
