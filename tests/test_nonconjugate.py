@@ -111,7 +111,7 @@ def likelihood_factor(result, site="y"):
 #: references whose smallest ESS is below 5000: stochastic volatility's σ mixes slowly against
 #: the 2,000 states (4 × 15,000 draws, 13 min); ESS 1544 leaves a Monte Carlo error of 0.025 sd on
 #: its means and 1.8 % on its sds, far inside the tolerances its test uses (0.1 sd, 20 %)
-MIN_ESS = {"stochastic_volatility": 1500}
+MIN_ESS = {"stochastic_volatility": 1500, "student_t_volatility": 1500}
 
 
 def test_references_are_float64_and_converged():
@@ -232,6 +232,21 @@ def test_stochastic_volatility_matches_nuts():
     assert_chain_matches_nuts("stochastic_volatility", "h", 2000, sd_rel=0.2)
     err, _ = errors("stochastic_volatility")
     assert err["mu"] <= 0.1 and err["sigma"] <= 0.35, _fmt({k: err[k] for k in ("mu", "sigma")})
+
+
+def test_numpyro_stochastic_volatility_example_matches_nuts():
+    """NumPyro's own stochastic-volatility example (a random walk of log-scales, a Student-t
+    with latent degrees of freedom) on 2,000 days: the returns' factor is a 2-D quadrature
+    over (log nu, s_t), so s is a banded chain (it was a Monte Carlo factor and a dense
+    2,000 × 2,000 block). Every s_t's mean within 0.1 NUTS sd and its sd within 20 % (the
+    issue's bar; measured 0.06 sd and 0.91–1.00); nu's and sigma's means within 0.35 sd
+    (measured 0.28 and 0.16: mean-field against the chain, their sds are 0.40 and 0.21 of
+    NUTS', docs/limitations.md)."""
+    r = likelihood_factor(fit("student_t_volatility"), "r")
+    assert r.estimator == "quadrature" and [link for _, _, link in r.links] == ["exp", "exp"]
+    assert_chain_matches_nuts("student_t_volatility", "s", 2000, sd_rel=0.2)
+    err, _ = errors("student_t_volatility")
+    assert err["nu"] <= 0.35 and err["sigma"] <= 0.35, _fmt({k: err[k] for k in ("nu", "sigma")})
 
 
 def test_item_response_matches_nuts():

@@ -69,6 +69,7 @@ NUTS_SEEDS = {
     "random_walk": 110,
     "stochastic_volatility": 111,
     "item_response": 112,
+    "student_t_volatility": 113,
 }
 #: per-model overrides of the NUTS settings above
 NUTS_SETTINGS = {
@@ -81,6 +82,9 @@ NUTS_SETTINGS = {
     "stochastic_volatility": {"num_warmup": 2000, "num_samples": 15000},
     # (sampled as rm.item_response_centred_model; the global mean still mixes at ESS ≈ 22 % of the draws)
     "item_response": {"num_samples": 7000},
+    # NumPyro's example: the walk's step scale mixes slowly against the 2,000 states (ESS ≈ 2 %
+    # of the draws in a 4 × 5,000 run)
+    "student_t_volatility": {"num_samples": 25000},
 }
 #: per model, sites whose posterior has no finite variance (their stored sd does not converge);
 #: the log moments of the model's positive sites are stored as well (``log_params``)
