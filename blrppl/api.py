@@ -160,6 +160,7 @@ def blr_fit(
         if best is None or (np.isfinite(final) and not final <= finals[best[0]]):
             best = (start, result)
     index, result = best
+    result.model_call = (model, args, kwargs)
     if options.num_starts > 1:
         listed = ", ".join(f"{e:.6g}" for e in finals)
         result.message += f"; best of {options.num_starts} starts (start {index}; final ELBOs {listed})"

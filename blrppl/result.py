@@ -52,6 +52,8 @@ class BLRResult:
         compile_counts: :class:`CompileCounts` of this fit up to its first step: how often
             the model's Python code ran and how many XLA compilations there were (both
             small when the compiled fit came from the cache).
+        model_call: ``(model, args, kwargs)`` the fit ran on, from which :meth:`sample`
+            computes the model's ``numpyro.deterministic`` sites (None: latents only).
     """
 
     posterior: dict
@@ -68,6 +70,7 @@ class BLRResult:
     diagnostics: Any = None
     diagnostic_time: float = 0.0
     compile_counts: CompileCounts | None = None
+    model_call: Any = dataclasses.field(default=None, repr=False)
 
     @property
     def params(self) -> dict:
@@ -91,10 +94,20 @@ class BLRResult:
         """Draws from the posterior: site → array with a leading ``num_samples`` axis.
 
         Sites fitted together in a joint block are drawn jointly (their correlations kept).
+        The model's ``numpyro.deterministic`` sites (among them the sites a reparameterisation
+        handler such as ``LocScaleReparam`` rewrites) follow the latents, computed from each
+        draw as ``MCMC.get_samples`` holds them.
         """
         from blrppl.inputs import as_key
 
-        keys = jax.random.split(as_key(rng_key), max(len(self.plan.blocks), 1))
+        key = as_key(rng_key)
+        draws = self._sample_latents(key, num_samples)
+        draws.update(self._deterministic(jax.random.fold_in(key, 1), draws))
+        return draws
+
+    def _sample_latents(self, key, num_samples: int) -> dict:
+        """Draws of the latent sites (:meth:`sample` without the deterministic sites)."""
+        keys = jax.random.split(key, max(len(self.plan.blocks), 1))
         out = {}
         for k, b in zip(keys, self.plan.blocks):
             if b.chain:
@@ -116,13 +129,59 @@ class BLRResult:
                 out[b.name] = self.posterior[b.name].sample(k, (num_samples,))
         return {name: out[name] for name in self.posterior}
 
-    def summary(self, prob: float = 0.9, num_samples: int = 4000, rng_key=None, print_table=True) -> dict:
+    def _deterministic(self, key, draws: dict) -> dict:
+        """The model's deterministic sites at each of ``draws`` (the latents' values, with
+        the fitted ``numpyro.param`` values): {} without a model call or such sites. A
+        model whose deterministic values cannot be computed draw by draw warns and gives
+        none (the latents' draws stand)."""
+        if self.model_call is None or not draws:
+            return {}
+        import warnings
+
+        from numpyro import handlers
+        from numpyro.infer import Predictive
+
+        model, args, kwargs = self.model_call
+        params = {b.name: point_value(b, self.nat[b.name]) for b in self.plan.blocks if b.param}
+        first = {name: x[0] for name, x in draws.items()}
+        try:
+            with handlers.block():
+                trace = handlers.trace(handlers.seed(handlers.substitute(model, data={**params, **first}), 0)).get_trace(
+                    *args, **kwargs
+                )
+            names = [n for n, site in trace.items() if site["type"] == "deterministic" and n not in draws]
+            if not names:
+                return {}
+            predictive = Predictive(model, posterior_samples=draws, params=params, return_sites=names, batch_ndims=1)
+            values = predictive(key, *args, **kwargs)
+        except Exception as err:  # (the model's own code: anything it raises)
+            warnings.warn(
+                f"BLRResult.sample: the model's deterministic sites could not be computed from the draws "
+                f"({type(err).__name__}: {err}); only the latent sites are returned",
+                UserWarning,
+                stacklevel=3,
+            )
+            return {}
+        return {n: values[n] for n in names if n in values}
+
+    def summary(
+        self, prob: float = 0.9, num_samples: int = 4000, rng_key=None, print_table=True, exclude_deterministic=True
+    ) -> dict:
         """Mean, sd and central ``prob`` interval of every scalar of every site.
+
+        Args:
+            exclude_deterministic: leave out the model's ``numpyro.deterministic`` sites (as
+                numpyro's ``print_summary`` does by default).
 
         Returns:
             site → dict with ``mean``, ``sd``, ``median``, lower and upper quantiles.
         """
-        draws = self.sample(rng_key, num_samples)
+        if exclude_deterministic:
+            from blrppl.inputs import as_key
+
+            draws = self._sample_latents(as_key(rng_key), num_samples)
+        else:
+            draws = self.sample(rng_key, num_samples)
         lo_q, hi_q = 50 * (1 - prob), 50 * (1 + prob)
         out = {}
         for name, x in draws.items():

@@ -24,6 +24,7 @@ from jax import random
 from numpyro import handlers
 from numpyro.infer import Trace_ELBO
 from numpyro.infer.autoguide import AutoNormal
+from numpyro.infer.reparam import LocScaleReparam
 
 from blrppl import BLR, BLRError, ModelTraceError, ObservedDataError, blr_fit
 
@@ -248,6 +249,34 @@ def test_posterior_of_every_site_and_block_kind():
         assert np.all(np.isfinite(q.mean)) and np.all(np.asarray(q.variance) >= 0), site
         assert draws[site].shape == (4,) + shape, site
         assert q.sample(random.PRNGKey(2), (3,)).shape == (3,) + shape, site
+
+
+def eight_schools_reparam(sigma, y=None):
+    mu = numpyro.sample("mu", dist.Normal(0.0, 5.0))
+    tau = numpyro.sample("tau", dist.HalfCauchy(5.0))
+    shift = numpyro.param("shift", 0.0)
+    with numpyro.plate("J", len(sigma)):
+        with handlers.reparam(config={"theta": LocScaleReparam(centered=0)}):
+            theta = numpyro.sample("theta", dist.Normal(mu, tau))
+        numpyro.deterministic("theta_shifted", theta + shift)
+        numpyro.sample("obs", dist.Normal(theta, sigma), obs=y)
+
+
+def test_draws_hold_the_deterministic_sites_as_mcmc_samples_do():
+    """As ``MCMC.get_samples``: ``numpyro.deterministic`` sites (here a reparameterised
+    ``theta`` and one reading a ``numpyro.param``) computed from each draw of the latents;
+    ``summary`` leaves them out unless asked, as numpyro's ``print_summary`` does."""
+    y = np.array([28.0, 8.0, -3.0, 7.0, -1.0, 1.0, 18.0, 12.0])
+    sigma = np.array([15.0, 10.0, 16.0, 11.0, 9.0, 11.0, 10.0, 18.0])
+    result = fit(eight_schools_reparam, {"sigma": sigma, "y": y}, num_steps=20)
+    draws = result.sample(random.PRNGKey(1), 50)
+    assert set(draws) == {"mu", "tau", "theta_decentered", "shift", "theta", "theta_shifted"}
+    expected = draws["mu"][:, None] + draws["tau"][:, None] * draws["theta_decentered"]
+    np.testing.assert_allclose(draws["theta"], expected, rtol=1e-5, atol=1e-5)
+    shift = result.point_estimates()["shift"]
+    np.testing.assert_allclose(draws["theta_shifted"], expected + shift, rtol=1e-5, atol=1e-5)
+    assert set(result.summary(print_table=False)) == {"mu", "tau", "theta_decentered", "shift"}
+    assert "theta" in result.summary(print_table=False, exclude_deterministic=False)
 
 
 # -- 9. masks: masked NaN observations contribute nothing ----------------------------------
