@@ -16,7 +16,8 @@ Yao & Gabry 2024, "Pareto smoothed importance sampling"; the fit of Zhang & Step
 with its weakly informative prior) says how far q's tails are from the posterior's
 (Yao, Vehtari, Simpson & Gelman 2018): k̂ ≤ 0.5 q is close (importance sampling from it has
 finite variance), 0.5 < k̂ ≤ 0.7 usable, k̂ > 0.7 q is a poor approximation of the posterior
-(a funnel, several modes, heavy tails q cannot hold). Weights that are all equal (q is the
+(a funnel, several modes, heavy tails q cannot hold); the fit warns then, unless the weights
+hardly vary (relative effective sample size at least :data:`ESS_CLOSE`). Weights that are all equal (q is the
 exact posterior, as for a conjugate model) give k̂ = −∞; so does a converged fit whose only
 latent block is conjugate (its closed-form step is the exact posterior), without any draws.
 
@@ -50,8 +51,15 @@ BATCH = 50
 #: once, above it draws go in batches of at most BATCH (at least one) and enumerated values one
 #: at a time
 VMAP_ALL = 5_000_000
-#: above this k̂, q is a poor approximation (a UserWarning says so)
+#: above this k̂, q is a poor approximation (a UserWarning says so, unless the importance
+#: weights' relative effective sample size is at least ESS_CLOSE)
 KHAT_WARN = 0.7
+#: a relative effective sample size of the importance weights at which q's bulk is close to
+#: the posterior whatever k̂ says about the tails: with w = p/q normalised, 1/ESS − 1 estimates
+#: χ²(p‖q) = E_q[(w − 1)²], and by Cauchy–Schwarz |E_p f − E_q f| = |E_q[(w − 1) f]| ≤
+#: √χ² · sd_q(f), 0.23 sd_q of any quantity at 0.95 (near-exact fits reach 0.98–0.99, where the
+#: k̂ fit to a tail of nearly equal weights is noise; fits with too small sds 0.04–0.25)
+ESS_CLOSE = 0.95
 
 
 class Diagnostics(NamedTuple):
@@ -66,6 +74,8 @@ class Diagnostics(NamedTuple):
         elbo_noise: for Monte Carlo ELBOs, the standard deviation of the last window of
             ELBOs (0 for exact ELBOs).
         note: why k̂ was not computed, if it was not.
+        ess: relative effective sample size of the importance weights, (Σ w)² / (S Σ w²) over
+            the S draws (1 when they are all equal; NaN when not computed or not finite).
     """
 
     khat: float
@@ -74,11 +84,13 @@ class Diagnostics(NamedTuple):
     rejected_steps: int
     elbo_noise: float
     note: str = ""
+    ess: float = math.nan
 
     def describe(self) -> str:
         k = "not computed" if math.isnan(self.khat) else ("-inf (q is exact)" if self.khat == -math.inf else f"{self.khat:.3g}")
         lines = [
             f"PSIS k-hat: {k}" + (f" ({self.note})" if self.note else f" ({self.num_draws} draws of q)"),
+            *([f"importance sampling relative ESS: {self.ess:.3g}"] if not math.isnan(self.ess) else []),
             f"last relative ELBO change: {self.elbo_rel_change:.3g}",
             f"rejected steps: {self.rejected_steps}",
         ]
@@ -127,6 +139,16 @@ def psis_khat(log_weights) -> float:
     if x.size <= 4:
         return math.inf
     return _gpd_fit(np.sort(x))
+
+
+def relative_ess(log_weights) -> float:
+    """(Σ w)² / (S Σ w²) of the S importance weights w = exp(log w): 1 when they are all
+    equal, 1/S when one dominates; NaN when any is not finite or there are none."""
+    lw = np.asarray(log_weights, dtype=float).ravel()
+    if not lw.size or not np.all(np.isfinite(lw)):
+        return math.nan
+    w = np.exp(lw - lw.max())
+    return float(w.sum() ** 2 / (lw.size * np.sum(w**2)))
 
 
 # -- the log weights ---------------------------------------------------------------------------

@@ -5,6 +5,7 @@ posterior q cannot hold)."""
 from __future__ import annotations
 
 import math
+import warnings
 
 import jax.numpy as jnp
 import numpy as np
@@ -15,7 +16,9 @@ from jax import random
 
 import reference_models as rm
 from blrppl import blr_fit
-from blrppl.diagnostics import KHAT_WARN, NUM_DRAWS, VMAP_ALL, draws_at_once, num_draws, psis_khat
+from blrppl.diagnostics import (
+    ESS_CLOSE, KHAT_WARN, NUM_DRAWS, VMAP_ALL, draws_at_once, num_draws, psis_khat, relative_ess,
+)
 
 numpyro.enable_x64()
 
@@ -36,6 +39,46 @@ def test_khat_edge_cases():
     bad = np.zeros(NUM_DRAWS)
     bad[3] = np.nan
     assert psis_khat(bad) == math.inf
+
+
+@pytest.mark.parametrize(
+    "log_weights, ess",
+    [
+        (np.zeros(10), 1.0),  # equal weights
+        (np.array([0.0] + [-1e4] * 9), 0.1),  # one of ten dominates
+        (np.log([1.0, 1.0, 2.0, 2.0]), 36.0 / (4 * 10.0)),  # (Σw)² / (S Σw²) = 6² / (4 · 10)
+        (np.log([3.0, 1.0]) + 50.0, 16.0 / (2 * 10.0)),  # shifted: only ratios count
+        (np.array([0.0, np.nan]), math.nan),
+        (np.array([0.0, np.inf]), math.nan),
+    ],
+)
+def test_relative_ess_table(log_weights, ess):
+    got = relative_ess(log_weights)
+    if math.isnan(ess):
+        assert math.isnan(got)
+    else:
+        assert got == pytest.approx(ess, rel=1e-12)
+
+
+def test_heavy_tail_of_nearly_equal_weights_is_a_note_not_a_warning():
+    """A Normal with unknown mean and HalfNormal scale (100 points): the Gaussian on log s is
+    nearly exact (every importance weight within a few % of the others: relative ESS ≥ 0.95),
+    yet the Pareto fit to the largest of them gives k̂ > 0.7. The fit does not warn; its
+    message gives k̂ and the ESS."""
+    def model(y):
+        mu = numpyro.sample("mu", dist.Normal(0.0, 10.0))
+        s = numpyro.sample("s", dist.HalfNormal(2.0))
+        with numpyro.plate("n", y.shape[0]):
+            numpyro.sample("y", dist.Normal(mu, s), obs=y)
+
+    y = np.random.default_rng(0).normal(1.0, 1.5, size=100)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        result = fit(model, {"y": y}, rng_key=random.PRNGKey(0))
+    d = result.diagnostics
+    assert d.khat > KHAT_WARN and d.ess >= ESS_CLOSE, d
+    assert "k-hat" in result.message and "effective" in result.message
+    assert "relative ESS" in d.describe()
 
 
 def fit(model, data, **kw):
@@ -90,7 +133,7 @@ def test_funnel_is_flagged():
 
     with pytest.warns(UserWarning, match="poor approximation"):
         result = fit(funnel, None)
-    assert result.diagnostics.khat > KHAT_WARN
+    assert result.diagnostics.khat > KHAT_WARN and result.diagnostics.ess < ESS_CLOSE
     assert "k-hat" in result.message
 
 

@@ -34,7 +34,7 @@ from blrppl.estimators import bilinear, gram
 from blrppl.expressions import table_key
 from blrppl.graph.deps import output_dependencies
 from blrppl.graph.stack import stack_table
-from blrppl.diagnostics import KHAT_WARN, Diagnostics, make_log_weights, psis_khat
+from blrppl.diagnostics import ESS_CLOSE, KHAT_WARN, Diagnostics, make_log_weights, psis_khat, relative_ess
 from blrppl.graph.data import DataSpec, RunData, split_run_data
 from blrppl.graph.data import SMALL_DATA, background_compilations, compiler_options as _compiler_options, host_array, xla_compilations
 from blrppl.graph.program_store import compile_program, fit_program_key, jit as store_jit, program_key
@@ -796,7 +796,9 @@ def _diagnose(prepared, outcome, nat) -> Diagnostics:
         return Diagnostics(khat=-math.inf, num_draws=0, note="one conjugate block in closed form: no draws needed", **base)
     key = host_fold_in(outcome.state.rng_key, 7)
     log_weights = np.asarray(bundle.log_weights(nat, _model_data(plan, prepared.dyn_data), key))
-    return Diagnostics(khat=psis_khat(log_weights), num_draws=int(log_weights.size), **base)
+    return Diagnostics(
+        khat=psis_khat(log_weights), num_draws=int(log_weights.size), ess=relative_ess(log_weights), **base
+    )
 
 
 def _improper_blocks(outcome, plan) -> tuple:
@@ -861,7 +863,15 @@ def run(prepared: Prepared, state: BLRState, num_steps: int, progress_bar: bool)
     if outcome.stop == NONFINITE:
         # (the result holds the last valid state; without a warning only the message says so)
         warnings.warn("blr_fit: " + message, UserWarning, stacklevel=3)
-    if diagnostics.khat > KHAT_WARN:
+    if diagnostics.khat > KHAT_WARN and diagnostics.ess >= ESS_CLOSE:
+        # (nearly equal weights: q's bulk is the posterior's; k̂ reads the tail of a ratio
+        # that hardly varies, no warning)
+        message += (
+            f"; PSIS k-hat = {diagnostics.khat:.2f} > {KHAT_WARN}, but importance sampling from q keeps "
+            f"{100 * diagnostics.ess:.0f} % of its draws effective: q's tails differ from the posterior's, "
+            "its bulk is close"
+        )
+    elif diagnostics.khat > KHAT_WARN:
         advice = "compare with NUTS, or try structure='joint' or other families="
         if any(f.pairs for f in plan.factors):
             # (joined, the product would be fitted by Monte Carlo: slower, and no better for a
