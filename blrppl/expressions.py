@@ -45,6 +45,7 @@ from blrppl import moments as mom
 from blrppl.graph import forms as fm, scan_map
 from blrppl.graph.data import DataSpec, RunData, compile_lowered, compiler_options
 from blrppl.graph.plan import Block
+from blrppl.graph.stable import Stabilise
 from blrppl.products import ProductMoments, product_second_moments
 from blrppl.graph.trace import PlateIndices, count_model_run, given_matrices, unwrap, value_mask
 
@@ -113,7 +114,7 @@ class ModelProgram:
 
     def _run(self, full, args, kwargs, indices, names=None):
         count_model_run()
-        model = handlers.substitute(self.model, data=full)
+        model = handlers.substitute(Stabilise(self.model), data=full)
         if indices:
             model = PlateIndices(model, indices)
         if names is not None:

@@ -28,6 +28,7 @@ from jax.extend import core as jex_core
 
 from blrppl.graph.data import DataSpec, compiler_options
 from blrppl.graph.program_store import compile_program, jit as store_jit, program_key
+from blrppl.graph.stable import Stabilise
 from blrppl.graph.plan import SubsampledPlate
 from blrppl.errors import ModelTraceError, ObservedDataError, UnsupportedFactorError, UnsupportedLatentError
 
@@ -623,7 +624,9 @@ def _run_once(model, spec, init_strategy, meta, dyn, rng_key):
     """Trace the model; static facts go to ``meta``, arrays are returned."""
     count_model_run()
     args, kwargs = spec.merge(dyn)
-    last = _LastSite(handlers.substitute(handlers.seed(model, rng_key), substitute_fn=partial(_initial, init_strategy)))
+    last = _LastSite(
+        handlers.substitute(handlers.seed(Stabilise(model), rng_key), substitute_fn=partial(_initial, init_strategy))
+    )
     meta["last"] = last
     tr = handlers.trace(last).get_trace(*args, **kwargs)
     sites, values, bounds, checks, masks, nan_counts, supports, unconstrained = [], {}, {}, {}, {}, {}, {}, {}
