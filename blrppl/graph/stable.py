@@ -2,7 +2,7 @@
 
 A fit evaluates a factor's log-density wherever q puts mass, often far from the data at the
 start (Σ = I on an unconstrained scale). numpyro's truncated Normals normalise by a difference
-of CDFs, which is 0 in float arithmetic once the truncation point lies some 8 (float32) to 38
+of CDFs, which is 0 in float arithmetic once the truncation point lies some 13 (float32) to 38
 (float64) sds beyond the location: ``TruncatedNormal(20., 0.05, high=2.).log_prob(1.)`` is
 ``+inf``, and a fit whose first step meets one stops with no valid step. The stand-ins here
 compute the same density with the log-normaliser from ``log_ndtr`` (stable in both tails):
