@@ -141,19 +141,22 @@ class BLRResult:
         from numpyro import handlers
         from numpyro.infer import Predictive
 
+        from blrppl.engine.fit import COMPILE_LOCK
+
         model, args, kwargs = self.model_call
         params = {b.name: point_value(b, self.nat[b.name]) for b in self.plan.blocks if b.param}
         first = {name: x[0] for name, x in draws.items()}
         try:
-            with handlers.block():
+            # (numpyro's effect handlers keep one process-wide stack: no fit traces meanwhile)
+            with COMPILE_LOCK, handlers.block():
                 trace = handlers.trace(handlers.seed(handlers.substitute(model, data={**params, **first}), 0)).get_trace(
                     *args, **kwargs
                 )
-            names = [n for n, site in trace.items() if site["type"] == "deterministic" and n not in draws]
-            if not names:
-                return {}
-            predictive = Predictive(model, posterior_samples=draws, params=params, return_sites=names, batch_ndims=1)
-            values = predictive(key, *args, **kwargs)
+                names = [n for n, site in trace.items() if site["type"] == "deterministic" and n not in draws]
+                if not names:
+                    return {}
+                predictive = Predictive(model, posterior_samples=draws, params=params, return_sites=names, batch_ndims=1)
+                values = predictive(key, *args, **kwargs)
         except Exception as err:  # (the model's own code: anything it raises)
             warnings.warn(
                 f"BLRResult.sample: the model's deterministic sites could not be computed from the draws "
