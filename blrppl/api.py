@@ -161,6 +161,7 @@ def blr_fit(
             best = (start, result)
     index, result = best
     result.model_call = (model, args, kwargs)
+    result.deterministic_sites = prepared.bundle.tracer.meta.get("deterministic")
     if options.num_starts > 1:
         listed = ", ".join(f"{e:.6g}" for e in finals)
         result.message += f"; best of {options.num_starts} starts (start {index}; final ELBOs {listed})"

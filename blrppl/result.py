@@ -71,6 +71,11 @@ class BLRResult:
     diagnostic_time: float = 0.0
     compile_counts: CompileCounts | None = None
     model_call: Any = dataclasses.field(default=None, repr=False)
+    #: names of the model's ``numpyro.deterministic`` sites as the fit traced it (None:
+    #: unknown, :meth:`sample` traces the model to find them)
+    deterministic_sites: tuple | None = dataclasses.field(default=None, repr=False)
+    #: compiled draws of the latents, by (num_samples, key shape, key dtype)
+    _samplers: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     @property
     def params(self) -> dict:
@@ -106,35 +111,30 @@ class BLRResult:
         return draws
 
     def _sample_latents(self, key, num_samples: int) -> dict:
-        """Draws of the latent sites (:meth:`sample` without the deterministic sites)."""
-        keys = jax.random.split(key, max(len(self.plan.blocks), 1))
-        out = {}
-        for k, b in zip(keys, self.plan.blocks):
-            if b.chain:
-                # whole chains (forward filtering, backward sampling): the states keep their coupling
-                states = b.family.flat(b.family.sample(self.nat[b.name], k, (num_samples,)))
-                out.update(b.chain_site_values(states))
-            elif b.members and b.discrete:
-                # one draw of the joint state: the members' values keep their coupling
-                state = b.family.sample(self.nat[b.name], k, (num_samples,))
-                table = jnp.asarray(b.joint_states)
-                for i, m in enumerate(b.members):
-                    out[m.name] = table[state, i]
-            elif b.members:
-                x = b.family.sample(self.nat[b.name], k, (num_samples,))
-                for name, u in b.split(x).items():
-                    member = next(m for m in b.members if m.name == name)
-                    out[name] = member.transform(u) if member.transform is not None else u
-            else:
-                out[b.name] = self.posterior[b.name].sample(k, (num_samples,))
-        return {name: out[name] for name in self.posterior}
+        """Draws of the latent sites (:meth:`sample` without the deterministic sites), from
+        one program compiled per ``num_samples`` and kept (drawn eagerly, every sampler and
+        operation compiled a program of its own: a Dirichlet's draws alone took 1.5 s, a
+        model with five such sites 8 s)."""
+        from blrppl.graph.data import compile_lowered, compiler_options
+
+        draw_from = {b.name: self.posterior[b.name] for b in self.plan.blocks if not (b.chain or b.members)}
+        signature = (int(num_samples), jnp.shape(key), jnp.result_type(key))
+        compiled = self._samplers.get(signature)
+        if compiled is None:
+            fn = jax.jit(lambda nat, dists, k: _draw_latents(self.plan, nat, dists, k, int(num_samples)))
+            lowered = fn.lower(self.nat, draw_from, key)
+            scalars = sum(int(np.prod(jnp.shape(x))) for x in jax.tree.leaves(self.nat))
+            compiled = compile_lowered(lowered, compiler_options(None, size=int(num_samples) * scalars))
+            self._samplers[signature] = compiled
+        draws = compiled(self.nat, draw_from, key)
+        return {name: draws[name] for name in self.posterior}
 
     def _deterministic(self, key, draws: dict) -> dict:
         """The model's deterministic sites at each of ``draws`` (the latents' values, with
         the fitted ``numpyro.param`` values): {} without a model call or such sites. A
         model whose deterministic values cannot be computed draw by draw warns and gives
         none (the latents' draws stand)."""
-        if self.model_call is None or not draws:
+        if self.model_call is None or not draws or self.deterministic_sites == ():
             return {}
         import warnings
 
@@ -145,14 +145,15 @@ class BLRResult:
 
         model, args, kwargs = self.model_call
         params = {b.name: point_value(b, self.nat[b.name]) for b in self.plan.blocks if b.param}
-        first = {name: x[0] for name, x in draws.items()}
         try:
             # (numpyro's effect handlers keep one process-wide stack: no fit traces meanwhile)
             with COMPILE_LOCK, handlers.block():
-                trace = handlers.trace(handlers.seed(handlers.substitute(model, data={**params, **first}), 0)).get_trace(
-                    *args, **kwargs
-                )
-                names = [n for n, site in trace.items() if site["type"] == "deterministic" and n not in draws]
+                names = self.deterministic_sites
+                if names is None:
+                    first = {name: x[0] for name, x in draws.items()}
+                    seeded = handlers.seed(handlers.substitute(model, data={**params, **first}), 0)
+                    names = [n for n, site in handlers.trace(seeded).get_trace(*args, **kwargs).items() if site["type"] == "deterministic"]
+                names = [n for n in names if n not in draws]
                 if not names:
                     return {}
                 predictive = Predictive(model, posterior_samples=draws, params=params, return_sites=names, batch_ndims=1)
@@ -241,6 +242,32 @@ class BLRResult:
         posterior = {name: np.asarray(x)[None] for name, x in draws.items()}
         dims = {name: [f"{name}_dim_{i}" for i in range(x.ndim - 2)] for name, x in posterior.items()}
         return arviz.from_dict(posterior=posterior, dims=dims, posterior_attrs={"inference_library": "blrppl"})
+
+
+def _draw_latents(plan, nat: dict, dists: dict, key, num_samples: int) -> dict:
+    """``num_samples`` draws of every latent site: joint blocks drawn jointly (their
+    members' coupling kept), chains as whole paths (forward filtering, backward sampling),
+    the other blocks from their exported posteriors ``dists``."""
+    keys = jax.random.split(key, max(len(plan.blocks), 1))
+    out = {}
+    for k, b in zip(keys, plan.blocks):
+        if b.chain:
+            states = b.family.flat(b.family.sample(nat[b.name], k, (num_samples,)))
+            out.update(b.chain_site_values(states))
+        elif b.members and b.discrete:
+            # one draw of the joint state: the members' values keep their coupling
+            state = b.family.sample(nat[b.name], k, (num_samples,))
+            table = jnp.asarray(b.joint_states)
+            for i, m in enumerate(b.members):
+                out[m.name] = table[state, i]
+        elif b.members:
+            x = b.family.sample(nat[b.name], k, (num_samples,))
+            for name, u in b.split(x).items():
+                member = next(m for m in b.members if m.name == name)
+                out[name] = member.transform(u) if member.transform is not None else u
+        else:
+            out[b.name] = dists[b.name].sample(k, (num_samples,))
+    return out
 
 
 def format_summary(stats: dict) -> str:

@@ -715,6 +715,7 @@ def _run_once(model, spec, init_strategy, meta, dyn, rng_key):
             }
         )
     meta["sites"] = sites
+    meta["deterministic"] = tuple(name for name, site in tr.items() if site["type"] == "deterministic")
     return {
         "values": values,
         "bounds": bounds,
