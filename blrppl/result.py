@@ -99,15 +99,17 @@ class BLRResult:
         """Draws from the posterior: site → array with a leading ``num_samples`` axis.
 
         Sites fitted together in a joint block are drawn jointly (their correlations kept).
-        The model's ``numpyro.deterministic`` sites (among them the sites a reparameterisation
-        handler such as ``LocScaleReparam`` rewrites) follow the latents, computed from each
-        draw as ``MCMC.get_samples`` holds them.
+        The latents the fit integrated out (``plan.barren``: no other site reads them, e.g.
+        ``obs_mask``'s ``<site>_unobserved``) are drawn from the model given each draw of the
+        others, and the model's ``numpyro.deterministic`` sites (among them the sites a
+        reparameterisation handler such as ``LocScaleReparam`` rewrites) computed from each
+        draw, as ``MCMC.get_samples`` holds them.
         """
         from blrppl.inputs import as_key
 
         key = as_key(rng_key)
         draws = self._sample_latents(key, num_samples)
-        draws.update(self._deterministic(jax.random.fold_in(key, 1), draws))
+        draws.update(self._from_model(jax.random.fold_in(key, 1), draws, deterministic=True))
         return draws
 
     def _sample_latents(self, key, num_samples: int) -> dict:
@@ -129,12 +131,14 @@ class BLRResult:
         draws = compiled(self.nat, draw_from, key)
         return {name: draws[name] for name in self.posterior}
 
-    def _deterministic(self, key, draws: dict) -> dict:
-        """The model's deterministic sites at each of ``draws`` (the latents' values, with
-        the fitted ``numpyro.param`` values): {} without a model call or such sites. A
-        model whose deterministic values cannot be computed draw by draw warns and gives
-        none (the latents' draws stand)."""
-        if self.model_call is None or not draws or self.deterministic_sites == ():
+    def _from_model(self, key, draws: dict, deterministic: bool) -> dict:
+        """The sites the model computes at each of ``draws`` (the fitted latents' values,
+        with the fitted ``numpyro.param`` values): the latents integrated out, drawn given
+        the others, and with ``deterministic`` the model's deterministic sites; {} without
+        a model call or such sites. A model that cannot be run draw by draw warns and
+        gives none (the fitted latents' draws stand)."""
+        barren = [n for n in self.plan.barren if n not in draws]
+        if self.model_call is None or not draws or not (barren or deterministic and self.deterministic_sites != ()):
             return {}
         import warnings
 
@@ -148,20 +152,21 @@ class BLRResult:
         try:
             # (numpyro's effect handlers keep one process-wide stack: no fit traces meanwhile)
             with COMPILE_LOCK, handlers.block():
-                names = self.deterministic_sites
+                names = self.deterministic_sites if deterministic else ()
                 if names is None:
                     first = {name: x[0] for name, x in draws.items()}
                     seeded = handlers.seed(handlers.substitute(model, data={**params, **first}), 0)
                     names = [n for n, site in handlers.trace(seeded).get_trace(*args, **kwargs).items() if site["type"] == "deterministic"]
-                names = [n for n in names if n not in draws]
+                names = barren + [n for n in names if n not in draws and n not in barren]
                 if not names:
                     return {}
                 predictive = Predictive(model, posterior_samples=draws, params=params, return_sites=names, batch_ndims=1)
                 values = predictive(key, *args, **kwargs)
         except Exception as err:  # (the model's own code: anything it raises)
             warnings.warn(
-                f"BLRResult.sample: the model's deterministic sites could not be computed from the draws "
-                f"({type(err).__name__}: {err}); only the latent sites are returned",
+                f"BLRResult.sample: the model could not be run at the draws to compute its deterministic sites "
+                f"or draw the latents integrated out ({type(err).__name__}: {err}); only the fitted latent "
+                "sites are returned",
                 UserWarning,
                 stacklevel=3,
             )
@@ -183,7 +188,9 @@ class BLRResult:
         if exclude_deterministic:
             from blrppl.inputs import as_key
 
-            draws = self._sample_latents(as_key(rng_key), num_samples)
+            key = as_key(rng_key)
+            draws = self._sample_latents(key, num_samples)
+            draws.update(self._from_model(jax.random.fold_in(key, 1), draws, deterministic=False))
         else:
             draws = self.sample(rng_key, num_samples)
         lo_q, hi_q = 50 * (1 - prob), 50 * (1 + prob)

@@ -383,6 +383,8 @@ def _compile(model, records, data_spec, dyn_data, tracer, options, prior_spec, k
     plan, fns, dyn_data, init_values, graph, online = plan_model(
         model, records, data_spec, dyn_data, options, prior_spec, k_probe
     )
+    # (the latents integrated out have no block, no factor, no term of log p in the diagnostics)
+    records = {n: r for n, r in records.items() if n not in plan.barren}
     blocks = {b.name: b.full for b in plan.blocks}
     # the programs run at every step evaluate the model's scans as maps (the plan is made)
     fns = fns.vectorised()
@@ -586,6 +588,8 @@ def _prepare_locked(model, args, kwargs, options, rng_key, prior, init_values, s
         if init_records[n].unconstrained_init is not None and n not in (init_values or {})
     }
     for name, value in (init_values or {}).items():
+        if name in plan.barren:
+            continue  # integrated out: drawn given the others, never fitted
         if name not in site_values:
             raise BLRError(f"init value given for '{name}', which is not a latent site", site=name)
         site_values[name] = _checked_init_value(init_records[name], value)

@@ -68,8 +68,13 @@ def choose_family(record: SiteRecord, override: str | None, unconstrained: bool 
         raise FamilyError(f"unknown family '{override}'; families: {sorted(fam.FAMILIES)}", site=record.name)
     if support == "discrete":
         values = finite_support_values(record.support)
-        if values is None:  # checked at trace time already
-            raise UnsupportedLatentError("unbounded discrete support", site=record.name)
+        if values is None:
+            raise UnsupportedLatentError(
+                f"latent {record.dist_name} has unbounded discrete support ({record.support}); "
+                "only finite discrete latents (Bernoulli, Categorical, bounded integers) can be "
+                "enumerated: marginalise it out by hand or give it a bounded support",
+                site=record.name,
+            )
         values = tuple(int(v) for v in values)
         if override is None:
             cls = next(c for c in fam.FAMILIES.values() if c.support == "discrete" and c.native and c.fits(values))
@@ -128,7 +133,7 @@ BANDED_MIN_DIM = 32
 
 def compile_model(
     model, records, data_spec, data, families=None, rng_key=None, structure=None, point=(),
-    point_space="unconstrained", subsampled=(), arrowhead=True, banded=True,
+    point_space="unconstrained", subsampled=(), arrowhead=True, banded=True, marginalise=True, _barren=None,
 ):
     """Build blocks, the factor graph and the plan of a traced model.
 
@@ -174,6 +179,9 @@ def compile_model(
             have only Monte Carlo messages, which its view cannot give).
         banded: whether a Gaussian block may be a chain (False: the compilation again after
             a chain whose factors turned out to have only Monte Carlo messages).
+        marginalise: whether latents that no other site reads are left out of the fit
+            (:func:`barren_latents`; ``Plan.barren`` names them). ``_barren`` (internal): the
+            compilation again without them, with their values for the model's runs.
 
     Returns:
         (plan, model functions, dynamic data leaves, init values dict (block space),
@@ -213,8 +221,11 @@ def compile_model(
     rng_key = jax.random.key(1) if rng_key is None else rng_key
     subsampled = tuple(subsampled)
     plate_indices = {p.name: np.arange(p.subsample_size) for p in subsampled}
+    all_records = records
     latent = [r for r in records.values() if not r.observed]
     site_init = {r.name: np.asarray(r.init_value) for r in latent}
+    # (a left-out latent still runs in the model: at its initial value, which nothing reads)
+    site_init.update(_barren or {})
     unconstrained = {r.name: r.unconstrained_init for r in latent if r.unconstrained_init is not None}
     # params are not sites with a density: they are inputs of the factors, never factors
     records = collections.OrderedDict((n, r) for n, r in records.items() if not r.is_param)
@@ -227,6 +238,15 @@ def compile_model(
     _check_static_supports(records, deps)
     if primitives & AUDITED_PRIMITIVES:
         _audit_dependencies(model, data_spec, data, records, deps, site_init, plate_indices, rng_key, program)
+    if marginalise and _barren is None:
+        keep = set(families) | set(point) | {r.name for r in latent if r.is_param}
+        barren = barren_latents(records, deps, keep)
+        if barren:
+            return compile_model(
+                model, collections.OrderedDict((n, r) for n, r in all_records.items() if n not in barren),
+                data_spec, data, families, rng_key, structure, point, point_space, subsampled, arrowhead, banded,
+                _barren={n: site_init[n] for n in barren},
+            )
     param_blocks = {r.name: _param_block(r) for r in latent if r.is_param}
 
     moved: set = set()
@@ -438,7 +458,7 @@ def compile_model(
         if odd:
             return compile_model(
                 model, records, data_spec, data, families, rng_key, structure, point, point_space, subsampled,
-                arrowhead=arrowhead and n in chains, banded=banded and n not in chains,
+                arrowhead=arrowhead and n in chains, banded=banded and n not in chains, _barren=_barren,
             )
     tied = ()
     if subsampled:
@@ -473,7 +493,8 @@ def compile_model(
             n for n in order if blocks[n].local is None
         )
     plan = Plan(
-        blocks=tuple(blocks.values()), factors=tuple(factors), order=order, subsampled=subsampled, tied=tied
+        blocks=tuple(blocks.values()), factors=tuple(factors), order=order, subsampled=subsampled, tied=tied,
+        barren=tuple(_barren or ()),
     )
     return plan, fns, data, init_values, graph
 
@@ -744,7 +765,39 @@ def _site_fill(blocks, site_init, unconstrained=None) -> dict:
                 out[m.name] = unconstrained[m.name]
             else:
                 out[m.name] = m.transform.inv(x)
+    for name, x in site_init.items():
+        out.setdefault(name, x)  # a latent left out of the fit (barren_latents): its initial value
     return out
+
+
+def barren_latents(records, deps, keep=()) -> tuple:
+    """The latents that no other site reads, and those read only by such latents (repeated
+    until none is left), except ``keep``: barren nodes of the model's graph. Integrating one
+    out removes its density, ∫ p(x | θ) dx = 1, and nothing else: the posterior of the other
+    latents is the same without it, and x given them is drawn from p(x | θ) (``sample``,
+    ``Predictive``). Fitted instead, with a q that cannot follow how p(x | θ) changes with
+    θ, such latents act on θ like draws of data: ``obs_mask``'s ``<site>_unobserved``
+    (imputed values, and padding at the observed positions) made a Normal's scale 0.66× as
+    uncertain as NUTS found it. Left alone when nothing else would remain (a model without
+    data fits its prior).
+
+    Args:
+        records: site name → :class:`blrppl.graph.trace.SiteRecord` (params excluded).
+        deps: site → argument → the latent sites it depends on (:func:`_dependencies`).
+        keep: latents never left out (named in ``families=`` or ``point=``).
+    """
+    latent = [n for n, r in records.items() if not r.observed]
+    reads = {n: set().union(*deps[n].values()) - {n} if deps.get(n) else set() for n in records}
+    gone: set = set()
+    while True:
+        read = set().union(*(reads[n] for n in records if n not in gone))
+        new = {n for n in latent if n not in gone and n not in read and n not in keep}
+        if not new:
+            break
+        gone |= new
+    if not gone or all(n in gone for n in latent):
+        return ()
+    return tuple(n for n in latent if n in gone)
 
 
 def _block_init_values(blocks, site_init, unconstrained=None) -> dict:

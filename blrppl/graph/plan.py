@@ -401,6 +401,9 @@ class Plan:
             covariance (:class:`blrppl.families.GaussianTied`): the facts of the data the
             plan was compiled on that a fit on other data checks again
             (:func:`blrppl.graph.compile.tied_blocks`).
+        barren: latent sites left out of the fit because no other site reads them
+            (:func:`blrppl.graph.compile.barren_latents`): integrated out exactly, drawn
+            from the model given the others.
     """
 
     blocks: tuple
@@ -409,6 +412,7 @@ class Plan:
     conjugate: tuple = ()
     subsampled: tuple = ()
     tied: tuple = ()
+    barren: tuple = ()
 
     @property
     def local_blocks(self) -> tuple:
@@ -500,6 +504,11 @@ class Plan:
         tail = "sequential order: " + (", ".join(self.order) or "-")
         if fixed:
             tail += "\nkept at their initial value (no factor uses them): " + ", ".join(fixed)
+        if self.barren:
+            tail += (
+                "\nintegrated out (no other site reads them; drawn from the model given the others): "
+                + ", ".join(self.barren)
+            )
         out = out + "\n\n" + _table(rows) + "\n\n" + tail
         if sub:
             plates = ", ".join(

@@ -30,7 +30,7 @@ from blrppl.graph.data import DataSpec, compiler_options
 from blrppl.graph.program_store import compile_program, jit as store_jit, program_key
 from blrppl.graph.stable import Stabilise
 from blrppl.graph.plan import SubsampledPlate
-from blrppl.errors import ModelTraceError, ObservedDataError, UnsupportedFactorError, UnsupportedLatentError
+from blrppl.errors import ModelTraceError, ObservedDataError, UnsupportedFactorError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -432,7 +432,6 @@ def trace_model(
         ModelTraceError: the model raised while running with the data given, or a
             distribution's parameters are NaN at the starting point.
         ObservedDataError: observed values are non-finite (outside a mask).
-        UnsupportedLatentError: a latent has unbounded discrete support.
     """
     args, kwargs = _split_data(args, kwargs)
     rng_key = jax.random.key(0) if rng_key is None else rng_key
@@ -488,13 +487,8 @@ def trace_model(
                     f"{info['dist_type'].__name__}",
                     site=name,
                 )
-        if not observed and support.is_discrete and finite_support_values(support) is None:
-            raise UnsupportedLatentError(
-                f"latent {info['dist_type'].__name__} has unbounded discrete support ({support}); "
-                "only finite discrete latents (Bernoulli, Categorical, bounded integers) can be "
-                "enumerated: marginalise it out by hand or give it a bounded support",
-                site=name,
-            )
+        # (a latent of unbounded discrete support is refused when the model is compiled,
+        # unless no other site reads it: obs_mask's missing counts are integrated out)
         records[name] = SiteRecord(
             name=name,
             observed=observed,
