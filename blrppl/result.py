@@ -74,8 +74,6 @@ class BLRResult:
     #: names of the model's ``numpyro.deterministic`` sites as the fit traced it (None:
     #: unknown, :meth:`sample` traces the model to find them)
     deterministic_sites: tuple | None = dataclasses.field(default=None, repr=False)
-    #: compiled draws of the latents, by (num_samples, key shape, key dtype)
-    _samplers: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     @property
     def params(self) -> dict:
@@ -113,22 +111,11 @@ class BLRResult:
         return draws
 
     def _sample_latents(self, key, num_samples: int) -> dict:
-        """Draws of the latent sites (:meth:`sample` without the deterministic sites), from
-        one program compiled per ``num_samples`` and kept (drawn eagerly, every sampler and
-        operation compiled a program of its own: a Dirichlet's draws alone took 1.5 s, a
-        model with five such sites 8 s)."""
-        from blrppl.graph.data import compile_lowered, compiler_options
-
-        draw_from = {b.name: self.posterior[b.name] for b in self.plan.blocks if not (b.chain or b.members)}
-        signature = (int(num_samples), jnp.shape(key), jnp.result_type(key))
-        compiled = self._samplers.get(signature)
-        if compiled is None:
-            fn = jax.jit(lambda nat, dists, k: _draw_latents(self.plan, nat, dists, k, int(num_samples)))
-            lowered = fn.lower(self.nat, draw_from, key)
-            scalars = sum(int(np.prod(jnp.shape(x))) for x in jax.tree.leaves(self.nat))
-            compiled = compile_lowered(lowered, compiler_options(None, size=int(num_samples) * scalars))
-            self._samplers[signature] = compiled
-        draws = compiled(self.nat, draw_from, key)
+        """Draws of the fitted latent sites (:meth:`sample` without the sites the model
+        computes). Drawn eagerly: each operation's program is compiled once per process
+        and shape and shared by every result (a program compiled per result cost 0.3 s
+        per ``num_samples``, against 5 ms for the eager draws of a second fit)."""
+        draws = _draw_latents(self.plan, self.nat, self.posterior, key, int(num_samples))
         return {name: draws[name] for name in self.posterior}
 
     def _from_model(self, key, draws: dict, deterministic: bool) -> dict:
@@ -156,7 +143,8 @@ class BLRResult:
                 if names is None:
                     first = {name: x[0] for name, x in draws.items()}
                     seeded = handlers.seed(handlers.substitute(model, data={**params, **first}), 0)
-                    names = [n for n, site in handlers.trace(seeded).get_trace(*args, **kwargs).items() if site["type"] == "deterministic"]
+                    trace = handlers.trace(seeded).get_trace(*args, **kwargs)
+                    names = [n for n, site in trace.items() if site["type"] == "deterministic"]
                 names = barren + [n for n in names if n not in draws and n not in barren]
                 if not names:
                     return {}

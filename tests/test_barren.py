@@ -72,7 +72,8 @@ def test_obs_mask_gives_the_posterior_of_the_observed_values(reference, data):
     np.testing.assert_allclose(_moments(result), _moments(reference), rtol=1e-8)
     draws = result.sample(random.PRNGKey(1), 4000)
     assert draws["y_unobserved"].shape == (4000, len(data))
-    np.testing.assert_array_equal(np.asarray(draws["y"])[:, ~np.isnan(data)], np.broadcast_to(data[~np.isnan(data)], (4000, int((~np.isnan(data)).sum()))))
+    seen = ~np.isnan(data)
+    np.testing.assert_array_equal(np.asarray(draws["y"])[:, seen], np.broadcast_to(data[seen], (4000, int(seen.sum()))))
     # the imputations are the posterior predictive: mean E[mu], variance E[sigma^2] + Var[mu]
     # (tolerances: 5 standard errors of 4000 draws pooled over the positions)
     imputed = np.asarray(draws["y_unobserved"]).ravel()

@@ -287,20 +287,19 @@ def dirichlet_gamma_model(groups, counts):
         numpyro.sample("c", dist.Poisson(rate), obs=counts)
 
 
-def test_draws_are_one_compiled_program_and_follow_the_posterior():
-    """``sample`` draws every latent from one compiled program (drawn eagerly, each
-    sampler and operation compiled its own: a Dirichlet's draws took 1.5 s) and, for a
-    model without deterministic sites, does not run the model again; the draws follow
-    the closed-form posteriors Dirichlet(1 + counts) and Gamma(2 + Σc, 1 + n)."""
+def test_draws_run_no_model_code_and_follow_the_posterior():
+    """``sample`` knows from the fit's trace that the model has no deterministic sites and
+    does not run it again (it traced the model at every call), a second call compiles
+    nothing, and the draws follow the closed-form posteriors Dirichlet(1 + counts) and
+    Gamma(2 + Σc, 1 + n) (4 standard errors of 4,000 draws; the sd within 5 %)."""
     from blrppl.graph.data import xla_compilations
     from blrppl.graph.trace import model_runs
 
     rng = np.random.default_rng(0)
     groups, counts = rng.integers(0, 3, 40), rng.poisson(3.0, 40).astype(float)
     result = fit(dirichlet_gamma_model, {"groups": groups, "counts": counts})
-    compiled, runs = xla_compilations(), model_runs()
+    runs = model_runs()
     draws = result.sample(random.PRNGKey(1), 4000)
-    assert xla_compilations() - compiled <= 2  # the sampler, and the key folded for deterministic sites
     assert model_runs() == runs
     compiled = xla_compilations()
     again = result.sample(random.PRNGKey(2), 4000)
