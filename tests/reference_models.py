@@ -50,6 +50,11 @@ reference JSON), so the references and the tests see the same numbers.
   Student-t noise with 6 degrees of freedom. The degrees of freedom are latent: the returns' factor sees (s_t, nu) through two
   projections (2-D quadrature) and s is a chain.
 
+* ``gp_example``: NumPyro's Gaussian-process example (examples/gp.py) as its docs write it:
+  ``kernel_var``, ``kernel_noise``, ``kernel_length`` ~ LogNormal(0, 10), an RBF kernel plus
+  noise and jitter, ``Y`` ~ MultivariateNormal(0, K) over N = 30 points of its test function
+  (its ``get_data``, with this seed's noise), standardised. The priors' means are e⁵⁰.
+
 Models that ``test_references_are_float64_and_converged`` cannot check (``DIAGNOSTIC_MODELS``:
 their reference is not a NUTS run of the model itself):
 
@@ -87,6 +92,7 @@ DATA_SEEDS = {
     "stochastic_volatility": 20240509,
     "item_response": 20240510,
     "student_t_volatility": 20240511,
+    "gp_example": 20240512,
 }
 
 
@@ -301,6 +307,19 @@ def student_t_volatility_model(returns):
     numpyro.sample("r", dist.StudentT(df=nu, loc=0.0, scale=jnp.exp(s)), obs=returns)
 
 
+def _rbf_kernel(X, Z, var, length, noise, jitter=1.0e-6):
+    k = var * jnp.exp(-0.5 * jnp.power((X[:, None] - Z) / length, 2.0))
+    return k + (noise + jitter) * jnp.eye(X.shape[0])
+
+
+def gp_example_model(X, Y):
+    var = numpyro.sample("kernel_var", dist.LogNormal(0.0, 10.0))
+    noise = numpyro.sample("kernel_noise", dist.LogNormal(0.0, 10.0))
+    length = numpyro.sample("kernel_length", dist.LogNormal(0.0, 10.0))
+    k = _rbf_kernel(X, X, var, length, noise)
+    numpyro.sample("Y", dist.MultivariateNormal(loc=jnp.zeros(X.shape[0]), covariance_matrix=k), obs=Y)
+
+
 def prior_mixture_model():
     z = numpyro.sample("z", dist.Categorical(jnp.asarray(PRIOR_MIXTURE_WEIGHTS)))
     numpyro.sample("x", dist.Normal(jnp.asarray(PRIOR_MIXTURE_LOCS)[z], PRIOR_MIXTURE_SCALE))
@@ -446,6 +465,13 @@ def item_response_data(seed=DATA_SEEDS["item_response"]):
     }
 
 
+def gp_example_data(seed=DATA_SEEDS["gp_example"]):
+    rng = np.random.default_rng(seed)
+    X = np.linspace(-1.0, 1.0, 30)
+    Y = X + 0.2 * X**3 + 0.5 * (0.5 + X) ** 2 * np.sin(4.0 * X) + 0.15 * rng.normal(size=30)
+    return {"X": X, "Y": (Y - Y.mean()) / Y.std()}
+
+
 def prior_mixture_data():
     return {}
 
@@ -464,6 +490,7 @@ MODELS = {
     "stochastic_volatility": (stochastic_volatility_model, stochastic_volatility_data),
     "item_response": (item_response_model, item_response_data),
     "student_t_volatility": (student_t_volatility_model, student_t_volatility_data),
+    "gp_example": (gp_example_model, gp_example_data),
 }
 
 #: name → (model, data function) of models whose reference is not a NUTS run of the model

@@ -70,6 +70,7 @@ NUTS_SEEDS = {
     "stochastic_volatility": 111,
     "item_response": 112,
     "student_t_volatility": 113,
+    "gp_example": 114,
 }
 #: per-model overrides of the NUTS settings above
 NUTS_SETTINGS = {
@@ -85,10 +86,13 @@ NUTS_SETTINGS = {
     # NumPyro's example: the walk's step scale mixes slowly against the 2,000 states (ESS ≈ 2 %
     # of the draws in a 4 × 5,000 run)
     "student_t_volatility": {"num_samples": 25000},
+    # the kernel variance mixes slowly (ESS ≈ 20 % of the draws)
+    "gp_example": {"num_samples": 10000},
 }
 #: per model, sites whose posterior has no finite variance (their stored sd does not converge);
-#: the log moments of the model's positive sites are stored as well (``log_params``)
-HEAVY_TAILED = {"horseshoe": ("lambdas",)}
+#: for the models listed, the log moments of the positive sites are stored as well
+#: (``log_params``; the GP example's kernel parameters are fitted on the log scale)
+HEAVY_TAILED = {"horseshoe": ("lambdas",), "gp_example": ()}
 
 #: references with more parameters store no covariance matrix
 MAX_COV_PARAMETERS = 200
