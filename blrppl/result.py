@@ -135,6 +135,9 @@ class BLRResult:
         from blrppl.engine.fit import COMPILE_LOCK
 
         model, args, kwargs = self.model_call
+        # NumPy data as JAX arrays, as the fit passed them: Predictive vmaps the model over the
+        # draws, and a NumPy array indexed by a traced value (a subsample's indices) fails
+        args, kwargs = jax.tree.map(_as_jax, (args, kwargs))
         params = {b.name: point_value(b, self.nat[b.name]) for b in self.plan.blocks if b.param}
         try:
             # (numpyro's effect handlers keep one process-wide stack: no fit traces meanwhile)
@@ -237,6 +240,13 @@ class BLRResult:
         posterior = {name: np.asarray(x)[None] for name, x in draws.items()}
         dims = {name: [f"{name}_dim_{i}" for i in range(x.ndim - 2)] for name, x in posterior.items()}
         return arviz.from_dict(posterior=posterior, dims=dims, posterior_attrs={"inference_library": "blrppl"})
+
+
+def _as_jax(x):
+    """A numeric NumPy array as a JAX array; anything else as it is."""
+    if isinstance(x, np.ndarray) and np.issubdtype(x.dtype, np.number):
+        return jnp.asarray(x)
+    return x
 
 
 def _draw_latents(plan, nat: dict, dists: dict, key, num_samples: int) -> dict:

@@ -10,6 +10,9 @@ barren latents (or its closed form), in float64.
 
 from __future__ import annotations
 
+import warnings
+
+import jax.numpy as jnp
 import numpy as np
 import numpyro
 import numpyro.distributions as dist
@@ -149,3 +152,23 @@ def test_obs_mask_on_counts_is_exact():
     np.testing.assert_allclose([q.concentration, q.rate], [2.0 + seen.sum(), 1.0 + seen.size], rtol=1e-10)
     draws = np.asarray(result.sample(random.PRNGKey(4), 200)["y_unobserved"])[:, :7]
     assert np.all(draws >= 0) and np.all(draws == np.round(draws))
+
+
+def subsampled_obs_mask(y):
+    mu = numpyro.sample("mu", dist.Normal(0.0, 10.0))
+    with numpyro.plate("n", len(y), subsample_size=50) as idx:
+        batch = y[idx]
+        numpyro.sample("y", dist.Normal(mu, 1.0), obs=batch, obs_mask=~jnp.isnan(batch))
+
+
+def test_subsampled_model_draws_the_integrated_latents():
+    """A NumPy data array indexed by the plate's subsample (traced under Predictive's vmap):
+    the draws of the integrated-out latent come from the model run on JAX arrays (with the
+    NumPy array it raised, and ``sample`` warned and gave ``mu`` alone)."""
+    y = np.where(np.arange(200) % 10 == 0, np.nan, RNG.normal(2.0, 1.0, 200))
+    result = fit(subsampled_obs_mask, y, num_steps=20)
+    assert result.plan.barren == ("y_unobserved",)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        draws = result.sample(random.PRNGKey(5), 10)
+    assert draws["y_unobserved"].shape == (10, 50) and np.all(np.isfinite(draws["y_unobserved"]))
