@@ -45,7 +45,7 @@ from blrppl import moments as mom
 from blrppl.graph import forms as fm, scan_map
 from blrppl.graph.data import DataSpec, RunData, compile_lowered, compiler_options
 from blrppl.graph.plan import Block
-from blrppl.graph.stable import Stabilise
+from blrppl.graph.stable import Stabilise, rewrapped
 from blrppl.products import ProductMoments, product_second_moments
 from blrppl.graph.trace import PlateIndices, count_model_run, given_matrices, unwrap, value_mask
 
@@ -254,15 +254,7 @@ def without_mask(fn):
 
 def strip_masks(fn):
     """``fn`` without its ``MaskedDistribution`` levels (the wrappers around them kept)."""
-    if isinstance(fn, dist.MaskedDistribution):
-        return strip_masks(fn.base_dist)
-    if isinstance(fn, dist.Independent):
-        inner = strip_masks(fn.base_dist)
-        return fn if inner is fn.base_dist else dist.Independent(inner, fn.reinterpreted_batch_ndims)
-    if isinstance(fn, dist.ExpandedDistribution):
-        inner = strip_masks(fn.base_dist)
-        return fn if inner is fn.base_dist else inner.expand(fn.batch_shape)
-    return fn
+    return rewrapped(fn, lambda leaf: leaf, drop_masks=True)
 
 
 class MinibatchData(NamedTuple):

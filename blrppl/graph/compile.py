@@ -133,7 +133,7 @@ BANDED_MIN_DIM = 32
 
 def compile_model(
     model, records, data_spec, data, families=None, rng_key=None, structure=None, point=(),
-    point_space="unconstrained", subsampled=(), arrowhead=True, banded=True, marginalise=True, _barren=None,
+    point_space="unconstrained", subsampled=(), arrowhead=True, banded=True, _barren=None,
 ):
     """Build blocks, the factor graph and the plan of a traced model.
 
@@ -179,9 +179,9 @@ def compile_model(
             have only Monte Carlo messages, which its view cannot give).
         banded: whether a Gaussian block may be a chain (False: the compilation again after
             a chain whose factors turned out to have only Monte Carlo messages).
-        marginalise: whether latents that no other site reads are left out of the fit
-            (:func:`barren_latents`; ``Plan.barren`` names them). ``_barren`` (internal): the
-            compilation again without them, with their values for the model's runs.
+        _barren: (internal) latents left out of the fit because no other site reads them
+            (:func:`barren_latents`; ``Plan.barren`` names them): the compilation again
+            without them, with their values for the model's runs.
 
     Returns:
         (plan, model functions, dynamic data leaves, init values dict (block space),
@@ -238,7 +238,7 @@ def compile_model(
     _check_static_supports(records, deps)
     if primitives & AUDITED_PRIMITIVES:
         _audit_dependencies(model, data_spec, data, records, deps, site_init, plate_indices, rng_key, program)
-    if marginalise and _barren is None:
+    if _barren is None:
         keep = set(families) | set(point) | {r.name for r in latent if r.is_param}
         barren = barren_latents(records, deps, keep)
         if barren:

@@ -60,18 +60,25 @@ class TwoSidedTruncatedNormal(dist.TwoSidedTruncatedDistribution):
         return self.base_dist.log_prob(value) - (hi + _log1mexp(lo - hi))
 
 
-def stabilise(fn):
-    """``fn`` with a truncated Normal (at any depth of ``Independent``, ``Masked`` and
-    ``Expanded`` wrappers) replaced by its stable stand-in; anything else unchanged."""
-    if isinstance(fn, dist.Independent):
-        inner = stabilise(fn.base_dist)
-        return fn if inner is fn.base_dist else dist.Independent(inner, fn.reinterpreted_batch_ndims)
+def rewrapped(fn, leaf, drop_masks: bool = False):
+    """``fn`` with its innermost distribution (under ``Independent``, ``Masked`` and
+    ``Expanded`` wrappers) replaced by ``leaf(innermost)``, the wrappers rebuilt around it
+    (``Masked`` ones left out with ``drop_masks``); ``fn`` itself when nothing changed."""
     if isinstance(fn, dist.MaskedDistribution):
-        inner = stabilise(fn.base_dist)
+        inner = rewrapped(fn.base_dist, leaf, drop_masks)
+        if drop_masks:
+            return inner
         return fn if inner is fn.base_dist else dist.MaskedDistribution(inner, fn._mask)
+    if isinstance(fn, dist.Independent):
+        inner = rewrapped(fn.base_dist, leaf, drop_masks)
+        return fn if inner is fn.base_dist else dist.Independent(inner, fn.reinterpreted_batch_ndims)
     if isinstance(fn, dist.ExpandedDistribution):
-        inner = stabilise(fn.base_dist)
-        return fn if inner is fn.base_dist else dist.ExpandedDistribution(inner, fn.batch_shape)
+        inner = rewrapped(fn.base_dist, leaf, drop_masks)
+        return fn if inner is fn.base_dist else inner.expand(fn.batch_shape)
+    return leaf(fn)
+
+
+def _stable_leaf(fn):
     if type(fn.base_dist if hasattr(fn, "base_dist") else None) is not dist.Normal:
         return fn
     if type(fn) is dist.LeftTruncatedDistribution:
@@ -81,6 +88,12 @@ def stabilise(fn):
     if type(fn) is dist.TwoSidedTruncatedDistribution:
         return TwoSidedTruncatedNormal(fn.base_dist, low=fn.low, high=fn.high, validate_args=False)
     return fn
+
+
+def stabilise(fn):
+    """``fn`` with a truncated Normal (at any depth of ``Independent``, ``Masked`` and
+    ``Expanded`` wrappers) replaced by its stable stand-in; anything else unchanged."""
+    return rewrapped(fn, _stable_leaf)
 
 
 class Stabilise(Messenger):
