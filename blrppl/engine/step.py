@@ -20,6 +20,7 @@ import numpy as np
 
 from blrppl.estimators.enumeration import expected_log_factors, is_jacobian
 from blrppl.estimators import bilinear, gram
+from blrppl.expressions import base_values
 from blrppl.graph.data import host_array, split_run_data
 from blrppl.online import expected_log_previous, is_previous_posterior
 
@@ -243,6 +244,71 @@ def make_objective(plan, fns, curvature="auto"):
     return objective
 
 
+def constant_factors(plan) -> dict:
+    """Block → its factors whose messages to it are the same at every q, for blocks of a
+    family that ``splits_quadratic`` (a chain's banded Gaussian): factors that read this
+    block alone (no other latent, nothing enumerated), each one site's log-density with a
+    closed form (:func:`blrppl.graph.compile.factor_conjugate`), hence quadratic in the
+    block: a random walk's or an AR prior with known coefficients, a Normal observation
+    of an affine form with a known scale. Empty under subsampling.
+
+    For such a factor E_q[log f] = log f(m) + Σ_c ⟨G_c, c⟩ over the view's covariance
+    leaves c, G = ∂E/∂view being the same at every view: the step takes its message λ̃ at
+    the family's fixed view (no input of the run's loop: XLA computes it once, outside
+    the loop) and its ELBO term from the model's own log-density at the mean, e.g. a
+    walk's increments m_t − m_{t−1} (exact in floating point; expanding the quadratic
+    would cancel E[x_t²] against E[x_t x_{t−1}] for a walk far from 0), plus the
+    covariance part. Neither reads the tangent rows of the block (a chain's 2(2b + 1)
+    colour rows per step)."""
+    if plan.subsampled:
+        return {}
+    from blrppl.graph.compile import factor_conjugate
+
+    out = {}
+    for b in plan.blocks:
+        if b.point or b.discrete or not b.family.splits_quadratic:
+            continue
+        names = tuple(
+            f.name
+            for f in plan.factors_of(b.name)
+            if tuple(f.neighbours) == (b.name,) and not f.discrete and not f.pairs and not f.members
+            and not f.from_statistics and not is_jacobian(f) and not is_previous_posterior(f)
+            and factor_conjugate(f, b)
+        )
+        if names:
+            out[b.name] = names
+    return out
+
+
+def make_split_expectation(plan, fns, objective):
+    """``(expected, constant, grads)``: ``expected(views, data, key)`` = Σ_i E_q[log f_i] over
+    every factor, the :func:`constant_factors` (``constant``) taken apart as described
+    there; ``grads(n, views, data, key)`` = ∂E/∂view of block n's constant factors at its
+    fixed view (the same at every view)."""
+    blocks = {b.name: b for b in plan.blocks}
+    constant = constant_factors(plan)
+    taken = frozenset(f for fs in constant.values() for f in fs)
+    rest = frozenset(f.name for f in plan.factors) - taken
+
+    def grads(n, views, data, key=None):
+        wanted = set(constant[n])
+        return jax.grad(lambda v: objective({**views, n: v}, data, wanted, key))(blocks[n].family.fixed_view(views[n]))
+
+    def expected(views, data, key=None):
+        if not constant:
+            return objective(views, data, None, key)
+        total = objective(views, data, rest, key)
+        for n, names in constant.items():
+            g = grads(n, views, data, key)
+            for lp, scale in fns.log_probs(names, base_values(blocks, views, (n,)), data).values():
+                total = total + jnp.sum(lp if scale is None else scale * lp)
+            covariance = g._replace(mean=jnp.zeros_like(g.mean))
+            total = total + sum(jnp.vdot(a, c) for a, c in zip(jax.tree.leaves(covariance), jax.tree.leaves(views[n])))
+        return total
+
+    return expected, constant, grads
+
+
 def make_elbo(plan, fns, entropies: bool = False):
     """ELBO(λ) = Σ_i E_q[log f_i] + Σ_b H(q_b), over the blocks b that are not point blocks.
 
@@ -257,10 +323,11 @@ def make_elbo(plan, fns, entropies: bool = False):
     instead of factorising them once more to check.
     """
     objective = make_objective(plan, fns)  # values only: the curvature estimator is irrelevant
+    expected = make_split_expectation(plan, fns, objective)[0]
 
     def elbo(nat, data, key=None):
         views, parts = views_and_entropies(plan, nat)
-        value = objective(views, data, None, key) + sum(parts.values())
+        value = expected(views, data, key) + sum(parts.values())
         return (value, parts) if entropies else value
 
     return elbo
@@ -405,6 +472,7 @@ def make_step(
         return decaying_rate(t) if n in decay_blocks else 1.0
     objective = make_objective(plan, fns, curvature)
     elbo_fn = make_elbo(plan, fns)
+    expected, constant, constant_grads = make_split_expectation(plan, fns, objective)
     blocks = {b.name: b for b in plan.blocks}
     factors_of = {b.name: tuple(f.name for f in plan.factors_of(b.name)) for b in plan.blocks}
     # non-conjugate Gaussian blocks: their messages may have an indefinite precision (a
@@ -443,8 +511,15 @@ def make_step(
             (n,) = smooth
             grads = jax.grad(obj)({n: fixed})
             return {n: blocks[n].family.message_from_fixed_view_grad(grads[n])}
+        # the factors whose messages are the same at every q are taken at the fixed view
+        # (see constant_factors), the others at the current one
+        split = [n for n in smooth if n in constant]
+        wanted -= {f for n in split for f in constant[n]}
         grads = jax.grad(obj)({n: views[n] for n in smooth}) if smooth else {}
         out = {n: blocks[n].family.message_at(nat[n], views[n], grads[n]) for n in smooth}
+        for n in split:
+            fixed_msg = blocks[n].family.message_from_fixed_view_grad(constant_grads(n, views, data, key))
+            out[n] = jax.tree.map(jnp.add, out[n], fixed_msg)
         for n in names:
             if blocks[n].point:
                 view = views[n]
@@ -535,7 +610,7 @@ def make_step(
         else:
             for n, k in zip(plan.order, keys):
                 valid = valid & update(n, messages(nat, (n,), data, k, views)[n])
-        elbo = objective(views, data, None, key_elbo) + sum(entropies.values())
+        elbo = expected(views, data, key_elbo) + sum(entropies.values())
         for n, (rate, valid_msg, msg) in deferred.items():
             at_message = jnp.isfinite(entropies[n]) & all_finite(msg)
             proper[n] = jnp.where(rate == 1.0, at_message, valid_msg)

@@ -50,6 +50,14 @@ class Family:
     #: whether the family is a Gaussian with a banded precision (its view holds the band of
     #: the covariance only: :class:`blrppl.families.GaussianBanded`)
     banded: ClassVar[bool] = False
+    #: whether a quadratic expected log-density is taken apart at every step: the
+    #: messages of a factor that reads only this block and has a closed form quadratic in
+    #: it (a Gaussian random walk's prior, a Normal observation of an affine form) are the
+    #: same at every q, and its expectation is log f(m) + Σ ⟨∂E/∂c, c⟩ over the view's
+    #: covariance leaves c (linear in them), so the step reads neither through the
+    #: tangent rows of the family (a chain's 2(2b + 1) colour rows; see
+    #: :func:`blrppl.engine.step.constant_factors`)
+    splits_quadratic: ClassVar[bool] = False
     #: whether the family is a Gaussian with an arrowhead precision (``GaussianArrowhead``)
     arrowhead: ClassVar[bool] = False
     #: whether the family's rows share one covariance (``GaussianTied``: its rule view holds

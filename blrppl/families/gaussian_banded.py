@@ -96,6 +96,7 @@ class GaussianBanded(Family):
     gaussian: ClassVar[bool] = True
     dense_event: ClassVar[bool] = True
     banded: ClassVar[bool] = True
+    splits_quadratic: ClassVar[bool] = True
     view_type: ClassVar[type] = BandedGaussianView
 
     @property
