@@ -970,6 +970,47 @@ def _bayespy_timing(build, iterations: int) -> dict:
             "full_elbo": float(full.compute_lowerbound())}
 
 
+def _jax_floor_pca(Y, d: int, iterations: int, seed: int = 0) -> tuple:
+    """Wall seconds of the least an XLA-compiled fit of :func:`pca_model` costs in a new
+    program: BayesPy's PCA updates (q(X rows) with one shared covariance, q(C rows), q(α),
+    q(τ)) written by hand in JAX as one jitted loop of ``iterations`` sweeps, compiled at
+    XLA's lowest optimisation level (the cheapest compile; blrppl's own for small data),
+    traced, compiled and run once: no model to read, no plan, no diagnostics. The floor
+    under any JAX fit's compile-included wall time of the same problem. Returns the wall
+    seconds and the fit (C's means and covariance, E[α], E[τ])."""
+    from jax.scipy.linalg import cho_solve
+
+    a0 = b0 = 1e-3
+
+    def sweep(_, carry):
+        C, cov_c, alpha, tau = carry
+        n, m = Y.shape
+        prec_x = jnp.eye(d) + tau * (C.T @ C + m * cov_c)
+        cov_x = cho_solve((jnp.linalg.cholesky(prec_x), True), jnp.eye(d))
+        X = tau * Y @ C @ cov_x
+        xx = X.T @ X + n * cov_x
+        prec_c = jnp.diag(alpha) + tau * xx
+        cov_c = cho_solve((jnp.linalg.cholesky(prec_c), True), jnp.eye(d))
+        C = tau * Y.T @ X @ cov_c
+        cc = C.T @ C + m * cov_c
+        alpha = (a0 + 0.5 * m) / (b0 + 0.5 * jnp.diag(cc))
+        err = jnp.sum(Y * Y) - 2.0 * jnp.sum((Y @ C) * X) + jnp.sum(xx * cc)
+        tau = (a0 + 0.5 * n * m) / (b0 + 0.5 * err)
+        return C, cov_c, alpha, tau
+
+    def fit(Y, C0):
+        start = (C0, jnp.zeros((d, d), Y.dtype), jnp.ones(d, Y.dtype), jnp.ones((), Y.dtype))
+        return jax.lax.fori_loop(0, iterations, sweep, start)
+
+    Y = np.asarray(Y)
+    C0 = np.random.default_rng(seed).normal(size=(Y.shape[1], d))
+    t0 = time.perf_counter()
+    lowered = jax.jit(fit).lower(Y, C0)
+    compiled = compile_lowered(lowered, _compiler_options(Y))
+    out = jax.block_until_ready(compiled(Y, C0))
+    return time.perf_counter() - t0, out
+
+
 #: BayesPy's convergence test (``VB.update``): the bound rose by less than this, relative, in
 #: one iteration; the full fits of both stop at it (``blr_fit(tol=...)``: the ELBO's relative
 #: change, with its parameters settled, or its spread over 20 steps)
@@ -1037,6 +1078,9 @@ def vmp_pca(problems=PCA_PROBLEMS, iterations: int = VMP_ITERATIONS, log=print) 
         row = {"M": m, "N": n, "D": d, "steps": iterations}
         row["blr"] = _blr_timing(pca_model, data, n, iterations) if d**2 * m * n <= PCA_MAX_WORK else None
         row["bayespy"] = None if bayespy is None else _bayespy_pca(Y, d, iterations)
+        # (BayesPy's iterations when it ran, else blrppl's steps)
+        sweeps = (row["bayespy"] or {}).get("full_steps") or (row["blr"] or {}).get("full_steps") or 100
+        row["floor"] = {"wall": _jax_floor_pca(Y, d, sweeps)[0], "sweeps": sweeps}
         rows.append(row)
         log(_vmp_log(f"PCA M={m} N={n} D={d}", row["blr"], row["bayespy"]))
     return rows
@@ -1090,6 +1134,49 @@ def _bayespy_gmm(X, k: int, iterations: int, seed: int = 0):
     return _bayespy_timing(build, iterations)
 
 
+def _jax_floor_gmm(X, k: int, iterations: int, seed: int = 0) -> tuple:
+    """:func:`_jax_floor_pca` for :func:`gmm_model`: Bishop's (2006, §10.2) mixture updates
+    with q(μ_k) and q(Λ_k) apart (BayesPy's factorisation) by hand in JAX, ``iterations``
+    sweeps from random responsibilities, traced, compiled at XLA's lowest optimisation level
+    and run once. Returns the wall seconds and the responsibilities."""
+    from jax.scipy.linalg import cho_solve
+    from jax.scipy.special import digamma, logsumexp
+
+    n, d = X.shape
+    alpha0, beta0, nu0, w0_inv = 1e-5, 1e-5, float(d), 1e-5 * np.eye(d)
+    eye = np.eye(d)
+
+    def sweep(_, resp):
+        counts = resp.sum(0) + 1e-12
+        log_pi = digamma(alpha0 + counts) - digamma(k * alpha0 + n)
+        # q(Λ_k) from the responsibilities at the means' last values, q(μ_k) given E[Λ_k]
+        xbar = (resp.T @ X) / counts[:, None]
+        centred = X[None] - xbar[:, None]
+        scatter = jnp.einsum("nk,kni,knj->kij", resp, centred, centred)
+        nu = nu0 + counts
+        w = jax.vmap(lambda s: cho_solve((jnp.linalg.cholesky(w0_inv + s), True), eye))(scatter)
+        lam = nu[:, None, None] * w
+        prec_mu = beta0 * eye + counts[:, None, None] * lam
+        cov_mu = jax.vmap(lambda p: cho_solve((jnp.linalg.cholesky(p), True), eye))(prec_mu)
+        mean_mu = jnp.einsum("kij,kjl,kl->ki", cov_mu, lam, counts[:, None] * xbar)
+        logdet = jnp.sum(digamma(0.5 * (nu[:, None] - np.arange(d)[None])), -1) + d * np.log(2.0) + jnp.linalg.slogdet(w)[1]
+        diff = X[None] - mean_mu[:, None]
+        quad = jnp.einsum("kni,kij,knj->nk", diff, lam, diff) + jnp.einsum("kij,kji->k", lam, cov_mu)[None]
+        log_r = log_pi[None] + 0.5 * logdet[None] - 0.5 * quad
+        return jnp.exp(log_r - logsumexp(log_r, axis=1, keepdims=True))
+
+    def fit(X, resp0):
+        return jax.lax.fori_loop(0, iterations, sweep, resp0)
+
+    X = np.asarray(X)
+    resp0 = np.random.default_rng(seed).dirichlet(np.ones(k), size=n)
+    t0 = time.perf_counter()
+    lowered = jax.jit(fit).lower(X, resp0)
+    compiled = compile_lowered(lowered, _compiler_options(X))
+    out = jax.block_until_ready(compiled(X, resp0))
+    return time.perf_counter() - t0, out
+
+
 def vmp_gmm(problems=GMM_PROBLEMS, iterations: int = VMP_ITERATIONS, log=print) -> list:
     """:func:`gmm_model` on BayesPy's mixture timing problems: ``blr_fit``'s ms per iteration
     (``iterations`` steps, compile excluded) and lower bound, against BayesPy 0.6's VMP on the
@@ -1105,6 +1192,8 @@ def vmp_gmm(problems=GMM_PROBLEMS, iterations: int = VMP_ITERATIONS, log=print) 
         data = {"X": X, "num_components": k}
         row = {"K": k, "N": n, "D": d, "steps": iterations, "blr": _blr_timing(gmm_model, data, n, iterations)}
         row["bayespy"] = None if bayespy is None else _bayespy_gmm(X, k, iterations)
+        sweeps = (row["bayespy"] or {}).get("full_steps") or (row["blr"] or {}).get("full_steps") or 100
+        row["floor"] = {"wall": _jax_floor_gmm(X, k, sweeps)[0], "sweeps": sweeps}
         rows.append(row)
         log(_vmp_log(f"GMM K={k} N={n} D={d}", row["blr"], row["bayespy"]))
     return rows
