@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import traceback
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -42,6 +43,7 @@ from numpyro import handlers
 from numpyro.primitives import Messenger
 
 from blrppl import moments as mom
+from blrppl.errors import BLRError, ModelTraceError
 from blrppl.graph import forms as fm, scan_map
 from blrppl.graph.data import DataSpec, RunData, compile_lowered, compiler_options
 from blrppl.graph.plan import Block
@@ -112,21 +114,25 @@ class ModelProgram:
         self._pruned: dict = {}
         self._specs: dict = {}
 
-    def _run(self, full, args, kwargs, indices, names=None):
+    def _run(self, full, args, kwargs, indices, names=None, tracing=False):
         count_model_run()
         model = handlers.substitute(Stabilise(self.model), data=full)
         if indices:
             model = PlateIndices(model, indices)
-        if names is not None:
-            stopper = _StopAfter(model, names)
-            try:
-                stopper(*args, **kwargs)
-            except _Collected:
-                pass
-            return stopper.sites
-        recorder = _Record(model)
-        recorder(*args, **kwargs)
-        return recorder.sites
+        runner = _Record(model) if names is None else _StopAfter(model, names)
+        try:
+            runner(*args, **kwargs)
+        except _Collected:
+            pass
+        except _NOT_TRACEABLE as exc:
+            if tracing:
+                raise  # (the program falls back to running the model: see _trace)
+            raise _substituted_run_error(exc, runner.sites if names is None else {}) from exc
+        except BLRError:
+            raise
+        except Exception as exc:
+            raise _substituted_run_error(exc, runner.sites if names is None else {}) from exc
+        return runner.sites
 
     def _trace(self, signature, spec, inputs):
         flat, in_tree = jax.tree.flatten(inputs)
@@ -134,12 +140,12 @@ class ModelProgram:
         def program(*leaves):
             full, data, indices = jax.tree.unflatten(in_tree, leaves)
             args, kwargs = spec.merge(data)
-            return self._run(full, args, kwargs, indices)
+            return self._run(full, args, kwargs, indices, tracing=True)
 
         avals = [jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x), weak_type=_weak(x)) for x in flat]
         try:
             closed, shapes = jax.make_jaxpr(program, return_shape=True)(*avals)
-        except (TypeError, jax.errors.ConcretizationTypeError, jax.errors.TracerBoolConversionError):
+        except _NOT_TRACEABLE:
             return None  # entries that are not pytrees of arrays, or values read concretely
         out_leaves, out_tree = jax.tree.flatten(shapes)
         sizes = jax.tree.unflatten(out_tree, [1] * len(out_leaves))
@@ -201,6 +207,38 @@ def _dce(jaxpr, used_outputs):
         outs = list(jaxpr.outvars)
         pruned = jaxpr.replace(outvars=[v for v, u in zip(outs, used_outputs) if u])
         return pruned, [True] * len(jaxpr.invars)
+
+
+#: what running the model abstractly (for its program) raises when its entries are not
+#: pytrees of arrays or it reads values concretely: the model is then run eagerly instead
+_NOT_TRACEABLE = (TypeError, jax.errors.ConcretizationTypeError, jax.errors.TracerBoolConversionError)
+
+
+def _substituted_run_error(exc: Exception, sites: dict) -> ModelTraceError:
+    """The error of a model that ran with the data given (its trace) but raised ``exc`` when
+    run with its latent sites set to given values, as inference runs it (``sites``: those it
+    ran before)."""
+    last = next(reversed(sites)) if sites else None
+    where = f" after site '{last}'" if last is not None else ""
+    hint = ""
+    scanned = [f for f, _ in traceback.walk_tb(exc.__traceback__) if f.f_code.co_name == "_subs_wrapper"]
+    if isinstance(exc, AssertionError) and scanned:
+        # numpyro's scan draws the steps past a conditioned series' end at random: no
+        # inference fits them (numpyro's own samplers stop there as well)
+        site = scanned[-1].f_locals.get("site")
+        last = site.get("name", last) if isinstance(site, dict) else last
+        where = f" at site '{last}'"
+        hint = (
+            "; a site inside a scan is conditioned on fewer values than the scan has steps, and numpyro "
+            "draws the remaining steps at random (a forecast inside the model): condition the observed "
+            "steps only (a scan over them), and forecast after the fit with numpyro's Predictive"
+        )
+    what = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    return ModelTraceError(
+        f"the model could not be run with its latent sites set to values, as inference runs it: it "
+        f"raised{where} ({what}){hint}",
+        site=last,
+    )
 
 
 class _StopAfter(Messenger):

@@ -177,6 +177,30 @@ def test_model_raising_before_any_site():
         fit(model, {"y": Y})
 
 
+def test_a_forecast_inside_a_scan_is_refused_naming_the_site():
+    """NumPyro's forecasting idiom (holt_winters with ``future > 0``): a scanned site
+    conditioned on fewer values than the scan has steps, the rest drawn at random inside
+    the model. The model runs with the data given, but not as inference runs it (latents
+    substituted: numpyro's scan then asserts a PRNG key): a ModelTraceError naming the
+    scanned site and the fix, not a bare AssertionError."""
+    from numpyro.contrib.control_flow import scan
+
+    def model(y, future=2):
+        s = numpyro.sample("s", dist.HalfNormal(1.0))
+
+        def step(prev, t):
+            x = numpyro.sample("x", dist.Normal(prev, s))
+            return x, x
+
+        with numpyro.handlers.condition(data={"x": y}):
+            scan(step, 0.0, jnp.arange(y.shape[0] + future))
+
+    with pytest.raises(ModelTraceError, match="Predictive") as info:
+        fit(model, (jnp.array([0.1, 0.3, 0.2]),))
+    assert info.value.site == "x"
+    assert isinstance(info.value.__cause__, AssertionError)
+
+
 BAD_DATA = pytest.mark.parametrize("data", [Y, "y", 3.0, {1, 2}], ids=["array", "str", "float", "set"])
 
 
