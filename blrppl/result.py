@@ -135,33 +135,44 @@ class BLRResult:
         from blrppl.engine.fit import COMPILE_LOCK
 
         model, args, kwargs = self.model_call
-        # NumPy data as JAX arrays, as the fit passed them: Predictive vmaps the model over the
-        # draws, and a NumPy array indexed by a traced value (a subsample's indices) fails
-        args, kwargs = jax.tree.map(_as_jax, (args, kwargs))
+        # the data as given (as the user's own Predictive would pass them: a model may read
+        # them concretely, e.g. ``int(np.max(idx))``), then NumPy data as JAX arrays, as the
+        # fit passed them (Predictive vmaps the model over the draws, and a NumPy array
+        # indexed by a traced value, a subsample's indices, fails)
+        converted = jax.tree.map(_as_jax, (args, kwargs))
+        calls = [(args, kwargs)]
+        if any(a is not b for a, b in zip(jax.tree.leaves((args, kwargs)), jax.tree.leaves(converted))):
+            calls.append(converted)
         params = {b.name: point_value(b, self.nat[b.name]) for b in self.plan.blocks if b.param}
-        try:
-            # (numpyro's effect handlers keep one process-wide stack: no fit traces meanwhile)
-            with COMPILE_LOCK, handlers.block():
-                names = self.deterministic_sites if deterministic else ()
-                if names is None:
-                    first = {name: x[0] for name, x in draws.items()}
-                    seeded = handlers.seed(handlers.substitute(model, data={**params, **first}), 0)
-                    trace = handlers.trace(seeded).get_trace(*args, **kwargs)
-                    names = [n for n, site in trace.items() if site["type"] == "deterministic"]
-                names = barren + [n for n in names if n not in draws and n not in barren]
-                if not names:
-                    return {}
-                predictive = Predictive(model, posterior_samples=draws, params=params, return_sites=names, batch_ndims=1)
-                values = predictive(key, *args, **kwargs)
-        except Exception as err:  # (the model's own code: anything it raises)
-            warnings.warn(
-                f"BLRResult.sample: the model could not be run at the draws to compute its deterministic sites "
-                f"or draw the latents integrated out ({type(err).__name__}: {err}); only the fitted latent "
-                "sites are returned",
-                UserWarning,
-                stacklevel=3,
-            )
-            return {}
+        for i, (call_args, call_kwargs) in enumerate(calls):
+            try:
+                # (numpyro's effect handlers keep one process-wide stack: no fit traces meanwhile)
+                with COMPILE_LOCK, handlers.block():
+                    names = self.deterministic_sites if deterministic else ()
+                    if names is None:
+                        first = {name: x[0] for name, x in draws.items()}
+                        seeded = handlers.seed(handlers.substitute(model, data={**params, **first}), 0)
+                        trace = handlers.trace(seeded).get_trace(*call_args, **call_kwargs)
+                        names = [n for n, site in trace.items() if site["type"] == "deterministic"]
+                    names = barren + [n for n in names if n not in draws and n not in barren]
+                    if not names:
+                        return {}
+                    predictive = Predictive(
+                        model, posterior_samples=draws, params=params, return_sites=names, batch_ndims=1
+                    )
+                    values = predictive(key, *call_args, **call_kwargs)
+                break
+            except Exception as err:  # (the model's own code: anything it raises)
+                if i + 1 < len(calls):
+                    continue
+                warnings.warn(
+                    f"BLRResult.sample: the model could not be run at the draws to compute its deterministic "
+                    f"sites or draw the latents integrated out ({type(err).__name__}: {err}); only the fitted "
+                    "latent sites are returned",
+                    UserWarning,
+                    stacklevel=3,
+                )
+                return {}
         return {n: values[n] for n in names if n in values}
 
     def summary(

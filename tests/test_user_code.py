@@ -279,6 +279,29 @@ def test_draws_hold_the_deterministic_sites_as_mcmc_samples_do():
     assert "theta" in result.summary(print_table=False, exclude_deterministic=False)
 
 
+def positions_model(idx, y):
+    """Sizes read from the data with NumPy, as NumPyro's annotation example reads its
+    ``positions``: the model needs concrete data."""
+    n = int(np.max(idx)) + 1
+    mu = numpyro.sample("mu", dist.Normal(0.0, 1.0).expand([n]).to_event(1))
+    numpyro.deterministic("mu2", 2.0 * mu)
+    numpyro.sample("y", dist.Normal(mu[idx], 1.0), obs=y)
+
+
+def test_deterministic_sites_of_a_model_that_reads_its_data_concretely():
+    """``sample`` runs the model at the draws with the data as given (NumPy: the model's
+    ``int(np.max(idx))`` works, as with numpyro's own Predictive), not only as JAX arrays
+    (traced there under Predictive's vmap): the deterministic site is returned, no warning."""
+    import warnings
+
+    idx = np.array([0, 1, 2, 0, 1, 2])
+    result = fit(positions_model, (idx, np.arange(6.0)), num_steps=20)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        draws = result.sample(random.PRNGKey(1), 50)
+    np.testing.assert_allclose(draws["mu2"], 2.0 * draws["mu"], rtol=1e-6)
+
+
 def dirichlet_gamma_model(groups, counts):
     p = numpyro.sample("p", dist.Dirichlet(jnp.ones(3)))
     rate = numpyro.sample("rate", dist.Gamma(2.0, 1.0))
