@@ -201,6 +201,26 @@ def test_a_forecast_inside_a_scan_is_refused_naming_the_site():
     assert isinstance(info.value.__cause__, AssertionError)
 
 
+def test_an_enumerated_value_of_probability_zero_is_named_with_the_fix():
+    """A zero-inflated Poisson written with its indicator (``Poisson(z * rate)``: a positive
+    count has probability 0 at z = 0): q gives every value of z some probability, the ELBO
+    is never finite, and the fit stops with the last valid state, naming the latent and
+    the fix (marginalise it), not only the data and the priors."""
+
+    def model(y):
+        p = numpyro.sample("p", dist.Beta(1.0, 1.0))
+        rate = numpyro.sample("rate", dist.Gamma(2.0, 0.5))
+        with numpyro.plate("n", y.shape[0]):
+            z = numpyro.sample("z", dist.Bernoulli(p))
+            numpyro.sample("y", dist.Poisson(z * rate), obs=y)
+
+    y = np.array([0.0, 3.0, 0.0, 5.0, 2.0, 0.0, 4.0, 1.0])
+    with pytest.warns(UserWarning, match="ZeroInflatedPoisson"):
+        result = fit(model, (y,), num_steps=20)
+    assert not result.converged
+    assert "enumerated latents ('z')" in result.message
+
+
 BAD_DATA = pytest.mark.parametrize("data", [Y, "y", 3.0, {1, 2}], ids=["array", "str", "float", "set"])
 
 

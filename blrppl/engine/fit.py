@@ -748,7 +748,7 @@ def _stop_message(outcome, plan, window: int, tol: float, num_steps: int) -> str
             f"stopped after {outcome.num_steps} steps: no step size found that keeps the ELBO "
             "and the natural parameters finite (and, for exact ELBOs, does not lower it); check "
             "the data for NaN or infinite values and the priors for expectations that do not "
-            "exist; the last valid state is returned"
+            "exist" + _zero_probability_hint(outcome, plan, ", and whether") + "; the last valid state is returned"
         )
     elif outcome.stop == BAD_RATE:
         message = (
@@ -757,6 +757,11 @@ def _stop_message(outcome, plan, window: int, tol: float, num_steps: int) -> str
         )
     else:
         message = f"reached num_steps={num_steps} without meeting the convergence test"
+        if _never_finite(outcome):
+            message += (
+                " (no step had a finite ELBO: check the data for NaN or infinite values and the priors for "
+                "expectations that do not exist" + _zero_probability_hint(outcome, plan, "; check whether") + ")"
+            )
         if plan.subsampled:
             epochs = outcome.num_steps / max(p.steps_per_epoch for p in plan.subsampled)
             message += (
@@ -772,6 +777,29 @@ def _stop_message(outcome, plan, window: int, tol: float, num_steps: int) -> str
             "parameters"
         )
     return message
+
+
+def _never_finite(outcome) -> bool:
+    """Whether the fit took steps and none had a finite ELBO."""
+    elbo = np.asarray(outcome.elbo)
+    return bool(elbo.size) and not np.any(np.isfinite(elbo))
+
+
+def _zero_probability_hint(outcome, plan, lead: str) -> str:
+    """When no step had a finite ELBO and the plan has enumerated latents: the likely cause
+    (a value of one that the model gives probability 0 given the data, which q, giving every
+    value some probability, makes E_q[log p] = -inf) and the fix; else ''."""
+    discrete = [b.name for b in plan.blocks if b.discrete]
+    if not discrete or not _never_finite(outcome):
+        return ""
+    listed = ", ".join(f"'{n}'" for n in discrete)
+    return (
+        f"{lead} the model gives some value of the enumerated latents ({listed}) probability 0 given the "
+        "data (a count observed as Poisson(z * rate) with z = 0, a Bernoulli probability of exactly 0 or 1 "
+        "picked by a discrete latent): q gives every value some probability, so its expected log-density "
+        "is -inf; marginalise that latent in the model (dist.ZeroInflatedPoisson, dist.MixtureGeneral) or "
+        "keep such probabilities inside (0, 1)"
+    )
 
 
 def _model_data(plan, run_data):
@@ -864,8 +892,9 @@ def run(prepared: Prepared, state: BLRState, num_steps: int, progress_bar: bool)
     if improper:
         warnings.warn("blr_fit: " + _improper_note(plan, outcome.state.nat, improper), UserWarning, stacklevel=3)
     message = _stop_message(outcome, plan, bundle.window, prepared.tol, num_steps)
-    if outcome.stop == NONFINITE:
-        # (the result holds the last valid state; without a warning only the message says so)
+    if outcome.stop == NONFINITE or _never_finite(outcome):
+        # (the result holds the last valid state, or no step's: without a warning only the
+        # message says so)
         warnings.warn("blr_fit: " + message, UserWarning, stacklevel=3)
     if diagnostics.khat > KHAT_WARN and diagnostics.ess >= ESS_CLOSE:
         # (nearly equal weights: q's bulk is the posterior's; k̂ reads the tail of a ratio
