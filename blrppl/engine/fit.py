@@ -34,7 +34,7 @@ from blrppl.estimators import bilinear, gram
 from blrppl.expressions import table_key
 from blrppl.graph.deps import output_dependencies
 from blrppl.graph.stack import stack_table
-from blrppl.diagnostics import ESS_CLOSE, KHAT_WARN, Diagnostics, make_log_weights, psis_khat, relative_ess
+from blrppl.diagnostics import ESS_CLOSE, ESS_POOR, KHAT_WARN, Diagnostics, make_log_weights, psis_khat, relative_ess
 from blrppl.graph.data import DataSpec, RunData, split_run_data
 from blrppl.graph.data import SMALL_DATA, background_compilations, compiler_options as _compiler_options, host_array, xla_compilations
 from blrppl.graph.program_store import compile_program, fit_program_key, jit as store_jit, program_key
@@ -904,7 +904,7 @@ def run(prepared: Prepared, state: BLRState, num_steps: int, progress_bar: bool)
             f"{100 * diagnostics.ess:.0f} % of its draws effective: q's tails differ from the posterior's, "
             "its bulk is close"
         )
-    elif diagnostics.khat > KHAT_WARN:
+    elif diagnostics.khat > KHAT_WARN or diagnostics.ess < ESS_POOR:
         advice = "compare with NUTS, or try structure='joint' or other families="
         if any(f.pairs for f in plan.factors):
             # (joined, the product would be fitted by Monte Carlo: slower, and no better for a
@@ -925,7 +925,17 @@ def run(prepared: Prepared, state: BLRState, num_steps: int, progress_bar: bool)
                 )
                 + "; compare means of identified quantities with NUTS"
             )
-        note = f"q may be a poor approximation of the posterior (PSIS k-hat = {diagnostics.khat:.2f} > {KHAT_WARN}): {advice}"
+        if diagnostics.khat > KHAT_WARN:
+            why = f"PSIS k-hat = {diagnostics.khat:.2f} > {KHAT_WARN}"
+        else:
+            # (k̂ fits the tail of the weights only; their spread says how far q's bulk is:
+            # see blrppl.diagnostics.ESS_POOR)
+            why = (
+                f"importance sampling from q keeps only {100 * diagnostics.ess:.0f} % of its draws effective "
+                f"(PSIS k-hat = {diagnostics.khat:.2f}): q's bulk differs from the posterior's, where a mean may lie "
+                f"up to {math.sqrt(1.0 / diagnostics.ess - 1.0):.1f} of q's sds from q's, and sds may be too small"
+            )
+        note = f"q may be a poor approximation of the posterior ({why}): {advice}"
         message += "; " + note
         warnings.warn("blr_fit: " + note, UserWarning, stacklevel=3)
     result = BLRResult(
