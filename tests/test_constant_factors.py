@@ -60,6 +60,16 @@ def counts_and_gauge(c, g):
         numpyro.sample("g", dist.Normal(0.5 * (level[1:] + level[:-1]), 0.3), obs=g)
 
 
+def counts_and_a_masked_gauge(c, g):
+    """The gauge missing (NaN) on a third of the steps, masked out with ``handlers.mask``."""
+    x = numpyro.sample("x", dist.GaussianRandomWalk(0.2, num_steps=c.shape[0]))
+    with numpyro.plate("t", c.shape[0]):
+        numpyro.sample("c", dist.Poisson(jnp.exp(x + 1.0)), obs=c)
+    seen = jnp.arange(c.shape[0] - 1) % 3 != 0
+    with numpyro.plate("s", c.shape[0] - 1), numpyro.handlers.mask(mask=seen):
+        numpyro.sample("g", dist.Normal(1000.0 + 0.5 * (x[1:] + x[:-1]), 0.3), obs=jnp.where(seen, g, jnp.nan))
+
+
 def walk_with_unknown_scale(c):
     """The walk's prior also reads sigma: its message to x depends on q(sigma)."""
     sigma = numpyro.sample("sigma", dist.HalfNormal(0.2))
@@ -81,6 +91,7 @@ CASES = {
     "poisson walk": (poisson_walk, ("c",), {"x": ("x",)}),
     "logistic AR(1) with scan": (logistic_ar1, ("y",), {"x": ("x",)}),
     "counts and a gauge": (counts_and_gauge, ("c", "g"), {"x": ("x", "g")}),
+    "counts and a masked gauge": (counts_and_a_masked_gauge, ("c", "g"), {"x": ("x", "g")}),
     "walk with an unknown scale": (walk_with_unknown_scale, ("c",), {}),
 }
 
@@ -102,7 +113,7 @@ def test_constant_factors_of_user_models(name):
     assert constant_factors(plan) == expected
 
 
-@pytest.mark.parametrize("name", ["poisson walk", "counts and a gauge"])
+@pytest.mark.parametrize("name", ["poisson walk", "counts and a gauge", "counts and a masked gauge"])
 def test_split_expectation_equals_the_expectation(name):
     """At a view far from the fixed one (means near the data, a valid band of Σ), the split
     E_q[log p] equals the one read through the colour rows (float64, 1e-12 relative), and
@@ -134,7 +145,7 @@ def test_split_expectation_equals_the_expectation(name):
     np.testing.assert_allclose(np.asarray(msg_fixed.eta2), np.asarray(msg_view.eta2), rtol=1e-12)
 
 
-@pytest.mark.parametrize("name", ["poisson walk", "logistic AR(1) with scan", "counts and a gauge"])
+@pytest.mark.parametrize("name", ["poisson walk", "logistic AR(1) with scan", "counts and a masked gauge"])
 def test_fit_equals_the_fit_reading_every_factor_at_q(name, monkeypatch):
     """Eight steps taken apart and read whole: the same ELBOs and posterior (float64, 1e-9)."""
     model, keys, _ = CASES[name]
