@@ -157,3 +157,20 @@ def test_fit_equals_the_fit_reading_every_factor_at_q(name, monkeypatch):
     np.testing.assert_allclose(np.asarray(split.elbo), np.asarray(whole.elbo), rtol=1e-9)
     np.testing.assert_allclose(split.posterior["x"].mean, whole.posterior["x"].mean, rtol=1e-9, atol=1e-9)
     np.testing.assert_allclose(split.posterior["x"].variance, whole.posterior["x"].variance, rtol=1e-9)
+
+
+@pytest.mark.parametrize("b", [1, 2])
+def test_diagonal_message_equals_the_banded_one_for_a_diagonal_gradient(b):
+    """A chain's observations, one scalar per element, give ∂L/∂Σ on the diagonal only:
+    the elementwise G m equals the banded product there (float64, 1e-14)."""
+    rng = np.random.default_rng(b)
+    n = 40
+    family = GaussianBanded(dim=n, bandwidth=b)
+    cov = np.zeros((n, b + 1))
+    cov[:, 0] = rng.uniform(0.5, 2.0, size=n)
+    grad = family.view_type(jnp.asarray(rng.normal(size=n)), jnp.asarray(cov))
+    view = family.view_type(jnp.asarray(100.0 + rng.normal(size=n)), jnp.asarray(rng.normal(size=(n, b + 1))))
+    banded = family.message_at(None, view, grad)
+    diagonal = family.message_at(None, view, grad, diagonal=True)
+    np.testing.assert_allclose(np.asarray(diagonal.eta1), np.asarray(banded.eta1), rtol=1e-14)
+    np.testing.assert_array_equal(np.asarray(diagonal.eta2), np.asarray(banded.eta2))

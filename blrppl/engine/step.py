@@ -490,6 +490,14 @@ def make_step(
     }
 
     multiplied = {n for f in plan.factors for _, ps in f.pairs for pair in ps for n in pair}
+    # chains whose factors, once their constant ones are taken apart, each read one scalar
+    # per element: their messages' G is diagonal (GaussianBanded.message_at)
+    diagonal = {
+        b.name for b in plan.blocks
+        if b.family.banded and all(
+            dict(f.columns).get(b.name) == "scalar" for f in plan.factors_of(b.name) if f.name not in constant.get(b.name, ())
+        )
+    }
 
     def messages(nat, names, data, key=None, views=None):
         views = views_of(plan, nat) if views is None else views
@@ -516,7 +524,11 @@ def make_step(
         split = [n for n in smooth if n in constant]
         wanted -= {f for n in split for f in constant[n]}
         grads = jax.grad(obj)({n: views[n] for n in smooth}) if smooth else {}
-        out = {n: blocks[n].family.message_at(nat[n], views[n], grads[n]) for n in smooth}
+        out = {
+            n: blocks[n].family.message_at(nat[n], views[n], grads[n], diagonal=True) if n in diagonal
+            else blocks[n].family.message_at(nat[n], views[n], grads[n])
+            for n in smooth
+        }
         for n in split:
             fixed_msg = blocks[n].family.message_from_fixed_view_grad(constant_grads(n, views, data, key))
             out[n] = jax.tree.map(jnp.add, out[n], fixed_msg)

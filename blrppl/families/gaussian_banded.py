@@ -190,7 +190,16 @@ class GaussianBanded(Family):
         mean = _vectorized(_band.solve, "(n,w),(n)->(n)")(self._chol(nat), nat.eta1)
         return self._message(view_grad, mean)
 
-    def message_at(self, nat: BandedGaussianNat, view: BandedGaussianView, view_grad: BandedGaussianView):
+    def message_at(
+        self, nat: BandedGaussianNat, view: BandedGaussianView, view_grad: BandedGaussianView, diagonal: bool = False
+    ) -> BandedGaussianNat:
+        """λ̃ = (∂L/∂m − 2 G m, G) at ``view``. With ``diagonal`` every factor in L reads the
+        chain one scalar per element (``"scalar"`` columns: L depends on the band of Σ through
+        its diagonal only), so G is diagonal and G m is elementwise: no shifted rows (a chain's
+        observations, with its own prior taken apart: :func:`blrppl.engine.step.constant_factors`)."""
+        if diagonal:
+            g = view_grad.cov / _weights(self.bandwidth, view_grad.cov.dtype)
+            return BandedGaussianNat(view_grad.mean - 2.0 * g[..., 0] * view.mean, g)
         return self._message(view_grad, view.mean)
 
     def _message(self, view_grad: BandedGaussianView, mean) -> BandedGaussianNat:
