@@ -18,34 +18,17 @@ import numpyro
 import numpyro.distributions as dist
 import pytest
 from jax import random
-from numpyro.contrib.control_flow import scan
 
 from blrppl.engine.step import constant_factors, make_objective, make_split_expectation, views_of
 from blrppl.families import BandedGaussianNat, GaussianBanded
 from blrppl.graph.compile import compile_model
 from blrppl.graph.trace import trace_model
 from checks import fresh_fit
+from test_banded import logistic_scan as logistic_ar1, poisson_walk
 
 numpyro.enable_x64()
 
 T = 80
-
-
-def poisson_walk(c):
-    x = numpyro.sample("x", dist.GaussianRandomWalk(0.1, num_steps=c.shape[0]))
-    with numpyro.plate("t", c.shape[0]):
-        numpyro.sample("c", dist.Poisson(jnp.exp(x)), obs=c)
-
-
-def logistic_ar1(y):
-    """One site per step (``scan``): each step's prior reads the previous step."""
-
-    def step(prev, y_t):
-        x = numpyro.sample("x", dist.Normal(0.9 * prev, 0.5))
-        numpyro.sample("y", dist.Bernoulli(logits=x), obs=y_t)
-        return x, None
-
-    scan(step, 0.0, y)
 
 
 def counts_and_gauge(c, g):
