@@ -124,13 +124,11 @@ class ModelProgram:
             runner(*args, **kwargs)
         except _Collected:
             pass
-        except _NOT_TRACEABLE as exc:
-            if tracing:
-                raise  # (the program falls back to running the model: see _trace)
-            raise _substituted_run_error(exc, runner.sites if names is None else {}) from exc
         except BLRError:
             raise
         except Exception as exc:
+            if tracing and isinstance(exc, _NOT_TRACEABLE):
+                raise  # (the program falls back to running the model: see _trace)
             raise _substituted_run_error(exc, runner.sites if names is None else {}) from exc
         return runner.sites
 

@@ -1010,11 +1010,15 @@ def _jax_floor_pca(Y, d: int, iterations: int, seed: int = 0) -> tuple:
         return jax.lax.fori_loop(0, iterations, sweep, start)
 
     Y = np.asarray(Y)
-    C0 = np.random.default_rng(seed).normal(size=(Y.shape[1], d))
+    return _first_call(fit, Y, np.random.default_rng(seed).normal(size=(Y.shape[1], d)))
+
+
+def _first_call(fn, data, start) -> tuple:
+    """Wall seconds of tracing, compiling (blrppl's options for ``data``: XLA's lowest level
+    for small data) and running ``fn(data, start)`` once, and its result."""
     t0 = time.perf_counter()
-    lowered = jax.jit(fit).lower(Y, C0)
-    compiled = compile_lowered(lowered, _compiler_options(Y))
-    out = jax.block_until_ready(compiled(Y, C0))
+    compiled = compile_lowered(jax.jit(fn).lower(data, start), _compiler_options(data))
+    out = jax.block_until_ready(compiled(data, start))
     return time.perf_counter() - t0, out
 
 
@@ -1176,12 +1180,7 @@ def _jax_floor_gmm(X, k: int, iterations: int, seed: int = 0) -> tuple:
         return jax.lax.fori_loop(0, iterations, sweep, resp0)
 
     X = np.asarray(X)
-    resp0 = np.random.default_rng(seed).dirichlet(np.ones(k), size=n)
-    t0 = time.perf_counter()
-    lowered = jax.jit(fit).lower(X, resp0)
-    compiled = compile_lowered(lowered, _compiler_options(X))
-    out = jax.block_until_ready(compiled(X, resp0))
-    return time.perf_counter() - t0, out
+    return _first_call(fit, X, np.random.default_rng(seed).dirichlet(np.ones(k), size=n))
 
 
 def vmp_gmm(problems=GMM_PROBLEMS, iterations: int = VMP_ITERATIONS, log=print) -> list:
