@@ -37,6 +37,7 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import jax.extend.core as jax_core
 import numpy as np
 import numpyro.distributions as dist
 from numpyro import handlers
@@ -154,11 +155,19 @@ class ModelProgram:
             start += n
         return closed, out_tree, slices
 
-    def sites(self, names, full: dict, data, indices: dict, spec: DataSpec, vectorise: bool = False) -> dict:
+    def sites(
+        self, names, full: dict, data, indices: dict, spec: DataSpec, vectorise: bool = False, exp_inputs=None,
+    ) -> dict:
         """The trace entries of the sites ``names`` with latent values ``full`` (every
         latent, constrained), data leaves ``data`` and plate minibatch ``indices``; with
         ``vectorise``, the program's scans whose carries are known ahead run as maps over
-        their steps (:mod:`blrppl.graph.scan_map`: the same values, without the loop)."""
+        their steps (:mod:`blrppl.graph.scan_map`: the same values, without the loop).
+
+        With a dict ``exp_inputs``, each entry leaf that the program computes as ``exp(z)``
+        is recorded there as ``id(leaf) → (leaf, z)``: a log-normal argument's log is then
+        read, not computed as ``log(exp(z))`` (whose pushed rows would be divided by
+        ``exp(z)`` elementwise, an exponential and a division per element and row that XLA
+        does not simplify away)."""
         inputs = (full, tuple(data), dict(indices))
         flat, in_tree = jax.tree.flatten(inputs)
         self._specs[id(spec)] = spec  # (a spec holding arrays is not hashable: keyed by identity, kept alive)
@@ -171,7 +180,7 @@ class ModelProgram:
             return self._run(full, args, kwargs, indices, names)
         closed, out_tree, slices = traced
         wanted = frozenset(names)
-        key = (signature, wanted, vectorise)
+        key = (signature, wanted, vectorise, exp_inputs is not None)
         if key not in self._pruned:
             used = [False] * out_tree.num_leaves
             for n in wanted:
@@ -181,16 +190,44 @@ class ModelProgram:
             consts = closed.consts
             if vectorise:
                 jaxpr, consts = scan_map.vectorise(jaxpr, consts)
-            self._pruned[key] = (jaxpr, consts, used_inputs, used)
-        jaxpr, consts, used_inputs, used = self._pruned[key]
-        outs = iter(jax.core.eval_jaxpr(jaxpr, consts, *[x for x, u in zip(flat, used_inputs) if u]))
+            logged = ()
+            if exp_inputs is not None:
+                jaxpr, logged = _with_exp_inputs(jaxpr)
+            self._pruned[key] = (jaxpr, consts, used_inputs, used, logged)
+        jaxpr, consts, used_inputs, used, logged = self._pruned[key]
+        outs = jax.core.eval_jaxpr(jaxpr, consts, *[x for x, u in zip(flat, used_inputs) if u])
+        outs, extra = outs[: len(outs) - len(logged)], outs[len(outs) - len(logged):]
+        outs = iter(outs)
         leaves = [next(outs) if u else None for u in used]
+        if logged:
+            kept = [leaf for leaf in leaves if leaf is not None]
+            for position, z in zip(logged, extra):
+                exp_inputs[id(kept[position])] = (kept[position], z)
         entries = jax.tree.unflatten(out_tree, leaves)
         return {n: entries[n] for n in names}
 
 
 def _weak(x) -> bool:
     return bool(getattr(jax.typeof(x), "weak_type", False)) if isinstance(x, jax.Array) else not hasattr(x, "dtype")
+
+
+def _with_exp_inputs(jaxpr):
+    """``jaxpr`` with an output appended for each of its outputs computed by ``exp`` (at
+    its top level): the exponential's input. Returns (the jaxpr, the positions of those
+    outputs)."""
+    made_by_exp = {eqn.outvars[0]: eqn.invars[0] for eqn in jaxpr.eqns if eqn.primitive.name == "exp"}
+    # (an output may be a literal, which is not hashable: never an exponential's result)
+    logged = tuple(i for i, v in enumerate(jaxpr.outvars) if not isinstance(v, jax_core.Literal) and v in made_by_exp)
+    if not logged:
+        return jaxpr, ()
+    extra = [made_by_exp[jaxpr.outvars[i]] for i in logged]
+    try:
+        debug = jaxpr.debug_info
+        if debug is not None and debug.result_paths is not None:
+            debug = debug._replace(result_paths=tuple(debug.result_paths) + ("exp_input",) * len(extra))
+        return jaxpr.replace(outvars=list(jaxpr.outvars) + extra, debug_info=debug), logged
+    except (AttributeError, TypeError, ValueError):  # pragma: no cover - another jax layout
+        return jaxpr, ()
 
 
 def _dce(jaxpr, used_outputs):
@@ -396,11 +433,12 @@ class ModelFunctions:
             full[n] = t(full[n])
         return full
 
-    def sites(self, names, values: dict, data) -> dict:
+    def sites(self, names, values: dict, data, exp_inputs=None) -> dict:
         """Run the model with ``values`` (block space: unconstrained for transformed blocks)
         substituted; the messages of the sites ``names``. ``data`` may be a
         :class:`MinibatchData` (the minibatch of each subsampled plate), or a
-        :class:`blrppl.graph.data.RunData` carrying the stacked factors' tables."""
+        :class:`blrppl.graph.data.RunData` carrying the stacked factors' tables.
+        ``exp_inputs``: see :meth:`ModelProgram.sites`."""
         tables = {}
         if isinstance(data, RunData):
             tables, data = data.statistics, data.model
@@ -410,27 +448,39 @@ class ModelFunctions:
             data = data.leaves
         full = self.site_values(values)
         plain = tuple(n for n in names if n not in self.stacks)
-        out = self.program.sites(plain, full, data, indices, self.data_spec, self.vectorise) if plain else {}
+        out = self.program.sites(plain, full, data, indices, self.data_spec, self.vectorise, exp_inputs) if plain else {}
         for n in names:
             if n in self.stacks:
                 out[n] = self.stacks[n].site(tables[table_key(n)], full)
         return {n: out[n] for n in names}
 
     @staticmethod
-    def rule_args(site: dict, arg_names) -> dict:
-        """The arguments ``arg_names`` of a site's unwrapped distribution, and its value."""
+    def rule_args(site: dict, arg_names, logged=(), exp_inputs=None) -> dict:
+        """The arguments ``arg_names`` of a site's unwrapped distribution, and its value;
+        those in ``logged`` as their logarithm (read from ``exp_inputs``, see
+        :meth:`ModelProgram.sites`, when the program computed them as ``exp(z)``)."""
         base, _, _ = unwrap(site["fn"])
         given = site.get("given", {})
-        args = {a: jnp.asarray(given[a] if a in given else getattr(base, a)) for a in arg_names}
-        args["value"] = jnp.asarray(site["value"])
+        raw = {a: given[a] if a in given else getattr(base, a) for a in arg_names}
+        raw["value"] = site["value"]
+        args = {}
+        for a, x in raw.items():
+            if a in logged:
+                found = (exp_inputs or {}).get(id(x))
+                x = found[1] if found is not None and found[0] is x else jnp.log(x)
+            args[a] = jnp.asarray(x)
         return args
 
-    def args_of(self, wanted: dict, values: dict, data) -> dict:
+    def args_of(self, wanted: dict, values: dict, data, logged=None) -> dict:
         """Arguments of several sites: ``wanted`` maps site → argument names (rule arguments)
-        or → a function of the site's trace entry returning a dict of arrays."""
-        sites = self.sites(tuple(wanted), values, data)
+        or → a function of the site's trace entry returning a dict of arrays. ``logged``
+        maps sites to the names of arguments returned as their logarithm (log-normal
+        arguments, :class:`blrppl.moments.ExpGaussian`)."""
+        exp_inputs = {} if logged else None
+        sites = self.sites(tuple(wanted), values, data, exp_inputs)
         return {
-            name: extract(sites[name]) if callable(extract) else self.rule_args(sites[name], extract)
+            name: extract(sites[name]) if callable(extract)
+            else self.rule_args(sites[name], extract, (logged or {}).get(name, ()), exp_inputs)
             for name, extract in wanted.items()
         }
 
@@ -1165,12 +1215,15 @@ def group_moments(fns: ModelFunctions, factors, blocks: dict, views: dict, discr
         cont += [n for n in f.neighbours if n not in f.discrete and n not in cont]
     wanted = {f.name: factor_arguments(f) for f in factors}
     point = {n: _base_point(blocks[n], views[n]) for n in cont}
+    # log-normal arguments are linearised on log space: their logs, not exp(log) / exp(log)
+    logged = {f.name: frozenset(a for a, k in f.kinds.items() if k == mom.ExpGaussian.kind) for f in factors}
+    logged = {n: a for n, a in logged.items() if a}
 
     def model_args(x):
         vals = dict(discrete_values)
         for n in cont:
             vals[n] = blocks[n].family.from_linearisation(x[n])
-        return fns.args_of(wanted, vals, data)
+        return fns.args_of(wanted, vals, data, logged)
 
     if not cont:
         out = model_args({})
@@ -1233,10 +1286,10 @@ def group_moments(fns: ModelFunctions, factors, blocks: dict, views: dict, discr
                         mom.AffineGaussian(value, left, right), sum(m.extra for m in found)
                     )
             elif kind == mom.ExpGaussian.kind:
-                # x = exp(a) with a affine: each pushed row is x · (the row of a)
-                left = tuple(rows_of(n, "left", f.name, arg) / value if n in used else None for n in fgauss)
-                right = tuple(rows_of(n, "right", f.name, arg) / value if n in used else None for n in fgauss)
-                moments[arg] = mom.ExpGaussian(mom.AffineGaussian(jnp.log(value), left, right))
+                # x = exp(a) with a affine: a and its rows were pushed (``logged`` above)
+                left = tuple(rows_of(n, "left", f.name, arg) if n in used else None for n in fgauss)
+                right = tuple(rows_of(n, "right", f.name, arg) if n in used else None for n in fgauss)
+                moments[arg] = mom.ExpGaussian(mom.AffineGaussian(value, left, right))
             elif kind == mom.PowerGamma.kind:
                 # each row pushed through x = c τ^a at τ = 1 is multiplied by the slope c a
                 slope, shape_t, rate_t, *mean_t = rows_of(used[0], "gamma", f.name, arg)

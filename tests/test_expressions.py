@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import numpyro
 import numpyro.distributions as dist
 import pytest
 
@@ -207,3 +208,33 @@ def test_log_prob_reads_only_the_leaves_the_density_uses(make, read):
     d = make()
     leaves, tree = canonical_leaves(d)
     assert log_prob_reads(d, leaves, tree, jnp.ones(3)) == frozenset(read)
+
+
+def _log_link_model(y):
+    h = numpyro.sample("h", dist.Normal(0.0, 1.0).expand([3]).to_event(1))
+    numpyro.sample("y", dist.Poisson(jnp.exp(h)).to_event(1), obs=y)
+    numpyro.sample("w", dist.Poisson(2.0 * jnp.exp(h)).to_event(1), obs=y)
+
+
+@pytest.mark.parametrize(
+    "site, expected",
+    [
+        # the rate is exp(h): its log is read from the program, exact where exp(h) overflows
+        ("y", [800.0, 0.0, -1.0]),
+        # 2 exp(h) is not an exponential's result: log of the value (inf at the overflow)
+        ("w", [np.inf, np.log(2.0), np.log(2.0) - 1.0]),
+    ],
+)
+def test_log_normal_arguments_are_read_on_log_space(site, expected):
+    from blrppl.expressions import ModelFunctions, ModelProgram
+    from blrppl.graph.data import DataSpec
+
+    spec, dyn = DataSpec.split((np.array([1.0, 2.0, 3.0]),), {})
+    inputs = {}
+    sites = ModelProgram(_log_link_model).sites(
+        ("y", "w"), {"h": jnp.array([800.0, 0.0, -1.0])}, dyn, {}, spec, exp_inputs=inputs
+    )
+    logged = ModelFunctions.rule_args(sites[site], ("rate",), {"rate"}, inputs)
+    np.testing.assert_allclose(logged["rate"], expected, rtol=1e-15)
+    plain = ModelFunctions.rule_args(sites[site], ("rate",))
+    np.testing.assert_allclose(plain["rate"], np.exp(expected))
