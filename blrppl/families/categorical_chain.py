@@ -65,6 +65,14 @@ def _logsumexp(xp, x, axis):
     return xp.squeeze(m, axis) + xp.log(xp.sum(xp.exp(x - m), axis=axis))
 
 
+def _normalised(xp, x):
+    """exp(x) / Σ exp(x) over the last axis: one exponential per element (not a second one
+    of x − logsumexp(x), a chain's T·K² pair entries being most of its step's exponentials)."""
+    m = xp.max(x, axis=-1, keepdims=True)
+    e = xp.exp(x - xp.where(xp.isfinite(m), m, 0.0))
+    return e / xp.sum(e, axis=-1, keepdims=True)
+
+
 #: states (over all chains) above which numpy parameters go through the compiled scan: the
 #: host loop costs ~17 µs per state and pass (3.5 s for a chain of 10⁵ states), compiling
 #: the scan ~0.2 s
@@ -168,11 +176,11 @@ class CategoricalChain(Family):
         # each step normalised on its own (not by the chain's log Z: in float32 the rounding
         # of a log Z of −10⁴ alone would move every marginal by 10⁻³)
         log_p = alpha + beta
-        probs = xp.exp(log_p - _logsumexp(xp, log_p, -1)[..., None])
+        probs = _normalised(xp, log_p)
         log_pair = alpha[:, :-1, :, None] + nat.pair + (nat.unary[:, 1:] + beta[:, 1:])[:, :, None, :]
         shape = log_pair.shape
         flat = xp.reshape(log_pair, shape[:2] + (shape[2] * shape[3],))
-        pair = xp.reshape(xp.exp(flat - _logsumexp(xp, flat, -1)[..., None]), shape)
+        pair = xp.reshape(_normalised(xp, flat), shape)
         return ChainView(probs, pair), log_z
 
     def nat_from_view(self, view) -> ChainNat:
