@@ -1225,8 +1225,8 @@ def group_moments(fns: ModelFunctions, factors, blocks: dict, views: dict, discr
             vals[n] = blocks[n].family.from_linearisation(x[n])
         return fns.args_of(wanted, vals, data, logged)
 
-    if not cont:
-        out = model_args({})
+    if not cont:  # (constants as the model computes them: nothing is on log space)
+        out = fns.args_of(wanted, dict(discrete_values), data)
         return {f.name: {a: mom.Const(v) for a, v in out[f.name].items()} for f in factors}
 
     out, lin = jax.linearize(model_args, point)
