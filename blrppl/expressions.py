@@ -113,6 +113,7 @@ class ModelProgram:
         self.model = model
         self._traced: dict = {}
         self._pruned: dict = {}
+        self._with_exp: dict = {}
         self._specs: dict = {}
 
     def _run(self, full, args, kwargs, indices, names=None, tracing=False):
@@ -180,7 +181,7 @@ class ModelProgram:
             return self._run(full, args, kwargs, indices, names)
         closed, out_tree, slices = traced
         wanted = frozenset(names)
-        key = (signature, wanted, vectorise, exp_inputs is not None)
+        key = (signature, wanted, vectorise)
         if key not in self._pruned:
             used = [False] * out_tree.num_leaves
             for n in wanted:
@@ -190,11 +191,14 @@ class ModelProgram:
             consts = closed.consts
             if vectorise:
                 jaxpr, consts = scan_map.vectorise(jaxpr, consts)
-            logged = ()
-            if exp_inputs is not None:
-                jaxpr, logged = _with_exp_inputs(jaxpr)
-            self._pruned[key] = (jaxpr, consts, used_inputs, used, logged)
-        jaxpr, consts, used_inputs, used, logged = self._pruned[key]
+            self._pruned[key] = (jaxpr, consts, used_inputs, used)
+        jaxpr, consts, used_inputs, used = self._pruned[key]
+        logged = ()
+        if exp_inputs is not None:
+            # (the same pruned program with the exponentials' inputs as extra outputs)
+            if key not in self._with_exp:
+                self._with_exp[key] = _with_exp_inputs(jaxpr)
+            jaxpr, logged = self._with_exp[key]
         outs = jax.core.eval_jaxpr(jaxpr, consts, *[x for x, u in zip(flat, used_inputs) if u])
         outs, extra = outs[: len(outs) - len(logged)], outs[len(outs) - len(logged):]
         outs = iter(outs)
