@@ -276,9 +276,9 @@ def random_pairs(y):
         numpyro.sample("y", dist.Normal(x - x[idx], 0.5), obs=y)
 
 
-def _plan(model, y):
+def _plan(model, y, structure=None):
     records, spec, dyn, _ = trace_model(model, (jnp.asarray(y),), {}, random.PRNGKey(0))
-    plan, *_ = compile_model(model, records, spec, dyn, rng_key=random.PRNGKey(1))
+    plan, *_ = compile_model(model, records, spec, dyn, rng_key=random.PRNGKey(1), structure=structure)
     return plan
 
 
@@ -295,6 +295,63 @@ def test_chain_bandwidth_of_user_models(model, bandwidth):
     else:
         assert block.family.banded and block.family.bandwidth == bandwidth, plan.describe()
         assert f"gaussian-banded (bandwidth {bandwidth})" in plan.describe()
+
+
+def volatility_scan(r):
+    """Stochastic volatility with an unknown step scale, one site per day."""
+    sigma = numpyro.sample("sigma", dist.HalfNormal(0.5))
+
+    def step(h_prev, r_t):
+        h = numpyro.sample("h", dist.Normal(h_prev, sigma))
+        numpyro.sample("r", dist.Normal(0.0, jnp.exp(h / 2)), obs=r_t)
+        return h, None
+
+    scan(step, 0.0, r)
+
+
+def local_level_scan(y):
+    """A local level with unknown step and observation scales, one site per step."""
+    sigma = numpyro.sample("sigma", dist.HalfNormal(1.0))
+    noise = numpyro.sample("noise", dist.HalfNormal(2.0))
+
+    def step(x_prev, y_t):
+        x = numpyro.sample("x", dist.Normal(x_prev, sigma))
+        numpyro.sample("y", dist.Normal(x, noise), obs=y_t)
+        return x, None
+
+    scan(step, 0.0, y)
+
+
+def local_level_grw(y):
+    sigma = numpyro.sample("sigma", dist.HalfNormal(1.0))
+    noise = numpyro.sample("noise", dist.HalfNormal(2.0))
+    x = numpyro.sample("x", dist.GaussianRandomWalk(sigma, num_steps=len(y)))
+    with numpyro.plate("t", len(y)):
+        numpyro.sample("y", dist.Normal(x, noise), obs=y)
+
+
+@pytest.mark.parametrize(
+    "model,chain,structure",
+    [
+        (volatility_scan, "h", None),
+        (local_level_scan, "x", None),
+        (local_level_grw, "x", None),
+        (volatility_scan, "h", "mean-field"),
+        (local_level_scan, "x", "mean-field"),
+    ],
+)
+def test_chain_keeps_apart_from_its_scales_below_the_dense_limit(model, chain, structure):
+    """A chain of fewer than 500 scalars whose steps read scales on log space: joined with
+    them in the default dense block, each step's factor would be a quadrature over a dense
+    block (a minute for 400 days); apart, the chain is banded and every factor closed-form,
+    as at any length. Under mean-field a scan's stacked steps (one site, one dense block)
+    are banded too: the same q, fitted in O(n)."""
+    y = np.random.default_rng(0).normal(size=T)
+    plan = _plan(model, y, structure)
+    (block,) = [b for b in plan.blocks if chain in b.sites]
+    assert block.family.banded and block.family.bandwidth == 1, plan.describe()
+    assert block.sites == (chain,), plan.describe()
+    assert all(f.estimator == "exact" for f in plan.factors if f.dist_name != "log|det J| (ExpTransform)"), plan.describe()
 
 
 # -- long chains fit exactly -------------------------------------------------------------------

@@ -343,7 +343,9 @@ def compile_model(
     # chains (each factor element reads a few consecutive scalars: a random walk, an AR(p), a
     # state-space model with its initial state) get a banded precision at any size: first
     # every dense Gaussian together (in model order), else each block alone unless it joins
-    # the dense joint block
+    # the dense joint block (under "mean-field" too, for a site whose block is dense: a scan's
+    # stacked steps; its posterior precision has the chain's band, so the banded block is
+    # the same q, fitted in O(n))
     chains = {}
     if structure is None and banded:
         every = [n for n, b in {**blocks, **dense}.items() if joinable(n, b)]
@@ -366,13 +368,15 @@ def compile_model(
             if chain is not None and 3 * (2 * chain.bandwidth + 1) <= trial[joint].size:
                 blocks = {**trial, joint: _banded(trial[joint], chain.bandwidth)}
                 chains[joint], merge, densified = chain, False, []
+    if structure in (None, "mean-field") and banded:
         candidates = [
             n for n, b in blocks.items()
             if b.family.gaussian and not b.point and not b.members and b.local is None and n not in families
             and b.size >= BANDED_MIN_DIM and (n in coupled or (b.family.dense_event and not b.batch_shape))
+            and (structure is None or b.family.dense_event)
         ]
         for n in candidates if not chains else ():
-            if not (merge and n in members):
+            if not (merge and n in members) or _scaled_by(n, members, factors):
                 chain = chain_bandwidth(
                     n, {**blocks, n: dense.get(n, blocks[n])}, factors, fns, data, np.random.default_rng(0),
                     estimators=PROVISIONAL,
@@ -967,6 +971,20 @@ def _replace_members(blocks: dict, members, joint: Block) -> dict:
         elif n not in members:
             out[n] = b
     return out
+
+
+def _scaled_by(n: str, members: list, factors: list) -> bool:
+    """Whether a factor that reads block ``n`` also reads another of ``members`` as a scale
+    on log space (a walk's step size, an observation noise): joined with ``n`` the scale
+    would leave that factor quadrature over a dense block; apart, its closed form holds
+    and a chain ``n`` keeps its banded precision."""
+    return any(
+        n in f.neighbours and any(
+            k == mom.ExpGaussian.kind and any(m != n and m in members for m in dict(f.arg_blocks)[a])
+            for a, k in f.arg_kinds
+        )
+        for f in factors
+    )
 
 
 def _plate_coupled(blocks: dict, factors: list) -> list:
