@@ -330,6 +330,32 @@ def local_level_grw(y):
         numpyro.sample("y", dist.Normal(x, noise), obs=y)
 
 
+def poisson_level_scan(c):
+    """Counts around a level ``mu`` that every step adds to a walk with an unknown scale."""
+    sigma = numpyro.sample("sigma", dist.LogNormal(-2.0, 0.5))
+    mu = numpyro.sample("mu", dist.Normal(1.0, 1.0))
+
+    def step(x_prev, c_t):
+        x = numpyro.sample("x", dist.Normal(x_prev, sigma))
+        numpyro.sample("c", dist.Poisson(jnp.exp(mu + x)), obs=c_t)
+        return x, None
+
+    scan(step, 0.0, c)
+
+
+def test_chain_keeps_its_level_and_leaves_its_scale():
+    """The walk's scale leaves the joint block (its factor closed-form); the level ``mu``,
+    read with the walk in one argument exp(mu + x), stays with it: their sum is what the
+    counts identify, so apart (mean-field) each would have too small an sd."""
+    y = np.random.default_rng(0).poisson(3.0, size=T).astype(float)
+    plan = _plan(poisson_level_scan, y)
+    assert plan.block("sigma").sites == ("sigma",), plan.describe()
+    joint = [b for b in plan.blocks if "x" in b.sites]
+    assert joint[0].sites == ("mu", "x") and not joint[0].family.banded, plan.describe()
+    assert {f.name: f.estimator for f in plan.factors}["x"] == "exact", plan.describe()
+    assert {f.name: f.estimator for f in plan.factors}["c"] == "exact", plan.describe()
+
+
 @pytest.mark.parametrize(
     "model,chain,structure",
     [

@@ -338,6 +338,19 @@ def compile_model(
         )
 
     members = [n for n, b in {**blocks, **{n: dense[n] for n in densified}}.items() if joinable(n, b)]
+    if structure is None and banded:
+        # a scale on log space that the factors of a would-be chain read (a walk's step
+        # size, an observation noise written one site per step): joined with the chain, each
+        # such factor would be a quadrature over a dense block; apart, its closed form holds
+        # and the chain is banded, or dense with the affine globals it shares factors with
+        # (a level added to every step), as at any length
+        scales = {
+            m for n in members
+            if blocks[n].size >= BANDED_MIN_DIM and (n in coupled or (blocks[n].family.dense_event and not blocks[n].batch_shape))
+            for m in _scales_of(n, members, factors)
+        }
+        apart |= scales
+        members = [n for n in members if n not in scales]
     size = sum(blocks[n].size for n in members)
     merge = len(members) > 1 and (structure == "joint" or (structure is None and size <= JOINT_MAX_DIM))
     # chains (each factor element reads a few consecutive scalars: a random walk, an AR(p), a
@@ -376,7 +389,7 @@ def compile_model(
             and (structure is None or b.family.dense_event)
         ]
         for n in candidates if not chains else ():
-            if not (merge and n in members) or _scaled_by(n, members, factors):
+            if not (merge and n in members):
                 chain = chain_bandwidth(
                     n, {**blocks, n: dense.get(n, blocks[n])}, factors, fns, data, np.random.default_rng(0),
                     estimators=PROVISIONAL,
@@ -973,18 +986,17 @@ def _replace_members(blocks: dict, members, joint: Block) -> dict:
     return out
 
 
-def _scaled_by(n: str, members: list, factors: list) -> bool:
-    """Whether a factor that reads block ``n`` also reads another of ``members`` as a scale
-    on log space (a walk's step size, an observation noise): joined with ``n`` the scale
-    would leave that factor quadrature over a dense block; apart, its closed form holds
-    and a chain ``n`` keeps its banded precision."""
-    return any(
-        n in f.neighbours and any(
-            k == mom.ExpGaussian.kind and any(m != n and m in members for m in dict(f.arg_blocks)[a])
-            for a, k in f.arg_kinds
-        )
-        for f in factors
-    )
+def _scales_of(n: str, members: list, factors: list) -> set:
+    """The blocks of ``members`` other than ``n`` that a factor reads as a scale on log space
+    (an argument ``exp(z)``: a walk's step size, an observation noise) beside another
+    argument that reads block ``n`` (not ``exp(mu + x)``'s level ``mu``: one argument)."""
+    out = set()
+    for f in factors:
+        reads = dict(f.arg_blocks)
+        for a, k in f.arg_kinds:
+            if k == mom.ExpGaussian.kind and any(n in reads[b] for b, _ in f.arg_kinds if b != a):
+                out |= {m for m in reads[a] if m != n and m in members}
+    return out
 
 
 def _plate_coupled(blocks: dict, factors: list) -> list:
