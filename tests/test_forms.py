@@ -72,6 +72,11 @@ TABLE = [
     ("product plus offset", lambda x, d: x["s"] * (x["w"] - x["a"][0]) + x["a"][0], fm.Bilinear(S({"s"}), S({"w", "a"}), S({"a"}))),
     ("negated product", lambda x, d: -(x["w"][:3] * x["a"][:3]), fm.Bilinear(S({"a"}), S({"w"}))),
     ("contraction of two sites", lambda x, d: x["w"][:3] @ x["a"][:3], fm.Bilinear(S({"w"}), S({"a"}), mixes=True)),
+    # products of different sites summed: bilinear when the sites split into two sides
+    # (an AR(2)'s latent coefficients times two lags of the chain); a triangle does not
+    ("latent coefficients times lags", lambda x, d: x["s"] * x["w"][1:] + x["tau"] * x["w"][:-1], fm.Bilinear(S({"s", "tau"}), S({"w"}), mixes=True)),
+    ("two products sharing a site", lambda x, d: x["s"] * x["w"] + x["w"] * x["a"][:3], fm.Bilinear(S({"a", "s"}), S({"w"}), mixes=True)),
+    ("triangle of products", lambda x, d: x["s"] * x["w"] + x["w"] * x["tau"] + x["tau"] * x["s"], fm.Opaque("a sum of a latent's power or link with other terms")),
     ("outer product", lambda x, d: x["w"][:, None] * x["a"][None, :], fm.Product(S({("w", 1.0), ("a", 1.0)}))),
     ("outer product plus offset", lambda x, d: x["w"][:, None] * x["a"][None, :] + x["s"], fm.Bilinear(S({"a"}), S({"w"}), S({"s"}))),
     ("latent choice", lambda x, d: jnp.where(x["w"] > 0, x["w"], 0.0), fm.Opaque("a choice that depends on a latent's value")),

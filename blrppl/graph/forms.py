@@ -282,10 +282,16 @@ def _bilinear_sum(a, b, mixing: bool):
         if f is None:
             return None
         return Bilinear(ba.left, ba.right, ba.affine | f.sites, ba.mixes or f.mixes)
-    if not _same_pairing(ba, bb):
-        return None
-    right = ba.right if bb.left == ba.left else ba.left
-    return Bilinear(ba.left, right, ba.affine | bb.affine, ba.mixes or bb.mixes or mixing)
+    if _same_pairing(ba, bb):
+        right = ba.right if bb.left == ba.left else ba.left
+        return Bilinear(ba.left, right, ba.affine | bb.affine, ba.mixes or bb.mixes or mixing)
+    # products of different sites summed (``a1 * x_prev + a2 * x_prev2``, an AR(2) with latent
+    # coefficients): bilinear when one side of each can be put with one side of the other
+    # without a site on both sides
+    for left, right in ((ba.left | bb.left, ba.right | bb.right), (ba.left | bb.right, ba.right | bb.left)):
+        if not left & right:
+            return Bilinear(left, right, ba.affine | bb.affine, ba.mixes or bb.mixes or mixing)
+    return None
 
 
 def _scalar(x):
