@@ -338,6 +338,12 @@ def compile_model(
         )
 
     members = [n for n, b in {**blocks, **{n: dense[n] for n in densified}}.items() if joinable(n, b)]
+
+    def linked(n):
+        # (a chain couples its own elements: some block's elements are mixed by a factor, or
+        # it is one vector of a distribution with an event dim, as a GaussianRandomWalk)
+        return n in coupled or (blocks[n].family.dense_event and not blocks[n].batch_shape)
+
     if structure is None and banded:
         # a scale on log space that the factors of a would-be chain read (a walk's step
         # size, an observation noise written one site per step): joined with the chain, each
@@ -345,9 +351,7 @@ def compile_model(
         # and the chain is banded, or dense with the affine globals it shares factors with
         # (a level added to every step), as at any length
         scales = {
-            m for n in members
-            if blocks[n].size >= BANDED_MIN_DIM and (n in coupled or (blocks[n].family.dense_event and not blocks[n].batch_shape))
-            for m in _scales_of(n, members, factors)
+            m for n in members if blocks[n].size >= BANDED_MIN_DIM and linked(n) for m in _scales_of(n, members, factors)
         }
         apart |= scales
         members = [n for n in members if n not in scales]
@@ -362,11 +366,8 @@ def compile_model(
     chains = {}
     if structure is None and banded:
         every = [n for n, b in {**blocks, **dense}.items() if joinable(n, b)]
-        # (a chain couples its own elements: some block's elements are mixed by a factor, or
-        # it is one vector of a distribution with an event dim, as a GaussianRandomWalk)
-        linked = [n for n in every if n in coupled or (blocks[n].family.dense_event and not blocks[n].batch_shape)]
         if len(every) > 1 and sum(blocks[n].size for n in every) >= BANDED_MIN_DIM and any(
-            blocks[n].size >= BANDED_MIN_DIM // 2 for n in linked
+            blocks[n].size >= BANDED_MIN_DIM // 2 for n in every if linked(n)
         ):
             trial = _merge_joint({**blocks, **dense}, every)
             joint = next(n for n, b in trial.items() if b.members and not b.discrete)
@@ -385,8 +386,7 @@ def compile_model(
         candidates = [
             n for n, b in blocks.items()
             if b.family.gaussian and not b.point and not b.members and b.local is None and n not in families
-            and b.size >= BANDED_MIN_DIM and (n in coupled or (b.family.dense_event and not b.batch_shape))
-            and (structure is None or b.family.dense_event)
+            and b.size >= BANDED_MIN_DIM and linked(n) and (structure is None or b.family.dense_event)
         ]
         for n in candidates if not chains else ():
             if not (merge and n in members):

@@ -199,10 +199,6 @@ def as_bilinear(form):
     return None
 
 
-def _same_pairing(a: Bilinear, b: Bilinear) -> bool:
-    return {a.left, a.right} == {b.left, b.right}
-
-
 def first_powers(form) -> bool:
     """Whether ``form`` is the first power of a site, or elementwise a choice between first
     powers of several sites (a scan's carry that starts at one latent and goes on with
@@ -282,12 +278,9 @@ def _bilinear_sum(a, b, mixing: bool):
         if f is None:
             return None
         return Bilinear(ba.left, ba.right, ba.affine | f.sites, ba.mixes or f.mixes)
-    if _same_pairing(ba, bb):
-        right = ba.right if bb.left == ba.left else ba.left
-        return Bilinear(ba.left, right, ba.affine | bb.affine, ba.mixes or bb.mixes or mixing)
-    # products of different sites summed (``a1 * x_prev + a2 * x_prev2``, an AR(2) with latent
-    # coefficients): bilinear when one side of each can be put with one side of the other
-    # without a site on both sides
+    # two products (of the same sites, or of different ones: ``a1 * x_prev + a2 * x_prev2``, an
+    # AR(2) with latent coefficients) are bilinear when one side of each can be put with one
+    # side of the other without a site on both sides
     for left, right in ((ba.left | bb.left, ba.right | bb.right), (ba.left | bb.right, ba.right | bb.left)):
         if not left & right:
             return Bilinear(left, right, ba.affine | bb.affine, ba.mixes or bb.mixes or mixing)
