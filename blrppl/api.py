@@ -79,7 +79,9 @@ def blr_fit(
             in their native family get a Gaussian on their unconstrained space.
         structure: ``"joint"`` fits the Gaussian latents of non-closed-form factors as one
             dense Gaussian (their posterior correlations kept), ``"mean-field"`` one block
-            per site; by default joint when their total dimension is at most 500.
+            per site; by default joint when their total dimension is at most 500, except
+            chains (banded at any length) and scales on log space their factors read (apart,
+            so that those factors keep their closed form).
         point: sites fitted by the delta method: a Gaussian seen at its mean by the other
             factors, updated by Newton steps (ρ = 1 gives Newton's method; the posterior is
             Laplace's approximation at convergence).

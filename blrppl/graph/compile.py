@@ -156,7 +156,9 @@ def compile_model(
             into one dense Gaussian, capturing their posterior correlations like
             AutoMultivariateNormal; ``"mean-field"`` keeps one block per site; by default
             the dense Gaussian blocks without a family override are merged when there are
-            several and their total dimension is at most :data:`JOINT_MAX_DIM`.
+            several and their total dimension is at most :data:`JOINT_MAX_DIM`, except
+            chains (banded) and the scales on log space that a would-be chain's factors read
+            (:func:`_scales_of`).
         point: sites fitted by the delta method (Gaussian on the unconstrained space seen
             at its mean; Newton updates; Laplace's method at convergence).
         point_space: ``"unconstrained"`` (the ``point`` sites keep the log|det J| term of
