@@ -1199,7 +1199,49 @@ def _push_tangents(lin, point: dict, sets: dict, out, row_wise=frozenset()) -> d
     return pushed
 
 
-def group_moments(fns: ModelFunctions, factors, blocks: dict, views: dict, discrete_values: dict, data) -> dict:
+#: Gauss–Hermite nodes of :func:`support_view`
+SUPPORT_NODES = 32
+
+
+def support_view(block: Block, view):
+    """The Gaussian on u = g⁻¹(φ) whose linearisation gives the site value φ = g(u) its
+    exact first two moments under q(u) = N(m, v) (a block with :attr:`Block.value_moments`):
+
+        u* = g⁻¹(E[g(u)]),    v* = Var[g(u)] / g'(u*)²,
+
+    E and Var by Gauss–Hermite quadrature. The model linearised at u* reads φ = E[g(u)];
+    a tangent t along u moves φ by g'(u*) t, so the variance v* along u is Var[g(u)] along φ.
+    An argument affine in φ (or a product of φ with an independent Gaussian block) then has
+    its exact mean and variance, and the rules' expectations of Normal-type densities, which
+    depend on such an argument through those only, are exact. Differentiable in (m, v): the
+    messages are the gradients through the quadrature (not conjugate).
+    """
+    family, transform = block.family, block.transform
+    mean = block.to_site(family.linearisation_point(view))
+    var = block.to_site(family.marginal_variance(view))
+    t, w = np.polynomial.hermite_e.hermegauss(SUPPORT_NODES)
+    t = jnp.asarray(t, mean.dtype).reshape((-1,) + (1,) * mean.ndim)
+    w = jnp.asarray(w / w.sum(), mean.dtype).reshape(t.shape)
+    sd = jnp.sqrt(jnp.maximum(var, 0.0))
+    g = transform(mean + sd * t)
+    g_mean = jnp.sum(w * g, axis=0)
+    g_var = jnp.sum(w * jnp.square(g - g_mean), axis=0)
+    u_star = transform.inv(g_mean)
+    slope = jax.jvp(transform, (u_star,), (jnp.ones_like(u_star),))[1]
+    v_star = g_var / jnp.square(slope)
+    # (a q far in the tails, where g saturates in floating point: its own mean and variance)
+    ok = jnp.isfinite(u_star) & jnp.isfinite(v_star) & (slope > 0)
+    u_star = jnp.where(ok, u_star, mean)
+    v_star = jnp.where(ok, v_star, var)
+    u_star, v_star = block.to_canonical(u_star), block.to_canonical(v_star)
+    if hasattr(view, "var"):  # elementwise Gaussians
+        return view._replace(mean=u_star, var=v_star)
+    return view._replace(mean=u_star, cov=v_star[..., None])  # dense, one scalar per element
+
+
+def group_moments(
+    fns: ModelFunctions, factors, blocks: dict, views: dict, discrete_values: dict, data, on_support: bool = False
+) -> dict:
     """Moment objects of every argument (and value) of several factors, from one
     linearisation of the model and one batched JVP.
 
@@ -1210,10 +1252,18 @@ def group_moments(fns: ModelFunctions, factors, blocks: dict, views: dict, discr
         views: name → the block's ``view`` (the moments are differentiable in these).
         discrete_values: name → site value of each enumerated discrete neighbour.
         data: dynamic model data.
+        on_support: the factors are closed-form (their arguments were classified with
+            ``value_moments``): blocks with :attr:`Block.value_moments` are seen through
+            :func:`support_view`.
 
     Returns:
         factor name → {argument → moment object}.
     """
+    if on_support:
+        views = {
+            n: support_view(blocks[n], v) if blocks[n].value_moments and not blocks[n].members else v
+            for n, v in views.items()
+        }
     cont = []
     for f in factors:
         cont += [n for n in f.neighbours if n not in f.discrete and n not in cont]
@@ -1404,7 +1454,7 @@ def _bilinear_extra(model_args, point: dict, sets: dict, roots: dict, factors) -
 # -- classification from the argument forms -------------------------------------------------
 
 
-def classify_form(form, deps, blocks: dict, site_blocks: dict) -> tuple:
+def classify_form(form, deps, blocks: dict, site_blocks: dict, value_moments: bool = False) -> tuple:
     """The class of an argument read off its form (:mod:`blrppl.graph.forms`), without probes.
 
     A form that is affine, a power of a Gamma latent or a Beta/Dirichlet latent itself gives
@@ -1417,6 +1467,10 @@ def classify_form(form, deps, blocks: dict, site_blocks: dict) -> tuple:
         blocks: block name → :class:`Block`.
         site_blocks: site → (its block's name, the block of the site itself: the member of a
             joint block, else the block).
+        value_moments: read the sites of blocks with :attr:`Block.value_moments` (on their
+            own) as Gaussians on their site's space, as closed-form rules see them through
+            :func:`support_view` (not for quadrature projections, which integrate the
+            block's own Gaussian).
 
     Returns:
         ``(class, reason)``: the :class:`ArgumentClass`, or ``None`` when only the probes can
@@ -1432,7 +1486,10 @@ def classify_form(form, deps, blocks: dict, site_blocks: dict) -> tuple:
     atoms = {s: site_blocks[s] for s in fm.sites_of(form) if s in site_blocks}
     if isinstance(form, fm.Const) or {n for n, _ in atoms.values()} != set(cont):
         return None, ""
-    spaces = {s: fm.site_space(own) for s, (_, own) in atoms.items()}
+    spaces = {
+        s: "affine" if value_moments and own.value_moments and not blocks[n].members else fm.site_space(own)
+        for s, (n, own) in atoms.items()
+    }
 
     def gathered(elementwise: bool):
         """No mixing, or no block that the gather test applies to."""

@@ -906,13 +906,17 @@ def run(prepared: Prepared, state: BLRState, num_steps: int, progress_bar: bool)
         )
     elif diagnostics.khat > KHAT_WARN or diagnostics.ess < ESS_POOR:
         advice = "compare with NUTS, or try structure='joint' or other families="
-        if any(f.pairs for f in plan.factors):
+        pairs = [pair for f in plan.factors for _, ps in f.pairs for pair in ps]
+        if pairs:
             # (joined, the product would be fitted by Monte Carlo: slower, and no better for a
             # factor model's sign and rotation symmetries, which no unimodal q holds)
-            advice = (
-                "the blocks a product of latents multiplies are fitted apart (variational message passing), "
+            sizes = {b.name: b.size for b in plan.blocks}
+            factor_model = any(sizes.get(a, 1) > 1 and sizes.get(b, 1) > 1 for a, b in pairs)
+            advice = "the blocks a product of latents multiplies are fitted apart (variational message passing), " + (
                 "and a factor model's posterior is symmetric under sign changes and rotations of its factors; "
                 "compare means of identified quantities with NUTS"
+                if factor_model else
+                "which holds no correlation between them (a coefficient's sd may come out small); compare with NUTS"
             )
         elif plan.conjugate and all(conj for _, conj in plan.conjugate):
             # (every factor closed-form: no Monte Carlo to replace, no joint block to merge into)

@@ -58,7 +58,7 @@ def _elementwise(fns, group, blocks, views, dvals, data, wrappers, key, curvatur
         els.update(q)
         scales.update(sc)
     if exact:
-        moments = group_moments(fns, exact, blocks, views, dvals, data)
+        moments = group_moments(fns, exact, blocks, views, dvals, data, on_support=True)
         for f in exact:
             els[f.name] = elementwise_expected_log_prob(f, moments[f.name], wrappers[f.name][0])
             scales[f.name] = wrappers[f.name][1]

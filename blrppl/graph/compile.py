@@ -29,6 +29,7 @@ from blrppl.graph import markov
 from blrppl.graph.data import compiler_options
 from blrppl.graph.program_store import compile_program, jit as store_jit, program_key
 from blrppl.graph.deps import output_forms
+from blrppl.graph import forms as fm
 from blrppl.graph.forms import Const, Power, inverse_link
 from blrppl.graph.plan import Block, Factor, FactorRole, LocalAxis, Plan
 from blrppl.graph.stack import stack_factors
@@ -255,7 +256,10 @@ def compile_model(
     # an argument's class depends on the blocks it depends on: while the policy iterates,
     # those are known again unless one of them was moved (quadrature probes wait for the
     # final blocks)
-    probe_cache = (lambda name, arg: (name, arg, tuple(sorted((n, n in moved) for n in deps[name][arg]))), {})
+    probe_cache = (
+        lambda name, arg: (name, arg, tuple(sorted((n, n in moved, n in on_support) for n in deps[name][arg]))), {}
+    )
+    on_support: set = set()
     while True:
         blocks = {
             r.name: param_blocks[r.name]
@@ -267,6 +271,8 @@ def compile_model(
             )
             for r in latent
         }
+        blocks = _with_value_moments(blocks, forms, deps)
+        on_support = {n for n, b in blocks.items() if b.value_moments}
         init_values = _block_init_values(blocks, site_init, unconstrained)
         fns = ModelFunctions(
             model, data_spec, _site_fill(blocks, site_init, unconstrained), _transforms(blocks), plate_indices=plate_indices,
@@ -326,6 +332,7 @@ def compile_model(
     # mean) it would leave the likelihood Monte Carlo; apart, the Normal's closed form holds
     if structure != "joint":
         apart |= {n for f in factors for _, pairs in f.pairs for pair in pairs for n in pair}
+        apart |= on_support  # (seen through their moments, on their own only)
         apart |= {
             n for f in factors if f.pairs
             for a, k in f.arg_kinds if k == mom.ExpGaussian.kind for n in dict(f.arg_blocks)[a]
@@ -1287,9 +1294,7 @@ def _classify_factors(
     elementwise = elementwise or {}
     rng = np.random.default_rng(np.asarray(jax.random.key_data(rng_key)).ravel())
     key_of, known = cache if cache is not None else (None, {})
-    site_blocks = {
-        s: (n, m) for n, b in blocks.items() for s, m in (((m.name, m) for m in b.members) if b.members else ((x, b) for x in b.sites))
-    }
+    site_blocks = _site_blocks(blocks)
     probes, nbrs, keys, decided, reasons = {}, {}, {}, {}, {}
     for name, r in records.items():
         rule = rules[name]
@@ -1308,7 +1313,9 @@ def _classify_factors(
             if keys[(name, arg)] in known:
                 continue
             if forms is not None:
-                cls, reasons[(name, arg)] = classify_form(forms[name][arg], deps[name][arg], blocks, site_blocks)
+                cls, reasons[(name, arg)] = classify_form(
+                    forms[name][arg], deps[name][arg], blocks, site_blocks, value_moments=True
+                )
                 if cls is not None and not cls.gather:
                     decided[(name, arg)] = cls
                     continue
@@ -1367,6 +1374,43 @@ def _classify_factors(
 
 
 _GAUSSIAN_KINDS = (mom.AffineGaussian.kind, mom.ExpGaussian.kind)
+
+
+def _site_blocks(blocks: dict) -> dict:
+    """site → (its block's name, the block of the site itself: the member of a joint block,
+    else the block)."""
+    return {
+        s: (n, m) for n, b in blocks.items() for s, m in (((m.name, m) for m in b.members) if b.members else ((x, b) for x in b.sites))
+    }
+
+
+def _with_value_moments(blocks: dict, forms, deps) -> dict:
+    """``blocks`` with :attr:`Block.value_moments` set on the scalar Gaussians on an
+    interval's logit space (:func:`blrppl.graph.forms.interval_scalar`) that some argument
+    multiplies with another latent (a persistence in ``phi * (x_prev - mu)``): the closed
+    form of that argument's factor sees φ through its moments under q, and the product
+    keeps φ apart (variational message passing). Not where some argument reads the block in
+    closed form on its logit space (``logits=logit(p)``): those moments are of u, not of φ.
+    (An affine read alone, ``a + b * x`` with a bounded b, keeps the joint Gaussian with
+    the other coefficients, whose correlations mean-field would lose.)"""
+    if forms is None:
+        return blocks
+    site_blocks = _site_blocks(blocks)
+    eligible = {b.name for b in blocks.values() if fm.interval_scalar(b)}
+    gains, conflicts = set(), set()
+    for name, items in forms.items():
+        for item, form in items.items():
+            reads = {site_blocks[x][0] for x in fm.sites_of(form) if x in site_blocks} & eligible
+            if not reads:
+                continue
+            cls, _ = classify_form(form, deps[name][item], blocks, site_blocks)
+            bil = fm.as_bilinear(form)
+            if cls is not None and not cls.opaque:
+                conflicts |= reads
+            elif bil is not None:
+                gains |= {site_blocks[x][0] for x in bil.left | bil.right if x in site_blocks} & eligible
+    flagged = gains - conflicts
+    return {n: dataclasses.replace(b, value_moments=n in flagged) if b.value_moments != (n in flagged) else b for n, b in blocks.items()}
 
 
 def _independent_scales(records, rules, classes) -> dict:
@@ -1599,7 +1643,7 @@ def factor_conjugate(f, b) -> bool:
     expectations are quadratic in it, and Beta/Dirichlet blocks only as the probabilities
     of Bernoulli, Binomial and Categorical observations or as the value of their own prior:
     every such expectation is linear in the block's expectation parameters.)"""
-    if f.estimator != "exact" or (b.batch_shape and (b.name, "full") in f.columns):
+    if f.estimator != "exact" or b.value_moments or (b.batch_shape and (b.name, "full") in f.columns):
         # (a factor mixing independent elements of the block: its message to one element
         # depends on the others' q, mean-field coordinate steps iterate)
         return False

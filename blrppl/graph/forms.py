@@ -711,6 +711,20 @@ def _scaled_exp(t):
     return t
 
 
+def interval_scalar(block) -> bool:
+    """Whether a block is scalar Gaussians (one per element, independent) on the logit space
+    of an interval: its site value is g(u) = a + b·sigmoid(u), elementwise."""
+    family = block.family
+    if not family.gaussian or block.members or block.point or block.local is not None:
+        return False
+    if type(family).__name__ not in ("GaussianDiag", "GaussianDense") or getattr(family, "dim", 1) != 1:
+        return False
+    transform = _unwrap_transform(block.transform)
+    parts = [_unwrap_transform(p) for p in getattr(transform, "parts", (transform,))]
+    names = [type(p).__name__ for p in parts]
+    return bool(names) and names[0] == "SigmoidTransform" and set(names[1:]) <= {"AffineTransform"}
+
+
 def site_space(block) -> str:
     """How a site's value relates to its block's: ``"affine"`` (a Gaussian on the site's own
     space), ``"exp"`` / ``"sigmoid"`` (a Gaussian on log / logit space), ``"other"`` (another

@@ -97,6 +97,13 @@ class Block:
             :class:`LocalAxis` of that plate: ``value_shape`` is then the minibatch shape
             (the plate axis has the subsample size M) and the fitted state holds λ for all
             N elements (:attr:`full`).
+        value_moments: a Gaussian block on an interval's logit space (a persistence
+            ``phi ~ Uniform(-1, 1)``) whose closed-form factors read its site value
+            φ = g(u) as a first power (``phi * (x_prev - mu)``): they see φ through its
+            moments E[g(u)], Var[g(u)] under q (Gauss–Hermite), exact for densities whose
+            expectation depends on the argument only through its first two moments
+            (:func:`blrppl.expressions.support_view`). Their messages to it are not
+            conjugate (they depend on q(u)).
     """
 
     name: str
@@ -111,6 +118,7 @@ class Block:
     point: bool = False
     param: bool = False
     local: "LocalAxis | None" = None
+    value_moments: bool = False
 
     @property
     def sites(self) -> tuple:
