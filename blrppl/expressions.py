@@ -1467,10 +1467,10 @@ def classify_form(form, deps, blocks: dict, site_blocks: dict, value_moments: bo
         blocks: block name → :class:`Block`.
         site_blocks: site → (its block's name, the block of the site itself: the member of a
             joint block, else the block).
-        value_moments: read the sites of blocks with :attr:`Block.value_moments` (on their
-            own) as Gaussians on their site's space, as closed-form rules see them through
-            :func:`support_view` (not for quadrature projections, which integrate the
-            block's own Gaussian).
+        value_moments: in an affine or bilinear form, read the sites of blocks with
+            :attr:`Block.value_moments` (on their own) as Gaussians on their site's space, as
+            closed-form rules see them through :func:`support_view` (not for quadrature
+            projections, which integrate the block's own Gaussian).
 
     Returns:
         ``(class, reason)``: the :class:`ArgumentClass`, or ``None`` when only the probes can
@@ -1486,8 +1486,12 @@ def classify_form(form, deps, blocks: dict, site_blocks: dict, value_moments: bo
     atoms = {s: site_blocks[s] for s in fm.sites_of(form) if s in site_blocks}
     if isinstance(form, fm.Const) or {n for n, _ in atoms.values()} != set(cont):
         return None, ""
+    # (only first powers and products: the moments E[φ], Var[φ] say nothing of exp(φ))
+    on_support = value_moments and (
+        fm.first_powers(form) or isinstance(form, fm.Affine) or fm.as_bilinear(form) is not None
+    )
     spaces = {
-        s: "affine" if value_moments and own.value_moments and not blocks[n].members else fm.site_space(own)
+        s: "affine" if on_support and own.value_moments and not blocks[n].members else fm.site_space(own)
         for s, (n, own) in atoms.items()
     }
 

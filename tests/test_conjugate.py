@@ -92,6 +92,24 @@ def case_beta_bernoulli():
     return model, {"y": y}, expected, read
 
 
+def case_uniform_binomial():
+    """Per-group success probabilities with uniform priors (a Beta(1, 1) by another name)."""
+    total = np.array([10, 25, 4], dtype=float)
+    hits = np.array([3, 20, 4], dtype=float)
+
+    def model(total, hits):
+        with numpyro.plate("group", total.shape[0]):
+            p = numpyro.sample("p", dist.Uniform(0.0, 1.0))
+            numpyro.sample("hits", dist.Binomial(total, probs=p), obs=hits)
+
+    def read(post):
+        q = post["p"]
+        return {"p.a": q.concentration1, "p.b": q.concentration0}
+
+    expected = {"p.a": 1.0 + hits, "p.b": 1.0 + total - hits}
+    return model, {"total": total, "hits": hits}, expected, read
+
+
 def case_gamma_poisson():
     a, b = 2.0, 1.5
     y = np.array([3, 4, 2, 5, 0, 7, 3], dtype=float)
@@ -158,6 +176,7 @@ CASES = {
     "linreg": case_linreg,
     "normal_normal": case_normal_normal,
     "beta_bernoulli": case_beta_bernoulli,
+    "uniform_binomial": case_uniform_binomial,
     "gamma_poisson": case_gamma_poisson,
     "dirichlet_categorical": case_dirichlet_categorical,
     "plated_gaussian": case_plated_gaussian,

@@ -158,3 +158,37 @@ def test_inverse_links_read_glm_projections():
     logit = fm.inverse_link(fm.Linked("sigmoid", S({"w"})), "sigmoid")
     assert logit == fm.Affine(S({"w"}))
     assert isinstance(fm.inverse_link(fm.Linked("exp", S({"w"})), "sigmoid"), fm.Opaque)
+
+
+def _persistence(read_on_support: bool):
+    """φ ~ Uniform(-1, 1): a scalar Gaussian on the interval's logit space."""
+    import dataclasses
+
+    from numpyro.distributions import biject_to, constraints
+
+    block = Block("phi", fam.GaussianDense(1), "gaussian", (), transform=biject_to(constraints.interval(-1.0, 1.0)))
+    assert fm.interval_scalar(block)
+    return dataclasses.replace(block, value_moments=read_on_support)
+
+
+#: (form, kind with value_moments, kind without): a persistence read through its moments is
+#: affine or bilinear only as a first power; exp(φ), φ², logit(φ) stay opaque
+PERSISTENCE_CLASSES = [
+    (fm.Bilinear(S({"phi"}), S({"w"}), S()), "bilinear_gaussian", "opaque"),  # phi * w
+    (fm.Bilinear(S({"phi"}), S({"w"}), S({"w"})), "bilinear_gaussian", "opaque"),  # w + phi * (w_prev - w)
+    (fm.Power("phi", 1.0), "affine_gaussian", "opaque"),
+    (fm.Linked("exp", S({"phi"})), "opaque", "opaque"),
+    (fm.Power("phi", 2.0), "opaque", "opaque"),
+]
+
+
+@pytest.mark.parametrize("form, on_support, plain", PERSISTENCE_CLASSES)
+def test_class_of_a_persistence_read_through_its_moments(form, on_support, plain):
+    deps = tuple(sorted(fm.sites_of(form)))
+    for flagged, expected in ((True, on_support), (False, plain)):
+        blocks = {**BLOCKS, "phi": _persistence(flagged)}
+        site_blocks = {n: (n, b) for n, b in blocks.items()}
+        cls, _ = classify_form(form, deps, blocks, site_blocks, value_moments=True)
+        assert cls.kind == expected, (form, flagged)
+        # (quadrature projections classify without value_moments: φ on its own logit space)
+        assert classify_form(form, deps, blocks, site_blocks)[0].kind == plain

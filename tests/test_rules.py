@@ -178,6 +178,7 @@ CONST_CASES = [
         jnp.array([[0.2, 0.3, 0.5], [0.6, 0.1, 0.3]]),
     ),
     ("improper-uniform", dist.ImproperUniform(dist.constraints.real, (3,), ()), jnp.array([0.5, -2.0, 7.0])),
+    ("uniform", dist.Uniform(jnp.array([-1.0, 0.0]), jnp.array([3.0, 0.5])), jnp.array([[0.5, 0.2], [-0.9, 0.49]])),
     (
         "gaussian-random-walk",
         dist.GaussianRandomWalk(jnp.array([0.5, 2.0]), num_steps=4),

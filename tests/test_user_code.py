@@ -573,6 +573,22 @@ def test_support_depending_on_a_latent_is_refused():
     assert info.value.site == "x"
 
 
+def test_data_bounded_by_a_latent_is_refused():
+    """``y ~ Uniform(0, b)`` observed, ``b`` latent: the data bound b (b ≥ max y), which
+    numpyro's log_prob does not score (without the bound b would shrink to 0)."""
+
+    def model(y):
+        b = numpyro.sample("b", dist.Gamma(2.0, 0.1))
+        with numpyro.plate("n", y.shape[0]):
+            numpyro.sample("y", dist.Uniform(0.0, b), obs=y)
+
+    from blrppl import UnsupportedFactorError
+
+    with pytest.raises(UnsupportedFactorError, match=r"'y'.*depends on.*'b'") as info:
+        fit(model, {"y": jnp.array([0.5, 3.0, 6.5])})
+    assert info.value.site == "y"
+
+
 def test_support_from_the_data_follows_the_data():
     def model(upper, y):
         x = numpyro.sample("x", dist.Uniform(0.0, upper))

@@ -46,13 +46,24 @@ def _support_kind(support) -> str:
         return "real"
     if base is constraints.positive:
         return "positive"
-    if base is constraints.unit_interval:
+    if base is constraints.unit_interval or _is_unit_interval(base):
         return "unit_interval"
     if base is constraints.simplex:
         return "simplex"
     if base is constraints.positive_definite:
         return "positive_definite"
     return str(base)
+
+
+def _is_unit_interval(constraint) -> bool:
+    """An interval constraint with constant bounds 0 and 1 (``Uniform(0, 1)``'s support)."""
+    if type(constraint) is not type(constraints.interval(0.0, 1.0)):
+        return False
+    try:
+        lower, upper = np.asarray(constraint.lower_bound), np.asarray(constraint.upper_bound)
+    except Exception:  # traced bounds: not known at compile time
+        return False
+    return bool(np.all(lower == 0) and np.all(upper == 1))
 
 
 def choose_family(record: SiteRecord, override: str | None, unconstrained: bool = False) -> Block:
@@ -1088,8 +1099,9 @@ def _dependencies(model, data_spec, data, records, rules, site_init, plate_indic
             args = fns.rule_args(site, rule.arg_names) if rule is not None else {}
             args["log_prob"] = site["fn"].log_prob(site["value"])
             args["value"] = jnp.asarray(site["value"])
-            if not records[name].observed:
+            if not records[name].is_factor:
                 # the parameters of a latent's support (its bijection is fixed at compile time)
+                # or of observed data's (which must not bound a latent)
                 support_leaves = jax.tree.leaves(site["fn"].support)
                 args.update({f"support:{i}": jnp.asarray(x) for i, x in enumerate(support_leaves)})
             if not records[name].is_factor:
@@ -1196,13 +1208,28 @@ def _check_static_supports(records, deps) -> None:
     """A latent's support may depend on the data but not on other latents: its bijection to
     an unconstrained space (and its family) is chosen once, at compile time.
 
+    Observed data may not bound a continuous latent either (``y ~ Uniform(0, b)``).
+
     Raises:
         UnsupportedLatentError: e.g. ``x ~ Uniform(0, b)`` with ``b`` latent.
+        UnsupportedFactorError: e.g. observed ``y ~ Uniform(0, b)`` with ``b`` latent.
     """
     for name, args in deps.items():
-        if records[name].observed:
-            continue
         others = sorted(set().union(*(d for k, d in args.items() if k.startswith("support:"))) - {name})
+        if records[name].observed:
+            # (a continuous latent bounding observed data, y ~ Uniform(0, b): numpyro's
+            # log_prob ignores the support, so the bound would be fitted as if unconstrained)
+            bounds = [o for o in others if o in records and not records[o].support.is_discrete]
+            if bounds and not records[name].is_factor:
+                listed = ", ".join(f"'{o}'" for o in bounds)
+                raise UnsupportedFactorError(
+                    f"the support of observed site '{name}' ({records[name].dist_name}) depends on the "
+                    f"latent(s) {listed}: the data bound them (e.g. b >= max(y) for y ~ Uniform(0, b)), a "
+                    "constraint numpyro's log_prob does not score and blr_fit cannot fit; reparameterise, "
+                    "e.g. b = numpyro.deterministic('b', y.max() + d) with d ~ a positive prior",
+                    site=name,
+                )
+            continue
         if others:
             listed = ", ".join(f"'{o}'" for o in others)
             raise UnsupportedLatentError(
@@ -1346,6 +1373,7 @@ def _classify_factors(
         known.update({keys[k]: found[k] for k in list(probes) + list(decided)})
     classes = _paired(records, rules, classes, blocks, fns, nbrs, data, rng)
     classes = _independent_scales(records, rules, classes)
+    classes = _own_uniform_priors(records, rules, classes, site_blocks)
     if not provisional:
         classes = {k: too_many_columns(c, blocks) if c.kind in _GAUSSIAN_KINDS else c for k, c in classes.items()}
     quad_classes = {k[1:]: v for k, v in found.items() if len(k) == 4}  # ("quadrature", name, index, link)
@@ -1411,6 +1439,20 @@ def _with_value_moments(blocks: dict, forms, deps) -> dict:
                 gains |= {site_blocks[x][0] for x in bil.left | bil.right if x in site_blocks} & eligible
     flagged = gains - conflicts
     return {n: dataclasses.replace(b, value_moments=n in flagged) if b.value_moments != (n in flagged) else b for n, b in blocks.items()}
+
+
+def _own_uniform_priors(records, rules, classes, site_blocks) -> dict:
+    """``classes`` with the value of a latent's own ``Uniform`` prior with constant bounds
+    read as a constant: its density is constant on the support, inside which the site's
+    bijection keeps q (:mod:`blrppl.rules.uniform`), so its expectation needs no moments."""
+    out = dict(classes)
+    for name, r in records.items():
+        rule = rules[name]
+        if rule is None or rule.dist_type is not dist.Uniform or r.observed or name not in site_blocks:
+            continue
+        if all(classes[(name, a)].kind == mom.Const.kind for a in rule.arg_names):
+            out[(name, "value")] = ArgumentClass(mom.Const.kind, ())
+    return out
 
 
 def _independent_scales(records, rules, classes) -> dict:

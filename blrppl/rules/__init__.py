@@ -17,6 +17,7 @@ from blrppl.rules import (  # noqa: F401  (imported for their registrations)
     multivariate_normal,
     normal,
     poisson,
+    uniform,
     wishart,
 )
 from blrppl.rules.registry import Rule, find_rule, register_rule, registered_rules
