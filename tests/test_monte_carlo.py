@@ -1,4 +1,8 @@
-"""Monte Carlo messages: curvature estimators and convergence on non-Gaussian factors."""
+"""Monte Carlo messages: curvature estimators and convergence on non-Gaussian factors.
+
+The models hold more scalars than a tensor quadrature takes (``GRID_MAX_DIM``): a factor of
+fewer is integrated on a grid, not sampled.
+"""
 
 import jax.numpy as jnp
 import numpy as np
@@ -7,20 +11,23 @@ import numpyro.distributions as dist
 import pytest
 
 from blrppl import BLRError, blr_fit
+from blrppl.graph.compile import GRID_MAX_DIM
 
-CENTRE = np.array([1.0, -1.0])
-FACTOR_VAR = np.array([0.5, 2.0])
+#: scalars of each model: past the grid's limit
+DIM = GRID_MAX_DIM + 1
+CENTRE = np.linspace(1.0, -1.0, DIM)
+FACTOR_VAR = np.linspace(0.5, 2.0, DIM)
 PRIOR_SD = 2.0
 
 
 def quadratic():
     """A Gaussian prior times a quadratic `numpyro.factor`: a Gaussian posterior."""
-    x = numpyro.sample("x", dist.Normal(0.0, PRIOR_SD).expand([2]).to_event(1))
+    x = numpyro.sample("x", dist.Normal(0.0, PRIOR_SD).expand([DIM]).to_event(1))
     numpyro.factor("f", -0.5 * jnp.sum((x - CENTRE) ** 2 / FACTOR_VAR))
 
 
 def quadratic_plated():
-    with numpyro.plate("g", 2):
+    with numpyro.plate("g", DIM):
         x = numpyro.sample("x", dist.Normal(0.0, PRIOR_SD))
     numpyro.factor("f", -0.5 * jnp.sum((x - CENTRE) ** 2 / FACTOR_VAR))
 
@@ -44,8 +51,10 @@ def test_second_derivative_estimators_are_exact_for_quadratic_factors(model, cur
 
 
 def quartic():
-    x = numpyro.sample("x", dist.Normal(0.0, 3.0))
-    numpyro.factor("f", -0.5 * (x - 1.0) ** 4)
+    """DIM independent copies of one non-Gaussian posterior."""
+    with numpyro.plate("copies", DIM):
+        x = numpyro.sample("x", dist.Normal(0.0, 3.0))
+    numpyro.factor("f", -0.5 * jnp.sum((x - 1.0) ** 4))
 
 
 def quartic_reference():
@@ -60,13 +69,17 @@ def quartic_reference():
 @pytest.mark.parametrize("curvature", ["reparam", "hessian", "diagonal", "stein"])
 def test_every_estimator_converges_on_a_non_gaussian_factor(curvature):
     """The Gaussian VI optimum of a unimodal non-Gaussian posterior sits close to its mean;
-    every estimator reaches it (mean within 0.1 sd, sd within 15 %)."""
+    every estimator reaches it, up to the noise of its last iterate (independent between the
+    copies: about 0.08 sd each, so the largest of five within 0.25 sd and their average within
+    0.12; sds within 15 %)."""
     res = blr_fit(quartic, mc_curvature=curvature, progress_bar=False)
     mean, sd = quartic_reference()
     post = res.posterior["x"]
+    assert [f.estimator for f in res.plan.factors if f.name == "f"] == ["monte_carlo"]
     assert res.converged, res.message
-    assert abs(float(post.mean) - mean) / sd < 0.1
-    assert abs(float(np.sqrt(post.variance)) / sd - 1) < 0.15
+    error = np.abs(np.asarray(post.mean) - mean) / sd
+    assert np.all(error < 0.25) and np.mean(error) < 0.12, error
+    assert np.all(np.abs(np.sqrt(np.asarray(post.variance)) / sd - 1) < 0.15)
 
 
 def test_unknown_curvature_is_an_error():
@@ -75,7 +88,7 @@ def test_unknown_curvature_is_an_error():
 
 
 def logistic(x, y):
-    w = numpyro.sample("w", dist.Normal(0.0, 2.0).expand([2]).to_event(1))
+    w = numpyro.sample("w", dist.Normal(0.0, 2.0).expand([x.shape[1]]).to_event(1))
     with numpyro.plate("n", x.shape[0]):
         # the same likelihood as Bernoulli(logits=x @ w), written as a factor: Monte Carlo
         z = x @ w
@@ -88,16 +101,17 @@ def test_gauss_newton_estimator_on_per_element_factors():
     same model (means within 0.25 sd, sds within 40 %: the empirical Fisher is not the
     Hessian)."""
     rng = np.random.default_rng(1)
-    x = rng.normal(size=(200, 2))
-    y = (rng.uniform(size=200) < 1 / (1 + np.exp(-x @ np.array([1.0, -0.5])))).astype(float)
+    x = rng.normal(size=(200, DIM))
+    y = (rng.uniform(size=200) < 1 / (1 + np.exp(-x @ np.linspace(1.0, -0.5, DIM)))).astype(float)
 
     def glm(x, y):
-        w = numpyro.sample("w", dist.Normal(0.0, 2.0).expand([2]).to_event(1))
+        w = numpyro.sample("w", dist.Normal(0.0, 2.0).expand([x.shape[1]]).to_event(1))
         with numpyro.plate("n", x.shape[0]):
             numpyro.sample("y", dist.Bernoulli(logits=x @ w), obs=y)
 
     ref = blr_fit(glm, (x, y), progress_bar=False).posterior["w"]
     res = blr_fit(logistic, (x, y), mc_curvature="gauss-newton", progress_bar=False)
+    assert [f.estimator for f in res.plan.factors if f.name == "loglik"] == ["monte_carlo"]
     assert res.converged, res.message
     post = res.posterior["w"]
     sd = np.sqrt(np.asarray(ref.variance))

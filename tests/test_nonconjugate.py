@@ -305,7 +305,7 @@ def test_draws_keep_cross_site_correlation(name):
     assert abs(est_sd / ref_sd - 1.0) <= 0.15, f"{name}: sd of {label}: {est_sd:.4g} vs reference {ref_sd:.4g}"
 
 
-# -------------------------------------------- opaque factor and simplex (Monte Carlo)
+# -------------------------------------------- opaque factor and simplex (quadrature on a grid)
 
 
 @pytest.mark.parametrize("name", ["factor", "simplex"])
@@ -321,8 +321,10 @@ def test_monte_carlo_models_means(name):
 
 
 def test_factor_term_is_in_the_plan():
+    # (a factor of two scalars: the tensor Gauss–Hermite rule over them, not Monte Carlo)
     result = fit("factor")
-    assert likelihood_factor(result, "soft_constraint").estimator == "monte_carlo"
+    factor = likelihood_factor(result, "soft_constraint")
+    assert factor.estimator == "quadrature" and not factor.links
 
 
 def test_simplex_draws_on_the_simplex():

@@ -51,7 +51,17 @@ def quadrature_elementwise(fns, factors, blocks, views, discrete_values, data):
 
     Factors of the same structure (distribution, projections and shapes: one site per time
     step written in a Python loop) are evaluated together, as one batched rule, so that the
-    compiled program does not grow with their number."""
+    compiled program does not grow with their number. Factors without projections are
+    integrated over their neighbours' scalars (:func:`grid_elementwise`)."""
+    grid = [f for f in factors if not f.links]
+    factors = [f for f in factors if f.links]
+    els, scales = {}, {}
+    for f in grid:
+        e, sc = grid_elementwise(fns, f, blocks, views, discrete_values, data)
+        els.update(e)
+        scales.update(sc)
+    if not factors:
+        return els, scales
     moments = group_moments(fns, factors, blocks, views, discrete_values, data)
     cont = []
     for f in factors:
@@ -66,7 +76,6 @@ def quadrature_elementwise(fns, factors, blocks, views, discrete_values, data):
         inputs = (list(leaves), jnp.asarray(site["value"]), proj)
         shapes = jax.tree.map(lambda x: (jnp.shape(x), jnp.result_type(x)), inputs)
         groups.setdefault((f.links, tree, str(shapes)), []).append((f, inputs))
-    els, scales = {}, {}
     for (links, tree, _), members in groups.items():
         rule = functools.partial(_expected_log_prob, links, tree)
         if len(members) == 1:
@@ -81,6 +90,52 @@ def quadrature_elementwise(fns, factors, blocks, views, discrete_values, data):
             els[f.name] = reduce_wrapped(site["fn"], lp)
             scales[f.name] = site.get("scale")
     return els, scales
+
+
+#: nodes per dimension of :func:`grid_elementwise`'s tensor rule, by number of scalars (a
+#: Normal observed at tanh(a) + b, q's sds 0.76 and 0.55: means within 5e-3 of a 40-node
+#: rule's with 12 nodes, 2e-5 with 20)
+GRID_NODES = {1: 32, 2: 20, 3: 10, 4: 7}
+
+
+def grid_elementwise(fns, factor, blocks, views, discrete_values, data):
+    """Per-element E_q[log f | discrete values] of a factor whose continuous neighbours are
+    Gaussian blocks of a few scalars in all (d ≤ 4), and its scale: the tensor
+    Gauss–Hermite rule over them,
+
+        E_q[log f] ≈ Σ_k w_k log f(m + L z_k),    Σ = L Lᵀ per block,
+
+    with GRID_NODES[d]^d nodes z_k (32 for one scalar, 7⁴ for four). Deterministic: its
+    gradient with respect to (m, Σ) gives the message as for the projections' rule (a
+    stationary start ``Normal(mu, sigma / jnp.sqrt(1 - phi**2))``, a prior with no closed
+    form on its unconstrained space)."""
+    cont = [n for n in factor.neighbours if n not in factor.discrete]
+    sizes = [blocks[n].size for n in cont]
+    d = sum(sizes)
+    t, w = np.polynomial.hermite_e.hermegauss(GRID_NODES[d])
+    w = w / w.sum()
+    grid = np.array(list(itertools.product(t, repeat=d)))  # (K^d, d)
+    weights = np.prod(np.array(list(itertools.product(w, repeat=d))), axis=1)
+    nodes, start = {}, 0
+    for n, size in zip(cont, sizes):
+        block, view = blocks[n], views[n]
+        z = jnp.asarray(grid[:, start : start + size], view.mean.dtype).reshape((-1,) + view.mean.shape)
+        start += size
+        if block.family.dense_event:
+            x = view.mean + jnp.einsum("...ij,k...j->k...i", jnp.linalg.cholesky(view.cov), z)
+            nodes[n] = jax.vmap(block.to_site)(x)
+        else:
+            nodes[n] = view.mean + _safe_sqrt(view.var) * z
+    names = (factor.name,)
+
+    def one(x):
+        ((lp, _),) = fns.log_probs(names, {**discrete_values, **x}, data).values()
+        return lp
+
+    per_node = jax.vmap(one)(nodes)
+    ((_, scale),) = fns.log_probs(names, {**discrete_values, **{n: x[0] for n, x in nodes.items()}}, data).values()
+    lp = jnp.tensordot(jnp.asarray(weights, per_node.dtype), per_node, axes=1)
+    return {factor.name: lp}, {factor.name: scale}
 
 
 def _projection_factors(proj) -> list:

@@ -19,6 +19,7 @@ from blrppl import families as fam
 from blrppl import moments as mom
 from blrppl.errors import FamilyError, UnsupportedFactorError, UnsupportedLatentError
 from blrppl.estimators import bilinear, gram
+from blrppl.estimators.quadrature import GRID_NODES
 from blrppl.expressions import (
     LINKS, ArgumentClass, ModelFunctions, ModelProgram, classify_form, distribution_leaves, factor_arguments, log_prob_reads,
     gather_probe, pairing_probe, probe_argument, projection_args, random_point, run_probes, too_many_columns,
@@ -135,6 +136,16 @@ def init_nat(block: Block, init_value, probs=None):
 
 #: the most scalar projections per element a quadrature factor may have
 MAX_PROJECTIONS = 2
+#: a factor without closed form or projections whose continuous neighbours are Gaussian
+#: blocks of at most this many scalars in all (a chain's stationary start reading a level,
+#: a scale and a persistence) is integrated over them by a tensor Gauss–Hermite rule
+#: (:func:`blrppl.estimators.quadrature.grid_elementwise`) instead of Monte Carlo
+GRID_MAX_DIM = 4
+#: ... and when its nodes times its elements (each counted as its event's size squared: a
+#: multivariate density costs at least that) are at most this many a step (a plated
+#: likelihood of many elements, or a Gaussian process's of many points, stays Monte Carlo:
+#: 16 draws)
+GRID_MAX_EVALUATIONS = 1 << 21
 #: by default, the dense Gaussian blocks are merged into one joint dense Gaussian when
 #: their total dimension is at most this
 JOINT_MAX_DIM = 500
@@ -1567,6 +1578,21 @@ def _quadrature_probes(records, deps, blocks, fns, rng, nbrs, names, elementwise
     return candidates, probes
 
 
+def _on_grid(blocks, cont, record: SiteRecord) -> bool:
+    """Whether a factor's continuous neighbours ``cont`` are Gaussian blocks of at most
+    :data:`GRID_MAX_DIM` scalars in all (neither points nor minibatch-local), and the cost of
+    the rule's evaluations at most :data:`GRID_MAX_EVALUATIONS`."""
+    if not cont or not all(blocks[n].family.gaussian and not blocks[n].point and blocks[n].local is None for n in cont):
+        return False
+    d = sum(blocks[n].size for n in cont)
+    if d > GRID_MAX_DIM:
+        return False
+    shape = tuple(record.value_shape)
+    split = len(shape) - record.event_ndim
+    cost = math.prod(shape[:split]) * math.prod(shape[split:]) ** 2
+    return GRID_NODES[d] ** d * cost <= GRID_MAX_EVALUATIONS
+
+
 def _factors(records, rules, blocks, nbrs, classes, exact, candidates, quad_classes, quadrature) -> list:
     """The :class:`Factor` s from the argument classes and the quadrature projections."""
     factors = []
@@ -1617,6 +1643,10 @@ def _factors(records, rules, blocks, nbrs, classes, exact, candidates, quad_clas
             if links:
                 estimator = "quadrature"
                 columns = tuple((n, "full" if n in full else "gather") for n in gauss)
+            elif quadrature and _on_grid(blocks, [n for n in neighbours if n not in discrete], r):
+                # (a few scalars in all: the rule over them is cheap, and deterministic)
+                estimator, links, columns = "quadrature", (), ()
+                kinds, arg_blocks = [("log_prob", "quadrature")], []
             else:
                 estimator, links, columns = "monte_carlo", (), ()
                 kinds, arg_blocks = [("log_prob", "monte_carlo")], []
