@@ -3,10 +3,11 @@
     L = E_q[log f] = −log(high − low),     λ̃ = 0,
 
 when q puts no mass outside [low, high]: for observed values (checked against the support
-when the model is traced), and for the prior of the site itself, whose block lives on the
-logit space of the interval (its bijection keeps every draw inside; the compiler reads such
-a value as a constant, see ``blrppl.graph.compile._own_uniform_priors``). The prior sends no
-message: the posterior is made by the likelihood and the Jacobian of the bijection.
+when the model is traced), and for the prior of the site itself, whose block is a Gaussian on
+the logit space of the interval (its bijection keeps every draw inside) or, for
+``Uniform(0, 1)``, a Beta (the compiler reads such a value as a constant, see
+``blrppl.graph.compile._own_uniform_priors``). The prior sends no message: the posterior is
+made by the likelihood (and the Jacobian of the bijection).
 """
 
 from __future__ import annotations
