@@ -31,6 +31,7 @@ JVPs of the (linear) indexing map applied to the parameter arrays.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import traceback
 from typing import Any, Callable, NamedTuple
@@ -1199,44 +1200,55 @@ def _push_tangents(lin, point: dict, sets: dict, out, row_wise=frozenset()) -> d
     return pushed
 
 
-#: Gauss–Hermite nodes of :func:`support_view`
-SUPPORT_NODES = 32
+#: Gauss–Hermite nodes per dimension of :func:`support_view`, by scalars per plate element
+SUPPORT_NODES = {1: 32, 2: 20, 3: 10}
 
 
 def support_view(block: Block, view):
     """The Gaussian on u = g⁻¹(φ) whose linearisation gives the site value φ = g(u) its
-    exact first two moments under q(u) = N(m, v) (a block with :attr:`Block.value_moments`):
+    exact first two moments under q(u) = N(m, Σ) (a block with :attr:`Block.value_moments`,
+    g elementwise), per plate element:
 
-        u* = g⁻¹(E[g(u)]),    v* = Var[g(u)] / g'(u*)²,
+        u* = g⁻¹(E[g(u)]),    Σ* = Cov[g(u)] / (g'(u*) g'(u*)ᵀ)  (elementwise),
 
-    E and Var by Gauss–Hermite quadrature. The model linearised at u* reads φ = E[g(u)];
-    a tangent t along u moves φ by g'(u*) t, so the variance v* along u is Var[g(u)] along φ.
-    An argument affine in φ (or a product of φ with an independent Gaussian block) then has
-    its exact mean and variance, and the rules' expectations of Normal-type densities, which
-    depend on such an argument through those only, are exact. Differentiable in (m, v): the
-    messages are the gradients through the quadrature (not conjugate).
+    E and Cov by a tensor Gauss–Hermite rule over the element's scalars. The model
+    linearised at u* reads φ = E[g(u)]; a tangent t along u moves φ by g'(u*) ⊙ t, so the
+    covariance Σ* along u is Cov[g(u)] along φ. An argument affine in φ (or a product of φ
+    with an independent Gaussian block) then has its exact mean and variance, and the
+    rules' expectations of Normal-type densities, which depend on such an argument through
+    those only, are exact. Differentiable in (m, Σ): the messages are the gradients through
+    the quadrature (not conjugate).
     """
     family, transform = block.family, block.transform
-    mean = block.to_site(family.linearisation_point(view))
-    var = block.to_site(family.marginal_variance(view))
-    t, w = np.polynomial.hermite_e.hermegauss(SUPPORT_NODES)
-    t = jnp.asarray(t, mean.dtype).reshape((-1,) + (1,) * mean.ndim)
-    w = jnp.asarray(w / w.sum(), mean.dtype).reshape(t.shape)
-    sd = jnp.sqrt(jnp.maximum(var, 0.0))
-    g = transform(mean + sd * t)
-    g_mean = jnp.sum(w * g, axis=0)
-    g_var = jnp.sum(w * jnp.square(g - g_mean), axis=0)
-    u_star = transform.inv(g_mean)
-    slope = jax.jvp(transform, (u_star,), (jnp.ones_like(u_star),))[1]
-    v_star = g_var / jnp.square(slope)
-    # (a q far in the tails, where g saturates in floating point: its own mean and variance)
-    ok = jnp.isfinite(u_star) & jnp.isfinite(v_star) & (slope > 0)
-    u_star = jnp.where(ok, u_star, mean)
-    v_star = jnp.where(ok, v_star, var)
-    u_star, v_star = block.to_canonical(u_star), block.to_canonical(v_star)
-    if hasattr(view, "var"):  # elementwise Gaussians
-        return view._replace(mean=u_star, var=v_star)
-    return view._replace(mean=u_star, cov=v_star[..., None])  # dense, one scalar per element
+    mean = family.linearisation_point(view)  # canonical layout
+    dense = hasattr(view, "cov")
+    d = mean.shape[-1] if dense else 1
+    t, w = np.polynomial.hermite_e.hermegauss(SUPPORT_NODES[d])
+    grid = np.array(list(itertools.product(t, repeat=d)))  # (K, d)
+    weights = np.prod(np.array(list(itertools.product(w / w.sum(), repeat=d))), axis=1)
+    grid, weights = jnp.asarray(grid, mean.dtype), jnp.asarray(weights, mean.dtype)
+    if dense:
+        u = mean + jnp.einsum("...ij,kj->k...i", jnp.linalg.cholesky(view.cov), grid)
+    else:
+        u = mean + jnp.sqrt(jnp.maximum(view.var, 0.0)) * grid[:, 0].reshape((-1,) + (1,) * mean.ndim)
+    g = jax.vmap(block.to_canonical)(transform(jax.vmap(block.to_site)(u)))
+    wk = weights.reshape((-1,) + (1,) * mean.ndim)
+    g_mean = jnp.sum(wk * g, axis=0)
+    centred = g - g_mean
+    u_star = transform.inv(block.to_site(g_mean))
+    slope = block.to_canonical(jax.jvp(transform, (u_star,), (jnp.ones_like(u_star),))[1])
+    u_star = block.to_canonical(u_star)
+    if dense:
+        g_cov = jnp.einsum("k,k...i,k...j->...ij", weights, centred, centred)
+        cov = g_cov / (slope[..., :, None] * slope[..., None, :])
+        # (a q far in the tails, where g saturates in floating point: its own mean and covariance)
+        ok = jnp.all(jnp.isfinite(u_star) & (slope > 0), -1) & jnp.all(jnp.isfinite(cov), (-2, -1))
+        return view._replace(
+            mean=jnp.where(ok[..., None], u_star, mean), cov=jnp.where(ok[..., None, None], cov, view.cov)
+        )
+    var = jnp.sum(wk * jnp.square(centred), axis=0) / jnp.square(slope)
+    ok = jnp.isfinite(u_star) & jnp.isfinite(var) & (slope > 0)
+    return view._replace(mean=jnp.where(ok, u_star, mean), var=jnp.where(ok, var, view.var))
 
 
 def group_moments(

@@ -167,7 +167,7 @@ def _persistence(read_on_support: bool):
     from numpyro.distributions import biject_to, constraints
 
     block = Block("phi", fam.GaussianDense(1), "gaussian", (), transform=biject_to(constraints.interval(-1.0, 1.0)))
-    assert fm.interval_scalar(block)
+    assert fm.interval_gaussian(block)
     return dataclasses.replace(block, value_moments=read_on_support)
 
 

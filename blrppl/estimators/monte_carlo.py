@@ -204,6 +204,14 @@ def _curvature(estimator, block, view, f_n, xs, others, grads, key):
     return jnp.mean(z * hz, 0)
 
 
+def elementwise_bijection(transform):
+    """The elementwise bijection ``transform`` applies (unwrapping ``IndependentTransform``,
+    which only declares event dims: its log|det J| sums the elements'), or None."""
+    while type(transform).__name__ == "IndependentTransform":
+        transform = transform.base_transform
+    return transform if transform.domain.event_dim == 0 else None
+
+
 def expected_log_jacobian(block, view, key, num_samples=NUM_SAMPLES):
     """E_q[log|det J|] of a block's bijection(s), summed over elements (and members of a
     joint block, each from its marginal)."""
@@ -214,13 +222,14 @@ def expected_log_jacobian(block, view, key, num_samples=NUM_SAMPLES):
             for (m, v), k in zip(block.member_views(view), keys)
             if m.transform is not None
         )
-    t = block.transform
-    if t.domain.event_dim == 0:
+    t = elementwise_bijection(block.transform)
+    if t is not None:
         mean, var = marginal_moments(block, view)
         nodes, weights = gauss_hermite()
         u = mean[..., None] + jnp.sqrt(var)[..., None] * jnp.asarray(nodes, mean.dtype)
         ladj = t.log_abs_det_jacobian(u, t(u))
         return jnp.sum(ladj * jnp.asarray(weights, mean.dtype))
+    t = block.transform
     u = sample_block(block, view, key, num_samples)
     ladj = jax.vmap(lambda x: jnp.sum(t.log_abs_det_jacobian(x, t(x))))(u)
     return ladj.mean()

@@ -19,6 +19,7 @@ from blrppl import families as fam
 from blrppl import moments as mom
 from blrppl.errors import FamilyError, UnsupportedFactorError, UnsupportedLatentError
 from blrppl.estimators import bilinear, gram
+from blrppl.estimators.monte_carlo import elementwise_bijection
 from blrppl.estimators.quadrature import GRID_NODES
 from blrppl.expressions import (
     LINKS, ArgumentClass, ModelFunctions, ModelProgram, classify_form, distribution_leaves, factor_arguments, log_prob_reads,
@@ -1286,7 +1287,7 @@ def _elementwise_items(base, leaves) -> frozenset:
 def _jacobian_factor(block: Block) -> Factor:
     """The log|det J| term of a Gaussian block on an unconstrained space."""
     transforms = [m.transform for m in (block.members or (block,)) if m.transform is not None]
-    elementwise = all(t.domain.event_dim == 0 for t in transforms)
+    elementwise = all(elementwise_bijection(t) is not None for t in transforms)
     return Factor(
         name=f"{block.name}:jacobian",
         dist_name="log|det J| (" + ", ".join(sorted({type(t).__name__ for t in transforms})) + ")",
@@ -1424,8 +1425,8 @@ def _site_blocks(blocks: dict) -> dict:
 
 
 def _with_value_moments(blocks: dict, forms, deps) -> dict:
-    """``blocks`` with :attr:`Block.value_moments` set on the scalar Gaussians on an
-    interval's logit space (:func:`blrppl.graph.forms.interval_scalar`) that some argument
+    """``blocks`` with :attr:`Block.value_moments` set on the Gaussians on an interval's
+    logit space (:func:`blrppl.graph.forms.interval_gaussian`) that some argument
     multiplies with another latent (a persistence in ``phi * (x_prev - mu)``): the closed
     form of that argument's factor sees φ through its moments under q, and the product
     keeps φ apart (variational message passing). Not where some argument reads the block in
@@ -1435,7 +1436,7 @@ def _with_value_moments(blocks: dict, forms, deps) -> dict:
     if forms is None:
         return blocks
     site_blocks = _site_blocks(blocks)
-    eligible = {b.name for b in blocks.values() if fm.interval_scalar(b)}
+    eligible = {b.name for b in blocks.values() if fm.interval_gaussian(b)}
     gains, conflicts = set(), set()
     for name, items in forms.items():
         for item, form in items.items():

@@ -711,13 +711,19 @@ def _scaled_exp(t):
     return t
 
 
-def interval_scalar(block) -> bool:
-    """Whether a block is scalar Gaussians (one per element, independent) on the logit space
-    of an interval: its site value is g(u) = a + b·sigmoid(u), elementwise."""
+#: the most scalars per plate element of a dense Gaussian read through its site's moments
+#: (:func:`interval_gaussian`: the moments are a tensor quadrature over them)
+INTERVAL_MAX_DIM = 3
+
+
+def interval_gaussian(block) -> bool:
+    """Whether a block is Gaussians on the logit space of an interval, elementwise (its site
+    value is g(u) = a + b·sigmoid(u)): independent scalars, or dense over at most
+    :data:`INTERVAL_MAX_DIM` scalars per plate element (``Uniform(-1, 1).expand([2]).to_event(1)``)."""
     family = block.family
     if not family.gaussian or block.members or block.point or block.local is not None:
         return False
-    if type(family).__name__ not in ("GaussianDiag", "GaussianDense") or getattr(family, "dim", 1) != 1:
+    if type(family).__name__ not in ("GaussianDiag", "GaussianDense") or getattr(family, "dim", 1) > INTERVAL_MAX_DIM:
         return False
     transform = _unwrap_transform(block.transform)
     parts = [_unwrap_transform(p) for p in getattr(transform, "parts", (transform,))]
