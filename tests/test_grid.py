@@ -88,12 +88,17 @@ def stationary_ar1(y):
     scan(step, x0, y)
 
 
-def test_stationary_start_is_integrated_on_a_grid_and_the_fit_is_deterministic():
+def stationary_ar1_data() -> np.ndarray:
+    """60 noisy observations of an AR(1) state with persistence 0.8."""
     rng = np.random.default_rng(3)
     x = np.zeros(60)
     for t in range(60):
         x[t] = 0.8 * (x[t - 1] if t else 0.0) + 0.5 * rng.normal()
-    fit = blr_fit(stationary_ar1, {"y": x + 0.3 * rng.normal(size=60)}, rng_key=random.PRNGKey(0), progress_bar=False)
+    return x + 0.3 * rng.normal(size=60)
+
+
+def test_stationary_start_is_integrated_on_a_grid_and_the_fit_is_deterministic():
+    fit = blr_fit(stationary_ar1, {"y": stationary_ar1_data()}, rng_key=random.PRNGKey(0), progress_bar=False)
     plan = fit.plan.describe()
     estimators = {f.name: f.estimator for f in fit.plan.factors}
     assert estimators["x0"] == "quadrature" and "monte_carlo" not in estimators.values(), plan
