@@ -172,6 +172,15 @@ def ar2_latent_model(y):
     scan(step, (0.0, 0.0), y)
 
 
+def ar2_data() -> np.ndarray:
+    """Noisy observations of an AR(2) state with coefficients (0.7, −0.3)."""
+    rng = np.random.default_rng(4)
+    x = np.zeros(AR_T)
+    for t in range(AR_T):
+        x[t] = 0.7 * (x[t - 1] if t else 0) - 0.3 * (x[t - 2] if t > 1 else 0) + AR_STEP * rng.normal()
+    return x + AR_NOISE * rng.normal(size=AR_T)
+
+
 def ar2_cavi_sweep(q, y):
     """The textbook updates of q(a1) q(a2) q(x), x one Gaussian over all steps (dense),
     each given the others' first and second moments (E[a1 a2] = E[a1] E[a2])."""
@@ -204,11 +213,7 @@ def test_ar2_with_latent_coefficients_is_the_cavi_fixed_point():
     side, the chain on the other): every factor closed-form, the chain banded (bandwidth 2),
     and the fit the fixed point of the textbook updates to 1e-8 (before, the sum was opaque:
     one dense block fitted by Monte Carlo, far from the posterior)."""
-    rng = np.random.default_rng(4)
-    x = np.zeros(AR_T)
-    for t in range(AR_T):
-        x[t] = 0.7 * (x[t - 1] if t else 0) - 0.3 * (x[t - 2] if t > 1 else 0) + AR_STEP * rng.normal()
-    y = x + AR_NOISE * rng.normal(size=AR_T)
+    y = ar2_data()
     fit = blr_fit(ar2_latent_model, {"y": y}, rng_key=random.PRNGKey(0), tol=1e-30, num_steps=3000, progress_bar=False)
     plan = fit.plan.describe()
     assert all(f.estimator == "exact" for f in fit.plan.factors), plan
@@ -365,11 +370,7 @@ def test_bounded_coefficient_vector_is_the_vb_fixed_point():
     and Cov[φ] (a two-dimensional rule): the same closed-form plan as for separate Normal
     coefficients, at the fixed point of the coordinate updates above (before, one dense block
     of everything fitted by Monte Carlo, its noise scale collapsed)."""
-    rng = np.random.default_rng(4)
-    x = np.zeros(AR_T)
-    for t in range(AR_T):
-        x[t] = 0.7 * (x[t - 1] if t else 0) - 0.3 * (x[t - 2] if t > 1 else 0) + AR_STEP * rng.normal()
-    y = x + AR_NOISE * rng.normal(size=AR_T)
+    y = ar2_data()
     fit = blr_fit(ar2_bounded_model, {"y": y}, rng_key=random.PRNGKey(0), tol=1e-30, num_steps=3000, progress_bar=False)
     plan = fit.plan.describe()
     assert fit.plan.block("coef").value_moments and fit.plan.block("x").family.bandwidth == 2, plan
