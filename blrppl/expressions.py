@@ -31,7 +31,6 @@ JVPs of the (linear) indexing map applied to the parameter arrays.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 import traceback
 from typing import Any, Callable, NamedTuple
@@ -46,6 +45,7 @@ from numpyro.primitives import Messenger
 
 from blrppl import moments as mom
 from blrppl.errors import BLRError, ModelTraceError
+from blrppl.estimators.monte_carlo import tensor_gauss_hermite
 from blrppl.graph import forms as fm, scan_map
 from blrppl.graph.data import DataSpec, RunData, compile_lowered, compiler_options
 from blrppl.graph.plan import Block
@@ -1223,9 +1223,7 @@ def support_view(block: Block, view):
     mean = family.linearisation_point(view)  # canonical layout
     dense = hasattr(view, "cov")
     d = mean.shape[-1] if dense else 1
-    t, w = np.polynomial.hermite_e.hermegauss(SUPPORT_NODES[d])
-    grid = np.array(list(itertools.product(t, repeat=d)))  # (K, d)
-    weights = np.prod(np.array(list(itertools.product(w / w.sum(), repeat=d))), axis=1)
+    grid, weights = tensor_gauss_hermite(SUPPORT_NODES[d], d)
     grid, weights = jnp.asarray(grid, mean.dtype), jnp.asarray(weights, mean.dtype)
     if dense:
         u = mean + jnp.einsum("...ij,kj->k...i", jnp.linalg.cholesky(view.cov), grid)

@@ -21,6 +21,7 @@ exact; other bijections (stick-breaking, ordered, Cholesky) use the samples.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import jax
@@ -37,6 +38,15 @@ def gauss_hermite(num_nodes: int = NUM_NODES):
     """Nodes t and weights w with E_{N(0,1)}[h(z)] ≈ Σ_k w_k h(t_k)."""
     t, w = np.polynomial.hermite_e.hermegauss(num_nodes)
     return t, w / w.sum()
+
+
+def tensor_gauss_hermite(num_nodes: int, d: int):
+    """Nodes z (K^d, d) and weights w (K^d,) with E_{N(0, I_d)}[h(z)] ≈ Σ_k w_k h(z_k): the
+    product of ``num_nodes``-point rules (:func:`gauss_hermite`) in each dimension."""
+    t, w = gauss_hermite(num_nodes)
+    grid = np.array(list(itertools.product(t, repeat=d)))
+    weights = np.prod(np.array(list(itertools.product(w, repeat=d))), axis=1)
+    return grid, weights
 
 
 def sample_block(block, view, key, num_samples: int):

@@ -17,12 +17,11 @@ Khan & Lin (2017). Its gradient with respect to (m, Σ) gives the message.
 from __future__ import annotations
 
 import functools
-import itertools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from blrppl.estimators.monte_carlo import tensor_gauss_hermite
 from blrppl.expressions import LINKS, base_values, distribution_leaves, group_moments, shift_leaf
 from blrppl.graph.trace import reduce_wrapped
 from blrppl.moments import covariance
@@ -36,14 +35,6 @@ def _safe_sqrt(v):
     Newton steps differentiate through it)."""
     pos = v > 0
     return jnp.where(pos, jnp.sqrt(jnp.where(pos, v, 1.0)), 0.0)
-
-
-def _standard_nodes(d: int):
-    t, w = np.polynomial.hermite_e.hermegauss(NODES[d])
-    w = w / w.sum()
-    grid = np.array(list(itertools.product(t, repeat=d)))  # (K^d, d)
-    weights = np.prod(np.array(list(itertools.product(w, repeat=d))), axis=1)
-    return grid, weights
 
 
 def quadrature_elementwise(fns, factors, blocks, views, discrete_values, data):
@@ -112,10 +103,7 @@ def grid_elementwise(fns, factor, blocks, views, discrete_values, data):
     cont = [n for n in factor.neighbours if n not in factor.discrete]
     sizes = [blocks[n].size for n in cont]
     d = sum(sizes)
-    t, w = np.polynomial.hermite_e.hermegauss(GRID_NODES[d])
-    w = w / w.sum()
-    grid = np.array(list(itertools.product(t, repeat=d)))  # (K^d, d)
-    weights = np.prod(np.array(list(itertools.product(w, repeat=d))), axis=1)
+    grid, weights = tensor_gauss_hermite(GRID_NODES[d], d)
     nodes, start = {}, 0
     for n, size in zip(cont, sizes):
         block, view = blocks[n], views[n]
@@ -158,7 +146,7 @@ def _expected_log_prob(links, tree, leaves, value, proj):
     Gaussian of the projections (moment objects ``proj``)."""
     factors = _projection_factors(proj)
     d = len(links)
-    grid, weights = _standard_nodes(d)
+    grid, weights = tensor_gauss_hermite(NODES[d], d)
     dtype = factors[0].dtype
     grid = jnp.asarray(grid, dtype)
     # the node axis leads; enough unit axes that it never meets a batch axis
