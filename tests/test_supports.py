@@ -86,3 +86,30 @@ def test_constrained_latent_matches_exact_posterior(name):
     assert abs(x.std() / sd - 1) < 0.25, (x.std(), sd)
     support = res.posterior[site].support
     assert bool(jnp.all(support(jnp.asarray(draws[site]))))
+
+
+def per_step_interval(y):
+    """A probability drawn at each step of a ``scan`` (its Uniform's bounds stacked per step,
+    one pair per element) read through ``clamp_probs``: no closed form."""
+    from numpyro.contrib.control_flow import scan
+
+    def step(carry, y_t):
+        p = numpyro.sample("p", dist.Uniform(0.0, 1.0))
+        with numpyro.plate("n", y_t.shape[0]):
+            numpyro.sample("y", dist.Bernoulli(dist.util.clamp_probs(0.9 * p)), obs=y_t)
+        return carry, None
+
+    scan(step, 0.0, y)
+
+
+def test_interval_bounds_stacked_by_scan_match_exact_posteriors():
+    y = (RNG.random((6, 20)) < 0.5).astype(np.int32)
+    res = blr_fit(per_step_interval, {"y": y}, rng_key=jax.random.PRNGKey(0), progress_bar=False)
+    assert res.plan.block("p").transform is not None
+    draws = np.asarray(res.sample(jax.random.PRNGKey(1), NUM_DRAWS)["p"])
+    grid = np.linspace(1e-6, 1 - 1e-6, 20_001)
+    for t, (hits, n) in enumerate(zip(y.sum(1), [y.shape[1]] * y.shape[0])):
+        mean, sd = grid_moments(grid, hits * np.log(0.9 * grid) + (n - hits) * np.log1p(-0.9 * grid))
+        # (each step's posterior is a smooth unimodal density: a tenth of its sd, 10 %)
+        assert abs(draws[:, t].mean() - mean) / sd < 0.1, (t, draws[:, t].mean(), mean, sd)
+        assert abs(draws[:, t].std() / sd - 1) < 0.1, (t, draws[:, t].std(), sd)

@@ -236,9 +236,12 @@ def expected_log_jacobian(block, view, key, num_samples=NUM_SAMPLES):
     if t is not None:
         mean, var = marginal_moments(block, view)
         nodes, weights = gauss_hermite()
-        u = mean[..., None] + jnp.sqrt(var)[..., None] * jnp.asarray(nodes, mean.dtype)
+        # (the nodes on a leading axis: a bijection's parameters have the site's shape, the
+        # bounds of a Uniform drawn at each step of a scan)
+        nodes = jnp.asarray(nodes, mean.dtype).reshape((-1,) + (1,) * mean.ndim)
+        u = mean + jnp.sqrt(var) * nodes
         ladj = t.log_abs_det_jacobian(u, t(u))
-        return jnp.sum(ladj * jnp.asarray(weights, mean.dtype))
+        return jnp.sum(jnp.tensordot(jnp.asarray(weights, mean.dtype), ladj, axes=1))
     t = block.transform
     u = sample_block(block, view, key, num_samples)
     ladj = jax.vmap(lambda x: jnp.sum(t.log_abs_det_jacobian(x, t(x))))(u)
