@@ -138,7 +138,11 @@ def _groups(plan, nat, full: bool):
             # (the whole covariance of a chain: an autoguide's full-rank scale holds it)
             var = jnp.linalg.inv(to_dense(-2.0 * nat[b.name].eta2)) if full else view.cov[..., 0]
             sites = b.members or (b,)
-            out.append(([(m.name, m.value_shape) for m in sites], view.mean, var))
+            mean = view.mean
+            if b.interleaved:  # (members stored time-major: back to each site's scalars in turn)
+                order = np.concatenate(b.member_positions())
+                mean, var = mean[order], var[np.ix_(order, order)] if full else var[order]
+            out.append(([(m.name, m.value_shape) for m in sites], mean, var))
         elif b.members:
             var = view.cov if full else jnp.diagonal(view.cov)
             out.append(([(m.name, m.value_shape) for m in b.members], view.mean, var))

@@ -627,3 +627,25 @@ def test_sum_log_keeps_float32():
     assert got.dtype == jnp.float32
     # (float32 sums of 10³ logs: a few 10⁻⁵ of rounding)
     np.testing.assert_allclose(float(got), np.log(x.astype(np.float64)).sum(), atol=1e-4)
+
+
+def test_time_major_members_layout():
+    """A joint block with its last two members stored step by step (a scalar a, then b of
+    shape (3,) and c of shape (3, 2)): block positions [a, b0, c00, c01, b1, c10, c11, b2,
+    c20, c21]; split and join are inverses, with leading sample dims too."""
+    from blrppl.graph.plan import Block
+
+    def member(name, shape):
+        return Block(name, GaussianDense(int(np.prod(shape))), "gaussian", shape)
+
+    members = (member("a", ()), member("b", (3,)), member("c", (3, 2)))
+    block = Block("(a, b, c)", GaussianDense(10), "gaussian", (10,), members=members, interleaved=2)
+    positions = block.member_positions()
+    assert [p.tolist() for p in positions] == [[0], [1, 4, 7], [2, 3, 5, 6, 8, 9]]
+    parts = block.split(jnp.arange(10.0))
+    np.testing.assert_array_equal(parts["a"], 0.0)
+    np.testing.assert_array_equal(parts["b"], [1.0, 4.0, 7.0])
+    np.testing.assert_array_equal(parts["c"], [[2.0, 3.0], [5.0, 6.0], [8.0, 9.0]])
+    np.testing.assert_array_equal(block.join({k: np.asarray(v) for k, v in parts.items()}), np.arange(10.0))
+    draws = jnp.arange(20.0).reshape(2, 10)
+    np.testing.assert_array_equal(block.split(draws)["c"][1], [[12.0, 13.0], [15.0, 16.0], [18.0, 19.0]])

@@ -398,22 +398,31 @@ def compile_model(
     chains = {}
     if structure is None and banded:
         every = [n for n, b in {**blocks, **dense}.items() if joinable(n, b)]
-        if len(every) > 1 and sum(blocks[n].size for n in every) >= BANDED_MIN_DIM and any(
-            blocks[n].size >= BANDED_MIN_DIM // 2 for n in every if linked(n)
+        total = sum(blocks[n].size for n in every)
+        # (a long vector site, or more scalar sites than a dense block holds: one per step
+        # of a Python loop)
+        if len(every) > 1 and total >= BANDED_MIN_DIM and (
+            any(blocks[n].size >= BANDED_MIN_DIM // 2 for n in every if linked(n)) or total > JOINT_MAX_DIM
         ):
-            trial = _merge_joint({**blocks, **dense}, every)
-            joint = next(n for n, b in trial.items() if b.members and not b.discrete)
-            trial_fns = ModelFunctions(
-                model, data_spec, _site_fill(trial, site_init, unconstrained), _transforms(trial), {joint: trial[joint]},
-                plate_indices, program,
-            )
-            site_block = {m: joint for m in trial[joint].sites}
-            chain = chain_bandwidth(
-                joint, trial, factors, trial_fns, data, np.random.default_rng(0), site_block, PROVISIONAL
-            )
-            if chain is not None and 3 * (2 * chain.bandwidth + 1) <= trial[joint].size:
-                blocks = {**trial, joint: _banded(trial[joint], chain.bandwidth)}
-                chains[joint], merge, densified = chain, False, []
+            # in model order (each site's scalars in turn), else with the sites of one length
+            # step by step (a state written as one site per component: level and slope)
+            for order, interleaved in ((every, 0), _time_major({**blocks, **dense}, every)):
+                if order is None:
+                    break
+                trial = _merge_joint({**blocks, **dense}, order, interleaved)
+                joint = next(n for n, b in trial.items() if b.members and not b.discrete)
+                trial_fns = ModelFunctions(
+                    model, data_spec, _site_fill(trial, site_init, unconstrained), _transforms(trial),
+                    {joint: trial[joint]}, plate_indices, program,
+                )
+                site_block = {m: joint for m in trial[joint].sites}
+                chain = chain_bandwidth(
+                    joint, trial, factors, trial_fns, data, np.random.default_rng(0), site_block, PROVISIONAL
+                )
+                if chain is not None and 3 * (2 * chain.bandwidth + 1) <= trial[joint].size:
+                    blocks = {**trial, joint: _banded(trial[joint], chain.bandwidth)}
+                    chains[joint], merge, densified = chain, False, []
+                    break
     if structure in (None, "mean-field") and banded:
         candidates = [
             n for n, b in blocks.items()
@@ -858,9 +867,7 @@ def _block_init_values(blocks, site_init, unconstrained=None) -> dict:
         if b.members and b.discrete:
             out[n] = fill[b.members[0].name]  # (unused: discrete blocks start from probabilities)
         elif b.members:
-            parts = [fill[m.name] for m in b.members]
-            xp = np if all(isinstance(p, np.ndarray) for p in parts) else jnp
-            out[n] = xp.concatenate([xp.ravel(p) for p in parts])
+            out[n] = b.join({m.name: fill[m.name] for m in b.members})
         else:
             out[n] = fill[n]
     return out
@@ -1057,14 +1064,19 @@ def _scalar_columns(f: Factor, chains: dict) -> Factor:
 
 def _banded(block: Block, bandwidth: int) -> Block:
     """A Gaussian block (or joint block) with a banded precision over its scalars in C order
-    (each member's part too: the marginal of a stretch of a chain is a chain)."""
+    (each member's part too: the marginal of a stretch of a chain is a chain; a member
+    stored time-major, every S-th scalar, exports the covariances of its scalars S·d apart
+    for S·d within the band: bandwidth b // S, at least 1)."""
     family = fam.GaussianBanded(block.size, bandwidth)
-    parts = tuple(
-        dataclasses.replace(m, family=fam.GaussianBanded(m.size, bandwidth), kind=family.name)
-        if m.size > bandwidth + 1 else m
-        for m in block.members
-    )
-    return dataclasses.replace(block, family=family, kind=family.name, plate_axes=(), members=parts)
+    head, tail, _, widths = block._layout() if block.members else ((), (), 0, [])
+    stride = {m.name: sum(widths) for m in tail}
+    parts = []
+    for m in block.members:
+        width = max(bandwidth // stride.get(m.name, 1), 1)
+        if m.size > width + 1:
+            m = dataclasses.replace(m, family=fam.GaussianBanded(m.size, width), kind=family.name)
+        parts.append(m)
+    return dataclasses.replace(block, family=family, kind=family.name, plate_axes=(), members=tuple(parts))
 
 
 def _arrowhead(block: Block, globals_: tuple) -> Block:
@@ -1081,16 +1093,36 @@ def _arrowhead(block: Block, globals_: tuple) -> Block:
     return dataclasses.replace(block, family=family, kind=family.name, members=tuple(parts))
 
 
-def _merge_joint(blocks: dict, members: list) -> dict:
-    """Replace the blocks ``members`` by one dense Gaussian over all their scalars."""
+def _merge_joint(blocks: dict, members: list, interleaved: int = 0) -> dict:
+    """Replace the blocks ``members`` by one dense Gaussian over all their scalars (the last
+    ``interleaved`` of them stored step by step: :attr:`Block.interleaved`)."""
     parts = tuple(
         Block(n, fam.GaussianDense(blocks[n].size), fam.GaussianDense.name, blocks[n].value_shape, (), None,
               blocks[n].transform, blocks[n].site_shape)
         for n in members
     )
     size = sum(p.size for p in parts)
-    joint = Block("(" + ", ".join(members) + ")", fam.GaussianDense(size), fam.GaussianDense.name, (size,), members=parts)
+    joint = Block(
+        "(" + ", ".join(members) + ")", fam.GaussianDense(size), fam.GaussianDense.name, (size,), members=parts,
+        interleaved=interleaved,
+    )
     return _replace_members(blocks, members, joint)
+
+
+def _time_major(blocks: dict, members: list) -> tuple:
+    """``(order, interleaved)`` for a joint block whose members of the most common leading
+    length L (at least two of them) are stored step by step after the others
+    (:attr:`Block.interleaved`), or ``(None, 0)`` when no two members share a length."""
+    lengths: dict = {}
+    for n in members:
+        shape = blocks[n].value_shape
+        if len(shape) >= 1 and shape[0] > 1:
+            lengths.setdefault(shape[0], []).append(n)
+    shared = [ns for ns in lengths.values() if len(ns) > 1]
+    if not shared:
+        return None, 0
+    tail = max(shared, key=lambda ns: sum(blocks[n].size for n in ns))
+    return [n for n in members if n not in tail] + tail, len(tail)
 
 
 def _dependencies(model, data_spec, data, records, rules, site_init, plate_indices=None, program=None) -> tuple:

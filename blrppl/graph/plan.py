@@ -21,6 +21,33 @@ import numpy as np
 from blrppl.families.base import Family
 
 
+def _split(x, sizes, axis: int) -> list:
+    """``x`` cut along ``axis`` into consecutive pieces of ``sizes``."""
+    if hasattr(jax.lax, "split"):  # (JAX ≥ 0.4.36)
+        return jax.lax.split(x, sizes, axis=axis) if sizes else []
+    return jnp.split(x, np.cumsum(sizes)[:-1], axis=axis)
+
+
+def _strided_view(view, positions: np.ndarray, member):
+    """The marginal view of a member stored time-major in a banded joint block: its means
+    and variances, and the covariance of each scalar with the next ``d`` of its own
+    (``d`` ≤ the member family's bandwidth) where their distance in the block is within
+    the block's band (zero past it: the band is all the view holds)."""
+    from blrppl.families.gaussian import GaussianView
+    from blrppl.families._band import to_dense
+    from blrppl.families.gaussian_banded import BandedGaussianView
+
+    width = member.family.bandwidth + 1 if member.family.banded else member.size
+    n, band = positions.size, view.cov.shape[-1] - 1
+    ahead = np.arange(width)[None, :] + np.arange(n)[:, None]
+    distance = positions[np.minimum(ahead, n - 1)] - positions[:, None]
+    held = (ahead < n) & (distance <= band)
+    rows = jnp.where(held, view.cov[positions[:, None], np.where(held, distance, 0)], 0.0)
+    if member.family.banded:
+        return BandedGaussianView(view.mean[positions], rows)
+    return GaussianView(view.mean[positions], to_dense(rows))
+
+
 @dataclasses.dataclass(frozen=True)
 class SubsampledPlate:
     """A plate declared with ``subsample_size``: each step sees ``subsample_size`` of its
@@ -97,6 +124,12 @@ class Block:
             :class:`LocalAxis` of that plate: ``value_shape`` is then the minibatch shape
             (the plate axis has the subsample size M) and the fitted state holds λ for all
             N elements (:attr:`full`).
+        interleaved: for a joint Gaussian block, how many of its last members are stored
+            time-major: members of the same leading length L (a state-space model's state
+            written as one site per component, ``level`` and ``slope`` in a ``scan``) laid
+            out step by step, ``[a_0, b_0, a_1, b_1, …]``, after the other members
+            concatenated: a chain in its steps has a banded precision in that order
+            (:meth:`split`, :meth:`join`, :meth:`member_positions`).
         value_moments: a Gaussian block on an interval's logit space (a persistence
             ``phi ~ Uniform(-1, 1)``) whose closed-form factors read its site value
             φ = g(u) as a first power (``phi * (x_prev - mu)``): they see φ through its
@@ -119,22 +152,58 @@ class Block:
     param: bool = False
     local: "LocalAxis | None" = None
     value_moments: bool = False
+    interleaved: int = 0
 
     @property
     def sites(self) -> tuple:
         """Names of the sites the block holds (one, or several for a joint block)."""
         return tuple(m.name for m in self.members) if self.members else (self.name,)
 
+    def _layout(self) -> tuple:
+        """(members concatenated first, members stored time-major, their steps L, each
+        one's scalars per step) of a joint block (:attr:`interleaved`)."""
+        cut = len(self.members) - self.interleaved
+        head, tail = self.members[:cut], self.members[cut:]
+        steps = tail[0].value_shape[0] if tail else 0
+        return head, tail, steps, [m.size // steps for m in tail]
+
     def split(self, x):
         """Block value (site layout, optional leading dims) → {member site: block-space value}."""
         lead = jnp.shape(x)[:-1]
+        head, tail, steps, widths = self._layout()
         # one split operation, not a slice per member (a joint block may hold many sites)
-        sizes = [m.size for m in self.members]
-        if hasattr(jax.lax, "split"):  # (JAX ≥ 0.4.36)
-            pieces = jax.lax.split(x, sizes, axis=len(lead)) if sizes else []
-        else:
-            pieces = jnp.split(x, np.cumsum(sizes)[:-1], axis=len(lead))
-        return {m.name: jnp.reshape(p, lead + m.value_shape) for m, p in zip(self.members, pieces)}
+        sizes = [m.size for m in head] + ([steps * sum(widths)] if tail else [])
+        pieces = _split(x, sizes, len(lead))
+        out = {m.name: jnp.reshape(p, lead + m.value_shape) for m, p in zip(head, pieces)}
+        if tail:
+            rows = jnp.reshape(pieces[-1], lead + (steps, sum(widths)))
+            for m, p in zip(tail, _split(rows, widths, len(lead) + 1)):
+                out[m.name] = jnp.reshape(p, lead + m.value_shape)
+        return out
+
+    def join(self, parts: dict):
+        """:meth:`split`'s inverse: {member site: value} (no leading dims) → the block value
+        (NumPy arrays stay NumPy)."""
+        head, tail, steps, _ = self._layout()
+        values = [parts[m.name] for m in self.members]
+        xp = np if all(isinstance(v, np.ndarray) for v in values) else jnp
+        flat = [xp.ravel(parts[m.name]) for m in head]
+        if tail:
+            flat.append(xp.concatenate([xp.reshape(parts[m.name], (steps, -1)) for m in tail], axis=1).ravel())
+        return xp.concatenate(flat)
+
+    def member_positions(self) -> list:
+        """For each member of a joint block, the block positions of its scalars (C order)."""
+        head, tail, steps, widths = self._layout()
+        out, offset = [], 0
+        for m in head:
+            out.append(np.arange(offset, offset + m.size))
+            offset += m.size
+        stride, column = sum(widths), 0
+        for w in widths:
+            out.append((offset + stride * np.arange(steps)[:, None] + column + np.arange(w)[None, :]).ravel())
+            column += w
+        return out
 
     def member_views(self, view):
         """(member block, its marginal Gaussian view) for each member of a joint block."""
@@ -143,8 +212,11 @@ class Block:
         from blrppl.families.gaussian_banded import BandedGaussianView
 
         out, offset = [], 0
-        for m in self.members:
+        for m, positions in zip(self.members, self.member_positions()):
             sl = slice(offset, offset + m.size)
+            if self.family.banded and not (positions.size and positions[-1] - positions[0] == m.size - 1):
+                out.append((m, _strided_view(view, positions, m)))
+                continue
             if self.family.arrowhead:
                 # a local member: its marginal variances; a global one: its dense block
                 glob = np.searchsorted(self.family.global_index, np.arange(sl.start, sl.stop))
@@ -475,6 +547,9 @@ class Plan:
         for b in self.blocks:
             full = b.full
             kind = f"{b.kind} (bandwidth {b.family.bandwidth})" if b.family.banded else b.kind
+            if b.interleaved:
+                steps = ", ".join(m.name for m in b._layout()[1])
+                kind = kind[:-1] + f"; {steps} step by step)" if b.family.banded else f"{kind} ({steps} step by step)"
             if b.family.tied_rows:
                 kind = f"{b.kind} (rows share one covariance)"
             if b.family.arrowhead:
