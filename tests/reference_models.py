@@ -55,6 +55,14 @@ reference JSON), so the references and the tests see the same numbers.
   noise and jitter, ``Y`` ~ MultivariateNormal(0, K) over N = 30 points of its test function
   (its ``get_data``, with this seed's noise), standardised. The priors' means are e⁵⁰.
 
+* ``imputed_logistic``: a covariate with 30 % of its N = 120 entries missing (NaN), imputed as
+  NumPyro's ``obs_mask`` does: ``x`` ~ Normal(``x_mu``[group], ``x_sigma``) over three groups,
+  then y ~ Bernoulli(logits = ``a`` + ``b_x`` x + ``b_z`` z) with a second, complete covariate
+  z. The likelihood multiplies two latents (``b_x`` times the imputed entries): no closed form.
+  numpyro's ``x_unobserved`` site has all N entries, those at observed positions with no density
+  (improper: NUTS cannot mix them), so the reference samples ``imputed_logistic_nuts_model``,
+  where they have the prior of x (the same posterior over every other parameter); the tests
+  read the globals and the missing entries only.
 Models that ``test_references_are_float64_and_converged`` cannot check (``DIAGNOSTIC_MODELS``:
 their reference is not a NUTS run of the model itself):
 
@@ -93,6 +101,7 @@ DATA_SEEDS = {
     "item_response": 20240510,
     "student_t_volatility": 20240511,
     "gp_example": 20240512,
+    "imputed_logistic": 20240513,
 }
 
 
@@ -472,6 +481,44 @@ def gp_example_data(seed=DATA_SEEDS["gp_example"]):
     return {"X": X, "Y": (Y - Y.mean()) / Y.std()}
 
 
+def imputed_logistic_model(x, z, group, y=None):
+    x_mu = numpyro.sample("x_mu", dist.Normal(0.0, 2.0).expand([3]).to_event(1))
+    x_sigma = numpyro.sample("x_sigma", dist.HalfNormal(1.0))
+    a = numpyro.sample("a", dist.Normal(0.0, 2.0))
+    b_x = numpyro.sample("b_x", dist.Normal(0.0, 2.0))
+    b_z = numpyro.sample("b_z", dist.Normal(0.0, 2.0))
+    seen = ~jnp.isnan(x)
+    with numpyro.plate("N", x.shape[0]):
+        x = numpyro.sample("x", dist.Normal(x_mu[group], x_sigma), obs=jnp.where(seen, x, 0.0), obs_mask=seen)
+        numpyro.sample("y", dist.Bernoulli(logits=a + b_x * x + b_z * z), obs=y)
+
+
+def imputed_logistic_nuts_model(x, z, group, y=None):
+    """:func:`imputed_logistic_model` with a proper ``x_unobserved``: every entry has the prior
+    of x, and the observed ones are replaced by the data in the likelihood."""
+    x_mu = numpyro.sample("x_mu", dist.Normal(0.0, 2.0).expand([3]).to_event(1))
+    x_sigma = numpyro.sample("x_sigma", dist.HalfNormal(1.0))
+    a = numpyro.sample("a", dist.Normal(0.0, 2.0))
+    b_x = numpyro.sample("b_x", dist.Normal(0.0, 2.0))
+    b_z = numpyro.sample("b_z", dist.Normal(0.0, 2.0))
+    seen = ~jnp.isnan(x)
+    with numpyro.plate("N", x.shape[0]):
+        guess = numpyro.sample("x_unobserved", dist.Normal(x_mu[group], x_sigma))
+        numpyro.sample("x", dist.Normal(x_mu[group], x_sigma).mask(seen), obs=jnp.where(seen, x, 0.0))
+        numpyro.sample("y", dist.Bernoulli(logits=a + b_x * jnp.where(seen, x, guess) + b_z * z), obs=y)
+
+
+def imputed_logistic_data(seed=DATA_SEEDS["imputed_logistic"]):
+    rng = np.random.default_rng(seed)
+    n = 120
+    group = rng.integers(0, 3, n)
+    x = rng.normal(np.array([-1.0, 0.0, 1.0])[group], 0.7)
+    z = rng.normal(size=n)
+    y = (rng.random(n) < 1.0 / (1.0 + np.exp(-(-0.3 + 1.2 * x - 0.8 * z)))).astype(np.int64)
+    x[rng.random(n) < 0.3] = np.nan
+    return {"x": x, "z": z, "group": group, "y": y}
+
+
 def prior_mixture_data():
     return {}
 
@@ -491,6 +538,7 @@ MODELS = {
     "item_response": (item_response_model, item_response_data),
     "student_t_volatility": (student_t_volatility_model, student_t_volatility_data),
     "gp_example": (gp_example_model, gp_example_data),
+    "imputed_logistic": (imputed_logistic_model, imputed_logistic_data),
 }
 
 #: name → (model, data function) of models whose reference is not a NUTS run of the model
@@ -508,6 +556,7 @@ NUTS_MODELS = {
     "horseshoe": horseshoe_noncentred_model,
     "item_response": item_response_centred_model,
     "coupled_discrete": coupled_discrete_marginal_model,
+    "imputed_logistic": imputed_logistic_nuts_model,
 }
 
 #: the model the reference SVI run (AutoNormal) fits where it is not the model the tests fit

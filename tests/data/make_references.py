@@ -71,6 +71,7 @@ NUTS_SEEDS = {
     "item_response": 112,
     "student_t_volatility": 113,
     "gp_example": 114,
+    "imputed_logistic": 115,
 }
 #: per-model overrides of the NUTS settings above
 NUTS_SETTINGS = {
