@@ -164,7 +164,7 @@ BANDED_MIN_DIM = 32
 
 def compile_model(
     model, records, data_spec, data, families=None, rng_key=None, structure=None, point=(),
-    point_space="unconstrained", subsampled=(), arrowhead=True, banded=True, _barren=None, joint=True,
+    point_space="unconstrained", subsampled=(), arrowhead=True, banded=True, _barren=None, merge_joint=True,
 ):
     """Build blocks, the factor graph and the plan of a traced model.
 
@@ -279,7 +279,7 @@ def compile_model(
             return compile_model(
                 model, collections.OrderedDict((n, r) for n, r in all_records.items() if n not in barren),
                 data_spec, data, families, rng_key, structure, point, point_space, subsampled, arrowhead, banded,
-                _barren={n: site_init[n] for n in barren}, joint=joint,
+                _barren={n: site_init[n] for n in barren}, merge_joint=merge_joint,
             )
     param_blocks = {r.name: _param_block(r) for r in latent if r.is_param}
 
@@ -396,7 +396,7 @@ def compile_model(
         apart |= scales
         members = [n for n in members if n not in scales]
     size = sum(blocks[n].size for n in members)
-    merge = len(members) > 1 and (structure == "joint" or (structure is None and joint and size <= JOINT_MAX_DIM))
+    merge = len(members) > 1 and (structure == "joint" or (structure is None and merge_joint and size <= JOINT_MAX_DIM))
     # chains (each factor element reads a few consecutive scalars: a random walk, an AR(p), a
     # state-space model with its initial state) get a banded precision at any size: first
     # every dense Gaussian together (in model order), else each block alone unless it joins
@@ -524,7 +524,8 @@ def compile_model(
         if odd:
             return compile_model(
                 model, records, data_spec, data, families, rng_key, structure, point, point_space, subsampled,
-                arrowhead=arrowhead and n in chains, banded=banded and n not in chains, _barren=_barren, joint=joint,
+                arrowhead=arrowhead and n in chains, banded=banded and n not in chains, _barren=_barren,
+                merge_joint=merge_joint,
             )
     for n, b in blocks.items():
         # (a large joint block that a factor without closed form or quadrature reads: its
@@ -533,7 +534,7 @@ def compile_model(
             if b.size > MC_JOINT_MAX_DIM and any(n in f.neighbours and f.estimator == "monte_carlo" for f in factors):
                 return compile_model(
                     model, records, data_spec, data, families, rng_key, structure, point, point_space, subsampled,
-                    arrowhead=arrowhead, banded=banded, _barren=_barren, joint=False,
+                    arrowhead=arrowhead, banded=banded, _barren=_barren, merge_joint=False,
                 )
     tied = ()
     if subsampled:
