@@ -154,8 +154,7 @@ JOINT_MAX_DIM = 500
 #: curvature from a few draws per step is too noisy in more dimensions (a logistic
 #: regression on a covariate imputed with ``obs_mask``, 157 scalars joint with the product
 #: ``b_x * x``: the ELBO fell from −364 to −877 in 60 steps, coefficients of the wrong sign;
-#: apart, 100 steps to NUTS's means within 0.1 sd; a non-centred stochastic volatility's 203
-#: scalars: 1,000 steps to garbage)
+#: apart, 100 steps to NUTS's means within 0.1 sd)
 MC_JOINT_MAX_DIM = 64
 #: Gaussian blocks of at least this many scalars are tested for a chain structure (banded
 #: precision, :mod:`blrppl.graph.band`); smaller ones stay dense (exact, and cheap)
