@@ -117,6 +117,16 @@ u = r.posterior["phi"].base_dist
 out["stationary_ar1"] = {"x": np.asarray(r.posterior["x"].mean).tolist(), "u": [float(u.mean), float(u.variance)],
                          "dtype": str(np.asarray(r.posterior["x"].mean).dtype), "converged": bool(r.converged),
                          "message": r.message, "elbo": [float(e) for e in r.elbo]}
+
+# a local linear trend written as two sites of one scan, stored step by step in one banded block
+from test_state_space import _trend_data, local_linear_trend_scan
+r = blr_fit(local_linear_trend_scan, {"y": _trend_data(40).astype(np.float32)}, rng_key=random.PRNGKey(0),
+            progress_bar=False)
+out["local_linear_trend"] = {
+    n: {"mean": np.ravel(r.posterior[n].mean).tolist(), "var": np.ravel(r.posterior[n].variance).tolist()}
+    for n in ("level0", "slope0", "level", "slope")
+}
+out["local_linear_trend"]["steps"] = int(r.num_steps)
 print("RESULT" + json.dumps(out))
 """
 
@@ -226,3 +236,20 @@ def test_float32_bounded_persistence_and_grid_match_float64(float32_run):
     u = ref.posterior["phi"].base_dist
     np.testing.assert_allclose(r["x"], np.asarray(ref.posterior["x"].mean), atol=2e-3)
     np.testing.assert_allclose(r["u"], [float(u.mean), float(u.variance)], rtol=1e-2)
+
+
+def test_float32_two_component_state_is_exact(float32_run):
+    """The local linear trend of tests/test_state_space.py (level and slope, two sites of one
+    scan, stored step by step in one banded block) in float32: one step, the exact posterior
+    (float64, computed here) to float32 precision."""
+    from test_state_space import _trend_data, exact_gaussian, local_linear_trend_scan
+
+    out, _, _ = float32_run
+    r = out["local_linear_trend"]
+    assert r["steps"] == 1
+    shapes = {"level0": (), "slope0": (), "level": (40,), "slope": (40,)}
+    mean, cov = exact_gaussian(local_linear_trend_scan, {"y": _trend_data(40)}, shapes)
+    means = np.concatenate([r[n]["mean"] for n in shapes])
+    variances = np.concatenate([r[n]["var"] for n in shapes])
+    np.testing.assert_allclose(means, mean, atol=1e-4 * np.abs(mean).max())
+    np.testing.assert_allclose(variances, np.diag(cov), rtol=1e-4)
