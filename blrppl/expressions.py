@@ -325,9 +325,20 @@ def without_mask(fn):
     density over finitely many values is proper, and a masked step of a hidden Markov chain
     then reads neither the previous state nor the transition probabilities (kept, its
     prior would add phantom transitions to their posterior)."""
-    if getattr(fn.support, "is_discrete", False):
+    if getattr(fn.support, "is_discrete", False) or _masked_out(fn):
         return fn
     return strip_masks(fn)
+
+
+def _masked_out(fn) -> bool:
+    """Whether a level of ``fn`` is ``.mask(False)``: the latent has no density of its own
+    (NumPyro's imputation idiom: ``x_impute`` drawn with ``.mask(False)`` and placed into
+    an observed site, whose density is its only one), as numpyro scores it."""
+    while isinstance(fn, (dist.Independent, dist.ExpandedDistribution, dist.MaskedDistribution)):
+        if isinstance(fn, dist.MaskedDistribution) and fn._mask is False:
+            return True
+        fn = fn.base_dist
+    return False
 
 
 def strip_masks(fn):

@@ -481,12 +481,17 @@ def gp_example_data(seed=DATA_SEEDS["gp_example"]):
     return {"X": X, "Y": (Y - Y.mean()) / Y.std()}
 
 
-def imputed_logistic_model(x, z, group, y=None):
+def _imputed_logistic_globals():
     x_mu = numpyro.sample("x_mu", dist.Normal(0.0, 2.0).expand([3]).to_event(1))
     x_sigma = numpyro.sample("x_sigma", dist.HalfNormal(1.0))
     a = numpyro.sample("a", dist.Normal(0.0, 2.0))
     b_x = numpyro.sample("b_x", dist.Normal(0.0, 2.0))
     b_z = numpyro.sample("b_z", dist.Normal(0.0, 2.0))
+    return x_mu, x_sigma, a, b_x, b_z
+
+
+def imputed_logistic_model(x, z, group, y=None):
+    x_mu, x_sigma, a, b_x, b_z = _imputed_logistic_globals()
     seen = ~jnp.isnan(x)
     with numpyro.plate("N", x.shape[0]):
         x = numpyro.sample("x", dist.Normal(x_mu[group], x_sigma), obs=jnp.where(seen, x, 0.0), obs_mask=seen)
@@ -496,11 +501,7 @@ def imputed_logistic_model(x, z, group, y=None):
 def imputed_logistic_nuts_model(x, z, group, y=None):
     """:func:`imputed_logistic_model` with a proper ``x_unobserved``: every entry has the prior
     of x, and the observed ones are replaced by the data in the likelihood."""
-    x_mu = numpyro.sample("x_mu", dist.Normal(0.0, 2.0).expand([3]).to_event(1))
-    x_sigma = numpyro.sample("x_sigma", dist.HalfNormal(1.0))
-    a = numpyro.sample("a", dist.Normal(0.0, 2.0))
-    b_x = numpyro.sample("b_x", dist.Normal(0.0, 2.0))
-    b_z = numpyro.sample("b_z", dist.Normal(0.0, 2.0))
+    x_mu, x_sigma, a, b_x, b_z = _imputed_logistic_globals()
     seen = ~jnp.isnan(x)
     with numpyro.plate("N", x.shape[0]):
         guess = numpyro.sample("x_unobserved", dist.Normal(x_mu[group], x_sigma))
