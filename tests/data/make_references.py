@@ -96,7 +96,7 @@ NUTS_SETTINGS = {
 HEAVY_TAILED = {"horseshoe": ("lambdas",), "gp_example": ()}
 
 #: references with more parameters store no covariance matrix
-MAX_COV_PARAMETERS = 200
+MAX_COV_PARAMETERS = 100
 
 #: closed-form references (no NUTS run)
 EXACT = ("prior_mixture",)
