@@ -1085,7 +1085,7 @@ def _banded(block: Block, bandwidth: int) -> Block:
     stored time-major, every S-th scalar, exports the covariances of its scalars S·d apart
     for S·d within the band: bandwidth b // S, at least 1)."""
     family = fam.GaussianBanded(block.size, bandwidth)
-    head, tail, _, widths = block._layout() if block.members else ((), (), 0, [])
+    head, tail, _, widths = block.time_major_layout() if block.members else ((), (), 0, [])
     stride = {m.name: sum(widths) for m in tail}
     parts = []
     for m in block.members:

@@ -159,7 +159,7 @@ class Block:
         """Names of the sites the block holds (one, or several for a joint block)."""
         return tuple(m.name for m in self.members) if self.members else (self.name,)
 
-    def _layout(self) -> tuple:
+    def time_major_layout(self) -> tuple:
         """(members concatenated first, members stored time-major, their steps L, each
         one's scalars per step) of a joint block (:attr:`interleaved`)."""
         cut = len(self.members) - self.interleaved
@@ -170,7 +170,7 @@ class Block:
     def split(self, x):
         """Block value (site layout, optional leading dims) → {member site: block-space value}."""
         lead = jnp.shape(x)[:-1]
-        head, tail, steps, widths = self._layout()
+        head, tail, steps, widths = self.time_major_layout()
         # one split operation, not a slice per member (a joint block may hold many sites)
         sizes = [m.size for m in head] + ([steps * sum(widths)] if tail else [])
         pieces = _split(x, sizes, len(lead))
@@ -184,7 +184,7 @@ class Block:
     def join(self, parts: dict):
         """:meth:`split`'s inverse: {member site: value} (no leading dims) → the block value
         (NumPy arrays stay NumPy)."""
-        head, tail, steps, _ = self._layout()
+        head, tail, steps, _ = self.time_major_layout()
         values = [parts[m.name] for m in self.members]
         xp = np if all(isinstance(v, np.ndarray) for v in values) else jnp
         flat = [xp.ravel(parts[m.name]) for m in head]
@@ -194,7 +194,7 @@ class Block:
 
     def member_positions(self) -> list:
         """For each member of a joint block, the block positions of its scalars (C order)."""
-        head, tail, steps, widths = self._layout()
+        head, tail, steps, widths = self.time_major_layout()
         out, offset = [], 0
         for m in head:
             out.append(np.arange(offset, offset + m.size))
@@ -548,7 +548,7 @@ class Plan:
             full = b.full
             kind = f"{b.kind} (bandwidth {b.family.bandwidth})" if b.family.banded else b.kind
             if b.interleaved:
-                steps = ", ".join(m.name for m in b._layout()[1])
+                steps = ", ".join(m.name for m in b.time_major_layout()[1])
                 kind = kind[:-1] + f"; {steps} step by step)" if b.family.banded else f"{kind} ({steps} step by step)"
             if b.family.tied_rows:
                 kind = f"{b.kind} (rows share one covariance)"
