@@ -255,8 +255,14 @@ def test_bench_models_fit_with_blr(name):
 # ---------------------------------------------------------------------------- CLI
 
 
-def test_cli_writes_report_with_expected_columns(tmp_path, monkeypatch):
-    monkeypatch.setenv("BLRPPL_CACHE", str(tmp_path / "cache"))
+def test_cli_writes_report_with_expected_columns(tmp_path, monkeypatch, request):
+    # the CLI points the process at a fresh compilation cache of its own (removed at exit):
+    # both are put back after the test, so later tests in this worker share the suite's cache
+    import jax
+
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    previous = jax.config.jax_compilation_cache_dir
+    request.addfinalizer(lambda: jax.config.update("jax_compilation_cache_dir", previous))
     out = tmp_path / "out"
     rc = cli.main([
         "--model", "beta_bernoulli", "--out", str(out), "--blr-steps", "5", "--svi-steps", "20",

@@ -71,8 +71,10 @@ def parse(argv=None):
 
 def _fresh_compilation_cache() -> str | None:
     """A new, empty persistent compilation cache and program store for this run (first fits
-    compile for real), unless they are off."""
+    compile for real), unless they are off; removed when the process exits."""
+    import atexit
     import os
+    import shutil
     import tempfile
 
     import jax
@@ -82,6 +84,7 @@ def _fresh_compilation_cache() -> str | None:
     if blrppl.COMPILATION_CACHE is None:
         return None
     root = pathlib.Path(tempfile.mkdtemp(prefix="blrppl-bench-"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
     path = root / "blrppl" / "jax"
     path.mkdir(parents=True)
     jax.config.update("jax_compilation_cache_dir", str(path))
