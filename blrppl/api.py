@@ -1,5 +1,7 @@
 """``blr_fit``: fit a NumPyro model by the Bayesian learning rule."""
 
+import contextlib
+import warnings
 from typing import Callable
 
 import numpy as np
@@ -156,12 +158,20 @@ def blr_fit(
     best, finals = None, []
     for start in range(options.num_starts):
         prepared = prepare(model, args, kwargs, options, key if start == 0 else host_fold_in(key, start), prior, start=start)
-        result = run(prepared, prepared.state, options.num_steps, options.progress_bar)
+        # with several starts, each start's warnings (a poor q, a stop) are held back and only
+        # the kept start's reach the user
+        held = warnings.catch_warnings(record=True) if options.num_starts > 1 else contextlib.nullcontext()
+        with held as caught:
+            if caught is not None:
+                warnings.simplefilter("always")
+            result = run(prepared, prepared.state, options.num_steps, options.progress_bar)
         final = float(result.elbo[-1]) if len(result.elbo) else -np.inf
         finals.append(final)
         if best is None or (np.isfinite(final) and not final <= finals[best[0]]):
-            best = (start, result)
-    index, result = best
+            best = (start, result, caught or ())
+    index, result, held = best
+    for w in held:
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
     result.model_call = (model, args, kwargs)
     result.deterministic_sites = prepared.bundle.tracer.meta.get("deterministic")
     if options.num_starts > 1:

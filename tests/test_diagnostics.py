@@ -173,6 +173,22 @@ def test_funnel_is_flagged():
     assert "k-hat" in result.message
 
 
+def test_only_the_kept_start_warns():
+    """With ``num_starts`` the fit warns once, of the start it keeps (the funnel's q is poor
+    from every start: each start's own warning was printed before, three for one fit)."""
+    def funnel():
+        v = numpyro.sample("v", dist.Normal(0.0, 3.0))
+        numpyro.sample("x", dist.Normal(0.0, jnp.exp(v / 2)).expand([9]).to_event(1))
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = fit(funnel, None, num_starts=3)
+    poor = [str(w.message) for w in caught if "poor approximation" in str(w.message)]
+    assert "best of 3 starts" in result.message
+    assert len(poor) == 1, poor
+    assert f"{result.diagnostics.khat:.2f}" in poor[0]
+
+
 def test_summary_prints_the_diagnostics(capsys):
     model, data = rm.get("poisson")
     result = fit(model, data)
