@@ -110,6 +110,26 @@ def case_uniform_binomial():
     return model, {"total": total, "hits": hits}, expected, read
 
 
+def case_dirichlet_multinomial():
+    """Each region's category shares, rows of counts with their own totals (NumPyro's
+    ``Multinomial(total_count, probs)``): Dirichlet(α + the region's summed counts)."""
+    alpha = np.array([1.0, 0.5, 2.0])
+    region = np.array([0, 1, 1, 0, 2, 1])
+    counts = np.array([[3, 0, 2], [1, 1, 8], [0, 4, 0], [2, 2, 2], [5, 0, 1], [0, 0, 3]], dtype=float)
+
+    def model(region, counts):
+        with numpyro.plate("regions", 3):
+            shares = numpyro.sample("shares", dist.Dirichlet(jnp.asarray(alpha)))
+        with numpyro.plate("rows", counts.shape[0]):
+            numpyro.sample("counts", dist.Multinomial(counts.sum(-1), shares[region]), obs=counts)
+
+    def read(post):
+        return {"shares.alpha": post["shares"].concentration}
+
+    expected = alpha + np.stack([counts[region == r].sum(0) for r in range(3)])
+    return model, {"region": region, "counts": counts}, {"shares.alpha": expected}, read
+
+
 def case_gamma_poisson():
     a, b = 2.0, 1.5
     y = np.array([3, 4, 2, 5, 0, 7, 3], dtype=float)
@@ -179,6 +199,7 @@ CASES = {
     "uniform_binomial": case_uniform_binomial,
     "gamma_poisson": case_gamma_poisson,
     "dirichlet_categorical": case_dirichlet_categorical,
+    "dirichlet_multinomial": case_dirichlet_multinomial,
     "plated_gaussian": case_plated_gaussian,
 }
 

@@ -84,6 +84,7 @@ DECLARED = {
     dist.BinomialProbs: ({"value": {C}, "total_count": {C}, "probs": {C, B, D}}, 0),
     dist.Beta: ({"value": {C, B}, "concentration1": {C}, "concentration0": {C}}, 0),
     dist.CategoricalProbs: ({"value": {C}, "probs": {C, D}}, 0),
+    dist.MultinomialProbs: ({"value": {C}, "probs": {C, D}, "total_count": {C}}, 1),
     dist.Dirichlet: ({"value": {C, D}, "concentration": {C}}, 1),
     dist.GaussianRandomWalk: ({"value": {C, G}, "scale": {C, PG, EG}}, 1),
     dist.Wishart: ({"value": {C, W}, "concentration": {C}, "scale_tril": {C}}, 2),
@@ -171,6 +172,11 @@ CONST_CASES = [
         "categorical",
         dist.CategoricalProbs(jnp.array([[0.1, 0.2, 0.3, 0.4], [0.25, 0.25, 0.4, 0.1]])),
         jnp.array([[0, 3], [2, 1], [1, 1]]),
+    ),
+    (
+        "multinomial",
+        dist.MultinomialProbs(jnp.array([[0.1, 0.2, 0.7], [0.5, 0.5, 0.0]]), jnp.array([6, 4])),
+        jnp.array([[[1, 2, 3], [2, 2, 0]], [[0, 0, 6], [4, 0, 0]]]),
     ),
     (
         "dirichlet",
@@ -455,6 +461,21 @@ def mc_categorical(rng):
     return {"value": Const(z), "probs": probs}, log_prob
 
 
+def mc_multinomial(rng):
+    # rows of counts (3 rows, 2 groups) with their own totals, each group's π from a Dirichlet
+    alpha = np.array([[1.0, 2.0, 0.5, 3.0], [4.0, 1.0, 1.0, 2.0]])
+    y = np.array([[[1, 0, 2, 3], [0, 4, 1, 0]], [[5, 0, 0, 1], [2, 2, 2, 2]], [[0, 0, 0, 0], [1, 0, 0, 0]]], float)
+    n_total = y.sum(-1)
+    probs = DirichletIdentity(alpha, np.broadcast_to(alpha.sum(-1, keepdims=True), alpha.shape))
+
+    def log_prob(rng, n):
+        pi = sample_dirichlet(rng, alpha, n)[:, None]  # (n, 1, 2, 4)
+        coef = special.gammaln(n_total + 1.0) - special.gammaln(y + 1.0).sum(-1)
+        return coef + special.xlogy(y, pi).sum(-1)
+
+    return {"value": Const(y), "probs": probs, "total_count": Const(n_total)}, log_prob
+
+
 def mc_dirichlet(rng):
     alpha_q = np.array([[1.0, 2.0, 3.0], [4.0, 1.5, 2.0]])
     conc = np.array([[0.5, 1.0, 2.0], [3.0, 1.0, 1.5]])
@@ -634,6 +655,7 @@ MC_CASES = [
     (dist.BinomialProbs, mc_binomial),
     (dist.Beta, mc_beta),
     (dist.CategoricalProbs, mc_categorical),
+    (dist.MultinomialProbs, mc_multinomial),
     (dist.Dirichlet, mc_dirichlet),
     (dist.GaussianRandomWalk, mc_gaussian_random_walk),
 ]
@@ -1068,6 +1090,18 @@ def test_categorical_dirichlet_message():
         return expected_log_prob(dist.CategoricalProbs, Const(jnp.array(2)), probs=dirichlet_block(l))
 
     check_natural_message(fn, dirichlet_log_partition, LAM_DIR, [0.0, 0.0, 1.0, 0.0])
+
+
+def test_multinomial_dirichlet_message():
+    # two rows of counts: the message is their sum, whatever the totals given
+    y = jnp.array([[2.0, 0.0, 1.0, 4.0], [0.0, 3.0, 0.0, 1.0]])
+
+    def fn(l):
+        return expected_log_prob(
+            dist.MultinomialProbs, Const(y), probs=dirichlet_block(l), total_count=Const(jnp.array([7.0, 4.0]))
+        )
+
+    check_natural_message(fn, dirichlet_log_partition, LAM_DIR, [2.0, 3.0, 1.0, 5.0])
 
 
 def test_categorical_dirichlet_message_batched():

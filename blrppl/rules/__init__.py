@@ -14,6 +14,7 @@ from blrppl.rules import (  # noqa: F401  (imported for their registrations)
     gaussian_random_walk,
     half_normal,
     improper_uniform,
+    multinomial,
     multivariate_normal,
     normal,
     poisson,
