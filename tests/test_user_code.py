@@ -723,3 +723,56 @@ def test_masked_out_prior_of_an_imputed_latent_is_not_counted():
     np.testing.assert_allclose(float(r.posterior["mu"].mean), m, rtol=1e-8)
     np.testing.assert_allclose(np.asarray(r.posterior["x_impute"].mean), [m, m], rtol=1e-8)
     np.testing.assert_allclose(np.asarray(r.posterior["x_impute"].variance), [v + 1.0, v + 1.0], rtol=1e-8)
+
+
+# -- counts with per-row totals ----------------------------------------------------------------
+
+
+def test_total_count_is_data_in_the_stand_ins():
+    """numpyro keeps a Multinomial's ``total_count`` as pytree metadata; its stand-in holds it
+    as a leaf (the same density), so per-row totals computed from traced data can be carried."""
+    from blrppl.graph.stable import counts_as_data
+
+    logits = jnp.array([[0.1, -0.3, 0.5], [1.0, 0.0, -1.0]])
+    totals = jnp.array([4, 6])
+    value = jnp.array([[1.0, 1.0, 2.0], [5.0, 0.0, 1.0]])
+    for d in (
+        dist.Multinomial(totals, logits=logits),
+        dist.Multinomial(totals, probs=jax.nn.softmax(logits)),
+        dist.DirichletMultinomial(jnp.exp(logits), total_count=totals),
+    ):
+        stand_in = counts_as_data(d)
+        assert type(stand_in) is not type(d) and isinstance(stand_in, type(d))
+        assert any(leaf is totals for leaf in jax.tree.leaves(stand_in))
+        np.testing.assert_allclose(jax.jit(lambda q, v: q.log_prob(v))(stand_in, value), d.log_prob(value), rtol=1e-12)
+    normal = dist.Normal(0.0, 1.0)
+    assert counts_as_data(normal) is normal
+
+
+def test_counts_with_per_row_totals_fit():
+    """``Multinomial(counts.sum(-1), ...)`` and ``DirichletMultinomial(..., total_count=...)``
+    as users write them for rows of counts with different totals: the totals are computed from
+    the traced data (a JAX TypeError out of the compiled loop before). The Dirichlet case is
+    exact in tests/test_conjugate.py; here a softmax regression and a Dirichlet-multinomial
+    with Gamma concentrations follow the data's shares."""
+    rng = np.random.default_rng(0)
+    counts = rng.multinomial(12, [0.2, 0.3, 0.5], 40).astype(float)
+    counts[::3] = rng.multinomial(5, [0.2, 0.3, 0.5], len(counts[::3]))
+
+    def softmax_regression(counts):
+        b = numpyro.sample("b", dist.Normal(0.0, 3.0).expand([3]).to_event(1))
+        with numpyro.plate("rows", counts.shape[0]):
+            numpyro.sample("counts", dist.Multinomial(counts.sum(-1), logits=b), obs=counts)
+
+    def dirichlet_multinomial(counts):
+        conc = numpyro.sample("conc", dist.Gamma(2.0, 0.5).expand([3]).to_event(1))
+        with numpyro.plate("rows", counts.shape[0]):
+            numpyro.sample("counts", dist.DirichletMultinomial(conc, total_count=counts.sum(-1)), obs=counts)
+
+    shares = counts.sum(0) / counts.sum()
+    r = fit(softmax_regression, {"counts": counts}, rng_key=random.PRNGKey(0))
+    b = np.asarray(r.posterior["b"].mean)
+    np.testing.assert_allclose(np.exp(b) / np.exp(b).sum(), shares, atol=0.02)
+    r = fit(dirichlet_multinomial, {"counts": counts}, rng_key=random.PRNGKey(0))
+    conc = np.asarray(r.sample(random.PRNGKey(1), 200)["conc"]).mean(0)
+    np.testing.assert_allclose(conc / conc.sum(), shares, atol=0.05)

@@ -1,4 +1,5 @@
-"""Numerically stable stand-ins for numpyro distributions whose ``log_prob`` overflows.
+"""Stand-ins for numpyro distributions whose ``log_prob`` overflows, or which a traced
+program cannot carry.
 
 A fit evaluates a factor's log-density wherever q puts mass, often far from the data at the
 start (Σ = I on an unconstrained scale). numpyro's truncated Normals normalise by a difference
@@ -11,6 +12,12 @@ compute the same density with the log-normaliser from ``log_ndtr`` (stable in bo
 
 with log(1 − Φ(α)) = log Φ(−α), and for two sides the difference taken in the tail where both
 CDFs are smallest (log Φ(β) + log(1 − exp(log Φ(α) − log Φ(β))), reflected when α > 0).
+
+numpyro's ``Multinomial`` (probs or logits) and ``DirichletMultinomial`` keep ``total_count``
+as a static (pytree metadata) field. Per-row totals (``Multinomial(counts.sum(-1), p)``) make
+it an array, computed from the data, which the traced model program cannot hold as metadata
+(JAX saw a tracer leak out of it, or arrays compared as metadata). Their stand-ins are the
+same distributions with ``total_count`` a pytree leaf (:func:`counts_as_data`).
 
 :class:`Stabilise` is the effect handler that swaps them in at every sample site (inside
 ``Independent``, ``Masked`` and ``Expanded`` wrappers), for every run of the model a fit makes.
@@ -78,7 +85,43 @@ def rewrapped(fn, leaf, drop_masks: bool = False):
     return leaf(fn)
 
 
+def _with_total_count_as_data(base: type) -> type:
+    """A subclass of ``base`` (same name) whose pytree holds ``total_count`` as a leaf."""
+
+    def data_fields(cls):
+        return tuple(base.gather_pytree_data_fields.__func__(cls)) + ("total_count",)
+
+    def aux_fields(cls):
+        return tuple(f for f in base.gather_pytree_aux_fields.__func__(cls) if f != "total_count")
+
+    return type(base.__name__, (base,), {
+        "__module__": __name__,
+        "__doc__": f"numpyro's ``{base.__name__}`` with ``total_count`` a pytree leaf (see the module docstring).",
+        "gather_pytree_data_fields": classmethod(data_fields),
+        "gather_pytree_aux_fields": classmethod(aux_fields),
+    })
+
+
+#: numpyro's distributions with a static ``total_count`` → their stand-ins
+_COUNTS_AS_DATA = {
+    base: _with_total_count_as_data(base)
+    for base in (dist.MultinomialProbs, dist.MultinomialLogits, dist.DirichletMultinomial)
+}
+
+
+def counts_as_data(fn):
+    """``fn`` (a leaf distribution) with its ``total_count`` moved into its pytree's leaves
+    (the same distribution: only how it flattens differs); anything else unchanged."""
+    stand_in = _COUNTS_AS_DATA.get(type(fn))
+    if stand_in is None:
+        return fn
+    out = stand_in.__new__(stand_in)
+    out.__dict__.update(fn.__dict__)
+    return out
+
+
 def _stable_leaf(fn):
+    fn = counts_as_data(fn)
     if type(fn.base_dist if hasattr(fn, "base_dist") else None) is not dist.Normal:
         return fn
     if type(fn) is dist.LeftTruncatedDistribution:
