@@ -10,6 +10,7 @@ issue "Works on user code as users write it": each failed before the API boundar
 
 from __future__ import annotations
 
+import pickle
 import threading
 import warnings
 
@@ -745,6 +746,7 @@ def test_total_count_is_data_in_the_stand_ins():
         assert type(stand_in) is not type(d) and isinstance(stand_in, type(d))
         assert any(leaf is totals for leaf in jax.tree.leaves(stand_in))
         np.testing.assert_allclose(jax.jit(lambda q, v: q.log_prob(v))(stand_in, value), d.log_prob(value), rtol=1e-12)
+        assert type(pickle.loads(pickle.dumps(stand_in))) is type(stand_in)
     normal = dist.Normal(0.0, 1.0)
     assert counts_as_data(normal) is normal
 

@@ -94,12 +94,17 @@ def _with_total_count_as_data(base: type) -> type:
     def aux_fields(cls):
         return tuple(f for f in base.gather_pytree_aux_fields.__func__(cls) if f != "total_count")
 
-    return type(base.__name__, (base,), {
+    # (named as numpyro's class, for describe(); found by pickle under its qualified name)
+    qualname = f"{base.__name__}WithCountsAsData"
+    stand_in = type(base.__name__, (base,), {
         "__module__": __name__,
+        "__qualname__": qualname,
         "__doc__": f"numpyro's ``{base.__name__}`` with ``total_count`` a pytree leaf (see the module docstring).",
         "gather_pytree_data_fields": classmethod(data_fields),
         "gather_pytree_aux_fields": classmethod(aux_fields),
     })
+    globals()[qualname] = stand_in
+    return stand_in
 
 
 #: numpyro's distributions with a static ``total_count`` → their stand-ins
