@@ -292,6 +292,9 @@ def test_imputed_covariate_matches_nuts():
 
     result = fit("imputed_logistic")
     assert result.converged, result.message
+    # (its k-hat warns: the advice names the factor and does not send the user to the joint
+    # block that ran off)
+    assert "Monte Carlo factor 'y'" in result.message and "structure='joint'" not in result.message, result.message
     for b in result.plan.blocks:
         sampled = any(b.name in f.neighbours and f.estimator == "monte_carlo" for f in result.plan.factors)
         assert not (sampled and b.members and b.size > MC_JOINT_MAX_DIM), result.plan.describe()
