@@ -13,12 +13,15 @@ import numpyro
 import numpyro.distributions as dist
 import pytest
 from jax import random
+from numpyro.contrib.control_flow import scan
 
 import reference_models as rm
 from blrppl import blr_fit
+from blrppl.api import plan_of
 from blrppl.diagnostics import (
     ESS_CLOSE, ESS_POOR, KHAT_WARN, NUM_DRAWS, VMAP_ALL, draws_at_once, num_draws, psis_khat, relative_ess,
 )
+from blrppl.engine.fit import poor_q_advice
 
 numpyro.enable_x64()
 
@@ -215,3 +218,54 @@ def test_draws_are_budgeted_by_the_enumerated_evaluations():
     assert num_draws(data, enumerated=40) == 100
     assert draws_at_once(20_000 * 40, 100) == 5 and 5 * 20_000 * 40 <= VMAP_ALL
     assert draws_at_once(10, 1000) == 1000  # small models: every draw at once
+
+
+def cjs(capture_history):
+    """Cormack–Jolly–Seber with a survival probability per occasion, written as NumPyro's
+    capture–recapture example writes it (``scan``, an enumerated survival state per animal and
+    occasion, masked before the first capture)."""
+    n, _ = capture_history.shape
+    rho = numpyro.sample("rho", dist.Uniform(0.0, 1.0))
+
+    def transition(carry, y):
+        first_capture_mask, z = carry
+        phi_t = numpyro.sample("phi", dist.Uniform(0.0, 1.0))
+        with numpyro.plate("animals", n, dim=-1):
+            with numpyro.handlers.mask(mask=first_capture_mask):
+                mu_z_t = first_capture_mask * phi_t * z + (1 - first_capture_mask)
+                z = numpyro.sample("z", dist.Bernoulli(dist.util.clamp_probs(mu_z_t)), infer={"enumerate": "parallel"})
+                numpyro.sample("y", dist.Bernoulli(dist.util.clamp_probs(rho * z)), obs=y)
+        return (first_capture_mask | y.astype(bool), z), None
+
+    first = capture_history[:, 0].astype(bool)
+    scan(transition, (first, jnp.ones(n, dtype=jnp.int64)), jnp.swapaxes(capture_history[:, 1:], 0, 1))
+
+
+def test_poor_q_advice_counts_only_blocks_a_joint_block_could_hold():
+    """The advice for a Monte Carlo factor over blocks kept apart by the 64-scalar joint limit
+    counts the Gaussian blocks it reads, not an enumerated chain next to them: the survival
+    states (560 of them) beside 8 probabilities are no joint block that ran off. (The advice
+    said 'reads 568 scalars in blocks fitted apart … at most 64 scalars'.)"""
+    h = (np.random.default_rng(0).random((80, 8)) < 0.4).astype(np.int64)
+    plan = plan_of(cjs, (h,), rng_key=random.PRNGKey(0))
+    assert plan.block("z").chain and dict((f.name, f.estimator) for f in plan.factors)["z"] == "monte_carlo"
+    assert "fitted apart" not in poor_q_advice(plan), poor_q_advice(plan)
+
+
+def test_noise_of_a_window_with_an_infinite_elbo_is_nan_without_numpy_warnings():
+    """A Monte Carlo fit whose last ELBOs include −∞ (an enumerated value of probability 0):
+    numpy's 'invalid value encountered in subtract' (∞ − ∞ in np.std) reached the user."""
+    from types import SimpleNamespace
+
+    from blrppl.engine import fit as fit_module
+
+    prepared = SimpleNamespace(
+        bundle=SimpleNamespace(window=4, log_weights_fn=None), plan=SimpleNamespace(subsampled=("n",))
+    )
+    outcome = SimpleNamespace(elbo=np.array([-5.0, -4.0, -np.inf, -3.0, -np.inf]), rejected_steps=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        diagnostics = fit_module._diagnose(prepared, outcome, None)
+    assert math.isnan(diagnostics.elbo_noise) and math.isnan(diagnostics.elbo_rel_change)
+    outcome.elbo = np.array([-5.0, -4.0, -3.5, -3.0, -3.25])
+    assert fit_module._diagnose(prepared, outcome, None).elbo_noise == pytest.approx(np.std([-4.0, -3.5, -3.0, -3.25]))

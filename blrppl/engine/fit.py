@@ -819,7 +819,10 @@ def _diagnose(prepared, outcome, nat) -> Diagnostics:
     elbo = np.asarray(outcome.elbo, dtype=float)
     finite = elbo.size >= 2 and bool(np.all(np.isfinite(elbo[-2:])))
     change = float(abs(elbo[-1] - elbo[-2]) / max(1.0, abs(elbo[-1]))) if finite else math.nan
-    noise = float(np.std(elbo[-bundle.window :])) if bundle.window and elbo.size else 0.0
+    last = elbo[-bundle.window :] if bundle.window else elbo[:0]
+    # (a window with a non-finite ELBO has no noise to measure: NaN, without numpy's
+    # warning about ∞ − ∞)
+    noise = (float(np.std(last)) if np.all(np.isfinite(last)) else math.nan) if last.size else 0.0
     base = dict(elbo_rel_change=change, rejected_steps=int(outcome.rejected_steps), elbo_noise=noise)
     if bundle.log_weights_fn is None:
         why = "subsampled plates" if plan.subsampled else "online fit (prior=)"
@@ -874,6 +877,61 @@ def _improper_note(plan, nat, names) -> str:
     )
 
 
+def poor_q_advice(plan) -> str:
+    """What the poor-q warning advises for this plan: why q may be poor given its blocks and
+    estimators, and what to try (the generic advice when nothing in the plan says more)."""
+    advice = "compare with NUTS, or try structure='joint' or other families="
+    pairs = [pair for f in plan.factors for _, ps in f.pairs for pair in ps]
+    sizes = {b.name: b.size for b in plan.blocks}
+    # a Monte Carlo factor whose blocks were kept apart by the joint limit: joined (what
+    # structure='joint' asks), its noisy updates ran off (an imputed covariate's logistic
+    # regression: the ELBO fell for 60 steps, coefficients of the wrong sign). Only the
+    # blocks a dense joint block could hold count: not enumerated ones, nor chains
+    # (a capture–recapture model's 1,771 survival states next to 7 probabilities)
+    joinable = {
+        b.name: b.size for b in plan.blocks
+        if not b.discrete and not b.family.banded and not b.family.arrowhead
+    }
+    spread = next(
+        (
+            (f.name, total) for f in plan.factors if f.estimator == "monte_carlo"
+            for parts in [[joinable[n] for n in f.neighbours if n in joinable]]
+            for total in [sum(parts)] if len(parts) > 1 and total > MC_JOINT_MAX_DIM
+        ),
+        None,
+    )
+    if spread is not None:
+        advice = (
+            f"the Monte Carlo factor '{spread[0]}' reads {spread[1]} scalars in blocks fitted apart, which holds "
+            f"no correlation between them (a Gaussian block read by Monte Carlo holds at most {MC_JOINT_MAX_DIM} "
+            "scalars: joined, its updates are too noisy to converge); compare with NUTS, and prefer a form whose "
+            "factors the fit reads in closed form or by quadrature (e.g. states sampled at each step rather than "
+            "built from a vector of innovations)"
+        )
+    elif pairs:
+        # (joined, the product would be fitted by Monte Carlo: slower, and no better for a
+        # factor model's sign and rotation symmetries, which no unimodal q holds)
+        factor_model = any(sizes.get(a, 1) > 1 and sizes.get(b, 1) > 1 for a, b in pairs)
+        advice = "the blocks a product of latents multiplies are fitted apart (variational message passing), " + (
+            "and a factor model's posterior is symmetric under sign changes and rotations of its factors; "
+            "compare means of identified quantities with NUTS"
+            if factor_model else
+            "which holds no correlation between them (a coefficient's sd may come out small); compare with NUTS"
+        )
+    elif plan.conjugate and all(conj for _, conj in plan.conjugate):
+        # (every factor closed-form: no Monte Carlo to replace, no joint block to merge into)
+        advice = (
+            "every factor is closed-form, so q is the best of its factorisation into blocks (variational "
+            "message passing), which holds no correlation between blocks"
+            + (
+                ", and a mixture's posterior is multimodal under relabelling of its components"
+                if any(b.discrete and not b.chain for b in plan.blocks) else ""
+            )
+            + "; compare means of identified quantities with NUTS"
+        )
+    return advice
+
+
 def run(prepared: Prepared, state: BLRState, num_steps: int, progress_bar: bool) -> BLRResult:
     """Run the jitted loop from ``state`` and package the result."""
     bundle = prepared.bundle
@@ -907,48 +965,7 @@ def run(prepared: Prepared, state: BLRState, num_steps: int, progress_bar: bool)
             "its bulk is close"
         )
     elif diagnostics.khat > KHAT_WARN or diagnostics.ess < ESS_POOR:
-        advice = "compare with NUTS, or try structure='joint' or other families="
-        pairs = [pair for f in plan.factors for _, ps in f.pairs for pair in ps]
-        sizes = {b.name: b.size for b in plan.blocks}
-        # a Monte Carlo factor whose blocks were kept apart by the joint limit: joined (what
-        # structure='joint' asks), its noisy updates ran off (an imputed covariate's logistic
-        # regression: the ELBO fell for 60 steps, coefficients of the wrong sign)
-        spread = next(
-            (
-                (f.name, total) for f in plan.factors if f.estimator == "monte_carlo" and len(f.neighbours) > 1
-                for total in [sum(sizes.get(n, 0) for n in f.neighbours)] if total > MC_JOINT_MAX_DIM
-            ),
-            None,
-        )
-        if spread is not None:
-            advice = (
-                f"the Monte Carlo factor '{spread[0]}' reads {spread[1]} scalars in blocks fitted apart, which holds "
-                f"no correlation between them (a Gaussian block read by Monte Carlo holds at most {MC_JOINT_MAX_DIM} "
-                "scalars: joined, its updates are too noisy to converge); compare with NUTS, and prefer a form whose "
-                "factors the fit reads in closed form or by quadrature (e.g. states sampled at each step rather than "
-                "built from a vector of innovations)"
-            )
-        elif pairs:
-            # (joined, the product would be fitted by Monte Carlo: slower, and no better for a
-            # factor model's sign and rotation symmetries, which no unimodal q holds)
-            factor_model = any(sizes.get(a, 1) > 1 and sizes.get(b, 1) > 1 for a, b in pairs)
-            advice = "the blocks a product of latents multiplies are fitted apart (variational message passing), " + (
-                "and a factor model's posterior is symmetric under sign changes and rotations of its factors; "
-                "compare means of identified quantities with NUTS"
-                if factor_model else
-                "which holds no correlation between them (a coefficient's sd may come out small); compare with NUTS"
-            )
-        elif plan.conjugate and all(conj for _, conj in plan.conjugate):
-            # (every factor closed-form: no Monte Carlo to replace, no joint block to merge into)
-            advice = (
-                "every factor is closed-form, so q is the best of its factorisation into blocks (variational "
-                "message passing), which holds no correlation between blocks"
-                + (
-                    ", and a mixture's posterior is multimodal under relabelling of its components"
-                    if any(b.discrete and not b.chain for b in plan.blocks) else ""
-                )
-                + "; compare means of identified quantities with NUTS"
-            )
+        advice = poor_q_advice(plan)
         if diagnostics.khat > KHAT_WARN:
             why = f"PSIS k-hat = {diagnostics.khat:.2f} > {KHAT_WARN}"
         else:
