@@ -8,6 +8,7 @@ import numpy as np
 import numpyro
 
 from blrppl.engine.fit import COMPILE_LOCK, plan_model, prepare, run
+from blrppl.errors import out_of_memory_as_error
 from blrppl.graph.trace import trace_model
 from blrppl.inputs import as_key, fit_options, host_fold_in, host_split, model_arguments
 from blrppl.result import BLRResult
@@ -155,26 +156,28 @@ def blr_fit(
         num_starts=num_starts,
     )
     key = as_key(rng_key)
-    best, finals = None, []
-    for start in range(options.num_starts):
-        prepared = prepare(model, args, kwargs, options, key if start == 0 else host_fold_in(key, start), prior, start=start)
-        # with several starts, each start's warnings (a poor q, a stop) are held back and only
-        # the kept start's reach the user
-        held = warnings.catch_warnings(record=True) if options.num_starts > 1 else contextlib.nullcontext()
-        with held as caught:
-            if caught is not None:
-                warnings.simplefilter("always")
-            result = run(prepared, prepared.state, options.num_steps, options.progress_bar)
-        final = float(result.elbo[-1]) if len(result.elbo) else -np.inf
-        finals.append(final)
-        if best is None or (np.isfinite(final) and not final <= finals[best[0]]):
-            best = (start, result, caught or ())
-    index, result, held = best
-    for w in held:
-        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
-    result.model_call = (model, args, kwargs)
-    result.deterministic_sites = prepared.bundle.tracer.meta.get("deterministic")
-    if options.num_starts > 1:
-        listed = ", ".join(f"{e:.6g}" for e in finals)
-        result.message += f"; best of {options.num_starts} starts (start {index}; final ELBOs {listed})"
-    return result
+    # (inline, not in a function of its own: warnings keep pointing at the caller's line)
+    with out_of_memory_as_error("the fit"):
+        best, finals = None, []
+        for start in range(options.num_starts):
+            prepared = prepare(model, args, kwargs, options, key if start == 0 else host_fold_in(key, start), prior, start=start)
+            # with several starts, each start's warnings (a poor q, a stop) are held back and only
+            # the kept start's reach the user
+            held = warnings.catch_warnings(record=True) if options.num_starts > 1 else contextlib.nullcontext()
+            with held as caught:
+                if caught is not None:
+                    warnings.simplefilter("always")
+                result = run(prepared, prepared.state, options.num_steps, options.progress_bar)
+            final = float(result.elbo[-1]) if len(result.elbo) else -np.inf
+            finals.append(final)
+            if best is None or (np.isfinite(final) and not final <= finals[best[0]]):
+                best = (start, result, caught or ())
+        index, result, held = best
+        for w in held:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
+        result.model_call = (model, args, kwargs)
+        result.deterministic_sites = prepared.bundle.tracer.meta.get("deterministic")
+        if options.num_starts > 1:
+            listed = ", ".join(f"{e:.6g}" for e in finals)
+            result.message += f"; best of {options.num_starts} starts (start {index}; final ELBOs {listed})"
+        return result

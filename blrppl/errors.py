@@ -6,6 +6,8 @@ user can find the line of the model to change.
 
 from __future__ import annotations
 
+import contextlib
+
 
 class BLRError(Exception):
     """Base class of every error raised by blrppl.
@@ -58,3 +60,38 @@ class InitValueError(BLRError):
 
 class MissingDependencyError(BLRError):
     """An optional dependency a feature needs is not installed."""
+
+
+class ResourceError(BLRError):
+    """A program compiled for the model needs more memory than the machine has (XLA could
+    not allocate its arrays): the model's log density evaluated at many values at once, or
+    data too large for one step."""
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` is XLA's out-of-memory error (``RESOURCE_EXHAUSTED``: a JAX runtime
+    error, whose class name depends on the jaxlib version)."""
+    return "RESOURCE_EXHAUSTED" in str(exc) and type(exc).__name__.endswith("RuntimeError")
+
+
+def out_of_memory_detail(exc: BaseException) -> str:
+    """XLA's own words on what it could not allocate (its first line, without the code)."""
+    line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return line.replace("RESOURCE_EXHAUSTED: ", "").strip()
+
+
+@contextlib.contextmanager
+def out_of_memory_as_error(what: str):
+    """Turn XLA's out-of-memory error inside the block into a :class:`ResourceError` saying
+    what ran out (``what``: e.g. "the fit")."""
+    try:
+        yield
+    except Exception as exc:
+        if not is_out_of_memory(exc):
+            raise
+        raise ResourceError(
+            f"{what} needs more memory than this machine has ({out_of_memory_detail(exc)}): a step evaluates "
+            "the model's log density at many values at once (Monte Carlo draws, quadrature nodes, enumerated "
+            "values); fewer elements per fit (a subsampled plate: numpyro.plate(..., subsample_size=M)) or a "
+            "distribution with smaller intermediates needs less"
+        ) from None

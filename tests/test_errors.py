@@ -19,8 +19,12 @@ from blrppl.errors import (
     InitValueError,
     ModelTraceError,
     ObservedDataError,
+    ResourceError,
     UnsupportedLatentError,
+    is_out_of_memory,
 )
+from blrppl.engine import fit as fit_module
+from blrppl.graph import markov
 
 
 def fit(model, data, **kw):
@@ -354,3 +358,65 @@ def test_a_starting_value_inside_the_support_is_used():
         jax.random.key(0), 200, y=y, init_params={"sigma": 0.5, "w": np.array([0.2, 0.3, 0.5])}, progress_bar=False
     )
     assert all(np.all(np.isfinite(np.asarray(v))) for v in result.params.values())
+
+
+# ---------------------------------------------------------------------------------------
+# out of memory: a ResourceError, or the fit without its PSIS check
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def out_of_memory():
+    """XLA's own out-of-memory error: an array of 2⁵⁰ bytes (more than any address space)."""
+    try:
+        jnp.zeros((2**24, 2**23)).block_until_ready()
+    except Exception as exc:  # noqa: BLE001 (the runtime error's class depends on the jaxlib)
+        assert is_out_of_memory(exc), exc
+        return exc
+    pytest.skip("an array of 2**50 bytes was allocated")
+
+
+def _raise(exc):
+    def raising(*args, **kwargs):
+        raise exc
+
+    return raising
+
+
+def test_out_of_memory_in_the_steps_is_a_resource_error(out_of_memory, monkeypatch):
+    monkeypatch.setattr(fit_module, "run_loop", _raise(out_of_memory))
+    with pytest.raises(ResourceError, match="the fit needs more memory than this machine has"):
+        fit(normal_gamma, (Y,))
+
+
+def test_out_of_memory_in_the_psis_check_returns_the_fit_with_a_warning(out_of_memory, monkeypatch):
+    def model(y):
+        s = numpyro.sample("s", dist.HalfCauchy(1.0))
+        with numpyro.plate("n", y.shape[0]):
+            numpyro.sample("y", dist.StudentT(4.0, 0.0, s), obs=y)
+
+    monkeypatch.setattr(fit_module.CompiledFit, "log_weights", _raise(out_of_memory))
+    with pytest.warns(UserWarning, match="PSIS k-hat not computed: the model's log density at q's draws needs more") as caught:
+        result = fit(model, (Y,))
+    # (pointing at the user's call, as blr_fit's other warnings do)
+    assert {w.filename for w in caught} == {__file__}
+    assert np.isnan(result.diagnostics.khat) and "memory" in result.diagnostics.note
+    assert np.isfinite(result.posterior["s"].mean)
+
+
+def test_out_of_memory_while_probing_what_each_element_reads_names_the_site(out_of_memory, monkeypatch):
+    """A distribution whose log density builds large arrays per element (numpyro's
+    SineBivariateVonMises sums a 10⁴-term series for each) ran out of memory in the probe of
+    which enumerated values each element reads: XLA's error reached the user."""
+
+    def mixture(x):
+        w = numpyro.sample("w", dist.Dirichlet(jnp.ones(2)))
+        with numpyro.plate("components", 2):
+            loc = numpyro.sample("loc", dist.Normal(0.0, 3.0))
+        with numpyro.plate("data", x.shape[0]):
+            z = numpyro.sample("z", dist.Categorical(w))
+            numpyro.sample("x", dist.Normal(loc[z], 1.0), obs=x)
+
+    monkeypatch.setattr(markov, "compile_lowered", lambda lowered, options: _raise(out_of_memory))
+    with pytest.raises(ResourceError, match="site 'x'|of 'x' at .* discrete latents 'z'"):
+        fit(mixture, (np.array([-2.0, -1.5, 1.8, 2.2]),))

@@ -28,7 +28,7 @@ from blrppl.engine.loop import BAD_RATE, CONVERGED, NONFINITE, STATIONARY, STATI
 from blrppl.engine import start as start_mod
 from blrppl.engine.step import BLRState, initial_state, make_step, with_views
 from blrppl import families as fam
-from blrppl.errors import BLRError, InitValueError
+from blrppl.errors import BLRError, InitValueError, is_out_of_memory, out_of_memory_detail
 from blrppl.graph.compile import (
     MC_JOINT_MAX_DIM, _block_init_values, compile_model, conjugate_blocks, init_nat, rows_share_precision,
 )
@@ -832,7 +832,18 @@ def _diagnose(prepared, outcome, nat) -> Diagnostics:
         # posterior, whose importance weights are all equal (k̂ = −∞) without drawing any
         return Diagnostics(khat=-math.inf, num_draws=0, note="one conjugate block in closed form: no draws needed", **base)
     key = host_fold_in(outcome.state.rng_key, 7)
-    log_weights = np.asarray(bundle.log_weights(nat, _model_data(plan, prepared.dyn_data), key))
+    try:
+        log_weights = np.asarray(bundle.log_weights(nat, _model_data(plan, prepared.dyn_data), key))
+    except Exception as exc:
+        if not is_out_of_memory(exc):
+            raise
+        # (the fit is done; only its check cannot run: the result is returned without it)
+        note = (
+            "not computed: the model's log density at q's draws needs more memory than this machine has "
+            f"({out_of_memory_detail(exc)})"
+        )
+        warnings.warn(f"blr_fit: PSIS k-hat {note}; q's quality is unchecked", UserWarning, stacklevel=4)
+        return Diagnostics(khat=math.nan, num_draws=0, note=note, **base)
     return Diagnostics(
         khat=psis_khat(log_weights), num_draws=int(log_weights.size), ess=relative_ess(log_weights), **base
     )

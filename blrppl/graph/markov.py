@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from blrppl.errors import UnsupportedFactorError
+from blrppl.errors import ResourceError, UnsupportedFactorError, is_out_of_memory, out_of_memory_detail
 from blrppl.expressions import random_point, strip_masks
 from blrppl.graph.data import compile_lowered, compiler_options
 from blrppl.graph.plan import FactorRole
@@ -169,11 +169,26 @@ class Probe:
         width = min(width or self.width, self.width)
         pad = (-count) % width
         chunks = np.concatenate([sets, np.zeros((pad, self.size), bool)]).reshape(-1, width, self.size)
-        if width not in self._compiled:
-            lowered = jax.jit(run).lower(chunks[0], self.bases, self.moved, self.data)
-            self._compiled[width] = compile_lowered(lowered, compiler_options(self.data))
-        outs = [self._compiled[width](c, self.bases, self.moved, self.data) for c in chunks]
-        return {n: np.concatenate([np.asarray(o[j]) for o in outs])[:count] for j, n in enumerate(names)}
+        try:
+            if width not in self._compiled:
+                lowered = jax.jit(run).lower(chunks[0], self.bases, self.moved, self.data)
+                self._compiled[width] = compile_lowered(lowered, compiler_options(self.data))
+            outs = [self._compiled[width](c, self.bases, self.moved, self.data) for c in chunks]
+            # (read inside: an allocation that fails does so when the result is read)
+            return {n: np.concatenate([np.asarray(o[j]) for o in outs])[:count] for j, n in enumerate(names)}
+        except Exception as exc:
+            if not is_out_of_memory(exc):
+                raise
+            readers = [n for n in names if n not in self.group] or list(names)
+            listed = ", ".join(f"'{n}'" for n in readers)
+            raise ResourceError(
+                f"evaluating the log density of {listed} at {(width + 1) * _ROUNDS} values of the discrete latents "
+                f"{', '.join(repr(n) for n in self.group)} at once (to find which of them each element reads) "
+                f"needs more memory than this machine has ({out_of_memory_detail(exc)}): the distribution "
+                "builds large arrays for each element (e.g. a series for its normalising constant); fit fewer "
+                "elements, or sum the discrete latent out in the model",
+                site=readers[0] if len(readers) == 1 else None,
+            ) from None
 
     def random_sets(self) -> tuple:
         """(random sets of positions ``(S, P)``, :meth:`depends` on them): computed once,
