@@ -211,6 +211,27 @@ def test_a_second_order_chain_is_a_clear_error():
     assert isinstance(err.value, BLRError)
 
 
+def test_a_factorial_chain_says_its_latents_are_one_chain_together():
+    """Two hidden chains w, x with their own transitions, read together by the observations
+    (NumPyro's factorial HMM): one chain of their states in turn, which the transition of
+    w reads two places apart. The error named 'w' as reading 'the discrete latents w, x'
+    (it reads only w): it now says which factor reads them together."""
+    y = simulate(np.random.default_rng(4), 20)[1]
+
+    def model(y):
+        def step(carry, yt):
+            w_prev, x_prev = carry
+            w = numpyro.sample("w", dist.Categorical(jnp.asarray(TRANS)[w_prev]))
+            x = numpyro.sample("x", dist.Categorical(jnp.asarray(TRANS)[::-1][x_prev]))
+            numpyro.sample("y", dist.Normal(jnp.asarray(LOCS)[w] - jnp.asarray(LOCS)[x], 1.0), obs=yt)
+            return (w, x), None
+
+        scan(step, (0, 0), y)
+
+    with pytest.raises(UnsupportedFactorError, match=r"w, x form one chain together \(read at once by 'y'\), and factor '[wx]'"):
+        blr_fit(model, (y,), progress_bar=False)
+
+
 def em_hmm(y):
     """Transition probabilities as a ``numpyro.param``: EM, i.e. Baum–Welch."""
     trans = numpyro.param("trans", jnp.full((K, K), 1.0 / K), constraint=constraints.simplex)

@@ -975,13 +975,13 @@ def _discrete_chains(blocks: dict, factors, fns, data, rng: np.random.Generator)
         else:
             if len({b.support_values for b in parts}) != 1:
                 f = next(f for f in probe.touching)
-                raise markov.unsupported(f, group)
+                raise markov.unsupported(f, group, probe.touching)
             reads = markov.probe_reads(probe)
             layout = markov.chain_layout(reads, size)
             if layout is None:
                 if any(np.any(r.hi >= 0) for r in reads.values()):
                     f = next(f for f in probe.touching if np.any(reads[f.name].hi >= 0))
-                    raise markov.unsupported(f, group)
+                    raise markov.unsupported(f, group, probe.touching)
                 layout = markov.ChainLayout(1, size)
         k = len(parts[0].support_values)
         family = fam.CategoricalChain(layout.length, k)

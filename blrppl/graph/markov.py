@@ -287,7 +287,7 @@ def probe_reads(probe: Probe) -> dict:
             lo = np.where(pair, np.minimum(lower, upper), lo)
             hi = np.where(pair, np.maximum(lower, upper), hi)
         if np.any(lo >= size) or np.any(hi >= size):
-            raise unsupported(f, group)
+            raise unsupported(f, group, probe.touching)
         result[f.name] = Reads(lo, hi)
     sets, observed = probe.random_sets()
     for f in probe.touching:
@@ -295,18 +295,32 @@ def probe_reads(probe: Probe) -> dict:
         predicted = np.where(r.lo >= 0, sets[:, np.clip(r.lo, 0, None)], False)
         predicted = predicted | np.where(r.hi >= 0, sets[:, np.clip(r.hi, 0, None)], False)
         if np.any(predicted != observed[f.name]):
-            raise unsupported(f, group)
+            raise unsupported(f, group, probe.touching)
     return result
 
 
-def unsupported(f, group) -> UnsupportedFactorError:
-    return UnsupportedFactorError(
-        f"factor '{f.name}' reads the discrete latents {', '.join(group)} in a pattern no first-order chain "
-        "holds (an element reads more than two of them: a sum over them, or a second-order hidden Markov model); "
-        "write the extra lag into the state (one latent over pairs of states), or sum the chain out "
-        "yourself (a forward algorithm in numpyro.factor)",
-        site=f.name,
-    )
+def unsupported(f, group, touching=()) -> UnsupportedFactorError:
+    """The error for factor ``f``, whose reading of the discrete blocks ``group`` no chain
+    holds (``touching``: the factors reading the group, to say why its blocks are one)."""
+    together = [g.name for g in touching if len(set(g.discrete) & set(group)) > 1]
+    if len(group) > 1 and together:
+        # (several latents read together by some factor are one chain of their states in
+        # turn; the factor at fault may read only one of them, e.g. a factorial HMM's w)
+        listed = ", ".join(f"'{n}'" for n in together)
+        why = (
+            f"the discrete latents {', '.join(group)} form one chain together (read at once by {listed}), and "
+            f"factor '{f.name}' reads that chain in a pattern no first-order chain holds (states more than one "
+            "place apart in it: a factorial or second-order hidden Markov model); write them as one latent over "
+            "the product of their values, or sum the chain out yourself (a forward algorithm in numpyro.factor)"
+        )
+    else:
+        why = (
+            f"factor '{f.name}' reads the discrete latents {', '.join(group)} in a pattern no first-order chain "
+            "holds (an element reads more than two of them: a sum over them, or a second-order hidden Markov "
+            "model); write the extra lag into the state (one latent over pairs of states), or sum the chain out "
+            "yourself (a forward algorithm in numpyro.factor)"
+        )
+    return UnsupportedFactorError(why, site=f.name)
 
 
 def chain_layout(reads: dict, size: int) -> ChainLayout | None:
