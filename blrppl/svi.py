@@ -26,7 +26,7 @@ import numpy as np
 from blrppl import autoguides
 from blrppl.engine import fit
 from blrppl.engine.step import BLRState
-from blrppl.errors import BLRError, UnsupportedGuideError
+from blrppl.errors import BLRError, UnsupportedGuideError, out_of_memory_as_error
 from blrppl.graph.data import DataSpec, host_array, split_run_data
 from blrppl.graph.trace import trace_model
 from blrppl.guide import PlanGuide, plan_params
@@ -156,7 +156,8 @@ class BLR:
         elif init_params:
             init_values = dict(init_params)
         checked = fit_options(num_steps=num_steps, **options)
-        self._prepared = fit.prepare(self.model, args, kwargs, checked, rng_key, init_values=init_values)
+        with out_of_memory_as_error("compiling the fit"):
+            self._prepared = fit.prepare(self.model, args, kwargs, checked, rng_key, init_values=init_values)
         self._checked = _arrays_of(args, kwargs)
         if self._autoguide is None:
             self.guide.plan = self._prepared.plan
@@ -318,7 +319,8 @@ class BLR:
             # its ELBO may be of other data: recomputed for these before the first step
             init_state = init_state._replace(elbo=jnp.full_like(init_state.elbo, jnp.nan))
         state = prepared.state if init_state is None else init_state
-        result = fit.run(prepared, state, num_steps, progress_bar)
+        with out_of_memory_as_error("the fit"):
+            result = fit.run(prepared, state, num_steps, progress_bar)
         self.result = result
         params = self.get_params(result.state)
         if self._autoguide is None:

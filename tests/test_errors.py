@@ -420,3 +420,10 @@ def test_out_of_memory_while_probing_what_each_element_reads_names_the_site(out_
     monkeypatch.setattr(markov, "compile_lowered", lambda lowered, options: _raise(out_of_memory))
     with pytest.raises(ResourceError, match="site 'x'|of 'x' at .* discrete latents 'z'"):
         fit(mixture, (np.array([-2.0, -1.5, 1.8, 2.2]),))
+
+
+def test_out_of_memory_in_blr_run_is_a_resource_error(out_of_memory, monkeypatch):
+    """``BLR`` (the drop-in for numpyro's SVI) runs the same loop: the same error."""
+    monkeypatch.setattr(fit_module, "run_loop", _raise(out_of_memory))
+    with pytest.raises(ResourceError, match="the fit needs more memory"):
+        blrppl.BLR(normal_gamma).run(jax.random.key(0), 10, Y, progress_bar=False)
