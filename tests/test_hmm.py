@@ -154,6 +154,77 @@ def test_one_site_per_step_is_one_chain():
     assert abs(float(fit.elbo[-1]) - log_z) < 1e-8 * abs(log_z)
 
 
+# -- known tables with ties: what each element reads is still found ---------------------------
+#
+# A known transition table often has equal entries (a sticky chain's off-diagonal), or is
+# symmetric: moving a state to another value then leaves the density at the value unchanged,
+# every time for a two-state symmetric table whose two states both move. Each case: known
+# parameters, so one step is the exact posterior (the reference forward–backward).
+
+STICKY5 = jnp.full((5, 5), 0.05 / 4) + (0.95 - 0.05 / 4) * jnp.eye(5)  # a module-level jnp table
+SYMMETRIC2 = np.array([[0.9, 0.1], [0.1, 0.9]])
+CASINO_TRANS = np.array([[0.95, 0.05], [0.1, 0.9]])
+CASINO_ROLLS = np.array([[1 / 6] * 6, [0.1] * 5 + [0.5]])  # a fair die: six equal entries
+
+
+def sticky_scan_hmm(y):
+    locs = jnp.linspace(-4.0, 4.0, 5)
+
+    def step(prev, y_t):
+        x = numpyro.sample("x", dist.Categorical(STICKY5[prev]))
+        numpyro.sample("y", dist.Normal(locs[x], 1.0), obs=y_t)
+        return x, None
+
+    scan(step, 0, y)
+
+
+def symmetric_scan_hmm(y):
+    def step(prev, y_t):
+        x = numpyro.sample("x", dist.Categorical(jnp.asarray(SYMMETRIC2)[prev]))
+        numpyro.sample("y", dist.Normal(jnp.array([-1.0, 1.0])[x], 1.0), obs=y_t)
+        return x, None
+
+    scan(step, 0, y)
+
+
+def casino_loop_hmm(rolls):
+    """The occasionally dishonest casino, one site per roll."""
+    prev = 0
+    for t in range(len(rolls)):
+        x = numpyro.sample(f"x_{t}", dist.Categorical(jnp.asarray(CASINO_TRANS)[prev]))
+        numpyro.sample(f"roll_{t}", dist.Categorical(jnp.asarray(CASINO_ROLLS)[x]), obs=rolls[t])
+        prev = x
+
+
+def _tied_case(name):
+    rng = np.random.default_rng(11)
+    if name == "sticky-5 scan":
+        y = rng.normal(size=200) * 4.0
+        log_lik = -0.5 * (y[:, None] - np.linspace(-4.0, 4.0, 5)[None]) ** 2 - 0.5 * np.log(2 * np.pi)
+        return sticky_scan_hmm, y, np.asarray(STICKY5), log_lik, lambda fit: np.asarray(fit.posterior["x"].probs)
+    if name == "symmetric-2 scan":
+        y = rng.normal(size=60)
+        log_lik = -0.5 * (y[:, None] - np.array([-1.0, 1.0])[None]) ** 2 - 0.5 * np.log(2 * np.pi)
+        return symmetric_scan_hmm, y, SYMMETRIC2, log_lik, lambda fit: np.asarray(fit.posterior["x"].probs)
+    rolls = rng.integers(0, 6, size=30)
+    log_lik = np.log(CASINO_ROLLS.T[rolls])
+
+    def probs(fit):
+        return np.stack([np.asarray(fit.posterior[f"x_{t}"].probs) for t in range(len(rolls))])
+
+    return casino_loop_hmm, rolls, CASINO_TRANS, log_lik, probs
+
+
+@pytest.mark.parametrize("name", ["sticky-5 scan", "symmetric-2 scan", "casino loop"])
+def test_known_tables_with_ties_are_exact_chains(name):
+    model, y, trans, log_lik, probs = _tied_case(name)
+    fit = blr_fit(model, (y,), rng_key=random.PRNGKey(0), progress_bar=False)
+    assert "categorical-chain" in fit.plan.describe()
+    marg, _, log_z = forward_backward(np.log(trans[0]), np.log(trans), log_lik)
+    np.testing.assert_allclose(probs(fit), marg, atol=1e-8)
+    assert abs(float(fit.elbo[-1]) - log_z) < 1e-8 * abs(log_z)
+
+
 def sliced_hmm(y):
     """The chain as one vector site and its transitions as an element-wise factor over
     slices (x[:-1] → x[1:])."""

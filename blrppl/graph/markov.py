@@ -12,15 +12,17 @@ So the factors are probed. Each factor's element-wise log-density (its masks rem
 reading is the model's structure, not the data's) is evaluated with the continuous latents
 at a random point and the discrete positions at a random base
 configuration, then with the positions of a set S moved to other values; an element
-*depends on S* when its log-density changes. With S = {p : bit j of p is 1} and its
+*depends on S* when its log-density changes, or its log-density at the other values of an
+enumerable support, its mean, or (a site of the group) its own value: a known transition
+table's ties (equal off-diagonal entries, the rows of a symmetric two-state table swapped
+when both states move) leave the log-density at the value unchanged for every move. With S = {p : bit j of p is 1} and its
 complement for every bit j, an element reading one position p learns p; one reading two
 positions learns the bits they share and those where they differ; one more set of probes per
 lowest differing bit j₀ (S = {bit j₀ and bit j set}) tells which position holds which bits.
 Every decoded reading is then checked on random sets S: an element that reads more than two
 positions (a second-order chain) fails the check. The probes are repeated from several random
-base configurations with random moves, so that a dependence one round misses (two values
-with equal parameters, or a symmetric transition table unchanged when both of its states
-move alike) still shows.
+base configurations with random moves, so that a dependence one round misses (two states
+with equal parameters) still shows.
 
 The group is a *chain* when every element reads at most two positions and every pair is
 (p, p + s) for one stride s: position p is state t = p // s of chain c = p mod s (a site of
@@ -103,8 +105,8 @@ def aligned_reads(members, factor, batch_shape) -> tuple | None:
 
 
 #: probe rounds: each with its own random base configuration and its own random move of
-#: every position (a dependence a round misses because two values tie, or because moving
-#: two positions together leaves a symmetric table unchanged, shows in another round)
+#: every position (a dependence a round misses because two states' parameters tie shows in
+#: another round)
 _ROUNDS = 8
 
 
@@ -136,13 +138,14 @@ class Probe:
         self.moved = (self.bases + rng.integers(1, np.maximum(self.k, 2), size=(_ROUNDS, self.size))) % self.k
 
     def depends(self, sets: np.ndarray, width: int | None = None) -> dict:
-        """Sets ``(S, P)`` (bool) → factor → ``(S, *batch)`` bool: whether the element's
-        log-density changes when the set's positions move, in some round (``width``: sets
+        """Sets ``(S, P)`` (bool) → factor → ``(S, *batch)`` bool: whether what the element
+        reads (:func:`_readings`) changes when the set's positions move, in some round (``width``: sets
         per compiled evaluation, at most :attr:`width`)."""
         names = tuple(f.name for f in self.touching)
         # (a scan model's steps as a map: values equal to the scan as written, and a probe
         # of a 10⁵-step chain runs ~100 of them: 4.8 -> 1.1 s)
         fns, point, members, support = self.fns.vectorised(), self.point, self.members, jnp.asarray(self.support)
+        group = self.group
         offset = jnp.asarray(self.offset)
 
         def log_probs(z, data):
@@ -151,17 +154,24 @@ class Probe:
             # zero in the fit whatever it reads)
             values = {**point, **site_values(members, support[offset + z])}
             sites = fns.sites(names, values, data)
-            return [strip_masks(sites[n]["fn"]).log_prob(sites[n]["value"]) for n in names]
+            return [_readings(strip_masks(sites[n]["fn"]), sites[n]["value"], n in group) for n in names]
 
         def run(sets, bases, moved, data):
             ref = jax.vmap(lambda z: log_probs(z, data))(bases)
             configs = jnp.where(sets[:, None], moved[None], bases[None]).reshape(-1, self.size)
             out = jax.vmap(lambda z: log_probs(z, data))(configs)
             changed = []
-            for lp, r in zip(out, ref):
-                lp = lp.reshape((len(sets),) + r.shape)
-                tol = jnp.sqrt(jnp.finfo(r.dtype).eps) * (1.0 + jnp.abs(r))
-                differs = (jnp.abs(lp - r) > tol) | (jnp.isfinite(lp) != jnp.isfinite(r))
+            for now, was in zip(out, ref):
+                elements = was[0].ndim  # (rounds, *elements)
+                differs = False
+                for x, r in zip(now, was):
+                    x = x.reshape((len(sets),) + r.shape)
+                    if jnp.issubdtype(r.dtype, jnp.inexact):
+                        tol = jnp.sqrt(jnp.finfo(r.dtype).eps) * (1.0 + jnp.abs(r))
+                        d = (jnp.abs(x - r) > tol) | (jnp.isfinite(x) != jnp.isfinite(r))
+                    else:
+                        d = x != r
+                    differs = differs | jnp.any(d, axis=tuple(range(1 + elements, d.ndim)))
                 changed.append(jnp.any(differs, 1))
             return changed
 
@@ -199,6 +209,40 @@ class Probe:
             # and evaluating padding sets cost a 2,000-point mixture 2 s of its compile)
             self._random = (sets, self.depends(sets, width=_CHECKS))
         return self._random
+
+
+
+def _readings(fn, value, member: bool) -> list:
+    """What an element's log-density reads, as arrays with the elements' shape leading (and
+    trailing axes of their own): its log-density at the value; its log-density at every value
+    of an enumerable support, and its mean (a tie at the value, e.g. a transition table's
+    equal off-diagonal entries, a symmetric table's rows swapped, or an observation halfway
+    between two states' means, leaves these changed); for a site of the group, its own value
+    (read by its log-density whatever the ties of its table)."""
+    lp = fn.log_prob(value)
+    out = [lp]
+    elements = jnp.shape(lp)
+    if getattr(fn, "has_enumerate_support", False):
+        try:
+            at_support = fn.log_prob(fn.enumerate_support(expand=False))
+        except (NotImplementedError, ValueError, TypeError, jax.errors.ConcretizationTypeError):
+            at_support = None  # (a support that needs concrete parameters: the value's reading alone)
+        if at_support is not None and at_support.shape[1:] == elements:
+            out.append(jnp.moveaxis(at_support, 0, -1))
+    try:
+        mean = jnp.asarray(fn.mean)
+    except (NotImplementedError, ValueError, TypeError, AttributeError):
+        mean = None
+    if mean is not None:
+        extra = mean.ndim - len(elements)
+        if extra >= 0 and jnp.broadcast_shapes(mean.shape[: mean.ndim - extra], elements) == elements:
+            out.append(jnp.broadcast_to(mean, elements + mean.shape[mean.ndim - extra :]))
+    if member:
+        v = jnp.asarray(value)
+        event = v.ndim - len(elements)
+        if event >= 0 and jnp.broadcast_shapes(v.shape[: v.ndim - event], elements) == elements:
+            out.append(jnp.broadcast_to(v, elements + v.shape[v.ndim - event :]))
+    return out
 
 
 def _bits(size: int) -> int:
