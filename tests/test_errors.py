@@ -10,6 +10,7 @@ import numpy as np
 import numpyro
 import numpyro.distributions as dist
 import pytest
+from numpyro.contrib.control_flow import scan
 
 import blrppl
 from blrppl.api import blr_fit
@@ -179,6 +180,35 @@ def test_model_raising_before_any_site():
 
     with pytest.raises(ModelTraceError, match="boom"):
         fit(model, {"y": Y})
+
+
+TABLE = np.array([[0.9, 0.1], [0.2, 0.8]])  # a NumPy table at module level
+
+
+def _numpy_table_hmm(y):
+    def step(prev, y_t):
+        x = numpyro.sample("x", dist.Categorical(TABLE[prev]))  # a NumPy array indexed by a latent
+        numpyro.sample("y", dist.Normal(x, 1.0), obs=y_t)
+        return x, None
+
+    scan(step, 0, y)
+
+
+def _branching_model(y):
+    s = numpyro.sample("s", dist.HalfNormal(1.0))
+    scale = s if s > 1.0 else 1.0  # Python control flow on a latent
+    with numpyro.plate("n", len(y)):
+        numpyro.sample("y", dist.Normal(0.0, scale), obs=y)
+
+
+@pytest.mark.parametrize("model, site", [(_numpy_table_hmm, None), (_branching_model, "s")])
+def test_a_latent_turned_into_a_numpy_or_python_value_says_how_to_write_it(model, site):
+    """NumPyro cannot run these either (its inference traces the model too); the error says
+    which construct, not only JAX's message, and not to check the data."""
+    with pytest.raises(ModelTraceError, match=r"Python or NumPy value.*jnp.asarray\(table\)\[z\]") as info:
+        fit(model, {"y": Y})
+    assert "check that `data`" not in str(info.value)
+    assert info.value.site == site
 
 
 def test_a_forecast_inside_a_scan_is_refused_naming_the_site():

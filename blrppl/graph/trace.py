@@ -413,6 +413,16 @@ def _raise_trace_error(exc, name, args, kwargs):
             "jnp.zeros(n, dtype=int) for a discrete state (int64 under numpyro.enable_x64())",
             site=name,
         ) from exc
+    if isinstance(exc, _NEEDS_CONCRETE):
+        # (the data were already made concrete: the value comes from a sampled site)
+        raise ModelTraceError(
+            f"the model could not be run (it raised {where}): it turns a value computed from a sampled site or a "
+            f"param into a Python or NumPy value ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0]}), e.g. it indexes a NumPy array with a latent (`table[z]` with "
+            "`table = np.array(...)`) or branches on one with `if`; inference runs the model on traced JAX values, "
+            "as NumPyro's does: index jax.numpy arrays (`jnp.asarray(table)[z]`) and branch with `jnp.where`",
+            site=name,
+        ) from exc
     raise ModelTraceError(
         f"the model could not be run with the data given: it raised {where} "
         f"({type(exc).__name__}: {exc}); check that `data` holds the model's arguments "
