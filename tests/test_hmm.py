@@ -196,33 +196,58 @@ def casino_loop_hmm(rolls):
         prev = x
 
 
+def tied_factor_hmm(y, table):
+    """The transitions as one ``numpyro.factor`` over slices of a vector site (no
+    distribution to read but the factor's value)."""
+    k = table.shape[0]
+    with numpyro.plate("time", y.shape[0]):
+        x = numpyro.sample("x", dist.Categorical(jnp.ones(k) / k))
+        numpyro.sample("y", dist.Normal(jnp.linspace(-1.0, 1.0, k)[x], 1.0), obs=y)
+    numpyro.factor("transitions", jnp.log(table)[x[:-1], x[1:]])
+
+
 def _tied_case(name):
     rng = np.random.default_rng(11)
+    if name.endswith("factor"):
+        table = SYMMETRIC2 if name.startswith("symmetric") else np.asarray(STICKY5)
+        k = table.shape[0]
+        y = rng.normal(size=80)
+        log_lik = -0.5 * (y[:, None] - np.linspace(-1.0, 1.0, k)[None]) ** 2 - 0.5 * np.log(2 * np.pi)
+
+        def model(y):
+            tied_factor_hmm(y, jnp.asarray(table))
+
+        # (a uniform prior on every state: the reference's initial distribution, the
+        # transitions' other 1/K factors constant)
+        return model, y, table, log_lik, lambda fit: np.asarray(fit.posterior["x"].probs), np.full(k, 1.0 / k)
     if name == "sticky-5 scan":
         y = rng.normal(size=200) * 4.0
         log_lik = -0.5 * (y[:, None] - np.linspace(-4.0, 4.0, 5)[None]) ** 2 - 0.5 * np.log(2 * np.pi)
-        return sticky_scan_hmm, y, np.asarray(STICKY5), log_lik, lambda fit: np.asarray(fit.posterior["x"].probs)
+        return sticky_scan_hmm, y, np.asarray(STICKY5), log_lik, lambda fit: np.asarray(fit.posterior["x"].probs), None
     if name == "symmetric-2 scan":
         y = rng.normal(size=60)
         log_lik = -0.5 * (y[:, None] - np.array([-1.0, 1.0])[None]) ** 2 - 0.5 * np.log(2 * np.pi)
-        return symmetric_scan_hmm, y, SYMMETRIC2, log_lik, lambda fit: np.asarray(fit.posterior["x"].probs)
+        return symmetric_scan_hmm, y, SYMMETRIC2, log_lik, lambda fit: np.asarray(fit.posterior["x"].probs), None
     rolls = rng.integers(0, 6, size=30)
     log_lik = np.log(CASINO_ROLLS.T[rolls])
 
     def probs(fit):
         return np.stack([np.asarray(fit.posterior[f"x_{t}"].probs) for t in range(len(rolls))])
 
-    return casino_loop_hmm, rolls, CASINO_TRANS, log_lik, probs
+    return casino_loop_hmm, rolls, CASINO_TRANS, log_lik, probs, None
 
 
-@pytest.mark.parametrize("name", ["sticky-5 scan", "symmetric-2 scan", "casino loop"])
+@pytest.mark.parametrize(
+    "name", ["sticky-5 scan", "symmetric-2 scan", "casino loop", "symmetric-2 factor", "sticky-5 factor"]
+)
 def test_known_tables_with_ties_are_exact_chains(name):
-    model, y, trans, log_lik, probs = _tied_case(name)
+    model, y, trans, log_lik, probs, init = _tied_case(name)
     fit = blr_fit(model, (y,), rng_key=random.PRNGKey(0), progress_bar=False)
     assert "categorical-chain" in fit.plan.describe()
-    marg, _, log_z = forward_backward(np.log(trans[0]), np.log(trans), log_lik)
+    marg, _, log_z = forward_backward(np.log(trans[0] if init is None else init), np.log(trans), log_lik)
     np.testing.assert_allclose(probs(fit), marg, atol=1e-8)
-    assert abs(float(fit.elbo[-1]) - log_z) < 1e-8 * abs(log_z)
+    if init is None:  # (the factor form's ELBO holds the other states' constant 1/K factors)
+        assert abs(float(fit.elbo[-1]) - log_z) < 1e-8 * abs(log_z)
 
 
 def sliced_hmm(y):

@@ -108,14 +108,20 @@ def aligned_reads(members, factor, batch_shape) -> tuple | None:
 #: every position (a dependence a round misses because two states' parameters tie shows in
 #: another round)
 _ROUNDS = 8
+#: rounds of a probe's second try, when the readings its first decoded fail their check
+_THOROUGH_ROUNDS = 48
 
 
 class Probe:
     """Evaluations of the factors touching a group of discrete blocks (``group``: names of
     single-site blocks in model order) at moved positions (module docstring)."""
 
-    def __init__(self, group: tuple, blocks: dict, factors: list, fns, data, rng: np.random.Generator):
-        self.group = group
+    def __init__(
+        self, group: tuple, blocks: dict, factors: list, fns, data, rng: np.random.Generator, rounds: int = _ROUNDS,
+        stay: bool = False,
+    ):
+        self.group, self.rounds = group, rounds
+        self._args = (group, blocks, factors, fns, data, rng)
         self.members = [blocks[n] for n in group]
         sizes, self.size = _positions(self.members)
         # per position: its member's number of values, and the offset of its values in the
@@ -131,11 +137,20 @@ class Probe:
         # sets of positions per compiled evaluation: every stage's sets are evaluated by one
         # compiled program, all rounds of a chunk of sets at once (one pass of a ``scan``
         # model for all of them), the chunk as wide as the memory budget allows
-        self.width = int(np.clip(_BUDGET // (_ROUNDS * self.size), 1, max(2 * _bits(self.size), _CHECKS)))
+        self.width = int(np.clip(_BUDGET // (rounds * self.size), 1, max(2 * _bits(self.size), _CHECKS)))
         self._compiled = {}
         self._random = None
-        self.bases = rng.integers(0, self.k, size=(_ROUNDS, self.size))
-        self.moved = (self.bases + rng.integers(1, np.maximum(self.k, 2), size=(_ROUNDS, self.size))) % self.k
+        self.bases = rng.integers(0, self.k, size=(rounds, self.size))
+        # (with ``stay``, a position of a moved set stays put in some rounds: see :meth:`thorough`)
+        low = 0 if stay else 1
+        self.moved = (self.bases + rng.integers(low, np.maximum(self.k, 2), size=(rounds, self.size))) % self.k
+
+    def thorough(self) -> "Probe":
+        """The same probe with :data:`_THOROUGH_ROUNDS` rounds in which each position of a
+        moved set stays put with probability 1/K: a factor whose table is unchanged when
+        both states it reads move alike (``log(T)[x[:-1], x[1:]]`` with T symmetric over two
+        states) still changes when only one of them moves."""
+        return Probe(*self._args, rounds=_THOROUGH_ROUNDS, stay=True)
 
     def depends(self, sets: np.ndarray, width: int | None = None) -> dict:
         """Sets ``(S, P)`` (bool) → factor → ``(S, *batch)`` bool: whether what the element
@@ -192,7 +207,7 @@ class Probe:
             readers = [n for n in names if n not in self.group] or list(names)
             listed = ", ".join(f"'{n}'" for n in readers)
             raise ResourceError(
-                f"evaluating the log density of {listed} at {(width + 1) * _ROUNDS} values of the discrete latents "
+                f"evaluating the log density of {listed} at {(width + 1) * self.rounds} values of the discrete latents "
                 f"{', '.join(repr(n) for n in self.group)} at once (to find which of them each element reads) "
                 f"needs more memory than this machine has ({out_of_memory_detail(exc)}): the distribution "
                 "builds large arrays for each element (e.g. a series for its normalising constant); fit fewer "
@@ -287,12 +302,23 @@ def aligned_chain_reads(members, factors, batch_shape_of) -> dict | None:
 
 def probe_reads(probe: Probe) -> dict:
     """Factor name → :class:`Reads` in the group's positions, by the bit probes of the
-    module docstring.
+    module docstring; when the readings fail their check, once more by a
+    :meth:`Probe.thorough` probe (a table's ties can hide a reading from every round).
 
     Raises:
         UnsupportedFactorError: an element reads more than two positions, or its reading is
             not consistent (a factor no first-order chain holds).
     """
+    try:
+        return _decoded_reads(probe)
+    except UnsupportedFactorError:
+        if probe.rounds >= _THOROUGH_ROUNDS:
+            raise
+    return _decoded_reads(probe.thorough())
+
+
+def _decoded_reads(probe: Probe) -> dict:
+    """:func:`probe_reads` from one probe."""
     size, group = probe.size, probe.group
     bits = _bits(size)
     index = np.arange(size)
