@@ -12,17 +12,20 @@ So the factors are probed. Each factor's element-wise log-density (its masks rem
 reading is the model's structure, not the data's) is evaluated with the continuous latents
 at a random point and the discrete positions at a random base
 configuration, then with the positions of a set S moved to other values; an element
-*depends on S* when its log-density changes, or its log-density at the other values of an
-enumerable support, its mean, or (a site of the group) its own value: a known transition
-table's ties (equal off-diagonal entries, the rows of a symmetric two-state table swapped
-when both states move) leave the log-density at the value unchanged for every move. With S = {p : bit j of p is 1} and its
-complement for every bit j, an element reading one position p learns p; one reading two
-positions learns the bits they share and those where they differ; one more set of probes per
-lowest differing bit j₀ (S = {bit j₀ and bit j set}) tells which position holds which bits.
+*depends on S* when its log-density changes, or its distribution's parameters (a
+Categorical's row of probabilities), or (a site of the group) its own value: a known
+transition table's ties (equal off-diagonal entries, the rows of a symmetric two-state table
+swapped when both states move) leave the log-density at the value unchanged for every move.
+With S = {p : bit j of p is 1} and its complement for every bit j, an element reading one
+position p learns p; one reading two positions learns the bits they share and those where
+they differ; one more set of probes per lowest differing bit j₀ (S = {bit j₀ and bit j set}) tells which position holds which bits.
 Every decoded reading is then checked on random sets S: an element that reads more than two
 positions (a second-order chain) fails the check. The probes are repeated from several random
 base configurations with random moves, so that a dependence one round misses (two states
-with equal parameters) still shows.
+with equal parameters) still shows; the check's rounds are drawn apart from the probe's.
+When the check fails, the group is probed once more, thoroughly (more rounds, positions of a
+moved set sometimes staying, the log-density at every value of a small support: a
+``numpyro.factor`` over a tied table has nothing else to read).
 
 The group is a *chain* when every element reads at most two positions and every pair is
 (p, p + s) for one stride s: position p is state t = p // s of chain c = p mod s (a site of
@@ -108,6 +111,9 @@ def aligned_reads(members, factor, batch_shape) -> tuple | None:
 #: every position (a dependence a round misses because two states' parameters tie shows in
 #: another round)
 _ROUNDS = 8
+#: supports of at most this many values are read whole by the probe (:func:`_readings`; a
+#: larger one, e.g. a vocabulary's emissions, would multiply the probe's memory by its size)
+_SUPPORT_READINGS = 16
 #: rounds of a probe's second try, when the readings its first decoded fail their check
 _THOROUGH_ROUNDS = 48
 
@@ -144,6 +150,11 @@ class Probe:
         # (with ``stay``, a position of a moved set stays put in some rounds: see :meth:`thorough`)
         low = 0 if stay else 1
         self.moved = (self.bases + rng.integers(low, np.maximum(self.k, 2), size=(rounds, self.size))) % self.k
+        # the random sets' rounds are drawn apart: a reading every probe round missed (its
+        # table tied at each of their moves) is checked from other configurations
+        self.check_bases = rng.integers(0, self.k, size=(rounds, self.size))
+        shift = rng.integers(low, np.maximum(self.k, 2), size=(rounds, self.size))
+        self.check_moved = (self.check_bases + shift) % self.k
 
     def thorough(self) -> "Probe":
         """The same probe with :data:`_THOROUGH_ROUNDS` rounds in which each position of a
@@ -152,15 +163,15 @@ class Probe:
         states) still changes when only one of them moves."""
         return Probe(*self._args, rounds=_THOROUGH_ROUNDS, stay=True)
 
-    def depends(self, sets: np.ndarray, width: int | None = None) -> dict:
+    def depends(self, sets: np.ndarray, width: int | None = None, check: bool = False) -> dict:
         """Sets ``(S, P)`` (bool) → factor → ``(S, *batch)`` bool: whether what the element
         reads (:func:`_readings`) changes when the set's positions move, in some round (``width``: sets
-        per compiled evaluation, at most :attr:`width`)."""
+        per compiled evaluation, at most :attr:`width`; ``check``: from the check's rounds)."""
         names = tuple(f.name for f in self.touching)
         # (a scan model's steps as a map: values equal to the scan as written, and a probe
         # of a 10⁵-step chain runs ~100 of them: 4.8 -> 1.1 s)
         fns, point, members, support = self.fns.vectorised(), self.point, self.members, jnp.asarray(self.support)
-        group = self.group
+        group, thorough = self.group, self.rounds >= _THOROUGH_ROUNDS
         offset = jnp.asarray(self.offset)
 
         def log_probs(z, data):
@@ -169,24 +180,19 @@ class Probe:
             # zero in the fit whatever it reads)
             values = {**point, **site_values(members, support[offset + z])}
             sites = fns.sites(names, values, data)
-            return [_readings(strip_masks(sites[n]["fn"]), sites[n]["value"], n in group) for n in names]
+            return [_readings(strip_masks(sites[n]["fn"]), sites[n]["value"], n in group, thorough) for n in names]
 
         def run(sets, bases, moved, data):
             ref = jax.vmap(lambda z: log_probs(z, data))(bases)
             configs = jnp.where(sets[:, None], moved[None], bases[None]).reshape(-1, self.size)
             out = jax.vmap(lambda z: log_probs(z, data))(configs)
             changed = []
-            for now, was in zip(out, ref):
-                elements = was[0].ndim  # (rounds, *elements)
+            for now, was in zip(out, ref):  # (readings of one factor: rounds × elements each)
                 differs = False
                 for x, r in zip(now, was):
                     x = x.reshape((len(sets),) + r.shape)
-                    if jnp.issubdtype(r.dtype, jnp.inexact):
-                        tol = jnp.sqrt(jnp.finfo(r.dtype).eps) * (1.0 + jnp.abs(r))
-                        d = (jnp.abs(x - r) > tol) | (jnp.isfinite(x) != jnp.isfinite(r))
-                    else:
-                        d = x != r
-                    differs = differs | jnp.any(d, axis=tuple(range(1 + elements, d.ndim)))
+                    tol = jnp.sqrt(jnp.finfo(r.dtype).eps) * (1.0 + jnp.abs(r))
+                    differs = differs | (jnp.abs(x - r) > tol) | (jnp.isfinite(x) != jnp.isfinite(r))
                 changed.append(jnp.any(differs, 1))
             return changed
 
@@ -198,7 +204,8 @@ class Probe:
             if width not in self._compiled:
                 lowered = jax.jit(run).lower(chunks[0], self.bases, self.moved, self.data)
                 self._compiled[width] = compile_lowered(lowered, compiler_options(self.data))
-            outs = [self._compiled[width](c, self.bases, self.moved, self.data) for c in chunks]
+            bases, moved = (self.check_bases, self.check_moved) if check else (self.bases, self.moved)
+            outs = [self._compiled[width](c, bases, moved, self.data) for c in chunks]
             # (read inside: an allocation that fails does so when the result is read)
             return {n: np.concatenate([np.asarray(o[j]) for o in outs])[:count] for j, n in enumerate(names)}
         except Exception as exc:
@@ -222,41 +229,54 @@ class Probe:
             sets = self.rng.random((_CHECKS, self.size)) < 0.5
             # (a program of their own width: most groups are aligned and probed no further,
             # and evaluating padding sets cost a 2,000-point mixture 2 s of its compile)
-            self._random = (sets, self.depends(sets, width=_CHECKS))
+            self._random = (sets, self.depends(sets, width=_CHECKS, check=True))
         return self._random
 
 
+def _per_element(x, elements: tuple) -> list:
+    """``[r]``, r of shape ``elements``: ``x`` broadcast to the elements (as numpy broadcasts a
+    distribution's parameter to its batch shape when it has no more axes than they do; else
+    its leading axes) and its trailing axes folded by a fixed generic projection (two
+    different rows of a table fold to different numbers); [] for a leaf of another layout."""
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.inexact):
+        x = x.astype(jnp.result_type(float))
+    lead = x.shape if x.ndim <= len(elements) else x.shape[: len(elements)]
+    try:
+        if jnp.broadcast_shapes(lead, elements) != elements:
+            return []
+    except ValueError:
+        return []
+    if x.ndim <= len(elements):
+        return [jnp.broadcast_to(x, elements)]
+    rows = x.reshape(lead + (-1,))
+    weights = jnp.asarray(np.cos(np.arange(rows.shape[-1]) * 2.399963 + 0.5), x.dtype)  # (golden-angle cosines)
+    return [jnp.broadcast_to(jnp.sum(rows * weights, -1), elements)]  # (a reduction XLA fuses with the gather)
 
-def _readings(fn, value, member: bool) -> list:
-    """What an element's log-density reads, as arrays with the elements' shape leading (and
-    trailing axes of their own): its log-density at the value; its log-density at every value
-    of an enumerable support, and its mean (a tie at the value, e.g. a transition table's
-    equal off-diagonal entries, a symmetric table's rows swapped, or an observation halfway
-    between two states' means, leaves these changed); for a site of the group, its own value
-    (read by its log-density whatever the ties of its table)."""
+
+def _readings(fn, value, member: bool, thorough: bool) -> list:
+    """What an element's log-density reads, as arrays of the elements' shape: its
+    log-density at the value; the distribution's parameters (its pytree leaves, e.g. a
+    Categorical's row of probabilities); for a site of the group, its own value (read by its
+    log-density whatever the ties of its table); in a :meth:`Probe.thorough` probe, its
+    log-density at every value of a small enumerable support too (a ``numpyro.factor`` has
+    no parameter but its value). A tie at the value (a transition table's equal off-diagonal
+    entries, a symmetric table's rows swapped) leaves the others changed."""
     lp = fn.log_prob(value)
     out = [lp]
     elements = jnp.shape(lp)
-    if getattr(fn, "has_enumerate_support", False):
-        try:
-            at_support = fn.log_prob(fn.enumerate_support(expand=False))
-        except (NotImplementedError, ValueError, TypeError, jax.errors.ConcretizationTypeError):
-            at_support = None  # (a support that needs concrete parameters: the value's reading alone)
-        if at_support is not None and at_support.shape[1:] == elements:
-            out.append(jnp.moveaxis(at_support, 0, -1))
-    try:
-        mean = jnp.asarray(fn.mean)
-    except (NotImplementedError, ValueError, TypeError, AttributeError):
-        mean = None
-    if mean is not None:
-        extra = mean.ndim - len(elements)
-        if extra >= 0 and jnp.broadcast_shapes(mean.shape[: mean.ndim - extra], elements) == elements:
-            out.append(jnp.broadcast_to(mean, elements + mean.shape[mean.ndim - extra :]))
+    for leaf in jax.tree.leaves(fn):
+        out += _per_element(leaf, elements)
     if member:
-        v = jnp.asarray(value)
-        event = v.ndim - len(elements)
-        if event >= 0 and jnp.broadcast_shapes(v.shape[: v.ndim - event], elements) == elements:
-            out.append(jnp.broadcast_to(v, elements + v.shape[v.ndim - event :]))
+        out += _per_element(value, elements)
+    if thorough and getattr(fn, "has_enumerate_support", False):
+        try:
+            support = fn.enumerate_support(expand=False)
+            at_support = fn.log_prob(support) if support.shape[0] <= _SUPPORT_READINGS else None
+        except Exception:  # (e.g. a support that needs concrete parameters: an optional reading)
+            at_support = None
+        if at_support is not None and at_support.shape[1:] == elements:
+            out += _per_element(jnp.moveaxis(at_support, 0, -1), elements)
     return out
 
 
