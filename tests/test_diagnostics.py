@@ -269,3 +269,50 @@ def test_noise_of_a_window_with_an_infinite_elbo_is_nan_without_numpy_warnings()
     assert math.isnan(diagnostics.elbo_noise) and math.isnan(diagnostics.elbo_rel_change)
     outcome.elbo = np.array([-5.0, -4.0, -3.5, -3.0, -3.25])
     assert fit_module._diagnose(prepared, outcome, None).elbo_noise == pytest.approx(np.std([-4.0, -3.5, -3.0, -3.25]))
+
+
+@pytest.mark.parametrize(
+    "elbo, fell_from",
+    [
+        # (a poor start whose Monte Carlo steps drift away: NumPyro's mortality example, one seed)
+        ([-2.02e8, -1.17e9, -9.9e8, -2.4e11, -9.1e13, -2.35e38, -2.35e38], "-2.02e+08 (step 1)"),
+        ([-50.0, -40.0, -9e3], "-40 (step 2)"),  # (|best| < 100: the fall must pass 1,000)
+        ([-1200.0, -1100.0, -1150.0, -1120.0], None),  # Monte Carlo noise
+        ([-50.0, -40.0, -900.0], None),  # less than max(|best|, 100) × 10 below
+        ([-2e8, -1e9, -np.inf], None),  # (a last step that is not finite is the stop message's)
+        ([-np.inf, -3.0], None),
+        ([-3.0], None),
+    ],
+)
+def test_divergence_note_compares_the_last_elbo_with_the_best(elbo, fell_from):
+    from blrppl.engine.fit import divergence_note
+
+    note = divergence_note(np.array(elbo))
+    if fell_from is None:
+        assert note is None
+    else:
+        assert f"fell from {fell_from}" in note and "mc_curvature='reparam'" in note
+
+
+def test_a_fit_whose_elbo_ran_away_warns_that_it_diverged(monkeypatch):
+    """The outcome of the steps given a diverging ELBO path: the result's message and a
+    warning at the caller's line say so."""
+    from blrppl.engine import fit as fit_module
+
+    real = fit_module.run_loop
+
+    def diverging(*args, **kwargs):
+        outcome = real(*args, **kwargs)
+        return outcome._replace(elbo=np.array([-12.0, -11.0, -3e5]), num_steps=3)
+
+    monkeypatch.setattr(fit_module, "run_loop", diverging)
+
+    def model(y):
+        mu = numpyro.sample("mu", dist.Normal(0.0, 10.0))
+        with numpyro.plate("n", y.shape[0]):
+            numpyro.sample("y", dist.Normal(mu, 1.0), obs=y)
+
+    with pytest.warns(UserWarning, match=r"diverged: its ELBO fell from -11 \(step 2\) to -3e\+05") as record:
+        result = blr_fit(model, (np.array([0.3, -0.2, 1.1]),), rng_key=random.PRNGKey(0), progress_bar=False)
+    assert "diverged" in result.message
+    assert any(w.filename == __file__ for w in record if "diverged" in str(w.message))

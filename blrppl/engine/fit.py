@@ -781,6 +781,30 @@ def _stop_message(outcome, plan, window: int, tol: float, num_steps: int) -> str
     return message
 
 
+#: a fit's last ELBO this many times its best's magnitude below the best: it diverged
+DIVERGED_FALL = 10.0
+
+
+def divergence_note(elbo) -> str | None:
+    """The note for a fit whose ELBO fell far below its best and stayed there (its last
+    value below best − :data:`DIVERGED_FALL` · max(|best|, 100)), else None. A Monte Carlo
+    step is taken whenever its ELBO is finite, so a fit can drift away step by step (a poor
+    start whose steps overshoot: −2·10⁸ at the first step, −2·10³⁸ at the 35th); the state
+    returned is the last step's."""
+    elbo = np.asarray(elbo, float)
+    finite = np.flatnonzero(np.isfinite(elbo))
+    if finite.size < 2 or not np.isfinite(elbo[-1]):
+        return None
+    best = int(finite[np.argmax(elbo[finite])])
+    if elbo[-1] >= elbo[best] - DIVERGED_FALL * max(abs(elbo[best]), 100.0):
+        return None
+    return (
+        f"the fit diverged: its ELBO fell from {elbo[best]:.3g} (step {best + 1}) to {elbo[-1]:.3g} (step "
+        f"{elbo.size}), and q is the last step's; try mc_curvature='reparam', a smaller learning_rate, or "
+        "another rng_key"
+    )
+
+
 def _never_finite(outcome) -> bool:
     """Whether the fit took steps and none had a finite ELBO."""
     elbo = np.asarray(outcome.elbo)
@@ -967,6 +991,10 @@ def run(prepared: Prepared, state: BLRState, num_steps: int, progress_bar: bool)
         # (the result holds the last valid state, or no step's: without a warning only the
         # message says so)
         warnings.warn("blr_fit: " + message, UserWarning, stacklevel=3)
+    diverged = divergence_note(outcome.elbo)
+    if diverged is not None:
+        message += "; " + diverged
+        warnings.warn("blr_fit: " + diverged, UserWarning, stacklevel=3)
     if diagnostics.khat > KHAT_WARN and diagnostics.ess >= ESS_CLOSE:
         # (nearly equal weights: q's bulk is the posterior's; k̂ reads the tail of a ratio
         # that hardly varies, no warning)
