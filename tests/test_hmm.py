@@ -228,7 +228,7 @@ def _tied_case(name):
         y = rng.normal(size=60)
         log_lik = -0.5 * (y[:, None] - np.array([-1.0, 1.0])[None]) ** 2 - 0.5 * np.log(2 * np.pi)
         return symmetric_scan_hmm, y, SYMMETRIC2, log_lik, lambda fit: np.asarray(fit.posterior["x"].probs), None
-    rolls = rng.integers(0, 6, size=30)
+    rolls = rng.integers(0, 6, size=20)
     log_lik = np.log(CASINO_ROLLS.T[rolls])
 
     def probs(fit):

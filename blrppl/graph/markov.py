@@ -18,7 +18,8 @@ transition table's ties (equal off-diagonal entries, the rows of a symmetric two
 swapped when both states move) leave the log-density at the value unchanged for every move.
 With S = {p : bit j of p is 1} and its complement for every bit j, an element reading one
 position p learns p; one reading two positions learns the bits they share and those where
-they differ; one more set of probes per lowest differing bit j₀ (S = {bit j₀ and bit j set}) tells which position holds which bits.
+they differ; one more set of probes per lowest differing bit j₀ (S = {bit j₀ and bit j set})
+tells which position holds which bits.
 Every decoded reading is then checked on random sets S: an element that reads more than two
 positions (a second-order chain) fails the check. The probes are repeated from several random
 base configurations with random moves, so that a dependence one round misses (two states
