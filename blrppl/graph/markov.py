@@ -125,9 +125,9 @@ class Probe:
 
     def __init__(
         self, group: tuple, blocks: dict, factors: list, fns, data, rng: np.random.Generator, rounds: int = _ROUNDS,
-        stay: bool = False,
+        thorough: bool = False,
     ):
-        self.group, self.rounds = group, rounds
+        self.group, self.rounds, self.thorough = group, rounds, thorough
         self._args = (group, blocks, factors, fns, data, rng)
         self.members = [blocks[n] for n in group]
         sizes, self.size = _positions(self.members)
@@ -148,8 +148,8 @@ class Probe:
         self._compiled = {}
         self._random = None
         self.bases = rng.integers(0, self.k, size=(rounds, self.size))
-        # (with ``stay``, a position of a moved set stays put in some rounds: see :meth:`thorough`)
-        low = 0 if stay else 1
+        # (a thorough probe's moved sets leave some positions put: see :meth:`thorough_probe`)
+        low = 0 if thorough else 1
         self.moved = (self.bases + rng.integers(low, np.maximum(self.k, 2), size=(rounds, self.size))) % self.k
         # the random sets' rounds are drawn apart: a reading every probe round missed (its
         # table tied at each of their moves) is checked from other configurations
@@ -157,12 +157,12 @@ class Probe:
         shift = rng.integers(low, np.maximum(self.k, 2), size=(rounds, self.size))
         self.check_moved = (self.check_bases + shift) % self.k
 
-    def thorough(self) -> "Probe":
+    def thorough_probe(self) -> "Probe":
         """The same probe with :data:`_THOROUGH_ROUNDS` rounds in which each position of a
         moved set stays put with probability 1/K: a factor whose table is unchanged when
         both states it reads move alike (``log(T)[x[:-1], x[1:]]`` with T symmetric over two
         states) still changes when only one of them moves."""
-        return Probe(*self._args, rounds=_THOROUGH_ROUNDS, stay=True)
+        return Probe(*self._args, rounds=_THOROUGH_ROUNDS, thorough=True)
 
     def depends(self, sets: np.ndarray, width: int | None = None, check: bool = False) -> dict:
         """Sets ``(S, P)`` (bool) → factor → ``(S, *batch)`` bool: whether what the element
@@ -172,7 +172,7 @@ class Probe:
         # (a scan model's steps as a map: values equal to the scan as written, and a probe
         # of a 10⁵-step chain runs ~100 of them: 4.8 -> 1.1 s)
         fns, point, members, support = self.fns.vectorised(), self.point, self.members, jnp.asarray(self.support)
-        group, thorough = self.group, self.rounds >= _THOROUGH_ROUNDS
+        group, thorough = self.group, self.thorough
         offset = jnp.asarray(self.offset)
 
         def log_probs(z, data):
@@ -259,7 +259,7 @@ def _readings(fn, value, member: bool, thorough: bool) -> list:
     """What an element's log-density reads, as arrays of the elements' shape: its
     log-density at the value; the distribution's parameters (its pytree leaves, e.g. a
     Categorical's row of probabilities); for a site of the group, its own value (read by its
-    log-density whatever the ties of its table); in a :meth:`Probe.thorough` probe, its
+    log-density whatever the ties of its table); in a :meth:`Probe.thorough_probe` probe, its
     log-density at every value of a small enumerable support too (a ``numpyro.factor`` has
     no parameter but its value). A tie at the value (a transition table's equal off-diagonal
     entries, a symmetric table's rows swapped) leaves the others changed."""
@@ -324,7 +324,7 @@ def aligned_chain_reads(members, factors, batch_shape_of) -> dict | None:
 def probe_reads(probe: Probe) -> dict:
     """Factor name → :class:`Reads` in the group's positions, by the bit probes of the
     module docstring; when the readings fail their check, once more by a
-    :meth:`Probe.thorough` probe (a table's ties can hide a reading from every round).
+    :meth:`Probe.thorough_probe` probe (a table's ties can hide a reading from every round).
 
     Raises:
         UnsupportedFactorError: an element reads more than two positions, or its reading is
@@ -333,9 +333,9 @@ def probe_reads(probe: Probe) -> dict:
     try:
         return _decoded_reads(probe)
     except UnsupportedFactorError:
-        if probe.rounds >= _THOROUGH_ROUNDS:
+        if probe.thorough:
             raise
-    return _decoded_reads(probe.thorough())
+    return _decoded_reads(probe.thorough_probe())
 
 
 def _decoded_reads(probe: Probe) -> dict:
