@@ -122,6 +122,23 @@ def test_pca_section_puts_blrppl_and_bayespy_side_by_side():
     assert "| 10 | 200 | 2 | 1.0 | – | – | -100.0 | – | 3.0 (40) | – | -90.0 | – | – |" in text
 
 
+def test_hmm_section_and_its_two_hand_written_passes():
+    """The HMM rows' references: the scaled forward–backward equals the log-space one (the
+    ratio's reference) on a small random chain, and the report puts both beside the step."""
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(3)
+    log_trans = jnp.asarray(np.log(rng.dirichlet(np.ones(4), size=4)))
+    log_lik = jnp.asarray(3.0 * rng.normal(size=(30, 4)))
+    log_init = jnp.asarray(np.full(4, -np.log(4)))
+    log_space = np.asarray(runner._forward_backward_pass(log_init, log_trans, log_lik))
+    scaled = np.asarray(runner._scaled_forward_backward_pass(log_init, log_trans, log_lik))
+    np.testing.assert_allclose(scaled, log_space, atol=1e-5)
+    row = {"T": 1000, "first_fit": 5.6, "compile_time": 5.4, "run_time": 0.021, "steps": 15, "per_step": 0.9e-3,
+           "forward_backward": 0.45e-3, "ratio": 2.0, "scaled_pass": 0.1e-3, "decoded": 1.0, "state_floats": 30010}
+    assert "| 1,000 | 5.6 | 5.4 | 0.021 | 15 | 0.90 | 0.45 | 2.0 | 0.10 | 1.000 | 30,010 |" in report.markdown([], hmm_rows=[row])
+
+
 def test_hand_written_floors_fit_the_vmp_problems():
     """The bench's hand-written JAX fits (the floor under a compiled fit's wall time) run and
     do what they say: the mixture's responsibilities sort two well-separated clusters (from random responsibilities

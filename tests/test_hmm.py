@@ -460,7 +460,7 @@ print(json.dumps({"probs": np.asarray(probs)[:, 0].tolist(), "dtype": str(probs.
 
 
 def test_float32_chain_equals_forward_backward():
-    """A 400-step chain in float32 (log-space forward–backward keeps it accurate)."""
+    """A 400-step chain in float32 (the forward–backward normalises every step: accurate)."""
     import json
     import subprocess
     import sys
@@ -536,6 +536,53 @@ def test_numpy_chain_parameters_take_the_host_loop_or_the_compiled_scan_alike(mo
             marg, pairs, _ = forward_backward(np.zeros(K), log_trans[c], unary[c])
             np.testing.assert_allclose(view.probs[c], marg, rtol=1e-10, atol=1e-14)
             np.testing.assert_allclose(view.pair_probs[c], pairs, rtol=1e-10, atol=1e-14)
+
+
+def _far_apart(scale):
+    """Two states, three steps: z_0 = 1 costs ``scale``, z_1 = 0 twice that, and leaving a
+    state 0.8 · ``scale``: the mass moves between states whose potentials differ beyond the
+    exponential's range (the only paths are 0 → 1 → ·, at −0.8 · scale, and 1 → 1 → ·)."""
+    unary = np.array([[[0.0, -scale], [-2.0 * scale, 0.0], [0.0, 0.0]]])
+    log_trans = np.array([[[0.0, -0.8 * scale], [-0.8 * scale, 0.0]]])
+    return unary, log_trans
+
+
+CHAIN_VIEW_CASES = {
+    # name: (unary (C, L, K), time-homogeneous log transitions (C, K, K)), whether the
+    # scaled recursion holds it in float64 and in float32
+    "random": (
+        np.random.default_rng(8).normal(size=(2, 9, K)) * 3.0,
+        np.random.default_rng(9).normal(size=(2, K, K)),
+        (True, True),
+    ),
+    "far apart in float32": (*_far_apart(100.0), (True, False)),
+    "far apart in float64": (*_far_apart(1000.0), (False, False)),
+    "one state per chain": (np.random.default_rng(10).normal(size=(2, 1, K)), np.zeros((2, K, K)), (True, True)),
+}
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("name", list(CHAIN_VIEW_CASES))
+def test_chain_view_equals_forward_backward(name, dtype):
+    """The compiled view of a chain (the scaled forward–backward, with the log-space one
+    when the scaled one leaves the dtype's range) equals the log-space forward–backward
+    written here: marginals, pair marginals and entropy (log Z − ⟨λ, μ⟩)."""
+    from blrppl.families import categorical_chain as cc
+
+    unary, log_trans, scaled_holds = CHAIN_VIEW_CASES[name]
+    chains, length, k = unary.shape
+    pair = np.repeat(log_trans[:, None], length - 1, axis=1)
+    family = cc.CategoricalChain(length, k)
+    nat = cc.ChainNat(jnp.asarray(unary, dtype=dtype), jnp.asarray(pair, dtype=dtype))
+    assert bool(cc._scaled_view(nat)[2]) == scaled_holds[dtype == "float32"]
+    view, entropy = jax.jit(family.rule_view_and_entropy)(nat)
+    tol = {"float64": 1e-10, "float32": 2e-5}[dtype]
+    for c in range(chains):
+        marg, pairs, log_z = forward_backward(np.zeros(k), log_trans[c], unary[c])
+        np.testing.assert_allclose(np.asarray(view.probs[c], float), marg, atol=tol)
+        np.testing.assert_allclose(np.asarray(view.pair_probs[c], float), pairs, atol=tol)
+        inner = np.sum(marg * unary[c]) + np.sum(pairs * pair[c])
+        np.testing.assert_allclose(float(entropy[c]), log_z - inner, rtol=tol, atol=tol * abs(log_z))
 
 
 def test_enumerated_states_run_in_chunks_alike(monkeypatch):
