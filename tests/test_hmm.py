@@ -585,6 +585,90 @@ def test_chain_view_equals_forward_backward(name, dtype):
         np.testing.assert_allclose(float(entropy[c]), log_z - inner, rtol=tol, atol=tol * abs(log_z))
 
 
+@pytest.mark.parametrize("k", [1, 2, 3, 5, 6])
+def test_de_bruijn_sequence_holds_every_pair_once(k):
+    from blrppl.graph.chain_table import de_bruijn
+
+    seq = de_bruijn(k)
+    pairs = {(int(a), int(b)) for a, b in zip(seq, np.roll(seq, -1))}
+    assert len(seq) == k * k and pairs == {(a, b) for a in range(k) for b in range(k)}
+
+
+COVARIATE = np.random.default_rng(11).normal(size=40)
+
+
+def input_driven_hmm(y, u):
+    """Transitions driven by a covariate (an input–output HMM): the rows differ by step."""
+    w = jnp.asarray(np.log(TRANS))
+
+    def step(prev, inputs):
+        y_t, u_t = inputs
+        x = numpyro.sample("x", dist.Categorical(logits=w[prev] + u_t * jnp.arange(K)))
+        numpyro.sample("y", dist.Normal(jnp.asarray(LOCS)[x], 1.0), obs=y_t)
+        return x, None
+
+    scan(step, 0, (y, u))
+
+
+def pair_emission_hmm(y):
+    """An observation of each step that reads both of its states."""
+
+    def step(prev, y_t):
+        x = numpyro.sample("x", dist.Categorical(jnp.asarray(TRANS)[prev]))
+        numpyro.sample("y", dist.Normal(jnp.asarray(LOCS)[x] - 0.5 * jnp.asarray(LOCS)[prev], 1.0), obs=y_t)
+        return x, None
+
+    scan(step, 0, y)
+
+
+def test_transitions_are_read_as_one_table_only_where_every_step_shares_it():
+    """The transition factor of a hidden Markov chain runs the model K times, not K², when
+    every step reads the same table (the chain's elements at the same pair of states have
+    the same arguments and value): the plans of the models this file checks against its
+    references hold it where they should (their exactness tests cover the table), and not
+    for a covariate-driven transition or an observation reading two states (both exact
+    here against a forward–backward with per-step transitions)."""
+    from blrppl.api import plan_of
+
+    def tabled(plan):
+        return sorted(f.name for f in plan.factors if f.chain_table is not None)
+
+    seqs, lengths = tones_data()
+    assert tabled(plan_of(tones_hmm, (jnp.asarray(seqs), jnp.asarray(lengths)))) == ["x"]
+    ys, lens = scan_data()
+    assert tabled(plan_of(scan_hmm, (jnp.asarray(ys), jnp.asarray(lens)))) == ["x"]
+    assert "exact (one 3 × 3 table)" in plan_of(scan_hmm, (jnp.asarray(ys), jnp.asarray(lens))).describe()
+
+    z, y = simulate(np.random.default_rng(12), 40)
+    fit = blr_fit(input_driven_hmm, (jnp.asarray(y), jnp.asarray(COVARIATE)), progress_bar=False)
+    assert tabled(fit.plan) == []
+    log_trans = np.log(TRANS)[None] + COVARIATE[1:, None, None] * np.arange(K)[None, None, :]
+    log_trans = log_trans - logsumexp(log_trans, axis=-1, keepdims=True)
+    log_init = np.log(TRANS[0]) + COVARIATE[0] * np.arange(K)
+    marg = _time_varying_forward_backward(log_init - logsumexp(log_init), log_trans, normal_log_lik(y))
+    np.testing.assert_allclose(np.asarray(fit.posterior["x"].probs), marg, atol=1e-8)
+
+    fit = blr_fit(pair_emission_hmm, (jnp.asarray(y),), progress_bar=False)
+    assert tabled(fit.plan) == ["x"]
+    lik = -0.5 * (y[1:, None, None] - (LOCS[None, None, :] - 0.5 * LOCS[None, :, None])) ** 2 - 0.5 * np.log(2 * np.pi)
+    log_trans = np.log(TRANS)[None] + lik  # (T − 1, K, K): the step's transition and observation
+    first = np.log(TRANS[0]) + (-0.5 * (y[0] - (LOCS - 0.5 * LOCS[0])) ** 2 - 0.5 * np.log(2 * np.pi))
+    marg = _time_varying_forward_backward(first, log_trans, np.zeros((len(y), K)))
+    np.testing.assert_allclose(np.asarray(fit.posterior["x"].probs), marg, atol=1e-8)
+
+
+def _time_varying_forward_backward(log_init, log_trans, log_lik):
+    """Marginals of one chain with per-step transitions ``log_trans`` ``(T − 1, K, K)``."""
+    length = len(log_lik)
+    alpha, beta = np.zeros_like(log_lik), np.zeros_like(log_lik)
+    alpha[0] = log_init + log_lik[0]
+    for t in range(1, length):
+        alpha[t] = log_lik[t] + logsumexp(alpha[t - 1][:, None] + log_trans[t - 1], axis=0)
+    for t in range(length - 2, -1, -1):
+        beta[t] = logsumexp(log_trans[t] + (log_lik[t + 1] + beta[t + 1])[None, :], axis=1)
+    return np.exp(alpha + beta - logsumexp(alpha[-1]))
+
+
 def test_enumerated_states_run_in_chunks_alike(monkeypatch):
     """A long chain's K² enumerated states run in a sequential map over chunks (the
     intermediates of all of them at once outgrow the caches): forced here on the tones

@@ -29,11 +29,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from blrppl.estimators.delta import delta_elementwise
-from blrppl.estimators.exact import elementwise_expected_log_prob, reduce_factor
+from blrppl.estimators.exact import elementwise_expected_log_prob, reduce_factor, unwrapped_expected_log_prob
 from blrppl.estimators.monte_carlo import expected_log_jacobian, monte_carlo_elementwise
 from blrppl.estimators.quadrature import quadrature_elementwise
 from blrppl.expressions import group_moments
+from blrppl.graph import chain_table
 from blrppl.graph.plan import FactorRole
+from blrppl.graph.trace import reduce_wrapped
 
 
 def is_jacobian(factor) -> bool:
@@ -179,6 +181,30 @@ def _map_states(one, combos, chain_weights: dict):
     return jax.tree.map(lambda x: x.reshape((count,) + x.shape[2:]), out)
 
 
+def _tabled_terms(fns, group, blocks, views, data, wrappers):
+    """Σ_i E_q[log f_i] over factors of one chain read as tables of state pairs
+    (:mod:`blrppl.graph.chain_table`): the model run K times with the tables' layouts, each
+    element's expected log-density read off the runs and weighted by its marginals there."""
+    name = group[0].discrete[0]
+    block, view = blocks[name], views[name]
+    states = jnp.asarray(group[0].chain_table.states)  # (every factor of the chain: one layout)
+
+    def run(s):
+        dvals = block.chain_site_values(s)
+        moments = group_moments(fns, group, blocks, views, dvals, data, on_support=True)
+        return {f.name: unwrapped_expected_log_prob(f, moments[f.name], wrappers[f.name][0]) for f in group}
+
+    runs = jax.vmap(run)(states)
+    total = 0.0
+    for f in group:
+        base = runs[f.name]
+        flat = jnp.reshape(base, base.shape[:1] + (-1,))
+        terms = chain_table.expected_log_terms(f.chain_table, flat, view)
+        els = reduce_wrapped(wrappers[f.name][0], jnp.reshape(terms, base.shape[1:]))
+        total = total + reduce_factor(els, wrappers[f.name][1])
+    return total
+
+
 def expected_log_factors(fns, factors, blocks, views, data, key=None, curvature="auto"):
     """Σ_i E_q[log f_i] over ``factors``, each summed over its elements.
 
@@ -206,11 +232,15 @@ def expected_log_factors(fns, factors, blocks, views, data, key=None, curvature=
     wrappers = fns.factor_wrappers([f.name for f in factors if f.estimator == "exact"], data)
     groups: dict = {}
     for f in factors:
-        # (factors reading pairs of a chain's states run K² times, the others K times)
-        pairs = any(np.any(r.hi >= 0) for _, r in f.chain_reads)
+        # (factors reading pairs of a chain's states run K² times, the others K times; a
+        # factor read as a table of pairs, K times: chain_table)
+        pairs = "table" if f.chain_table is not None else any(np.any(r.hi >= 0) for _, r in f.chain_reads)
         groups.setdefault((f.discrete, pairs), []).append(f)
-    for (names, _), group in groups.items():
+    for (names, pairs), group in groups.items():
         key, sub = jax.random.split(key) if draws else (key, key)
+        if pairs == "table":
+            total = total + _tabled_terms(fns, group, blocks, views, data, wrappers)
+            continue
         if not names:
             els, scales, extra = _elementwise(fns, group, blocks, views, {}, data, wrappers, sub, curvature)
             total = total + extra

@@ -18,12 +18,16 @@ def elementwise_expected_log_prob(factor, moments: dict, fn):
     broadcast to the batch shape of ``fn``'s base distribution first (enumerated labels may
     come with size-1 plate dims, see :attr:`blrppl.graph.plan.Factor.broadcast_enumeration`),
     then its wrappers applied."""
+    return reduce_wrapped(fn, unwrapped_expected_log_prob(factor, moments, fn))
+
+
+def unwrapped_expected_log_prob(factor, moments: dict, fn):
+    """L per batch element of the base distribution of ``fn`` (its wrappers not applied)."""
     moments = dict(moments)
     value = moments.pop("value")
     out = factor.rule.expected_log_prob(value, **moments)
     base_shape = unwrap(fn)[0].batch_shape
-    out = jnp.broadcast_to(out, jnp.broadcast_shapes(jnp.shape(out), base_shape))
-    return reduce_wrapped(fn, out)
+    return jnp.broadcast_to(out, jnp.broadcast_shapes(jnp.shape(out), base_shape))
 
 
 def reduce_factor(elementwise, scale):

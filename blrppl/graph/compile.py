@@ -27,7 +27,7 @@ from blrppl.expressions import (
 )
 from blrppl.expressions import _needs_gather_test as needs_gather_test
 from blrppl.graph.band import PROVISIONAL, arrowhead_locals, chain_bandwidth
-from blrppl.graph import markov
+from blrppl.graph import chain_table, markov
 from blrppl.graph.data import compiler_options
 from blrppl.graph.program_store import compile_program, jit as store_jit, program_key
 from blrppl.graph.deps import output_forms
@@ -550,6 +550,8 @@ def compile_model(
         ]
         broadcast = _broadcast_enumerated(factors, blocks, fns, data, np.random.default_rng(0))
         factors = [dataclasses.replace(f, broadcast_enumeration=f.name in broadcast) for f in factors]
+        tables = chain_table.tabled(factors, blocks, fns, data, np.random.default_rng(0))
+        factors = [dataclasses.replace(f, chain_table=tables.get(f.name)) for f in factors]
         tied = tied_blocks(factors, blocks, fns, data)
         for n in {n for n, _, _ in tied}:
             blocks[n] = dataclasses.replace(blocks[n], family=fam.GaussianTied(blocks[n].family.dim))

@@ -428,6 +428,10 @@ class Factor:
             broadcast over its elements: its arguments were checked, at compile time, to
             equal the full ones broadcast (a mixture's ``mu[z]`` is then one row per
             component, not N copies of it).
+        chain_table: for a factor of a hidden Markov chain whose elements read pairs of
+            states through the same K × K table (a transition ``trans[prev]``), its layout
+            (:class:`blrppl.graph.chain_table.ChainTable`): K runs of the model instead of
+            K² (checked at compile time); None otherwise.
     """
 
     name: str
@@ -452,6 +456,7 @@ class Factor:
     role: str = FactorRole.SITE
     chain_reads: tuple = ()
     broadcast_enumeration: bool = False
+    chain_table: Any = None
 
     @property
     def kinds(self) -> dict:
@@ -536,6 +541,8 @@ class Plan:
                 h.update(f"{f.name}/{name}".encode())
                 h.update(np.ascontiguousarray(reads.lo).tobytes())
                 h.update(np.ascontiguousarray(reads.hi).tobytes())
+            if f.chain_table is not None:
+                h.update(f"{f.name}/table".encode())
         return h.hexdigest()
 
     def describe(self) -> str:
@@ -578,6 +585,9 @@ class Plan:
             estimator = f"{f.estimator} (data statistics)" if f.from_statistics and not own_prior else f.estimator
             if f.members:
                 estimator += f" ({len(f.members)} sites stacked)"
+            if f.chain_table is not None:
+                k = f.chain_table.states.shape[0]
+                estimator += f" (one {k} × {k} table)"
             row = (f.name, f.dist_name, ", ".join(f.neighbours) or "-", estimator, args)
             if sub:
                 scale = math.prod(self.plate(p).scale for p in f.subsampled)
