@@ -594,6 +594,30 @@ def test_de_bruijn_sequence_holds_every_pair_once(k):
     assert len(seq) == k * k and pairs == {(a, b) for a in range(k) for b in range(k)}
 
 
+@pytest.mark.parametrize("length, width, k, covered", [(3, 1, 3, False), (10, 1, 3, True), (6, 4, 2, True), (17, 2, 4, True)])
+def test_table_runs_show_every_pair_of_values(length, width, k, covered):
+    """The K runs' layouts: every pair of values read by some element reading two states
+    (or no table, for a chain too short to show them all), and every value of each element
+    reading one state in some run."""
+    from blrppl.graph.chain_table import ChainTable
+    from blrppl.graph.markov import Reads
+
+    positions = np.arange(length * width)
+    lo = positions.reshape(length, width)  # element (t, c) reads step t − 1 and t of chain c
+    lo = np.where(lo >= width, lo - width, lo)
+    hi = np.where(positions.reshape(length, width) >= width, positions.reshape(length, width), -1)
+    table = ChainTable.build(Reads(lo, hi), k, length, width)
+    assert (table is not None) == covered
+    if table is None:
+        return
+    lo, hi = lo.ravel(), hi.ravel()
+    for code in range(k * k):
+        r, e = table.pair_run[code], table.pair_element[code]
+        assert hi[e] >= 0 and table.states[r, lo[e]] * k + table.states[r, hi[e]] == code
+    for e in np.flatnonzero(hi < 0):
+        assert [table.states[table.single_run[e, v], lo[e]] for v in range(k)] == list(range(k))
+
+
 COVARIATE = np.random.default_rng(11).normal(size=40)
 
 
