@@ -260,14 +260,17 @@ def _tridiagonal_down(rows: jax.Array, v: jax.Array, solve: bool):
 
     def step(carry, inp):
         d_prev, z_prev = carry
-        row, vi = inp
+        m_ii, m_off, vi = inp
         r = 1.0 / d_prev
-        d = row[0] - row[1] * row[1] * r
-        z = vi - (row[1] * r) * z_prev if solve else z_prev
+        d = m_ii - m_off * m_off * r
+        z = vi - (m_off * r) * z_prev if solve else z_prev
         lii = jnp.sqrt(d)
         return (d, z), (lii, z / lii) if solve else (lii, None)
 
-    _, (diag, y) = jax.lax.scan(step, (one, jnp.zeros((), rows.dtype)), (rows, v), unroll=_UNROLL)
+    # (the band's columns go in as 1-D sequences: a scan over the rows of an (n, 2) array
+    # computed in the same program ran 1.8× slower on CPU, its layout chosen column-major)
+    xs = (rows[:, 0], rows[:, 1], v)
+    _, (diag, y) = jax.lax.scan(step, (one, jnp.zeros((), rows.dtype)), xs, unroll=_UNROLL)
     off = rows[:, 1] / _shift_down(diag, 1).at[0].set(1.0)
     return jnp.stack([diag, off], axis=1), y if solve else None
 
@@ -281,14 +284,15 @@ def _tridiagonal_up(cols: jax.Array, y: jax.Array, solve: bool, band: bool):
 
     def step(carry, inp):
         x_next, var_next = carry
-        col, yi = inp
-        inv = 1.0 / col[0]
-        g = col[1] * inv
+        l_ii, l_off, yi = inp
+        inv = 1.0 / l_ii
+        g = l_off * inv
         x = yi * inv - g * x_next if solve else x_next
         var = inv * inv + g * g * var_next if band else var_next
         return (x, var), (x if solve else None, var if band else None)
 
-    _, (x, var) = jax.lax.scan(step, (zero, zero), (cols, y), reverse=True, unroll=_UNROLL)
+    xs = (cols[:, 0], cols[:, 1], y)  # (1-D: see _tridiagonal_down)
+    _, (x, var) = jax.lax.scan(step, (zero, zero), xs, reverse=True, unroll=_UNROLL)
     if not band:
         return x if solve else None, None
     off = -cols[:, 1] / cols[:, 0] * _shift_up(var, 1)
