@@ -16,7 +16,8 @@ is weighted by their pair marginal q(z_t, z_{t+1}); one reading one state is wei
 marginal q(z_t) (divided by the K times each value recurs). Only the chain positions each
 element reads matter (:class:`blrppl.graph.markov.Reads`, found when compiling), so the
 same K² runs serve every factor of the chain. Without a factor reading two states, K runs
-(a = b) do.
+(a = b) do. A transition that every step reads through one table runs K times instead
+(:mod:`blrppl.graph.chain_table`).
 """
 
 from __future__ import annotations
