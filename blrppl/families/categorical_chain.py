@@ -293,8 +293,17 @@ class CategoricalChain(Family):
         return ChainNat(one, one[..., :-1, :, None] * one[..., 1:, None, :])
 
     def log_prob(self, nat: ChainNat, x: jax.Array) -> jax.Array:
-        stats = self.sufficient_stats(x)
-        inner = jnp.sum(stats.unary * nat.unary, (-2, -1)) + jnp.sum(stats.pair * nat.pair, (-3, -2, -1))
+        """log q(z) = Σ_t ψ_t(z_t) + Σ_t Φ_t(z_t, z_{t+1}) − A(λ), the potentials read at the
+        states (not ⟨T(z), λ⟩ with one-hot pairs: T·K² numbers per draw)."""
+        x = jnp.asarray(x).astype(jnp.int32)
+        lead = x.shape[:-2]
+        unary = jnp.broadcast_to(nat.unary, lead + nat.unary.shape)
+        inner = jnp.sum(jnp.take_along_axis(unary, x[..., None], -1)[..., 0], -1)
+        if self.length > 1:
+            pair = jnp.reshape(nat.pair, nat.pair.shape[:-2] + (self.dim * self.dim,))
+            pair = jnp.broadcast_to(pair, lead + pair.shape)
+            codes = x[..., :-1] * self.dim + x[..., 1:]
+            inner = inner + jnp.sum(jnp.take_along_axis(pair, codes[..., None], -1)[..., 0], -1)
         return inner - self.log_partition(nat)
 
     def entropy(self, nat: ChainNat, mean_params: ChainView | None = None) -> jax.Array:
@@ -311,34 +320,39 @@ class CategoricalChain(Family):
 
     def sample(self, nat: ChainNat, rng_key: jax.Array, sample_shape: tuple[int, ...] = ()) -> jax.Array:
         """Exact joint draws ``(*sample_shape, C, L)`` by forward filtering, backward
-        sampling: z_{L−1} ~ α_{L−1}, z_t | z_{t+1} ∝ α_t(z_t) exp Φ_t(z_t, z_{t+1})."""
+        sampling: z_{L−1} ~ α_{L−1}, z_t | z_{t+1} ∝ α_t(z_t) exp Φ_t(z_t, z_{t+1}).
+
+        The conditionals' CDFs over z_t, for every t and value of z_{t+1}, are formed once
+        before the loop (T·K² exponentials in all, normalised in log space); each step of a
+        draw reads one column of them (no exponential per draw and step)."""
         nat = jax.tree.map(jnp.asarray, nat)
         alpha, _, _ = _forward_backward(nat)
         shape = tuple(sample_shape) + alpha.shape[:1]
         # one uniform per state, drawn before the loop (no PRNG work inside it): each state
         # is its conditional's inverse CDF at its uniform
-        u = jnp.moveaxis(jax.random.uniform(rng_key, shape + (self.length,), alpha.dtype), -1, 0)
+        u = jax.random.uniform(rng_key, shape + (self.length,), alpha.dtype)
 
-        def draw(logits, u_t):
-            cdf = jnp.cumsum(jax.nn.softmax(logits, axis=-1), axis=-1)
+        def draw(cdf, u_t):
             return jnp.sum(u_t[..., None] > cdf[..., :-1], axis=-1).astype(jnp.int32)
 
-        last = draw(jnp.broadcast_to(alpha[:, -1], shape + alpha.shape[-1:]), u[-1])
-
-        def back(nxt, inputs):
-            a_t, p_t, u_t = inputs  # (C, K), (C, K, K), shape
-            logits = a_t + jnp.take_along_axis(
-                jnp.broadcast_to(p_t, shape + p_t.shape[1:]), nxt[..., None, None], axis=-1
-            )[..., 0]
-            z = draw(logits, u_t)
-            return z, z
-
+        last = draw(jnp.cumsum(_normalised(jnp, alpha[:, -1]), -1), u[..., -1])
         if self.length == 1:
             return last[..., None]
-        _, rest = jax.lax.scan(
-            back, last, (jnp.moveaxis(alpha[:, :-1], 1, 0), jnp.moveaxis(nat.pair, 1, 0), u[:-1]), reverse=True
-        )
-        return jnp.concatenate([jnp.moveaxis(rest, 0, -1), last[..., None]], -1)
+        # cdf[c, t, :, j]: the CDF of z_t given z_{t+1} = j
+        cond = jnp.swapaxes(_normalised(jnp, jnp.swapaxes(alpha[:, :-1, :, None] + nat.pair, -1, -2)), -1, -2)
+        cdf = jnp.cumsum(cond, -2)
+        chains = jnp.arange(alpha.shape[0])
+        step = jax.lax.dynamic_index_in_dim
+
+        def back(i, carry):
+            t = self.length - 2 - i
+            nxt, out = carry
+            z = draw(step(cdf, t, 1, keepdims=False)[chains, :, nxt], step(u, t, -1, keepdims=False))
+            return z, jax.lax.dynamic_update_index_in_dim(out, z, t, -1)
+
+        out = jnp.zeros(shape + (self.length,), jnp.int32).at[..., -1].set(last)
+        # (the chain axis indexed in place, as in the forward–backward: see _scaled_view)
+        return jax.lax.fori_loop(0, self.length - 1, back, (last, out))[1]
 
     def to_numpyro(self, nat: ChainNat) -> "MarkovChainPosterior":
         return MarkovChainPosterior(nat.unary, nat.pair)
