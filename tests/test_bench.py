@@ -316,3 +316,18 @@ def test_marginal_plots_put_blr_beside_nuts(tmp_path):
     written = report.plots([run], [], tmp_path)
     assert (tmp_path / "marginals.png").stat().st_size > 0
     assert any(path.endswith("marginals.png") for path in written.values())
+
+
+def test_funnel_section_and_its_problems():
+    """The scale-funnel rows' data (the walk's middle fifth unseen and zeroed, the returns'
+    scale near exp(−9/2)) and the report's row: each sd beside its ratio to NUTS's, a joint
+    fit that did not converge marked."""
+    walk = runner.walk_scales_data(50)
+    assert walk["seen"].sum() == 40 and not walk["seen"][20:30].any() and np.all(walk["y"][20:30] == 0.0)
+    returns = runner.volatility_data(2000)["y"]
+    assert 0.3 < np.std(returns) / np.exp(-4.5) < 3.0
+    row = {"problem": "walk", "scale": "s", "nuts": (0.295, 0.0287), "blr": (0.2935, 0.0086), "joint": (0.156, 0.0004),
+           "joint_converged": False, "full_rank": (0.337, 0.0117), "latent_ratios": (0.93, 1.04)}
+    text = report.markdown([], funnel_rows=[row])
+    assert ("| walk | s | 0.295 (0.0287) | 0.293 (0.0086) | 0.30 | 0.156 (0.0004) | 0.01 (not converged) | "
+            "0.337 (0.0117) | 0.41 | 0.93–1.04 |") in text, text

@@ -316,3 +316,81 @@ def test_a_fit_whose_elbo_ran_away_warns_that_it_diverged(monkeypatch):
         result = blr_fit(model, (np.array([0.3, -0.2, 1.1]),), rng_key=random.PRNGKey(0), progress_bar=False)
     assert "diverged" in result.message
     assert any(w.filename == __file__ for w in record if "diverged" in str(w.message))
+
+
+def _walk_with_unknown_step(y):
+    step = numpyro.sample("step", dist.HalfNormal(1.0))
+    x = numpyro.sample("x", dist.GaussianRandomWalk(step, num_steps=len(y)))
+    numpyro.sample("y", dist.Normal(x, 0.5), obs=y)
+
+
+def _volatility_scan(returns):
+    mu = numpyro.sample("mu", dist.Normal(-9.0, 2.0))
+    sigma = numpyro.sample("sigma", dist.HalfNormal(1.0))
+
+    def step(h_prev, r):
+        h = numpyro.sample("h", dist.Normal(mu + 0.95 * (h_prev - mu), sigma))
+        numpyro.sample("r", dist.Normal(0.0, jnp.exp(h / 2.0)), obs=r)
+        return h, None
+
+    scan(step, mu, returns)
+
+
+def _schools(J, sigma, y=None):
+    mu = numpyro.sample("mu", dist.Normal(0.0, 5.0))
+    tau = numpyro.sample("tau", dist.HalfCauchy(5.0))
+    with numpyro.plate("J", J):
+        theta = numpyro.sample("theta", dist.Normal(mu, tau))
+        numpyro.sample("obs", dist.Normal(theta, sigma), obs=y)
+
+
+def _loop_walk(y):
+    s = numpyro.sample("s", dist.Exponential(1.0))
+    x = 0.0
+    for t in range(len(y)):
+        x = numpyro.sample(f"x_{t}", dist.Normal(x, s))
+        numpyro.sample(f"y_{t}", dist.Normal(x, 1.0), obs=y[t])
+
+
+def _noise_scale_only(y):
+    mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
+    sigma = numpyro.sample("sigma", dist.HalfNormal(1.0))
+    with numpyro.plate("n", len(y)):
+        numpyro.sample("y", dist.Normal(mu, sigma), obs=y)
+
+
+def _few_groups(y):
+    tau = numpyro.sample("tau", dist.HalfNormal(1.0))
+    with numpyro.plate("g", 3):
+        a = numpyro.sample("a", dist.Normal(0.0, tau))
+    numpyro.sample("y", dist.Normal(a[jnp.arange(len(y)) % 3], 1.0), obs=y)
+
+
+_ys = np.random.default_rng(0).normal(size=40)
+_schools_data = (8, np.array([15.0, 10.0, 16.0, 11.0, 9.0, 11.0, 10.0, 18.0]), np.array([28.0, 8.0, -3.0, 7.0, -1.0, 1.0, 18.0, 12.0]))
+
+
+@pytest.mark.parametrize(
+    "model, args, named",
+    [
+        # (a latent scale of many latents' prior: the advice names both and the funnel)
+        (_walk_with_unknown_step, (np.cumsum(_ys),), ("('step')", "40 latents of 'x'")),
+        (_volatility_scan, (0.01 * _ys,), ("('sigma')", "40 latents of 'h'")),
+        (_schools, _schools_data, ("8 latents of 'theta'", "one Gaussian block with them")),
+        (_loop_walk, (np.cumsum(_ys[:20]),), ("20 latents of 'x_0' … 'x_19'", "one Gaussian block with them")),
+        # (a latent scale of observations only, or of fewer than 8 latents: no funnel)
+        (_noise_scale_only, (_ys,), None),
+        (_few_groups, (_ys,), None),
+    ],
+)
+def test_poor_q_advice_names_a_scale_of_many_latents_and_its_funnel(model, args, named):
+    """A scale that the prior of many latents reads (a walk's step size, the spread of group
+    effects, a volatility's shock size) and those latents form a funnel no Gaussian q holds:
+    the poor-q advice says so and names them, instead of suggesting structure='joint' (which
+    fits the random-walk reference no better: it ran off). Plans only: no fit."""
+    advice = poor_q_advice(plan_of(model, args, rng_key=random.PRNGKey(0)))
+    if named is None:
+        assert "funnel" not in advice, advice
+    else:
+        assert "funnel" in advice and all(n in advice for n in named), advice
+        assert "try structure='joint'" not in advice, advice

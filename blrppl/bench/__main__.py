@@ -138,7 +138,7 @@ def main(argv=None) -> int:
         acc = runs[-1].accuracy
         print("  max |mean err| / ref sd: " + ", ".join(
             f"{m} {a['max_mean_err_sd']:.3g}" for m, a in acc.items()), flush=True)
-    rows, dense, sites, hand, chains, hmms, pcas, gmms = [], [], [], [], [], [], [], []
+    rows, dense, sites, hand, chains, hmms, pcas, gmms, funnels = [], [], [], [], [], [], [], [], []
     if do_scaling:
         print("scaling (BLR, logistic regression, D=10):", flush=True)
         sizes = [n for n in (1_000, 10_000, 100_000, 1_000_000) if n <= args.scaling_max]
@@ -159,6 +159,9 @@ def main(argv=None) -> int:
         print("hidden Markov chains (K = 5, against a hand-written forward-backward):", flush=True)
         hmms = runner.hmm_scaling(log=lambda s: print(s, flush=True))
         _clear_compiled()
+        print("scales of many latents (blr_fit against a full-rank Gaussian and NUTS):", flush=True)
+        funnels = runner.scale_funnel(log=lambda s: print(s, flush=True))
+        _clear_compiled()
         print("probabilistic PCA (BayesPy's timing problems, side by side when bayespy is installed):", flush=True)
         pcas = runner.vmp_pca(log=lambda s: print(s, flush=True))
         _clear_compiled()
@@ -177,7 +180,7 @@ def main(argv=None) -> int:
         + ("this run's NUTS" if args.no_reference else
            f"NUTS {runner.REF_CHAINS} chains × ({runner.REF_WARMUP} + {runner.REF_SAMPLES}) cached in {runner.cache_dir()}"),
     }
-    text = report.markdown(runs, rows, settings, plots, dense, sites, hand, chains, hmms, pcas, gmms)
+    text = report.markdown(runs, rows, settings, plots, dense, sites, hand, chains, hmms, pcas, gmms, funnels)
     path = out / "benchmarks.md"
     path.write_text(text)
     print(f"wrote {path} ({time.perf_counter() - t0:.0f} s in all)", flush=True)

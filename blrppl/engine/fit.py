@@ -32,6 +32,7 @@ from blrppl.errors import BLRError, InitValueError, is_out_of_memory, out_of_mem
 from blrppl.graph.compile import (
     MC_JOINT_MAX_DIM, _block_init_values, compile_model, conjugate_blocks, init_nat, rows_share_precision,
 )
+from blrppl.graph.plan import FactorRole
 from blrppl.estimators import bilinear, gram
 from blrppl.expressions import table_key
 from blrppl.graph.deps import output_dependencies
@@ -912,6 +913,45 @@ def _improper_note(plan, nat, names) -> str:
     )
 
 
+#: a latent scale read by at least this many latents' prior makes the poor-q advice speak of
+#: a funnel (eight schools' effects and their spread)
+FUNNEL_MIN_LATENTS = 8
+
+
+def _funnel(plan):
+    """``(scale, the sites it scales, their number of scalars)`` of a latent scale that the
+    priors of at least :data:`FUNNEL_MIN_LATENTS` latents read (a random walk's step size, a
+    hierarchical model's group sd, a volatility's shock size; summed over one site per step),
+    quoted for display; None when the plan has none. The scale is named by its sites when
+    it has a block of its own, else (one joint block with the latents: a quadrature factor
+    reading a parameter through an exponential) described.
+
+    A Gaussian q, even one dense block over the scale and its latents, does not hold their
+    joint posterior: the sd of a random walk's step scale is 0.32× NUTS's fitted apart and
+    0.39× for a full-rank Gaussian fitted by SVI, a stochastic volatility's shock size 0.26×
+    for both and 0.28× in one joint block (``make bench``: "Scales of many latents")."""
+    sizes = {s: m.size for b in plan.blocks for m in (b.members or (b,)) for s in m.sites}
+    scaled: dict = {}  # scale → (sites it scales, their scalars); one site per step adds up
+    for f in plan.factors:
+        kinds, blocks = f.kinds, dict(f.arg_blocks)
+        if f.observed or f.role != FactorRole.SITE or kinds.get("value") == "const":
+            continue
+        sites = f.members or (f.name,)
+        scale = None
+        if kinds.get("scale", "const") != "const":
+            scales = [s for n in blocks.get("scale", ()) for s in plan.block(n).sites if s not in sites]
+            scale = ", ".join(f"'{s}'" for s in scales) or None
+        elif any(isinstance(leaf, int) and link == "exp" for _, leaf, link in f.links):
+            scale = "fitted in one Gaussian block with them"
+        if scale is not None:
+            names, count = scaled.get(scale, ((), 0))
+            scaled[scale] = (names + sites, count + sum(sizes.get(s, 0) for s in sites))
+    for scale, (names, count) in scaled.items():
+        if count >= FUNNEL_MIN_LATENTS:
+            return scale, f"'{names[0]}'" if len(names) == 1 else f"'{names[0]}' … '{names[-1]}'", count
+    return None
+
+
 def poor_q_advice(plan) -> str:
     """What the poor-q warning advises for this plan: why q may be poor given its blocks and
     estimators, and what to try (the generic advice when nothing in the plan says more)."""
@@ -935,6 +975,7 @@ def poor_q_advice(plan) -> str:
         ),
         None,
     )
+    funnel = _funnel(plan)
     if spread is not None:
         advice = (
             f"the Monte Carlo factor '{spread[0]}' reads {spread[1]} scalars in blocks fitted apart, which holds "
@@ -952,6 +993,15 @@ def poor_q_advice(plan) -> str:
             "compare means of identified quantities with NUTS"
             if factor_model else
             "which holds no correlation between them (a coefficient's sd may come out small); compare with NUTS"
+        )
+    elif funnel is not None:
+        scale, latents, count = funnel
+        advice = (
+            f"the {count} latents of {latents} have a latent scale ({scale}): the posterior of a scale and the "
+            "latents it scales is a funnel (their spread shrinks with it), which no Gaussian q holds, fitted apart or in "
+            "one joint block (structure='joint' is no better; a full-rank Gaussian fitted by SVI neither): the "
+            "scale's sd may come out several times too small while its mean and the latents' marginals stay "
+            "close; compare the scale with NUTS"
         )
     elif plan.conjugate and all(conj for _, conj in plan.conjugate):
         # (every factor closed-form: no Monte Carlo to replace, no joint block to merge into)
