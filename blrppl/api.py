@@ -7,8 +7,9 @@ from typing import Callable
 import numpy as np
 import numpyro
 
-from blrppl.engine.fit import COMPILE_LOCK, plan_model, prepare, run
-from blrppl.errors import out_of_memory_as_error
+from blrppl.engine.fit import COMPILE_LOCK, finish, plan_model, prepare, run
+from blrppl.engine.grid import grid_sites, grid_fit
+from blrppl.errors import BLRError, out_of_memory_as_error
 from blrppl.graph.trace import trace_model
 from blrppl.inputs import as_key, fit_options, host_fold_in, host_split, model_arguments
 from blrppl.result import BLRResult
@@ -156,6 +157,18 @@ def blr_fit(
         num_starts=num_starts,
     )
     key = as_key(rng_key)
+    scales = grid_sites(options.families_dict)
+    if scales:
+        if prior is not None or options.num_starts > 1:
+            raise BLRError(
+                "families='grid' (scales integrated on a grid) works with one start and without prior=; "
+                f"got {'prior=' if prior is not None else f'num_starts={options.num_starts}'}",
+                site=scales[0],
+            )
+        with out_of_memory_as_error("the fit"):
+            result = grid_fit(model, args, kwargs, options, key, scales, prepare, finish)
+        result.model_call = (model, args, kwargs)
+        return result
     # (inline, not in a function of its own: warnings keep pointing at the caller's line)
     with out_of_memory_as_error("the fit"):
         best, finals = None, []

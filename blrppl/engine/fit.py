@@ -919,12 +919,13 @@ FUNNEL_MIN_LATENTS = 8
 
 
 def _funnel(plan):
-    """``(scale, the sites it scales, their number of scalars)`` of a latent scale that the
-    priors of at least :data:`FUNNEL_MIN_LATENTS` latents read (a random walk's step size, a
-    hierarchical model's group sd, a volatility's shock size; summed over one site per step),
-    quoted for display; None when the plan has none. The scale is named by its sites when
-    it has a block of its own, else (one joint block with the latents: a quadrature factor
-    reading a parameter through an exponential) described.
+    """``(scale, the sites it scales, their number of scalars, the scale's sites if a grid can
+    integrate them)`` of a latent scale that the priors of at least :data:`FUNNEL_MIN_LATENTS`
+    latents read (a random walk's step size, a hierarchical model's group sd, a volatility's
+    shock size; summed over one site per step), quoted for display; None when the plan has
+    none. The scale is named by its sites when it has a block of its own, else (one joint
+    block with the latents: a quadrature factor reading a parameter through an exponential)
+    described.
 
     A Gaussian q, even one dense block over the scale and its latents, does not hold their
     joint posterior: the sd of a random walk's step scale is 0.32× NUTS's fitted apart and
@@ -939,8 +940,8 @@ def _funnel(plan):
         sites = f.members or (f.name,)
         scale = None
         if kinds.get("scale", "const") != "const":
-            scales = [s for n in blocks.get("scale", ()) for s in plan.block(n).sites if s not in sites]
-            scale = ", ".join(f"'{s}'" for s in scales) or None
+            scales = tuple(s for n in blocks.get("scale", ()) for s in plan.block(n).sites if s not in sites)
+            scale = scales or None
         elif any(isinstance(leaf, int) and link == "exp" for _, leaf, link in f.links):
             scale = "fitted in one Gaussian block with them"
         if scale is not None:
@@ -948,7 +949,11 @@ def _funnel(plan):
             scaled[scale] = (names + sites, count + sum(sizes.get(s, 0) for s in sites))
     for scale, (names, count) in scaled.items():
         if count >= FUNNEL_MIN_LATENTS:
-            return scale, f"'{names[0]}'" if len(names) == 1 else f"'{names[0]}' … '{names[-1]}'", count
+            # (scalar scales can be integrated on a grid: families={site: "grid"})
+            scalars = () if isinstance(scale, str) or len(scale) > 2 else tuple(s for s in scale if sizes.get(s) == 1)
+            shown = scale if isinstance(scale, str) else ", ".join(f"'{s}'" for s in scale)
+            latents = f"'{names[0]}'" if len(names) == 1 else f"'{names[0]}' … '{names[-1]}'"
+            return shown, latents, count, scalars if len(scalars) == len(scale) else ()
     return None
 
 
@@ -995,13 +1000,17 @@ def poor_q_advice(plan) -> str:
             "which holds no correlation between them (a coefficient's sd may come out small); compare with NUTS"
         )
     elif funnel is not None:
-        scale, latents, count = funnel
+        scale, latents, count, scalars = funnel
+        grid = ", ".join(f"'{n}': 'grid'" for n in scalars)
         advice = (
             f"the {count} latents of {latents} have a latent scale ({scale}): the posterior of a scale and the "
             "latents it scales is a funnel (their spread shrinks with it), which no Gaussian q holds, fitted apart or in "
             "one joint block (structure='joint' is no better; a full-rank Gaussian fitted by SVI neither): the "
             "scale's sd may come out several times too small while its mean and the latents' marginals stay "
-            "close; compare the scale with NUTS"
+            "close; " + (
+                f"integrate the scale on a grid of fits with it fixed, families={{{grid}}}, or compare it with NUTS"
+                if grid else "compare the scale with NUTS"
+            )
         )
     elif plan.conjugate and all(conj for _, conj in plan.conjugate):
         # (every factor closed-form: no Monte Carlo to replace, no joint block to merge into)
@@ -1029,22 +1038,33 @@ def run(prepared: Prepared, state: BLRState, num_steps: int, progress_bar: bool)
     t2 = time.perf_counter()
     plan = prepared.plan
     nat = averaged_nat(plan, outcome.state) if prepared.iterate_average and plan.subsampled else outcome.state.nat
+    return finish(prepared, outcome, nat, num_steps, t1, t2)
+
+
+def finish(prepared: Prepared, outcome, nat: dict, num_steps: int, t1: float, t2: float, grid=None) -> BLRResult:
+    """Package a run of the loop (``outcome``, reporting ``nat``): the posterior export, the
+    diagnostics, the stop message and its warnings (at the line that called ``blr_fit`` or
+    ``BLR.run``). ``grid``: the note of the scales integrated on a grid
+    (:mod:`blrppl.engine.grid`), whose marginals ``nat`` holds."""
+    bundle, plan = prepared.bundle, prepared.plan
     with COMPILE_LOCK:
         posterior = bundle.posterior_fn(nat)
         diagnostics = _diagnose(prepared, outcome, nat)
     t3 = time.perf_counter()
     improper = _improper_blocks(outcome, plan)
     if improper:
-        warnings.warn("blr_fit: " + _improper_note(plan, outcome.state.nat, improper), UserWarning, stacklevel=3)
+        warnings.warn("blr_fit: " + _improper_note(plan, outcome.state.nat, improper), UserWarning, stacklevel=4)
     message = _stop_message(outcome, plan, bundle.window, prepared.tol, num_steps)
     if outcome.stop == NONFINITE or _never_finite(outcome):
         # (the result holds the last valid state, or no step's: without a warning only the
         # message says so)
-        warnings.warn("blr_fit: " + message, UserWarning, stacklevel=3)
+        warnings.warn("blr_fit: " + message, UserWarning, stacklevel=4)
     diverged = divergence_note(outcome.elbo)
     if diverged is not None:
         message += "; " + diverged
-        warnings.warn("blr_fit: " + diverged, UserWarning, stacklevel=3)
+        warnings.warn("blr_fit: " + diverged, UserWarning, stacklevel=4)
+    if grid is not None:
+        message += "; " + grid
     if diagnostics.khat > KHAT_WARN and diagnostics.ess >= ESS_CLOSE:
         # (nearly equal weights: q's bulk is the posterior's; k̂ reads the tail of a ratio
         # that hardly varies, no warning)
@@ -1054,7 +1074,10 @@ def run(prepared: Prepared, state: BLRState, num_steps: int, progress_bar: bool)
             "its bulk is close"
         )
     elif diagnostics.khat > KHAT_WARN or diagnostics.ess < ESS_POOR:
-        advice = poor_q_advice(plan)
+        advice = poor_q_advice(plan) if grid is None else (
+            "the scales integrated on a grid have their marginals from it, but q draws them independently of "
+            "the other latents (their dependence is not held); compare with NUTS"
+        )
         if diagnostics.khat > KHAT_WARN:
             why = f"PSIS k-hat = {diagnostics.khat:.2f} > {KHAT_WARN}"
         else:
@@ -1067,7 +1090,7 @@ def run(prepared: Prepared, state: BLRState, num_steps: int, progress_bar: bool)
             )
         note = f"q may be a poor approximation of the posterior ({why}): {advice}"
         message += "; " + note
-        warnings.warn("blr_fit: " + note, UserWarning, stacklevel=3)
+        warnings.warn("blr_fit: " + note, UserWarning, stacklevel=4)
     result = BLRResult(
         posterior=posterior,
         elbo=np.asarray(outcome.elbo),

@@ -78,6 +78,12 @@ def choose_family(record: SiteRecord, override: str | None, unconstrained: bool 
     """
     support = _support_kind(record.support)
     shape = record.value_shape
+    if override == "grid":
+        raise FamilyError(
+            "family 'grid' (a scalar scale integrated on a grid of fits with it fixed) is an option of blr_fit "
+            "alone; BLR and plan_of fit every latent in a family of its own",
+            site=record.name,
+        )
     if override is not None and override not in fam.FAMILIES:
         raise FamilyError(f"unknown family '{override}'; families: {sorted(fam.FAMILIES)}", site=record.name)
     if support == "discrete":
