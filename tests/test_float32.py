@@ -127,6 +127,21 @@ out["local_linear_trend"] = {
     for n in ("level0", "slope0", "level", "slope")
 }
 out["local_linear_trend"]["steps"] = int(r.num_steps)
+
+# eight schools (NumPyro's docs, centred) with the spread integrated on a grid
+def eight_schools(J, sigma, y=None):
+    mu = numpyro.sample("mu", dist.Normal(0, 5))
+    tau = numpyro.sample("tau", dist.HalfCauchy(5))
+    with numpyro.plate("J", J):
+        theta = numpyro.sample("theta", dist.Normal(mu, tau))
+        numpyro.sample("obs", dist.Normal(theta, sigma), obs=y)
+
+y8 = np.array([28.0, 8.0, -3.0, 7.0, -1.0, 1.0, 18.0, 12.0])
+sigma8 = np.array([15.0, 10.0, 16.0, 11.0, 9.0, 11.0, 10.0, 18.0])
+r = blr_fit(eight_schools, (8, sigma8, y8), families={"tau": "grid"}, rng_key=random.PRNGKey(0), progress_bar=False)
+tau = np.asarray(r.sample(random.PRNGKey(1), 200_000)["tau"], dtype=np.float64)
+out["schools_grid"] = {"tau": [float(tau.mean()), float(tau.std())], "theta": np.asarray(r.posterior["theta"].mean).tolist(),
+                       "dtype": str(np.asarray(r.posterior["theta"].mean).dtype)}
 print("RESULT" + json.dumps(out))
 """
 
@@ -253,3 +268,17 @@ def test_float32_two_component_state_is_exact(float32_run):
     variances = np.concatenate([r[n]["var"] for n in shapes])
     np.testing.assert_allclose(means, mean, atol=1e-4 * np.abs(mean).max())
     np.testing.assert_allclose(variances, np.diag(cov), rtol=1e-4)
+
+
+def test_float32_eight_schools_spread_on_a_grid(float32_run):
+    """The grid's fits in float32 (each from the model's starting state: started from its
+    neighbour's, a fit at τ = e⁻⁶ carried a precision the fits at larger τ did not recover
+    from, and τ came out 0.003): τ's mean and sd within 2 % of the exact posterior's, θ's
+    means within 1 %."""
+    from test_scale_grid import exact_eight_schools
+
+    out = float32_run[0]["schools_grid"]
+    m, sd, theta = exact_eight_schools()
+    assert out["dtype"] == "float32"
+    assert abs(out["tau"][0] - m) < 0.02 * m and abs(out["tau"][1] - sd) < 0.02 * sd, (out["tau"], m, sd)
+    np.testing.assert_allclose(out["theta"], theta, rtol=1e-2)

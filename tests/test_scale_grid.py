@@ -120,6 +120,7 @@ def test_a_python_loop_walk_on_a_grid_is_its_exact_posterior():
         ({"nope": "grid"}, {}, "names 'nope', which is not a latent sample site"),
         ({"tau": "grid", "mu": "grid", "theta": "grid"}, {}, "at most 2 scales"),
         ({"tau": "grid"}, {"num_starts": 2}, "one start and without prior="),
+        ({"tau": "grid"}, {"structure": "joint"}, "one block with 2 other site.*drop structure='joint'"),
     ],
 )
 def test_grid_requests_it_cannot_serve_are_clear_errors(families, kwargs, match):

@@ -115,6 +115,12 @@ def _check_sites(sites, plan, records) -> list:
                 f"families={{'{site}': 'grid'}}: '{site}' is not a latent sample site of the model", site=site
             )
         block = next((b for b in plan.blocks if site in b.sites), None)
+        if block is not None and block.sites != (site,) and block.size > 1 and math.prod(record.value_shape) == 1:
+            raise BLRError(
+                f"families={{'{site}': 'grid'}}: '{site}' is fitted in one block with {len(block.sites) - 1} other "
+                "site(s) (structure='joint'?); a grid integrates a scale fitted apart: drop structure='joint'",
+                site=site,
+            )
         if block is None or block.sites != (site,) or block.size != 1 or block.discrete or not block.family.gaussian:
             raise BLRError(
                 f"families={{'{site}': 'grid'}}: only a continuous scalar latent (a scale, a rate, a "
@@ -150,12 +156,13 @@ def _grid_points(d: int, half_width: float) -> np.ndarray:
 
 
 class _Profile:
-    """ℓ(u) by fits of the conditioned model, each started from the last fit's state."""
+    """ℓ(u) by fits of the conditioned model, each from the model's starting state (a fit
+    started from another grid point's state, its precision fitted to a scale e⁻⁶, did not
+    recover at larger scales in float32)."""
 
     def __init__(self, prepared, args, kwargs, transforms, num_steps):
         self.prepared, self.args, self.kwargs = prepared, args, kwargs
         self.transforms, self.num_steps = transforms, num_steps
-        self.state = prepared.state
         self.fits = 0
 
     def thetas(self, u):
@@ -182,7 +189,7 @@ class _Profile:
         bundle = self.prepared.bundle
         dyn = DataSpec.split(self.args, {**self.kwargs, "_blr_grid": grid})[1]
         data = bundle.run_data(dyn)
-        state = self.state._replace(elbo=jnp.full_like(self.state.elbo, jnp.nan))
+        state = self.prepared.state._replace(elbo=jnp.full_like(self.prepared.state.elbo, jnp.nan))
         outcome = run_loop(
             bundle.chunk, state, data, self.prepared.rho, self.prepared.tol, self.num_steps,
             self.prepared.chunk_size, False, bundle.window,
@@ -191,7 +198,6 @@ class _Profile:
         last = float(outcome.elbo[-1]) if len(outcome.elbo) else -math.inf
         if not math.isfinite(last) or not math.isfinite(log_jac):
             return -math.inf, None
-        self.state = outcome.state
         if weighted:
             last = self.weighted(outcome.state.nat, data)[0]
         return last + log_jac, outcome.state.nat
@@ -261,6 +267,12 @@ def grid_fit(model, args, kwargs, options, key, sites, prepare, finish):
     base_options = dataclasses.replace(options, families=tuple(sorted({**families, **{s: "gaussian" for s in sites}}.items())))
     base = prepare(model, args, kwargs, base_options, key)
     checked = _check_sites(sites, base.plan, base.records)
+    if base.plan.subsampled:
+        raise BLRError(
+            "families='grid' needs the fit's exact ELBO at every grid point; a model with subsampled plates has "
+            "only minibatch estimates of it: fit the full data, or the scales as latents",
+            site=sites[0],
+        )
     outcome = run_loop(
         base.bundle.chunk, base.state, base.dyn_data, base.rho, base.tol, options.num_steps, base.chunk_size,
         options.progress_bar, base.bundle.window,
