@@ -80,7 +80,11 @@ def blr_fit(
         families: optional overrides, site → family name (``"gaussian"``,
             ``"gaussian-diag"``, ``"gamma"``, ``"beta"``, ``"dirichlet"``,
             ``"categorical"``, ``"bernoulli"``). Latents whose factors have no closed form
-            in their native family get a Gaussian on their unconstrained space.
+            in their native family get a Gaussian on their unconstrained space. ``"grid"``
+            (at most two scalar continuous latents): the site is integrated on a grid of
+            fits with it held fixed (:mod:`blrppl.engine.grid`), for a scale that many
+            latents' prior reads, whose sd no Gaussian q gets right (a funnel); its
+            ``result.posterior`` entry and draws are the grid's marginal.
         structure: ``"joint"`` fits the Gaussian latents of non-closed-form factors as one
             dense Gaussian (their posterior correlations kept), ``"mean-field"`` one block
             per site; by default joint when their total dimension is at most 500, except
