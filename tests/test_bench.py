@@ -327,7 +327,8 @@ def test_funnel_section_and_its_problems():
     returns = runner.volatility_data(2000)["y"]
     assert 0.3 < np.std(returns) / np.exp(-4.5) < 3.0
     row = {"problem": "walk", "scale": "s", "nuts": (0.295, 0.0287), "blr": (0.2935, 0.0086), "joint": (0.156, 0.0004),
-           "joint_converged": False, "full_rank": (0.337, 0.0117), "latent_ratios": (0.93, 1.04)}
+           "joint_converged": False, "full_rank": (0.337, 0.0117), "latent_ratios": (0.93, 1.04),
+           "grid": (0.2961, 0.0289), "grid_wall": 11.42, "grid_latent_ratios": (0.99, 1.01)}
     text = report.markdown([], funnel_rows=[row])
     assert ("| walk | s | 0.295 (0.0287) | 0.293 (0.0086) | 0.30 | 0.156 (0.0004) | 0.01 (not converged) | "
-            "0.337 (0.0117) | 0.41 | 0.93–1.04 |") in text, text
+            "0.337 (0.0117) | 0.41 | 0.93–1.04 | 0.296 (0.0289) | 1.01 | 11.4 | 0.99–1.01 |") in text, text

@@ -133,3 +133,12 @@ def test_the_svi_drop_in_names_grid_as_blr_fit_only():
     blr = BLR(eight_schools, families={"tau": "grid"})
     with pytest.raises(BLRError, match="'grid'.*blr_fit alone"):
         blr.init(random.PRNGKey(0), J, SIGMA, Y)
+
+
+def test_a_discrete_site_on_a_grid_is_a_clear_error():
+    def coin(y):
+        z = numpyro.sample("z", dist.Bernoulli(0.5))
+        numpyro.sample("y", dist.Normal(2.0 * z, 1.0), obs=y)
+
+    with pytest.raises(BLRError, match="only a continuous scalar latent.*'z' is not one"):
+        blr_fit(coin, (np.array([1.5, 2.2]),), families={"z": "grid"}, progress_bar=False)

@@ -383,10 +383,14 @@ def _funnel_section(rows) -> list:
         "full-rank Gaussian fitted by numpyro's SVI (`AutoMultivariateNormal`, 20,000 steps of Adam, 8 "
         "particles); the sd ratios to NUTS; and the range of the latents' sd ratios under `blr_fit`. Where "
         "the full-rank Gaussian's sd is as far below NUTS's as `blr_fit`'s, the shortfall is the Gaussian "
-        "family's, not the factorisation's: no Gaussian q holds a funnel.",
+        "family's, not the factorisation's: no Gaussian q holds a funnel. The last columns: `blr_fit` with the "
+        "problem's scales integrated on a grid of fits with them fixed (`families={scale: \"grid\"}`, the walk's "
+        "two scales, the volatility's shock size: `docs/concepts.md`), its wall time (compile included) and "
+        "the latents' sd ratios under it.",
         "",
-        "| problem | scale | NUTS | blr_fit | ratio | joint | ratio | full-rank SVI | ratio | latents' sd ratios |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| problem | scale | NUTS | blr_fit | ratio | joint | ratio | full-rank SVI | ratio | latents' sd ratios "
+        "| grid | ratio | grid s | latents' sd ratios (grid) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         sd = r["nuts"][1]
@@ -397,9 +401,10 @@ def _funnel_section(rows) -> list:
 
         joint = cell("joint") + ("" if r["joint_converged"] else " (not converged)")
         lo, hi = r["latent_ratios"]
+        glo, ghi = r["grid_latent_ratios"]
         lines.append(
             f"| {r['problem']} | {r['scale']} | {r['nuts'][0]:.3f} ({sd:.4f}) | {cell('blr')} | {joint} | "
-            f"{cell('full_rank')} | {lo:.2f}–{hi:.2f} |"
+            f"{cell('full_rank')} | {lo:.2f}–{hi:.2f} | {cell('grid')} | {r['grid_wall']:.1f} | {glo:.2f}–{ghi:.2f} |"
         )
     return lines
 

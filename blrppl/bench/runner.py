@@ -800,10 +800,10 @@ def volatility_data(n: int = 300, seed: int = 0) -> dict:
     return {"y": np.exp(h / 2.0) * rng.normal(size=n)}
 
 
-#: (name, model, data, the scale, the latents it scales)
+#: (name, model, data, the scale, the latents it scales, the scales integrated on a grid)
 FUNNEL_PROBLEMS = (
-    ("random walk (600 days, 120 unseen)", walk_scales_model, walk_scales_data, "s", "x"),
-    ("stochastic volatility (300 days)", volatility_model, volatility_data, "sigma", "h"),
+    ("random walk (600 days, 120 unseen)", walk_scales_model, walk_scales_data, "s", "x", ("s", "r")),
+    ("stochastic volatility (300 days)", volatility_model, volatility_data, "sigma", "h", ("sigma",)),
 )
 
 
@@ -815,13 +815,14 @@ def scale_funnel(problems=FUNNEL_PROBLEMS, svi_steps: int = 20_000, warmup: int 
                  draws: int = 4_000, log=print) -> list:
     """A scale that many latents' prior reads, against NUTS: ``blr_fit`` (the latents a chain
     block, the scale fitted apart), ``blr_fit(structure="joint")`` (one dense Gaussian over
-    everything) and a full-rank Gaussian fitted by numpyro's SVI (``AutoMultivariateNormal``,
-    ``svi_steps`` of Adam from 0.005 decaying to 2.5·10⁻⁴, 8 particles): the scale's mean and
-    sd under each, and the range of the latents' sd ratios to NUTS under ``blr_fit``. Where
-    even the full-rank Gaussian's sd of the scale is far below NUTS's, the shortfall is the
-    Gaussian family's (a funnel), not the factorisation's."""
+    everything), a full-rank Gaussian fitted by numpyro's SVI (``AutoMultivariateNormal``,
+    ``svi_steps`` of Adam from 0.005 decaying to 2.5·10⁻⁴, 8 particles) and ``blr_fit`` with
+    the problem's scales integrated on a grid (``families={scale: "grid"}``): the scale's mean
+    and sd under each, and the range of the latents' sd ratios to NUTS under ``blr_fit`` and
+    under the grid. Where even the full-rank Gaussian's sd of the scale is far below NUTS's,
+    the shortfall is the Gaussian family's (a funnel), not the factorisation's."""
     rows = []
-    for name, model, data_fn, scale, latents in problems:
+    for name, model, data_fn, scale, latents, gridded in problems:
         data = data_fn()
         key = jax.random.PRNGKey(0)
         mcmc = MCMC(NUTS(model), num_warmup=warmup, num_samples=samples, progress_bar=False)
@@ -841,13 +842,22 @@ def scale_funnel(problems=FUNNEL_PROBLEMS, svi_steps: int = 20_000, warmup: int 
         res = SVI(model, guide, optim, Trace_ELBO(num_particles=8)).run(key, svi_steps, progress_bar=False, **data)
         full = guide.sample_posterior(jax.random.PRNGKey(1), res.params, sample_shape=(draws,))
         row["full_rank"] = _moments(full, [scale])[scale]
+        t0 = time.perf_counter()
+        grid = blr_fit(model, data, rng_key=key, families={s: "grid" for s in gridded}, progress_bar=False)
+        row["grid_wall"] = time.perf_counter() - t0
+        post = grid.sample(jax.random.PRNGKey(1), draws)
+        row["grid"] = _moments(post, [scale])[scale]
+        ratios = np.std(np.asarray(post[latents]), 0) / np.std(np.asarray(ref[latents]), 0)
+        row["grid_latent_ratios"] = (float(ratios.min()), float(ratios.max()))
         rows.append(row)
         sd = row["nuts"][1]
         log(
             f"  {name}: {scale} sd NUTS {sd:.4f}, blr_fit {row['blr'][1]:.4f} ({row['blr'][1] / sd:.2f}x), joint "
             f"{row['joint'][1]:.4f} ({row['joint'][1] / sd:.2f}x{'' if row['joint_converged'] else ', not converged'}), "
-            f"full-rank SVI {row['full_rank'][1]:.4f} ({row['full_rank'][1] / sd:.2f}x); {latents} sd ratios "
-            f"{row['latent_ratios'][0]:.2f}-{row['latent_ratios'][1]:.2f}"
+            f"full-rank SVI {row['full_rank'][1]:.4f} ({row['full_rank'][1] / sd:.2f}x), grid {row['grid'][1]:.4f} "
+            f"({row['grid'][1] / sd:.2f}x, {row['grid_wall']:.1f} s); {latents} sd ratios "
+            f"{row['latent_ratios'][0]:.2f}-{row['latent_ratios'][1]:.2f} (grid "
+            f"{row['grid_latent_ratios'][0]:.2f}-{row['grid_latent_ratios'][1]:.2f})"
         )
     return rows
 

@@ -55,7 +55,7 @@ import numpyro
 import numpyro.distributions as dist
 from numpyro.distributions.transforms import biject_to
 
-from blrppl.errors import BLRError
+from blrppl.errors import BLRError, FamilyError
 from blrppl.graph.data import DataSpec
 
 #: the family name that asks for a site to be integrated on a grid
@@ -114,6 +114,12 @@ def _check_sites(sites, plan, records) -> list:
             raise BLRError(
                 f"families={{'{site}': 'grid'}}: '{site}' is not a latent sample site of the model", site=site
             )
+        if record.unconstrained_init is None:
+            raise BLRError(
+                f"families={{'{site}': 'grid'}}: the support of '{site}' depends on other latents, so no one map "
+                "to an unconstrained scale serves the grid",
+                site=site,
+            )
         block = next((b for b in plan.blocks if site in b.sites), None)
         if block is not None and block.sites != (site,) and block.size > 1 and math.prod(record.value_shape) == 1:
             raise BLRError(
@@ -137,11 +143,11 @@ def _moment_match(family, weights, nats):
     (the moment match of the mixture Σ_k w_k q(λ_k))."""
     mean = None
     for w, nat in zip(weights, nats):
-        if w == 0.0:
+        if w == 0.0 or nat is None:
             continue
         mp = jax.tree.map(lambda x: w * np.asarray(x, np.float64), family.mean_params(nat))
         mean = mp if mean is None else jax.tree.map(np.add, mean, mp)
-    dtype = jax.tree.leaves(nats[0])[0].dtype
+    dtype = jax.tree.leaves(next(n for n in nats if n is not None))[0].dtype
     return family.nat_from_mean(jax.tree.map(lambda x: jnp.asarray(x, dtype), mean))
 
 
@@ -265,7 +271,16 @@ def grid_fit(model, args, kwargs, options, key, sites, prepare, finish):
     # the model with the scales as latents, each in a block of its own: its plan and its
     # families are the result's, its fit the grid's first guess
     base_options = dataclasses.replace(options, families=tuple(sorted({**families, **{s: "gaussian" for s in sites}}.items())))
-    base = prepare(model, args, kwargs, base_options, key)
+    try:
+        base = prepare(model, args, kwargs, base_options, key)
+    except FamilyError as err:
+        if err.site in sites and "cannot represent" in str(err):  # (the Gaussian asked for here)
+            raise BLRError(
+                f"families={{'{err.site}': 'grid'}}: only a continuous scalar latent (a scale, a rate, a "
+                f"persistence) can be integrated on a grid; '{err.site}' is not one",
+                site=err.site,
+            ) from None
+        raise
     checked = _check_sites(sites, base.plan, base.records)
     if base.plan.subsampled:
         raise BLRError(
@@ -323,8 +338,8 @@ def grid_fit(model, args, kwargs, options, key, sites, prepare, finish):
         stats = [block.family.sufficient_stats(jnp.full(shape, u[i], jnp.result_type(float))) for u in us]
         nat[block.name] = _moment_match_stats(block.family, weights, stats)
     cond_blocks = {b.name: b for b in cond.plan.blocks}
-    kept = [w > 0 for w in weights]
     nats = [v[1] for v in values]
+    mode_nat = nats[int(np.argmax(weights))]
     unmatched = []
     for b in base.plan.blocks:
         if any(b is c for c, _ in checked):
@@ -332,13 +347,15 @@ def grid_fit(model, args, kwargs, options, key, sites, prepare, finish):
         c = cond_blocks.get(b.name)
         if c is None or c.family != b.family:
             unmatched.append(b.name)
-            continue
-        nat[b.name] = _moment_match(b.family, [w for w, k in zip(weights, kept) if k],
-                                    [n[b.name] for n, k in zip(nats, kept) if k])
-    spread = ", ".join(
-        f"'{s}' {float(np.sum(weights * us[:, i])):.4g} ± {math.sqrt(max(float(np.sum(weights * us[:, i] ** 2)) - float(np.sum(weights * us[:, i])) ** 2, 0.0)):.3g}"
-        for i, s in enumerate(sites)
-    )
+        elif b.param or b.point:
+            nat[b.name] = mode_nat[b.name]  # (a point estimate: the most probable grid point's)
+        else:
+            try:
+                nat[b.name] = _moment_match(b.family, weights, [n[b.name] if n is not None else None for n in nats])
+            except NotImplementedError:  # (a family without a map from mean parameters)
+                nat[b.name] = mode_nat[b.name]
+    moments = [(float(np.sum(weights * us[:, i])), float(np.sum(weights * us[:, i] ** 2))) for i in range(d)]
+    spread = ", ".join(f"'{s}' {m:.4g} ± {math.sqrt(max(m2 - m * m, 0.0)):.3g}" for s, (m, m2) in zip(sites, moments))
     note = (
         f"{', '.join(repr(s) for s in sites)} integrated on a grid of {len(us)} points ({profile.fits} fits with "
         f"{'it' if d == 1 else 'them'} fixed, read by their {'importance-weighted bounds' if weighted else 'ELBOs'}; "
