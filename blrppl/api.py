@@ -7,7 +7,7 @@ from typing import Callable
 import numpy as np
 import numpyro
 
-from blrppl.engine.fit import COMPILE_LOCK, finish, plan_model, prepare, run
+from blrppl.engine.fit import COMPILE_LOCK, plan_model, prepare, run
 from blrppl.engine.grid import grid_sites, grid_fit
 from blrppl.errors import BLRError, out_of_memory_as_error
 from blrppl.graph.trace import trace_model
@@ -170,7 +170,7 @@ def blr_fit(
                 site=scales[0],
             )
         with out_of_memory_as_error("the fit"):
-            result = grid_fit(model, args, kwargs, options, key, scales, prepare, finish)
+            result = grid_fit(model, args, kwargs, options, key, scales)
         result.model_call = (model, args, kwargs)
         return result
     # (inline, not in a function of its own: warnings keep pointing at the caller's line)

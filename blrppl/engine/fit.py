@@ -1004,8 +1004,8 @@ def poor_q_advice(plan) -> str:
         grid = ", ".join(f"'{n}': 'grid'" for n in scalars)
         advice = (
             f"the {count} latents of {latents} have a latent scale ({scale}): the posterior of a scale and the "
-            "latents it scales is a funnel (their spread shrinks with it), which no Gaussian q holds, fitted apart or in "
-            "one joint block (structure='joint' is no better; a full-rank Gaussian fitted by SVI neither): the "
+            "latents it scales is a funnel (their spread shrinks with it), which no Gaussian q holds, fitted apart "
+            "or in one joint block (structure='joint' is no better; a full-rank Gaussian fitted by SVI neither): the "
             "scale's sd may come out several times too small while its mean and the latents' marginals stay "
             "close; " + (
                 f"integrate the scale on a grid of fits with it fixed, families={{{grid}}}, or compare it with NUTS"

@@ -55,6 +55,9 @@ import numpyro
 import numpyro.distributions as dist
 from numpyro.distributions.transforms import biject_to
 
+from blrppl.diagnostics import psis_khat
+from blrppl.engine.fit import _model_data, finish, prepare
+from blrppl.engine.loop import run_loop
 from blrppl.errors import BLRError, FamilyError
 from blrppl.graph.data import DataSpec
 
@@ -188,7 +191,6 @@ class _Profile:
     def __call__(self, u, weighted: bool = False):
         """(ℓ(u), the fit's natural parameters); with ``weighted``, ℓ from the importance-
         weighted bound of the fit's q (see :meth:`weighted`) in place of its ELBO."""
-        from blrppl.engine.loop import run_loop
 
         log_jac = self.log_jacobian(u)
         grid = self.thetas(u)
@@ -214,9 +216,6 @@ class _Profile:
         in θ). It bounds log p(y, θ) more tightly than the ELBO (Burda et al. 2016), and
         the ELBO's gap, KL(q ‖ p(x | y, θ)), varies with θ: a stochastic volatility's
         grows with its shock size, which biased the shock size's mean down by 0.12 NUTS sd."""
-        from blrppl.diagnostics import psis_khat
-        from blrppl.engine.fit import _model_data
-
         bundle = self.prepared.bundle
         log_w = np.asarray(bundle.log_weights(nat, _model_data(self.prepared.plan, data), jax.random.key(0)), float)
         log_w = log_w[np.isfinite(log_w)]
@@ -259,18 +258,15 @@ def _newton(profile, u, scale):
     return u, cov
 
 
-def grid_fit(model, args, kwargs, options, key, sites, prepare, finish):
-    """``blr_fit`` with ``sites`` integrated on a grid (see the module docstring).
-
-    ``prepare`` and ``finish`` are :func:`blrppl.engine.fit.prepare` and
-    :func:`blrppl.engine.fit.finish` (passed in: this module sits below them)."""
-    from blrppl.engine.loop import run_loop
-
+def grid_fit(model, args, kwargs, options, key, sites):
+    """``blr_fit`` with ``sites`` integrated on a grid (see the module docstring): the model's
+    arguments, its checked :class:`blrppl.inputs.FitOptions` and key, the grid's sites."""
     t1 = time.perf_counter()
     families = {s: f for s, f in options.families if f != GRID}
     # the model with the scales as latents, each in a block of its own: its plan and its
     # families are the result's, its fit the grid's first guess
-    base_options = dataclasses.replace(options, families=tuple(sorted({**families, **{s: "gaussian" for s in sites}}.items())))
+    as_latents = {**families, **{s: "gaussian" for s in sites}}
+    base_options = dataclasses.replace(options, families=tuple(sorted(as_latents.items())))
     try:
         base = prepare(model, args, kwargs, base_options, key)
     except FamilyError as err:
@@ -362,7 +358,9 @@ def grid_fit(model, args, kwargs, options, key, sites, prepare, finish):
         f"on the unconstrained scale {spread})"
     )
     if unmatched:
-        note += f"; the blocks {', '.join(unmatched)} differ with the scales fixed and report the fit with them as latents"
+        note += (
+            f"; the blocks {', '.join(unmatched)} differ with the scales fixed and report the fit with them as latents"
+        )
     if np.max(weights[edge]) > EDGE_WEIGHT * np.max(weights):
         warnings.warn(
             f"blr_fit: the grid of {', '.join(sites)} still carries weight at its edge after widening it "
@@ -370,8 +368,9 @@ def grid_fit(model, args, kwargs, options, key, sites, prepare, finish):
         )
     t2 = time.perf_counter()
     result = finish(base, outcome, nat, options.num_steps, t1, t2, grid=note)
+    spacing = GRID_STEP[d] * (half / HALF_WIDTH if d > 1 else 1.0)  # (in Laplace sds: see _grid_points)
     for i, (site, (_, transform)) in enumerate(zip(sites, checked)):
-        result.posterior[site] = _grid_marginal(us[:, i], weights, GRID_STEP[d] * (half / HALF_WIDTH if d > 1 else 1.0) * math.sqrt(cov[i, i]) / 8, transform)
+        result.posterior[site] = _grid_marginal(us[:, i], weights, spacing * math.sqrt(cov[i, i]) / 8, transform)
     return result
 
 
