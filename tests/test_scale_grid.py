@@ -8,6 +8,8 @@ a fine grid (20,001 points of log τ), and E[θ | y] = ∫ E[θ | τ, y] p(τ | 
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import numpyro
 import numpyro.distributions as dist
@@ -59,7 +61,20 @@ def exact_eight_schools():
 
 @pytest.fixture(scope="module")
 def schools_fit():
-    return blr_fit(eight_schools, (J, SIGMA, Y), families={"tau": "grid"}, rng_key=random.PRNGKey(0), progress_bar=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = blr_fit(eight_schools, (J, SIGMA, Y), families={"tau": "grid"}, rng_key=random.PRNGKey(0),
+                         progress_bar=False)
+    result.caught = caught
+    return result
+
+
+def test_the_grid_fits_warnings_point_at_the_users_call(schools_fit):
+    """PSIS still flags q (the scale is drawn apart from the effects) and says the marginals
+    are the grid's, at the line that called blr_fit, as its other warnings do."""
+    poor = [w for w in schools_fit.caught if "poor approximation" in str(w.message)]
+    assert poor and "marginals from it" in str(poor[0].message), [str(w.message) for w in schools_fit.caught]
+    assert {w.filename for w in schools_fit.caught} == {__file__}
 
 
 def test_eight_schools_spread_on_a_grid_equals_the_exact_posterior(schools_fit):

@@ -867,7 +867,7 @@ def _diagnose(prepared, outcome, nat) -> Diagnostics:
             "not computed: the model's log density at q's draws needs more memory than this machine has "
             f"({out_of_memory_detail(exc)})"
         )
-        warnings.warn(f"blr_fit: PSIS k-hat {note}; q's quality is unchecked", UserWarning, stacklevel=4)
+        warnings.warn(f"blr_fit: PSIS k-hat {note}; q's quality is unchecked", UserWarning, stacklevel=5)
         return Diagnostics(khat=math.nan, num_draws=0, note=note, **base)
     return Diagnostics(
         khat=psis_khat(log_weights), num_draws=int(log_weights.size), ess=relative_ess(log_weights), **base
