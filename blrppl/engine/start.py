@@ -81,6 +81,39 @@ def features(plan, records, block) -> np.ndarray | None:
     return x if np.all(np.isfinite(x)) else None
 
 
+def chain_features(plan, records, block) -> np.ndarray | None:
+    """Per position of a hidden Markov chain block: the standardised observed values of the
+    factors whose elements each read one position (its emissions), ``(P, F)``; positions no
+    such element reads (an initial state, masked steps) take the columns' means, 0 once
+    standardised. None when no factor reads the chain so."""
+    n = int(np.prod(block.full.value_shape))
+    cols = []
+    for f in plan.factors:
+        reads = dict(f.chain_reads).get(block.name)
+        if reads is None or not f.observed or f.name not in records:
+            continue
+        lo, hi = np.ravel(reads.lo), np.ravel(reads.hi)
+        y = np.asarray(records[f.name].init_value, dtype=float)
+        if lo.size == 0 or y.size % lo.size:
+            continue
+        y = y.reshape(lo.size, -1)
+        one = (hi < 0) & (lo >= 0) & (lo < n)
+        col = np.full((n, y.shape[1]), np.nan)
+        col[lo[one]] = y[one]
+        cols.append(col)
+    if not cols:
+        return None
+    x = np.concatenate(cols, axis=1)
+    seen = np.isfinite(x)
+    if not np.any(seen):
+        return None
+    count = np.maximum(seen.sum(0), 1)
+    mean = np.where(seen, x, 0.0).sum(0) / count
+    sd = np.sqrt(np.where(seen, (x - mean) ** 2, 0.0).sum(0) / count)
+    x = np.where(seen, (x - mean) / np.where(sd > 0, sd, 1.0), 0.0)
+    return x
+
+
 def kmeans_pp_probs(x: np.ndarray, k: int, rng: np.random.Generator) -> np.ndarray:
     """Responsibilities ``(N, k)`` of hard assignments to k seeds chosen by k-means++."""
     n = x.shape[0]
@@ -99,16 +132,17 @@ def kmeans_pp_probs(x: np.ndarray, k: int, rng: np.random.Generator) -> np.ndarr
 
 
 def seeded_probs(plan, records, rng: np.random.Generator) -> dict:
-    """k-means++ responsibilities for every discrete block that has features, random ones
+    """k-means++ responsibilities for every discrete block that has features (a hidden
+    Markov chain: its emissions per position, :func:`chain_features`), random ones
     (Dirichlet(1) rows) for the others."""
     out = {}
     for b in plan.blocks:
         if not b.discrete:
             continue
         k = len(b.support_values)
-        x = features(plan, records, b)
+        x = chain_features(plan, records, b) if b.chain else features(plan, records, b)
         if x is not None and x.shape[0] >= k:
-            out[b.name] = kmeans_pp_probs(x, k, rng)
+            out[b.name] = kmeans_pp_probs(x, k, rng).reshape(tuple(b.full.value_shape) + (k,))
         else:
             out[b.name] = rng.dirichlet(np.ones(k), size=b.full.value_shape)
     return out
