@@ -376,8 +376,8 @@ _schools_data = (8, np.array([15.0, 10.0, 16.0, 11.0, 9.0, 11.0, 10.0, 18.0]), n
         # (a latent scale of many latents' prior: the advice names both and the funnel)
         (_walk_with_unknown_step, (np.cumsum(_ys),), ("('step')", "40 latents of 'x'", "families={'step': 'grid'}")),
         (_volatility_scan, (0.01 * _ys,), ("('sigma')", "40 latents of 'h'", "families={'sigma': 'grid'}")),
-        (_schools, _schools_data, ("8 latents of 'theta'", "one Gaussian block with them")),
-        (_loop_walk, (np.cumsum(_ys[:20]),), ("20 latents of 'x_0' … 'x_19'", "one Gaussian block with them")),
+        (_schools, _schools_data, ("8 latents of 'theta'", "('tau')", "families={'tau': 'grid'}")),
+        (_loop_walk, (np.cumsum(_ys[:20]),), ("20 latents of 'x_0' … 'x_19'", "('s')", "families={'s': 'grid'}")),
         # (a latent scale of observations only, or of fewer than 8 latents: no funnel)
         (_noise_scale_only, (_ys,), None),
         (_few_groups, (_ys,), None),
@@ -388,7 +388,8 @@ def test_poor_q_advice_names_a_scale_of_many_latents_and_its_funnel(model, args,
     effects, a volatility's shock size) and those latents form a funnel no Gaussian q holds:
     the poor-q advice says so and names them, instead of suggesting structure='joint' (which
     fits the random-walk reference no better: it ran off), and offers a grid for a scale
-    that is a scalar site of its own. Plans only: no fit."""
+    that is a scalar site (in a block of its own, or the positive scalar member of the
+    latents' joint block: eight schools' τ). Plans only: no fit."""
     advice = poor_q_advice(plan_of(model, args, rng_key=random.PRNGKey(0)))
     if named is None:
         assert "funnel" not in advice, advice

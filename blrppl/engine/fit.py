@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import numpyro
+from numpyro.distributions import constraints
 
 from blrppl.engine.loop import BAD_RATE, CONVERGED, NONFINITE, STATIONARY, STATIONARY_STEPS, empty_history, history_size, make_chunk, run_loop
 from blrppl.engine import start as start_mod
@@ -923,9 +924,9 @@ def _funnel(plan):
     integrate them)`` of a latent scale that the priors of at least :data:`FUNNEL_MIN_LATENTS`
     latents read (a random walk's step size, a hierarchical model's group sd, a volatility's
     shock size; summed over one site per step), quoted for display; None when the plan has
-    none. The scale is named by its sites when it has a block of its own, else (one joint
-    block with the latents: a quadrature factor reading a parameter through an exponential)
-    described.
+    none. The scale is named by its sites when it has a block of its own, or, in one joint
+    block with the latents (a quadrature factor reading a parameter through an exponential),
+    by the block's scalar members on a positive support (eight schools' τ); else described.
 
     A Gaussian q, even one dense block over the scale and its latents, does not hold their
     joint posterior: the sd of a random walk's step scale is 0.32× NUTS's fitted apart and
@@ -943,7 +944,14 @@ def _funnel(plan):
             scales = tuple(s for n in blocks.get("scale", ()) for s in plan.block(n).sites if s not in sites)
             scale = scales or None
         elif any(isinstance(leaf, int) and link == "exp" for _, leaf, link in f.links):
-            scale = "fitted in one Gaussian block with them"
+            # (one joint block with the latents: its scalar members on a positive support
+            # other than the scaled sites, eight schools' τ, are the candidates)
+            joint = [plan.block(n) for n in f.neighbours if plan.block(n).members]
+            scale = tuple(
+                m.name for b in joint for m in b.members
+                if m.size == 1 and m.name not in sites
+                and type(getattr(m.transform, "codomain", None)) is type(constraints.positive)
+            ) or "fitted in one Gaussian block with them"
         if scale is not None:
             names, count = scaled.get(scale, ((), 0))
             scaled[scale] = (names + sites, count + sum(sizes.get(s, 0) for s in sites))

@@ -34,7 +34,8 @@ scales as latents,
   ``result.sample``) the grid itself, Σ_k w_k N(u_k, (spacing/8)²) mapped to the site's
   support (a skewed posterior, as eight schools' spread, keeps its shape);
 * every other block: the moment match of the mixture Σ_k w_k q_k of the fits at the grid
-  points (the weighted average of their mean parameters, then λ = ∇A*(μ)).
+  points (the weighted average of their mean parameters, then λ = ∇A*(μ)); point and param
+  blocks, and families without that map, the most probable grid point's fit.
 
 Draws of the scales and of the other latents are independent (q is still a product of
 blocks); their marginals are the grid's.
