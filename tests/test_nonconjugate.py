@@ -438,30 +438,3 @@ def test_bad_initialisation_no_false_convergence(name, scale):
     if result.converged:
         assert_converged(result)
 
-
-@pytest.mark.parametrize(
-    "name, scales, latents, sd_rel",
-    [
-        # (the issue's bar for chains: the walk's states and scales within 10 %, the
-        # volatility's within 20 %)
-        ("random_walk", ("s", "r"), "x", 0.1),
-        ("stochastic_volatility", ("sigma",), "h", 0.2),
-    ],
-)
-def test_chain_scales_integrated_on_a_grid_match_nuts(name, scales, latents, sd_rel):
-    """The scales of a chain integrated on a grid of fits with them fixed
-    (``families={scale: "grid"}``): each scale's mean within 0.1 NUTS sd and its sd within
-    ``sd_rel`` of NUTS's (the default fit's are 0.3× and 0.25×: a funnel no Gaussian q
-    holds), and the states (the moment-matched mixture of the fits) still within 0.1 sd and
-    ``sd_rel``."""
-    model, data = rm.get(name)
-    result = blr_fit(model, data, families={s: "grid" for s in scales}, rng_key=jax.random.key(0), progress_bar=False)
-    ref, est = reference(name), posterior_moments(result)
-    err = {k: abs(est[k][0] - m) / s for k, (m, s) in ref.items()}
-    ratio = {k: est[k][1] / s for k, (_, s) in ref.items()}
-    assert all(err[k] <= 0.1 and abs(ratio[k] - 1.0) <= sd_rel for k in scales), _fmt(
-        {**{f"err {k}": err[k] for k in scales}, **{f"ratio {k}": ratio[k] for k in scales}}
-    )
-    states = [k for k in ref if k.startswith(f"{latents}[")]
-    assert max(err[k] for k in states) <= 0.1, max(err[k] for k in states)
-    assert max(abs(ratio[k] - 1.0) for k in states) <= sd_rel, max(abs(ratio[k] - 1.0) for k in states)
