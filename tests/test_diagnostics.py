@@ -336,14 +336,6 @@ def _volatility_scan(returns):
     scan(step, mu, returns)
 
 
-def _schools(J, sigma, y=None):
-    mu = numpyro.sample("mu", dist.Normal(0.0, 5.0))
-    tau = numpyro.sample("tau", dist.HalfCauchy(5.0))
-    with numpyro.plate("J", J):
-        theta = numpyro.sample("theta", dist.Normal(mu, tau))
-        numpyro.sample("obs", dist.Normal(theta, sigma), obs=y)
-
-
 def _loop_walk(y):
     s = numpyro.sample("s", dist.Exponential(1.0))
     x = 0.0
@@ -367,7 +359,6 @@ def _few_groups(y):
 
 
 _ys = np.random.default_rng(0).normal(size=40)
-_schools_data = (8, np.array([15.0, 10.0, 16.0, 11.0, 9.0, 11.0, 10.0, 18.0]), np.array([28.0, 8.0, -3.0, 7.0, -1.0, 1.0, 18.0, 12.0]))
 
 
 @pytest.mark.parametrize(
@@ -376,7 +367,7 @@ _schools_data = (8, np.array([15.0, 10.0, 16.0, 11.0, 9.0, 11.0, 10.0, 18.0]), n
         # (a latent scale of many latents' prior: the advice names both and the funnel)
         (_walk_with_unknown_step, (np.cumsum(_ys),), ("('step')", "40 latents of 'x'", "families={'step': 'grid'}")),
         (_volatility_scan, (0.01 * _ys,), ("('sigma')", "40 latents of 'h'", "families={'sigma': 'grid'}")),
-        (_schools, _schools_data, ("8 latents of 'theta'", "('tau')", "families={'tau': 'grid'}")),
+        (eight_schools, SCHOOLS, ("8 latents of 'theta'", "('tau')", "families={'tau': 'grid'}")),
         (_loop_walk, (np.cumsum(_ys[:20]),), ("20 latents of 'x_0' … 'x_19'", "('s')", "families={'s': 'grid'}")),
         # (a latent scale of observations only, or of fewer than 8 latents: no funnel)
         (_noise_scale_only, (_ys,), None),
