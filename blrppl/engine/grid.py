@@ -142,17 +142,18 @@ def _check_sites(sites, plan, records) -> list:
     return out
 
 
-def _moment_match(family, weights, nats):
-    """λ of ``family`` whose mean parameters are the weighted average of those of ``nats``
-    (the moment match of the mixture Σ_k w_k q(λ_k))."""
-    mean = None
-    for w, nat in zip(weights, nats):
-        if w == 0.0 or nat is None:
+def _moment_match(family, weights, means):
+    """λ of ``family`` whose mean parameters are Σ_k w_k μ_k (``means``: mean parameters, or
+    sufficient statistics T(u_k) of points; None where a grid fit failed): the moment match
+    of the mixture Σ_k w_k q_k, or of the weighted points."""
+    total = None
+    for w, mp in zip(weights, means):
+        if w == 0.0 or mp is None:
             continue
-        mp = jax.tree.map(lambda x: w * np.asarray(x, np.float64), family.mean_params(nat))
-        mean = mp if mean is None else jax.tree.map(np.add, mean, mp)
-    dtype = jax.tree.leaves(next(n for n in nats if n is not None))[0].dtype
-    return family.nat_from_mean(jax.tree.map(lambda x: jnp.asarray(x, dtype), mean))
+        mp = jax.tree.map(lambda x: w * np.asarray(x, np.float64), mp)
+        total = mp if total is None else jax.tree.map(np.add, total, mp)
+    dtype = jax.tree.leaves(next(m for m in means if m is not None))[0].dtype
+    return family.nat_from_mean(jax.tree.map(lambda x: jnp.asarray(x, dtype), total))
 
 
 def _grid_points(d: int, half_width: float) -> np.ndarray:
@@ -338,7 +339,7 @@ def grid_fit(model, args, kwargs, options, key, sites):
         shape = jnp.shape(jax.tree.leaves(nat[block.name])[0])  # (the mean's: η₁ = S m)
         points = [(w / 2, u[i] + sign * widths[i]) for w, u in zip(weights, us) for sign in (-1.0, 1.0)]
         stats = [block.family.sufficient_stats(jnp.full(shape, x, jnp.result_type(float))) for _, x in points]
-        nat[block.name] = _moment_match_stats(block.family, [w for w, _ in points], stats)
+        nat[block.name] = _moment_match(block.family, [w for w, _ in points], stats)
     if 1.0 / np.sum(weights**2) < 3.0:
         warnings.warn(
             f"blr_fit: the grid of {', '.join(sites)} puts its weight on fewer than 3 of its points (the posterior "
@@ -360,7 +361,10 @@ def grid_fit(model, args, kwargs, options, key, sites):
             nat[b.name] = mode_nat[b.name]  # (a point estimate: the most probable grid point's)
         else:
             try:
-                nat[b.name] = _moment_match(b.family, weights, [n[b.name] if n is not None else None for n in nats])
+                means = [
+                    b.family.mean_params(n[b.name]) if n is not None and w > 0 else None for w, n in zip(weights, nats)
+                ]
+                nat[b.name] = _moment_match(b.family, weights, means)
             except NotImplementedError:  # (a family without a map from mean parameters)
                 nat[b.name] = mode_nat[b.name]
     moments = [(float(np.sum(weights * us[:, i])), float(np.sum(weights * us[:, i] ** 2))) for i in range(d)]
@@ -398,13 +402,3 @@ def _grid_marginal(u, weights, width: float, transform):
         dist.Normal(jnp.asarray(u[keep], dtype), jnp.asarray(width, dtype)),
     )
     return dist.TransformedDistribution(mixture, transform)
-
-
-def _moment_match_stats(family, weights, stats):
-    """λ of ``family`` whose mean parameters are Σ_k w_k T(u_k) (``stats``: T(u_k))."""
-    mean = None
-    for w, st in zip(weights, stats):
-        mp = jax.tree.map(lambda x: w * np.asarray(x, np.float64), st)
-        mean = mp if mean is None else jax.tree.map(np.add, mean, mp)
-    dtype = jax.tree.leaves(stats[0])[0].dtype
-    return family.nat_from_mean(jax.tree.map(lambda x: jnp.asarray(x, dtype), mean))
