@@ -191,3 +191,15 @@ def test_chain_scales_integrated_on_a_grid_match_nuts(name, scales, latents, sd_
     states = [k for k in ref if k.startswith(f"{latents}[")]
     assert max(err[k] for k in states) <= 0.1, max(err[k] for k in states)
     assert max(abs(ratio[k] - 1.0) for k in states) <= sd_rel, max(abs(ratio[k] - 1.0) for k in states)
+
+
+def test_a_fit_that_cannot_start_returns_as_without_the_grid():
+    """Data whose squares overflow (finite, so no data check refuses them): the fit with the
+    scale as latent takes no step, and the grid fit returns it with the same stop warning
+    and a note that no grid was run (it raised a bare 'no finite ELBO' error)."""
+    y = Y.copy()
+    y[2] = 1e200
+    with pytest.warns(UserWarning, match="stopped after 0 steps"):
+        result = blr_fit(eight_schools, (J, SIGMA, y), families={"tau": "grid"}, rng_key=random.PRNGKey(0),
+                         progress_bar=False)
+    assert "'tau' not integrated on a grid" in result.message, result.message

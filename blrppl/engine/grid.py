@@ -58,7 +58,7 @@ from numpyro.distributions.transforms import biject_to
 
 from blrppl.diagnostics import psis_khat
 from blrppl.engine.fit import _model_data, finish, prepare
-from blrppl.engine.loop import run_loop
+from blrppl.engine.loop import NONFINITE, run_loop
 from blrppl.errors import BLRError, FamilyError
 from blrppl.graph.data import DataSpec
 
@@ -290,6 +290,13 @@ def grid_fit(model, args, kwargs, options, key, sites):
         base.bundle.chunk, base.state, base.dyn_data, base.rho, base.tol, options.num_steps, base.chunk_size,
         options.progress_bar, base.bundle.window,
     )
+    if outcome.stop == NONFINITE or not (len(outcome.elbo) and np.isfinite(outcome.elbo[-1])):
+        # (no finite fit to start the grid from: the fit with the scales as latents is returned,
+        # with its stop message and warnings, as blr_fit without the grid returns it)
+        result = finish(base, outcome, outcome.state.nat, options.num_steps, t1, time.perf_counter())
+        listed = ", ".join(repr(s) for s in sites)
+        result.message += f"; {listed} not integrated on a grid: the fit with them as latents reached no finite ELBO"
+        return result
     views = [b.family.view(outcome.state.nat[b.name]) for b, _ in checked]
     u0 = np.array([float(np.ravel(v.mean)[0]) for v in views])
     sd0 = np.array([math.sqrt(float(np.ravel(b.family.marginal_variance(v))[0])) for (b, _), v in zip(checked, views)])
