@@ -252,6 +252,48 @@ def test_poor_q_advice_counts_only_blocks_a_joint_block_could_hold():
     assert "fitted apart" not in poor_q_advice(plan), poor_q_advice(plan)
 
 
+def _two_poisson_coefficient_vectors(X, y):
+    w1 = numpyro.sample("w1", dist.Normal(0.0, 1.0).expand([X.shape[1]]).to_event(1))
+    w2 = numpyro.sample("w2", dist.Normal(0.0, 1.0).expand([X.shape[1]]).to_event(1))
+    with numpyro.plate("N", X.shape[0]):
+        numpyro.sample("y", dist.Poisson(jnp.exp(X @ w1 + X[:, ::-1] @ w2)), obs=y)
+
+
+def _poisson_and_beta(X, y, c):
+    w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([X.shape[1]]).to_event(1))
+    p = numpyro.sample("p", dist.Beta(1.0, 1.0))
+    with numpyro.plate("N", X.shape[0]):
+        numpyro.sample("y", dist.Poisson(jnp.exp(X @ w)), obs=y)
+        numpyro.sample("c", dist.Bernoulli(p), obs=c)
+
+
+_rng = np.random.default_rng(1)
+_X, _counts, _flags = 0.1 * _rng.normal(size=(60, 4)), _rng.poisson(1.0, 60).astype(float), (_rng.random(60) < 0.3) * 1.0
+
+
+@pytest.mark.parametrize(
+    "model, args, structure, joint_advised",
+    [
+        # (two dense Gaussian blocks kept apart: structure='joint' would merge them)
+        (_two_poisson_coefficient_vectors, (_X, _counts), "mean-field", True),
+        # (the same model fitted with structure='joint': one block, nothing left to join)
+        (_two_poisson_coefficient_vectors, (_X, _counts), "joint", False),
+        # (one dense Gaussian beside a Beta: structure='joint' merges Gaussian blocks only)
+        (_poisson_and_beta, (_X, _counts, _flags), None, False),
+    ],
+)
+def test_generic_poor_q_advice_offers_structure_joint_only_when_it_would_join_blocks(
+    model, args, structure, joint_advised
+):
+    """The generic advice suggested structure='joint' to a user who had passed it (and to a plan
+    with one Gaussian block, which it leaves as it is). Plans only: no fit."""
+    options = {} if structure is None else {"structure": structure}
+    plan = plan_of(model, args, rng_key=random.PRNGKey(0), **options)
+    advice = poor_q_advice(plan)
+    assert advice.startswith("compare with NUTS, or try "), advice  # (the generic advice)
+    assert ("structure='joint'" in advice) == joint_advised, (advice, [b.name for b in plan.blocks])
+
+
 def test_noise_of_a_window_with_an_infinite_elbo_is_nan_without_numpy_warnings():
     """A Monte Carlo fit whose last ELBOs include −∞ (an enumerated value of probability 0):
     numpy's 'invalid value encountered in subtract' (∞ − ∞ in np.std) reached the user."""

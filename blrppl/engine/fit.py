@@ -968,7 +968,10 @@ def _funnel(plan):
 def poor_q_advice(plan) -> str:
     """What the poor-q warning advises for this plan: why q may be poor given its blocks and
     estimators, and what to try (the generic advice when nothing in the plan says more)."""
-    advice = "compare with NUTS, or try structure='joint' or other families="
+    # (structure='joint' merges the dense Gaussian blocks: a plan with one of them, e.g. one
+    # fitted with structure='joint', has none left to join)
+    apart = sum(1 for b in plan.blocks if b.family.dense_event and not b.point) > 1
+    advice = "compare with NUTS, or try " + ("structure='joint' or other " if apart else "other ") + "families="
     pairs = [pair for f in plan.factors for _, ps in f.pairs for pair in ps]
     sizes = {b.name: b.size for b in plan.blocks}
     # a Monte Carlo factor whose blocks were kept apart by the joint limit: joined (what
