@@ -1162,6 +1162,25 @@ def _first_call(fn, data, start) -> tuple:
     return time.perf_counter() - t0, out
 
 
+def _numpyro_read(model, data: dict, seed: int = 0) -> float:
+    """Wall seconds of what any NumPyro inference of ``model`` (NUTS, SVI, blrppl) does before
+    its first step: trace its log density (``numpyro.infer.util.log_density``, the data
+    closed over as the model's arguments) in a new ``jax.jit``, compile it (XLA's default
+    options) and evaluate it once, at a draw from the prior (drawn beforehand, not timed)."""
+    from numpyro import handlers
+    from numpyro.infer.util import log_density
+
+    def draw(key):
+        trace = handlers.trace(handlers.seed(model, key)).get_trace(**data)
+        return {n: s["value"] for n, s in trace.items() if s["type"] == "sample" and not s["is_observed"]}
+
+    with numpyro.validation_enabled(False):
+        point = jax.block_until_ready(jax.jit(draw)(jax.random.PRNGKey(seed)))
+    t0 = time.perf_counter()
+    jax.block_until_ready(jax.jit(lambda values: log_density(model, (), data, values)[0])(point))
+    return time.perf_counter() - t0
+
+
 #: BayesPy's convergence test (``VB.update``): the bound rose by less than this, relative, in
 #: one iteration; the full fits of both stop at it (``blr_fit(tol=...)``: the ELBO's relative
 #: change, with its parameters settled, or its spread over 20 steps)
@@ -1232,6 +1251,7 @@ def vmp_pca(problems=PCA_PROBLEMS, iterations: int = VMP_ITERATIONS, log=print) 
         # (BayesPy's iterations when it ran, else blrppl's steps)
         sweeps = (row["bayespy"] or {}).get("full_steps") or (row["blr"] or {}).get("full_steps") or 100
         row["floor"] = {"wall": _jax_floor_pca(Y, d, sweeps)[0], "sweeps": sweeps}
+        row["numpyro_read"] = _numpyro_read(pca_model, data)
         rows.append(row)
         log(_vmp_log(f"PCA M={m} N={n} D={d}", row["blr"], row["bayespy"]))
     return rows
@@ -1340,6 +1360,7 @@ def vmp_gmm(problems=GMM_PROBLEMS, iterations: int = VMP_ITERATIONS, log=print) 
         row["bayespy"] = None if bayespy is None else _bayespy_gmm(X, k, iterations)
         sweeps = (row["bayespy"] or {}).get("full_steps") or (row["blr"] or {}).get("full_steps") or 100
         row["floor"] = {"wall": _jax_floor_gmm(X, k, sweeps)[0], "sweeps": sweeps}
+        row["numpyro_read"] = _numpyro_read(gmm_model, data)
         rows.append(row)
         log(_vmp_log(f"GMM K={k} N={n} D={d}", row["blr"], row["bayespy"]))
     return rows
