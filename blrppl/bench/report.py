@@ -338,13 +338,14 @@ def _pca_section(rows) -> list:
 
 
 _FLOOR_NOTE = (
-    "The last column is the least an XLA-compiled fit of the problem costs in a new program: BayesPy's updates "
+    "The hand-written column is the least an XLA-compiled fit of the problem costs in a new program: BayesPy's updates "
     "written by hand in JAX ({where}), one jitted loop of BayesPy's number of sweeps, traced, compiled at XLA's "
     "lowest optimisation level and run once (no model to read, no plan, no diagnostics). Where it exceeds "
-    "BayesPy's full fit, no compiled fit can meet the issue's compile-included target. The column after it is "
+    "BayesPy's full fit, no compiled fit can meet the issue's compile-included target. The last column is "
     "what any NumPyro inference of the model (NUTS, SVI, blrppl) pays before its first step: its log density "
     "traced in a new `jax.jit`, compiled and evaluated once (`blrppl.bench.runner._numpyro_read`; the same run, "
-    "after blrppl's fits). Where it exceeds BayesPy's full fit, no NumPyro backend can meet the target."
+    "after blrppl's fits). Where it exceeds BayesPy's full fit, no NumPyro backend that compiles the model can meet "
+    "the target."
 )
 
 
