@@ -66,7 +66,8 @@ def blr_fit(
 
     Args:
         model: a NumPyro model.
-        data: the model's arguments: a dict of keyword arguments or a tuple of positional ones.
+        data: the model's arguments: a dict of keyword arguments, a tuple of positional ones, or
+            one array (NumPy, JAX or pandas), the model's only positional argument.
         num_steps: the most steps to run (default 1000).
         learning_rate: ρ, a float or a callable of the step number. By default ρ = 1 (for
             conjugate blocks an exact coordinate step; for the others a natural-gradient

@@ -10,8 +10,8 @@ module before anything else sees it:
 * **options** (:func:`fit_options`): the keywords of :func:`blrppl.blr_fit` are checked
   and frozen into a hashable :class:`FitOptions` (which is also part of the key of the
   compiled-fit cache);
-* **data** (:func:`model_arguments`): a dict of keyword arguments or a tuple of positional
-  ones; pandas Series/Index and numeric object arrays become NumPy arrays, lists of
+* **data** (:func:`model_arguments`): a dict of keyword arguments, a tuple of positional
+  ones, or one array (the model's only positional argument); pandas Series/Index and numeric object arrays become NumPy arrays, lists of
   numbers with a float among them become float arrays, complex arrays are refused naming
   the argument, and nothing the user passed is modified.
 
@@ -354,12 +354,13 @@ def fit_options(
 
 
 def model_arguments(data) -> tuple[tuple, dict]:
-    """``(args, kwargs)`` of the model from ``data`` (a dict of keyword arguments or a tuple
-    of positional ones), with array-likes converted (see the module docstring).
+    """``(args, kwargs)`` of the model from ``data`` (a dict of keyword arguments, a tuple of
+    positional ones, or one array: the model's only positional argument), with array-likes
+    converted (see the module docstring).
 
     Raises:
-        ModelTraceError: ``data`` is neither a dict nor a tuple/list, or a dict key is not
-            a string.
+        ModelTraceError: ``data`` is neither a dict, a tuple/list nor an array, or a dict key
+            is not a string.
         ObservedDataError: an argument holds complex numbers.
     """
     if data is None:
@@ -371,9 +372,21 @@ def model_arguments(data) -> tuple[tuple, dict]:
         return (), {k: _convert(v, k) for k, v in data.items()}
     if isinstance(data, (tuple, list)):
         return tuple(_convert(v, f"data[{i}]") for i, v in enumerate(data)), {}
+    if _lone_array(data):
+        # (the model's only argument, as NumPyro's ``mcmc.run(key, data)`` passes it)
+        return (_convert(data, "data"),), {}
     raise ModelTraceError(
-        "data must be a dict of model keyword arguments or a tuple of positional ones, "
-        f"not {type(data).__name__}"
+        "data must be a dict of model keyword arguments, a tuple of positional ones or one array (the "
+        f"model's only argument), not {type(data).__name__}; pass other values as (value,) or {{'name': value}}"
+    )
+
+
+def _lone_array(x) -> bool:
+    """An array given as ``data`` itself: a NumPy or JAX array, or a pandas Series, Index or
+    DataFrame."""
+    module = type(x).__module__ or ""
+    return isinstance(x, (np.ndarray, jax.Array)) or (
+        module.startswith("pandas") and type(x).__name__ in ("Series", "Index", "DataFrame")
     )
 
 

@@ -403,6 +403,24 @@ def test_array_likes_are_converted(y):
 
 
 @pytest.mark.parametrize(
+    "data",
+    [Y, jnp.asarray(Y), pd.Series(Y), pd.DataFrame({"y": Y})["y"].to_frame()],
+    ids=["numpy", "jax", "series", "dataframe"],
+)
+def test_one_array_is_the_models_only_argument(data):
+    """``blr_fit(model, y)``, as ``mcmc.run(key, y)`` passes it: the model's one positional
+    argument (a DataFrame reaches the model as it is: the model reads its column). Refused
+    before as neither a dict nor a tuple."""
+    model = normal_model if not isinstance(data, pd.DataFrame) else _frame_model
+    q = fit(model, data).posterior["mu"]
+    np.testing.assert_allclose([q.mean, q.variance], exact_normal(Y), rtol=1e-10)
+
+
+def _frame_model(frame):
+    normal_model(jnp.asarray(frame["y"].to_numpy()))
+
+
+@pytest.mark.parametrize(
     "y, error, match",
     [
         (np.array(["1.2", "0.4"]), ModelTraceError, "(?s)site 'obs'.*not numbers"),
