@@ -11,9 +11,10 @@ module before anything else sees it:
   and frozen into a hashable :class:`FitOptions` (which is also part of the key of the
   compiled-fit cache);
 * **data** (:func:`model_arguments`): a dict of keyword arguments, a tuple of positional
-  ones, or one array (the model's only positional argument); pandas Series/Index and numeric object arrays become NumPy arrays, lists of
-  numbers with a float among them become float arrays, complex arrays are refused naming
-  the argument, and nothing the user passed is modified.
+  ones, or one array (the model's only positional argument); pandas Series/Index and
+  numeric object arrays become NumPy arrays, lists of numbers with a float among them
+  become float arrays, complex arrays are refused naming the argument, and nothing the
+  user passed is modified.
 
 Anything refused raises a :class:`blrppl.BLRError` that names the option or argument and
 the fix.
