@@ -275,6 +275,13 @@ def test_bad_data_type_says_how_to_pass_a_value():
         fit(normal_gamma, 3.0)
 
 
+def test_a_list_of_values_read_as_positional_arguments_says_so():
+    """``blr_fit(model, [0.3, -1.2, ...])``: a list is the model's positional arguments, one per
+    item; the model's TypeError comes with how to pass one vector of data."""
+    with pytest.raises(ModelTraceError, match=r"gave the model 5 positional arguments.*np.asarray\(values\)"):
+        fit(normal_gamma, Y.tolist())
+
+
 def test_wrong_keyword_names():
     with pytest.raises(ModelTraceError):
         fit(normal_gamma, {"not_y": Y})

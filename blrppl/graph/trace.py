@@ -423,10 +423,17 @@ def _raise_trace_error(exc, name, args, kwargs):
             "as NumPyro's does: index jax.numpy arrays (`jnp.asarray(table)[z]`) and branch with `jnp.where`",
             site=name,
         ) from exc
+    hint = data_hint(args, kwargs)
+    if isinstance(exc, TypeError) and "positional argument" in str(exc) and len(args) > 1:
+        # (``blr_fit(model, [0.1, 0.4, 0.2])``: a list is the model's positional arguments)
+        hint += (
+            f"; `data` gave the model {len(args)} positional arguments, one per item of a tuple or list: "
+            "pass one vector of data as an array (np.asarray(values)) or inside a tuple ((values,))"
+        )
     raise ModelTraceError(
         f"the model could not be run with the data given: it raised {where} "
         f"({type(exc).__name__}: {exc}); check that `data` holds the model's arguments "
-        f"(a dict of keyword arguments or a tuple of positional ones){data_hint(args, kwargs)}",
+        f"(a dict of keyword arguments, a tuple of positional ones, or one array){hint}",
         site=name,
     ) from exc
 
