@@ -174,6 +174,49 @@ def test_model_that_raises_names_last_site():
     assert info.value.site == "w"
 
 
+def _negative_prior_scale(y):
+    mu = numpyro.sample("mu", dist.Normal(0.0, -1.0))
+    with numpyro.plate("n", y.shape[0]):
+        numpyro.sample("y_obs", dist.Normal(mu, 1.0), obs=y)
+
+
+def _negative_scale_inside_to_event(y):
+    w = numpyro.sample("w", dist.Normal(0.0, -2.0).expand([3]).to_event(1))
+    with numpyro.plate("n", y.shape[0]):
+        numpyro.sample("y_obs", dist.Normal(w.sum(), 1.0), obs=y)
+
+
+def _negative_observation_scale(y):
+    mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
+    with numpyro.plate("n", y.shape[0]):
+        numpyro.sample("y_obs", dist.Normal(mu, -0.5), obs=y)
+
+
+def _covariance_not_positive_definite(y):
+    w = numpyro.sample("w", dist.MultivariateNormal(jnp.zeros(2), jnp.array([[1.0, 2.0], [2.0, 1.0]])))
+    with numpyro.plate("n", y.shape[0]):
+        numpyro.sample("y_obs", dist.Normal(w[0] + w[1], 1.0), obs=y)
+
+
+@pytest.mark.parametrize(
+    "model, site, match",
+    [
+        (_negative_prior_scale, "mu", r"Normal distribution got invalid scale parameter \(it must satisfy Positive"),
+        (_negative_scale_inside_to_event, "w", "Normal distribution got invalid scale parameter"),
+        (_negative_observation_scale, "y_obs", "Normal distribution got invalid scale parameter"),
+        (_covariance_not_positive_definite, "w", "NaN.*not positive definite"),
+    ],
+)
+def test_invalid_constant_arguments_are_refused_naming_their_site(model, site, match):
+    """A distribution argument the model writes as a constant and that breaks its constraint:
+    a ModelTraceError naming the site (numpyro's own check, made as the distribution is
+    built, named the site before it, a plate, or none; it is now made in the model's traced
+    run: see blrppl.graph.trace._argument_checks)."""
+    with pytest.raises(ModelTraceError, match=match) as info:
+        fit(model, {"y": Y})
+    assert info.value.site == site
+
+
 def test_model_raising_before_any_site():
     def model(y):
         raise ValueError("boom")

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import numpyro.distributions as dist
 from numpyro import handlers
+from numpyro import validation_enabled as numpyro_validation
 from numpyro.distributions import constraints
 from numpyro.distributions.transforms import biject_to
 from numpyro.primitives import Messenger
@@ -497,6 +498,13 @@ def trace_model(
                     "with numpyro.handlers.mask / obs_mask",
                     site=name,
                 )
+        for message, ok in outputs["arguments_valid"].get(name, {}).items():
+            if not bool(ok):
+                raise ModelTraceError(
+                    f"{message}: a value the model gives it (a constant, or computed from constants); "
+                    "give one inside the constraint",
+                    site=name,
+                )
         _check_nan_arguments(name, info, outputs["nan_counts"][name])
         if observed and not info["is_factor"]:
             try:
@@ -548,9 +556,12 @@ def _check_nan_arguments(name, info, counts) -> None:
         count = int(count)
         if not count or arg == "log_prob":
             continue
+        matrix = "" if not ("matrix" in arg or "tril" in arg) else (
+            ", or from a covariance or precision matrix that is not positive definite (its Cholesky factor is NaN)"
+        )
         raise ModelTraceError(
             f"argument '{arg}' of {dist_name} has {count} NaN element(s) at the starting point: "
-            "it is computed from data with NaN in them (a covariate?); replace or drop the NaN "
+            f"it is computed from data with NaN in them (a covariate?){matrix}; replace or drop the NaN "
             "rows (a mask does not help here: the gradients through a NaN covariate are NaN "
             "even where the log-density is masked; masked NaN observations are fine)",
             site=name,
@@ -651,8 +662,16 @@ def _run_once(model, spec, init_strategy, meta, dyn, rng_key):
         handlers.substitute(handlers.seed(Stabilise(model), rng_key), substitute_fn=partial(_initial, init_strategy))
     )
     meta["last"] = last
-    tr = handlers.trace(last).get_trace(*args, **kwargs)
+    # numpyro validates a distribution's arguments as it is built, eagerly: one small XLA
+    # program per operation and shape of every constraint it evaluates (0.5-0.8 s for the
+    # constant matrices of a multivariate normal or a Wishart, whose checks then come out
+    # traced and are skipped anyway). The run checks the same arguments, those known when
+    # the model is traced, inside its own program instead (see _argument_checks)
+    validate = bool(dist.Distribution._validate_args)
+    with numpyro_validation(False):
+        tr = handlers.trace(last).get_trace(*args, **kwargs)
     sites, values, bounds, checks, masks, nan_counts, supports, unconstrained = [], {}, {}, {}, {}, {}, {}, {}
+    argument_checks = {}
     plate_sizes = {
         name: int(site["args"][0]) for name, site in tr.items() if site["type"] == "plate"
     }
@@ -681,6 +700,8 @@ def _run_once(model, spec, init_strategy, meta, dyn, rng_key):
         if site["type"] != "sample":
             continue
         fn = site["fn"]
+        if validate:
+            argument_checks[name] = _argument_checks(fn)
         base, reinterpreted, mask = unwrap(fn)
         given = tuple(given_matrices(base))
         support = effective_support(fn)
@@ -743,11 +764,43 @@ def _run_once(model, spec, init_strategy, meta, dyn, rng_key):
         "values": values,
         "bounds": bounds,
         "in_support": checks,
+        "arguments_valid": argument_checks,
         "masks": masks,
         "nan_counts": nan_counts,
         "supports": supports,
         "unconstrained": unconstrained,
     }
+
+
+def _argument_checks(fn) -> dict:
+    """The checks numpyro's validation makes of a site's distribution (and of the ones it
+    wraps: a base distribution, a mixture's components) whose arguments are known when the
+    model is traced (constants of the model, e.g. a negative scale written in it): message →
+    whether every element satisfies its constraint, computed in the traced run. Arguments
+    computed from the data or from latents are not checked, as numpyro checks none inside
+    ``jit``."""
+    out = {}
+    pending = [fn]
+    while pending:
+        d = pending.pop()
+        if not isinstance(d, dist.Distribution):
+            continue
+        pending += [getattr(d, a, None) for a in ("base_dist", "mixing_distribution", "component_distribution")]
+        pending += list(getattr(d, "component_distributions", None) or ())
+        try:
+            arguments = d.get_args()
+        except Exception:  # (an argument that cannot be read without more arguments)
+            continue
+        for param, value in arguments.items():
+            constraint = d.arg_constraints.get(param)
+            if constraint is None or constraints.is_dependent(constraint) or isinstance(value, jax.core.Tracer):
+                continue
+            try:
+                ok = jnp.all(constraint(value))
+            except Exception:  # (a constraint numpyro could not evaluate either)
+                continue
+            out[f"{type(d).__name__} distribution got invalid {param} parameter (it must satisfy {constraint})"] = ok
+    return out
 
 
 class _TracedSupport(NamedTuple):
