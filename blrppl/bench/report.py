@@ -343,8 +343,8 @@ _FLOOR_NOTE = (
     "lowest optimisation level and run once (no model to read, no plan, no diagnostics). Where it exceeds "
     "BayesPy's full fit, no compiled fit can meet the issue's compile-included target. The last column is "
     "what any NumPyro inference of the model (NUTS, SVI, blrppl) pays before its first step: its log density "
-    "traced in a new `jax.jit`, compiled and evaluated once (`blrppl.bench.runner._numpyro_read`; the same run, "
-    "after blrppl's fits). Where it exceeds BayesPy's full fit, no NumPyro backend that compiles the model can meet "
+    "traced in a new `jax.jit`, compiled (the faster of XLA's default options and the hand-written fit's) and evaluated once "
+    "(`blrppl.bench.runner._numpyro_read`; the same run, after blrppl's fits). Where it exceeds BayesPy's full fit, no NumPyro backend that compiles the model can meet "
     "the target."
 )
 
