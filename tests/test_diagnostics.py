@@ -84,13 +84,7 @@ def test_heavy_tail_of_nearly_equal_weights_is_a_note_not_a_warning():
     assert "relative ESS" in d.describe()
 
 
-def eight_schools(J, sigma, y=None):
-    """NumPyro's README model (centred)."""
-    mu = numpyro.sample("mu", dist.Normal(0.0, 5.0))
-    tau = numpyro.sample("tau", dist.HalfCauchy(5.0))
-    with numpyro.plate("J", J):
-        theta = numpyro.sample("theta", dist.Normal(mu, tau))
-        numpyro.sample("obs", dist.Normal(theta, sigma), obs=y)
+eight_schools = rm.eight_schools_model  # (NumPyro's README model, centred)
 
 
 def eight_schools_noncentred(J, sigma, y=None):
@@ -101,7 +95,7 @@ def eight_schools_noncentred(J, sigma, y=None):
         numpyro.sample("obs", dist.Normal(mu + tau * z, sigma), obs=y)
 
 
-SCHOOLS = (8, np.array([15.0, 10.0, 16.0, 11.0, 9.0, 11.0, 10.0, 18.0]), np.array([28.0, 8.0, -3.0, 7.0, -1.0, 1.0, 18.0, 12.0]))
+SCHOOLS = rm.EIGHT_SCHOOLS
 
 
 def test_a_bulk_too_narrow_warns_though_khat_is_below_its_threshold():

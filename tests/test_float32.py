@@ -129,16 +129,8 @@ out["local_linear_trend"] = {
 out["local_linear_trend"]["steps"] = int(r.num_steps)
 
 # eight schools (NumPyro's docs, centred) with the spread integrated on a grid
-def eight_schools(J, sigma, y=None):
-    mu = numpyro.sample("mu", dist.Normal(0, 5))
-    tau = numpyro.sample("tau", dist.HalfCauchy(5))
-    with numpyro.plate("J", J):
-        theta = numpyro.sample("theta", dist.Normal(mu, tau))
-        numpyro.sample("obs", dist.Normal(theta, sigma), obs=y)
-
-y8 = np.array([28.0, 8.0, -3.0, 7.0, -1.0, 1.0, 18.0, 12.0])
-sigma8 = np.array([15.0, 10.0, 16.0, 11.0, 9.0, 11.0, 10.0, 18.0])
-r = blr_fit(eight_schools, (8, sigma8, y8), families={"tau": "grid"}, rng_key=random.PRNGKey(0), progress_bar=False)
+r = blr_fit(rm.eight_schools_model, rm.EIGHT_SCHOOLS, families={"tau": "grid"}, rng_key=random.PRNGKey(0),
+            progress_bar=False)
 tau = np.asarray(r.sample(random.PRNGKey(1), 200_000)["tau"], dtype=np.float64)
 out["schools_grid"] = {"tau": [float(tau.mean()), float(tau.std())], "theta": np.asarray(r.posterior["theta"].mean).tolist(),
                        "dtype": str(np.asarray(r.posterior["theta"].mean).dtype)}

@@ -27,17 +27,8 @@ from blrppl.errors import BLRError
 
 numpyro.enable_x64()
 
-J = 8
-Y = np.array([28.0, 8.0, -3.0, 7.0, -1.0, 1.0, 18.0, 12.0])
-SIGMA = np.array([15.0, 10.0, 16.0, 11.0, 9.0, 11.0, 10.0, 18.0])
-
-
-def eight_schools(J, sigma, y=None):
-    mu = numpyro.sample("mu", dist.Normal(0, 5))
-    tau = numpyro.sample("tau", dist.HalfCauchy(5))
-    with numpyro.plate("J", J):
-        theta = numpyro.sample("theta", dist.Normal(mu, tau))
-        numpyro.sample("obs", dist.Normal(theta, sigma), obs=y)
+J, SIGMA, Y = rm.EIGHT_SCHOOLS
+eight_schools = rm.eight_schools_model
 
 
 def exact_eight_schools():
