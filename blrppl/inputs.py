@@ -385,10 +385,12 @@ def model_arguments(data) -> tuple[tuple, dict]:
 def _lone_array(x) -> bool:
     """An array given as ``data`` itself: a NumPy or JAX array, or a pandas Series, Index or
     DataFrame."""
-    module = type(x).__module__ or ""
-    return isinstance(x, (np.ndarray, jax.Array)) or (
-        module.startswith("pandas") and type(x).__name__ in ("Series", "Index", "DataFrame")
-    )
+    return isinstance(x, (np.ndarray, jax.Array)) or _pandas(x, "Series", "Index", "DataFrame")
+
+
+def _pandas(x, *kinds: str) -> bool:
+    """Whether ``x`` is a pandas object of one of these class names (pandas is not imported)."""
+    return (type(x).__module__ or "").startswith("pandas") and type(x).__name__ in kinds
 
 
 def call_arguments(args, kwargs) -> tuple[tuple, dict]:
@@ -433,8 +435,7 @@ def _convert(x, name: str):
         return type(x)({k: _convert(v, f"{name}[{k!r}]") for k, v in x.items()}) if type(x) is dict else x
     if isinstance(x, (list, tuple)) and type(x) in (list, tuple):
         return type(x)(_convert(v, f"{name}[{i}]") for i, v in enumerate(x))
-    module = type(x).__module__ or ""
-    if module.startswith("pandas") and type(x).__name__ in ("Series", "Index"):
+    if _pandas(x, "Series", "Index"):
         x = x.to_numpy()
     if isinstance(x, np.ndarray):
         if x.dtype == object:
