@@ -80,6 +80,47 @@ def transposed(Yt):
     numpyro.sample("Y", dist.Normal(C @ X.T, SIGMA).to_event(2), obs=Yt)
 
 
+def factor_analysis(Y):
+    # a noise precision per observed dimension: τ_j along the rows of C
+    psi = numpyro.sample("psi", dist.Gamma(2.0, 1.0).expand([M]).to_event(1))
+    with numpyro.plate("M", M):
+        C = numpyro.sample("C", dist.Normal(0.0, 1.0).expand([D]).to_event(1))
+    with numpyro.plate("N", N):
+        X = numpyro.sample("X", dist.Normal(0.0, 1.0).expand([D]).to_event(1))
+        numpyro.sample("Y", dist.Normal(X @ C.T, 1 / jnp.sqrt(psi)).to_event(1), obs=Y)
+
+
+def row_noise(Y, seen):
+    # a precision per row of X, masked entries: τ_i along the rows of X, a grid of weights
+    phi = numpyro.sample("phi", dist.Gamma(2.0, 1.0).expand([N]).to_event(1))
+    with numpyro.plate("M", M):
+        C = numpyro.sample("C", dist.Normal(0.0, 1.0).expand([D]).to_event(1))
+    with numpyro.plate("N", N):
+        X = numpyro.sample("X", dist.Normal(0.0, 1.0).expand([D]).to_event(1))
+    with numpyro.plate("n", N, dim=-2), numpyro.plate("m", M, dim=-1), numpyro.handlers.mask(mask=seen):
+        numpyro.sample("Y", dist.Normal(X @ C.T, 1 / jnp.sqrt(phi)[:, None]), obs=Y)
+
+
+def _ratings_with_precisions(index):
+    """Ratings with a noise precision per item, read at ``index(users, items)``."""
+
+    def model(users, items, r):
+        prec = numpyro.sample("prec", dist.Gamma(2.0, 1.0).expand([M]).to_event(1))
+        with numpyro.plate("users", N):
+            U = numpyro.sample("U", dist.Normal(jnp.zeros(D), 1.0).to_event(1))
+        with numpyro.plate("items", M):
+            V = numpyro.sample("V", dist.Normal(jnp.zeros(D), 1.0).to_event(1))
+        with numpyro.plate("ratings", len(users)):
+            scale = 1 / jnp.sqrt(prec[index(users, items)])
+            numpyro.sample("r", dist.Normal(3.0 + 0.5 * jnp.sum(U[users] * V[items], -1), scale), obs=r)
+
+    return model
+
+
+item_precisions = _ratings_with_precisions(lambda users, items: items)
+other_precisions = _ratings_with_precisions(lambda users, items: (items + 1) % M)
+
+
 _rng = np.random.default_rng(0)
 _Y = _rng.normal(size=(N, M))
 _SEEN = _rng.random((N, M)) < 0.6
@@ -89,8 +130,19 @@ _R = 3.0 + _rng.normal(size=len(_USERS))
 _GRID_I, _GRID_J = (x.ravel() for x in np.meshgrid(np.arange(N), np.arange(M), indexing="ij"))
 _T_I, _T_J = (x.ravel() for x in np.meshgrid(np.arange(M), np.arange(N), indexing="ij"))
 
-#: (model, data, pair (A, B), element map: rows of A and B, s, c, y, ω, whether σ = τ^(−½))
+#: (model, data, pair (A, B), element map: rows of A and B, s, c, y, ω, whether σ = τ^(−½):
+#: True for one τ, (τ's block, the element of it each element reads, the block along whose
+#: rows it runs) for a vector)
 CASES = {
+    "factor analysis": (factor_analysis, {"Y": _Y}, ("X", "C"), (_GRID_I, _GRID_J, 1.0, 0.0, _Y.ravel(), 1.0, ("psi", _GRID_J, "C"))),
+    "precision per row, masked": (
+        row_noise, {"Y": _Y, "seen": _SEEN}, ("X", "C"),
+        (_GRID_I, _GRID_J, 1.0, 0.0, _Y.ravel(), _SEEN.ravel().astype(float), ("phi", _GRID_I, "X")),
+    ),
+    "precision per item": (
+        item_precisions, {"users": _USERS, "items": _ITEMS, "r": _R}, ("U", "V"),
+        (_USERS, _ITEMS, 0.5, 3.0, _R, 1.0, ("prec", _ITEMS, "V")),
+    ),
     "X @ C.T, tau": (pca, {"Y": _Y}, ("X", "C"), (_GRID_I, _GRID_J, 1.0, 0.0, _Y.ravel(), 1.0, True)),
     "einsum, masked": (
         masked_pca, {"Y": _Y, "seen": _SEEN}, ("X", "C"),
@@ -144,18 +196,20 @@ def _definition(views, pair, element_map):
     sa = a.cov.reshape(-1, D, D) + ma[:, :, None] * ma[:, None, :]
     sb = b.cov.reshape(-1, D, D) + mb[:, :, None] * mb[:, None, :]
     omega = np.broadcast_to(omega, np.shape(y))
-    if gamma:
-        # (the rule view of a Gamma block holds E[τ] and E[log τ] as leaves of their own)
-        t, log_tau = views["tau"].mean, views["tau"].mean_log
-        log_sigma = -0.5 * log_tau
+    # (the rule view of a Gamma block holds E[τ] and E[log τ] as leaves of their own)
+    if gamma is True:
+        t, log_sigma = np.full(len(y), 1.0) * views["tau"].mean, -0.5 * views["tau"].mean_log * np.ones(len(y))
+    elif gamma:
+        name, k, _ = gamma
+        t, log_sigma = views[name].mean[k], -0.5 * views[name].mean_log[k]
     else:
-        t, log_sigma = SIGMA**-2, math.log(SIGMA)
+        t, log_sigma = np.full(len(y), SIGMA**-2), np.full(len(y), math.log(SIGMA))
     total = 0.0
     for e in range(len(y)):
         i, j = rows_a[e], rows_b[e]
         r = y[e] - c
         square = r * r - 2 * r * s * (ma[i] @ mb[j]) + s * s * jnp.trace(sa[i] @ sb[j])
-        total = total + omega[e] * (-0.5 * t * square - log_sigma - 0.5 * math.log(2 * math.pi))
+        total = total + omega[e] * (-0.5 * t[e] * square - log_sigma[e] - 0.5 * math.log(2 * math.pi))
     return total
 
 
@@ -165,10 +219,11 @@ def test_expectation_and_messages_equal_the_definition(case):
     plan, fns, dyn, init_values = _plan(model, data)
     (factor,) = [f for f in plan.factors if f.observed]
     assert factor.gram_pair == pair, plan.describe()
+    assert factor.gram_scale_rows == (element_map[-1][2] if isinstance(element_map[-1], tuple) else "")
     assert "exact (data statistics)" in plan.describe()
     blocks = {b.name: b for b in plan.blocks}
     stats = bilinear.statistics(fns, factor, blocks, dyn)
-    assert bool(stats.uniform) == (case in ("X @ C.T, tau", "C @ X.T"))
+    assert bool(stats.uniform) == (case in ("X @ C.T, tau", "C @ X.T", "factor analysis"))
     views = _views(plan, init_values)
 
     def got(v):
@@ -211,6 +266,21 @@ def test_other_products_keep_the_elementwise_moments(model):
     plan, *_ = _plan(model, {"Y": _Y})
     (factor,) = [f for f in plan.factors if f.observed]
     assert factor.kinds["loc"] == "bilinear_gaussian" and factor.gram_pair == (), plan.describe()
+
+
+def test_a_precision_read_at_another_row_keeps_the_elementwise_moments():
+    """Item j's rating read with item j + 1's precision: τ is not indexed along the rows."""
+    plan, *_ = _plan(other_precisions, {"users": _USERS, "items": _ITEMS, "r": _R})
+    (factor,) = [f for f in plan.factors if f.observed]
+    assert bilinear.candidate(factor, {b.name: b for b in plan.blocks}) == ("U", "V")
+    assert factor.gram_pair == () and factor.gram_scale_rows == "", plan.describe()
+
+
+def test_rows_weighted_by_their_own_precision_keep_their_own_covariances():
+    """Factor analysis: the rows of X share one covariance (I + Σ_j E[ψ_j] E[c_j c_jᵀ]); the
+    rows of C, each weighted by its own ψ_j, do not."""
+    plan, *_ = _plan(factor_analysis, {"Y": _Y})
+    assert {n for n, _, _ in plan.tied} == {"X"}, plan.describe()
 
 
 def _sparse_ratings(users, items, r):

@@ -320,6 +320,47 @@ def test_factor_analysis_step_is_the_textbook_sweep():
     assert _monotone(b)
 
 
+def centred_factor_analysis(Y):
+    """Factor analysis of centred data: a noise precision per column and no mean, so the
+    likelihood is read from data statistics, each column's terms weighted by its ψ_m."""
+    psi = numpyro.sample("psi", dist.Gamma(1.0, 1.0).expand([M]).to_event(1))
+    with numpyro.plate("M", M):
+        W = numpyro.sample("W", dist.Normal(0.0, 1.0).expand([D]).to_event(1))
+    with numpyro.plate("N", N):
+        X = numpyro.sample("X", dist.Normal(0.0, 1.0).expand([D]).to_event(1))
+        numpyro.sample("Y", dist.Normal(X @ W.T, 1 / jnp.sqrt(psi)).to_event(1), obs=Y)
+
+
+def _centred_fa_sweep(y):
+    ones = np.ones_like(y)
+
+    def sweep(q):
+        pa, pb, wm, wc, xm, xc = q
+        sq = _squares(ones, y, xm, _second(xm, xc), wm, _second(wm, wc))
+        pa, pb = 1.0 + 0.5 * N + 0 * pa, 1.0 + 0.5 * sq.sum(axis=0)
+        psi = pa / pb
+        wm, wc = _gaussian_rows(np.eye(D), ones.T, y.T, psi[:, None], xm, _second(xm, xc))
+        xm, xc = _gaussian_rows(np.eye(D), ones, y, psi, wm, _second(wm, wc))
+        return pa, pb, wm, wc, xm, xc
+
+    return sweep
+
+
+def test_centred_factor_analysis_reads_data_statistics_and_takes_the_textbook_sweep():
+    """The noise precision per column is read with the product X @ W.T from data statistics
+    (each column's terms weighted by E[ψ_m]; the rows of X share one covariance): the step
+    is still the textbook sweep (it ran D² pushes of the model per step, 234 against 12 ms
+    per step for PCA at BayesPy's 2,000 × 100, D = 40 size)."""
+    y, _ = _data(seed=4)
+    a, b = _fits(centred_factor_analysis, {"Y": y})
+    (lik,) = [f for f in a.plan.factors if f.observed]
+    assert (lik.gram_pair, lik.gram_scale_rows) == (("X", "W"), "W"), a.plan.describe()
+    assert {n for n, _, _ in a.plan.tied} == {"X"}, a.plan.describe()
+    _assert_steps(a, b, lambda fit: (*_gamma(fit.posterior["psi"]), *_mvn(fit.posterior["W"]), *_mvn(fit.posterior["X"])),
+                  _centred_fa_sweep(y))
+    assert _monotone(b)
+
+
 def test_a_half_cauchy_noise_scale_keeps_the_likelihood_closed_form():
     """Factor analysis as users often write it: a HalfCauchy noise scale (a Gaussian on log
     space) beside a per-column mean. The scale stays apart from the mean, so the likelihood

@@ -28,12 +28,25 @@ once per pair (no mask: W2 = w 11ᵀ), Σ_ij W2_ij ⟨S_i, S'_j⟩ = w ⟨Σ_i S
 step costs O((N_A + N_B) D²) for the factor, else O(N_A N_B D²) (half of it: ⟨S, S'⟩ over
 the packed upper triangles). No tangent of either block is pushed through the model.
 
+A vector of Gamma precisions indexed along the rows of one of the two blocks (factor
+analysis: ``Normal(X @ W.T, 1 / jnp.sqrt(psi))``, a noise precision ψ_j per observed
+dimension, the rows of W) is read the same way: with τ_{k(e)}, k(e) = j(e) for every
+element (or k(e) = i(e)), t_j = E[τ_j^(−2p)] and ℓ_j = p E[log τ_j] weight the terms of row j,
+
+    −½ Σ_j t_j (r_j − 2 Σ_i W1_ij m_iᵀ m'_j + Σ_i W2_ij ⟨S_i, S'_j⟩) − Σ_e ω_e log c'_e
+      − Σ_j ℓ_j Σ_{e: j(e) = j} ω_e − ½ log(2π) Σ_e ω_e,
+
+with r_j = Σ_{e: j(e) = j} ω_e κ_e (y_e − c_e)² (the statistics r and Σω per row of B): row j
+of B receives t_j times its unweighted message, row i of A the t-weighted sums, and τ_j
+the conjugate Gamma message of its own rows' residuals.
+
 The structure (which rows each element reads, and s_e, c_e) is read off the model by
 probes: c_e is loc_e at A = B = 0, and with every row of B equal to 1 the derivative of loc_e
 along rows k·1 of A is k s_e D, so i(e) = (derivative along rows (i + 1)·1) / (along rows 1)
 − 1, exact in floating point (sums of equal terms, no offset to cancel); j(e) likewise. At compile time the form is checked at random rows of both blocks; a factor
 that fails the check (affine terms in A or B, a weighted contraction, an element reading
-several rows) keeps the elementwise moments.
+several rows, a vector τ indexed otherwise) keeps the elementwise moments. The index k(e) of
+a vector τ is read likewise, from the derivatives of log σ_e along τ = 1 and τ_k = k + 1.
 """
 
 from __future__ import annotations
@@ -63,8 +76,8 @@ class BilinearStatistics(NamedTuple):
     cross: jax.Array  # W1 (N_A, N_B)
     quad: jax.Array  # W2 (N_A, N_B)
     uniform: jax.Array  # () bool: W2 = w 11ᵀ
-    residual: jax.Array  # r ()
-    weight: jax.Array  # Σ ω ()
+    residual: jax.Array  # r (), or r_j per row of the block τ is indexed along
+    weight: jax.Array  # Σ ω (), or per row of that block
     log_coef: jax.Array  # Σ ω log c' ()
 
 
@@ -93,7 +106,10 @@ def candidate(factor, blocks) -> tuple | None:
         return None
     if kinds["scale"] == mom.PowerGamma.kind:
         (g,) = arg_blocks["scale"]
-        if blocks[g].size != 1 or dict(factor.powers).get("scale") is None:
+        if dict(factor.powers).get("scale") is None:
+            return None
+        # (a vector τ must be indexed along the rows of A or of B: see scale_rows)
+        if blocks[g].size != 1 and blocks[g].size not in (_rows(blocks[a]), _rows(blocks[b])):
             return None
     elif kinds["scale"] != mom.Const.kind:
         return None
@@ -109,16 +125,16 @@ def _rows(block) -> int:
 
 def _probe_fn(fns, factor, blocks, data):
     """The factor's arguments (broadcast to its elements) at rows of A and B given in the
-    blocks' canonical layouts (``(*batch, D)``), τ = 1."""
+    blocks' canonical layouts (``(*batch, D)``) and τ (its site's layout; 1 when not given)."""
     a, b = dict(factor.pairs)["loc"][0]
     gamma = scale_block(factor)
     names = factor.rule.arg_names
     dtype = jnp.result_type(float)
 
-    def args_at(xa, xb):
+    def args_at(xa, xb, tau=None):
         values = {a: blocks[a].to_site(xa), b: blocks[b].to_site(xb)}
         if gamma is not None:
-            values[gamma] = jnp.ones((), dtype)
+            values[gamma] = jnp.ones(blocks[gamma].value_shape, dtype) if tau is None else tau
         args = fns.factor_args(factor.name, names, values, data)
         shape = jnp.broadcast_shapes(*(jnp.shape(args[k]) for k in ("value", "loc", "scale")))
         return {k: jnp.broadcast_to(args[k], shape).astype(dtype) for k in ("value", "loc", "scale")}
@@ -154,35 +170,93 @@ def _structure(args_at, ba, bb):
     return c, unit / d, i.astype(jnp.int32), j.astype(jnp.int32)
 
 
+def _zeros(block):
+    return jnp.zeros(tuple(block.batch_shape) + (block.family.dim,), jnp.result_type(float))
+
+
+def _scale_index(args_at, factor, blocks):
+    """k(e), the element of the vector τ each element's scale reads (flat over the elements;
+    −1 where the scale does not read τ), from two derivatives of log σ_e at τ = 1."""
+    a, b = dict(factor.pairs)["loc"][0]
+    gb = blocks[scale_block(factor)]
+    dtype = jnp.result_type(float)
+    ones = jnp.ones(gb.value_shape, dtype)
+    count = jnp.arange(1, gb.size + 1, dtype=dtype).reshape(gb.value_shape)
+    za, zb = _zeros(blocks[a]), _zeros(blocks[b])
+
+    def log_scale(tau):
+        return jnp.log(args_at(za, zb, tau)["scale"]).reshape(-1)
+
+    unit = jax.jvp(log_scale, (ones,), (ones,))[1]  # p at every element that reads τ
+    along = jax.jvp(log_scale, (ones,), (count,))[1]  # p (k(e) + 1)
+    reads = unit != 0
+    return jnp.where(reads, jnp.round(along / jnp.where(reads, unit, 1.0)) - 1, -1).astype(jnp.int32)
+
+
 def statistics(fns, factor, blocks, data) -> BilinearStatistics:
     """W1, W2 (dense over the pairs of rows), whether W2 is uniform, r, Σω and Σω log c' of
-    one eligible factor, from the model and the data."""
+    one eligible factor, from the model and the data (r and Σω per row of the block a vector
+    τ is indexed along, ``factor.gram_scale_rows``: NaN when on these data an element's τ is
+    not its row's, which stops the fit at its first step)."""
     a, b = dict(factor.pairs)["loc"][0]
     ba, bb = blocks[a], blocks[b]
     args_at = _probe_fn(fns, factor, blocks, data)
     c, s, i, j = _structure(args_at, ba, bb)
-    zeros_a = jnp.zeros(tuple(ba.batch_shape) + (ba.family.dim,), jnp.result_type(float))
-    zeros_b = jnp.zeros(tuple(bb.batch_shape) + (bb.family.dim,), jnp.result_type(float))
-    args = args_at(zeros_a, zeros_b)
+    args = args_at(_zeros(ba), _zeros(bb))
     omega = element_weights(fns, factor, data, args["value"].shape)
     kappa = (omega / jnp.square(args["scale"])).reshape(-1)
     resid = args["value"].reshape(-1) - c
     grid = jnp.zeros((_rows(ba), _rows(bb)), resid.dtype)
     w1 = grid.at[i, j].add(kappa * s * resid)
     w2 = grid.at[i, j].add(kappa * s * s)
+    square, weight = kappa * jnp.square(resid), jnp.broadcast_to(omega, args["value"].shape).reshape(-1)
+    if factor.gram_scale_rows:
+        rows = j if factor.gram_scale_rows == b else i
+        per_row = jnp.zeros((_rows(blocks[factor.gram_scale_rows]),), resid.dtype)
+        same = jnp.all(_scale_index(args_at, factor, blocks) == rows)
+        residual = jnp.where(same, per_row.at[rows].add(square), jnp.nan)
+        weight = per_row.at[rows].add(weight)
+    else:
+        residual, weight = jnp.sum(square), jnp.sum(weight)
     return BilinearStatistics(
         cross=w1,
         quad=w2,
         uniform=jnp.all(w2 == w2[0, 0]),
-        residual=jnp.sum(kappa * jnp.square(resid)),
-        weight=jnp.sum(omega),
+        residual=residual,
+        weight=weight,
         log_coef=jnp.sum(omega * jnp.log(args["scale"])),
     )
 
 
+def scale_rows(factor, blocks, fns, data) -> str:
+    """The block (A or B) along whose rows the factor's vector τ is indexed, on this data:
+    every element's τ is that of the row of the block it reads; "" for a scalar τ or a
+    constant scale, None when a vector τ is indexed otherwise (an element reading another
+    row's τ, or none)."""
+    gamma = scale_block(factor)
+    if gamma is None or blocks[gamma].size == 1:
+        return ""
+    a, b = dict(factor.pairs)["loc"][0]
+    ba, bb = blocks[a], blocks[b]
+
+    def index(data):
+        args_at = _probe_fn(fns, factor, blocks, data)
+        _, _, i, j = _structure(args_at, ba, bb)
+        k = _scale_index(args_at, factor, blocks)
+        return jnp.all(k == i) & (blocks[gamma].size == _rows(ba)), jnp.all(k == j) & (blocks[gamma].size == _rows(bb))
+
+    try:
+        along_a, along_b = jax.jit(index)(data)
+    except Exception:  # (a model the probes cannot evaluate keeps the elementwise moments)
+        return None
+    return b if bool(along_b) else a if bool(along_a) else None
+
+
 def eligible(factor, blocks, fns, data) -> tuple | None:
-    """The blocks (A, B) when the factor's location is c_e + s_e a_iᵀ b_j (checked at random
-    rows of A and B, on this data) and its grid of row pairs is small enough, else None."""
+    """``(A, B, scale rows)`` when the factor's location is c_e + s_e a_iᵀ b_j (checked at
+    random rows of A and B, on this data), its grid of row pairs is small enough and a
+    vector τ is indexed along the rows of A or B (:func:`scale_rows`: its block, or "" for
+    a scalar τ or a constant scale), else None."""
     pair = candidate(factor, blocks)
     if pair is None:
         return None
@@ -212,7 +286,8 @@ def eligible(factor, blocks, fns, data) -> tuple | None:
         return None
     if not bool(ok) or ra * rb > min(MAX_GRID, max(SMALL_GRID, GRID_PER_ELEMENT * int(size))):
         return None
-    return pair
+    side = scale_rows(factor, blocks, fns, data)
+    return None if side is None else (*pair, side)
 
 
 def _rows_of(view):
@@ -222,14 +297,18 @@ def _rows_of(view):
     return view.mean.reshape(-1, d), view.cov.reshape(-1, d, d)
 
 
-def _second_moment_sum(m, c):
-    """Σ_i S_i = Σ_i Σ_i + Mᵀ M (N Σ for rows sharing Σ)."""
-    return jnp.sum(c, 0) * (m.shape[0] // c.shape[0]) + m.T @ m
+def _second_moment_sum(m, c, t=None):
+    """Σ_i S_i = Σ_i Σ_i + Mᵀ M (N Σ for rows sharing Σ), or Σ_i t_i S_i with weights t."""
+    if t is None:
+        return jnp.sum(c, 0) * (m.shape[0] // c.shape[0]) + m.T @ m
+    shared = c.shape[0] == 1 and m.shape[0] > 1
+    cov = c[0] * jnp.sum(t) if shared else jnp.einsum("i,ijk->jk", t, c)
+    return cov + m.T @ (t[:, None] * m)
 
 
-def _uniform_quad(w2, ma, ca, mb, cb):
-    """w ⟨Σ_i S_i, Σ_j S'_j⟩."""
-    return w2[0, 0] * jnp.sum(_second_moment_sum(ma, ca) * _second_moment_sum(mb, cb))
+def _uniform_quad(w2, ma, ca, mb, cb, ta=None, tb=None):
+    """w ⟨Σ_i ta_i S_i, Σ_j tb_j S'_j⟩ (weights 1 when not given)."""
+    return w2[0, 0] * jnp.sum(_second_moment_sum(ma, ca, ta) * _second_moment_sum(mb, cb, tb))
 
 
 def _grid_quad(w2, ma, ca, mb, cb):
@@ -249,10 +328,36 @@ def expected_log(factor, stats: BilinearStatistics, views) -> jax.Array:
     a, b = dict(factor.pairs)["loc"][0]
     ma, ca = _rows_of(views[a])
     mb, cb = _rows_of(views[b])
-    cross = jnp.sum((stats.cross @ mb) * ma)
-    quad = jax.lax.cond(stats.uniform, _uniform_quad, _grid_quad, stats.quad, ma, ca, mb, cb)
-    t, log_tau_term = scale_terms(factor, views)
+    if not factor.gram_scale_rows:
+        cross = jnp.sum((stats.cross @ mb) * ma)
+        quad = jax.lax.cond(stats.uniform, _uniform_quad, _grid_quad, stats.quad, ma, ca, mb, cb)
+        t, log_tau_term = scale_terms(factor, views)
+        return (
+            -0.5 * t * (stats.residual - 2.0 * cross + quad)
+            - stats.log_coef - log_tau_term * stats.weight - 0.5 * _LOG_2PI * stats.weight
+        )
+    # τ_j per row j of B (or of A): t_j weights row j's terms
+    t, log_tau_term = (jnp.reshape(x, (-1,)) for x in vector_scale_terms(factor, views))
+    on_b = factor.gram_scale_rows == b
+    ta, tb = (None, t) if on_b else (t, None)
+    cross = jnp.sum((stats.cross @ (t[:, None] * mb)) * ma) if on_b else jnp.sum((stats.cross @ mb) * (t[:, None] * ma))
+    weighted = stats.quad * (t[None, :] if on_b else t[:, None])
+
+    def uniform(w2, ma, ca, mb, cb):
+        return _uniform_quad(w2, ma, ca, mb, cb, ta, tb)
+
+    quad = jax.lax.cond(stats.uniform, uniform, lambda w2, *rows: _grid_quad(weighted, *rows), stats.quad, ma, ca, mb, cb)
     return (
-        -0.5 * t * (stats.residual - 2.0 * cross + quad)
-        - stats.log_coef - log_tau_term * stats.weight - 0.5 * _LOG_2PI * stats.weight
+        -0.5 * (jnp.sum(t * stats.residual) - 2.0 * cross + quad)
+        - stats.log_coef - jnp.sum(log_tau_term * stats.weight) - 0.5 * _LOG_2PI * jnp.sum(stats.weight)
     )
+
+
+def vector_scale_terms(factor, views) -> tuple:
+    """(t, p E[log τ]) elementwise for a factor whose scale is c τ_k^p with τ a vector Gamma
+    block (t = E[τ^(−2p)]; :func:`blrppl.estimators.gram.scale_terms` for a scalar τ)."""
+    power = dict(factor.powers)["scale"]
+    gv = views[scale_block(factor)]
+    tau = mom.PowerGamma(jnp.ones_like(gv.shape), float(power), gv.shape, gv.rate,
+                         getattr(gv, "mean_log", None), getattr(gv, "mean", None))
+    return tau.expect_pow(-2.0), tau.expect_log()

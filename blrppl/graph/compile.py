@@ -550,10 +550,7 @@ def compile_model(
         if stacks:
             fns = fns.with_stacks(stacks, data, tables)
         factors = [dataclasses.replace(f, gram_block=gram.eligible(f, blocks, fns, data) or "") for f in factors]
-        factors = [
-            dataclasses.replace(f, gram_pair=bilinear.eligible(f, blocks, fns, data) or ()) if not f.gram_block else f
-            for f in factors
-        ]
+        factors = [_with_gram_pair(f, blocks, fns, data) if not f.gram_block else f for f in factors]
         broadcast = _broadcast_enumerated(factors, blocks, fns, data, np.random.default_rng(0))
         factors = [dataclasses.replace(f, broadcast_enumeration=f.name in broadcast) for f in factors]
         tables = chain_table.tabled(factors, blocks, fns, data, np.random.default_rng(0))
@@ -582,6 +579,15 @@ def compile_model(
     return plan, fns, data, init_values, graph
 
 
+def _with_gram_pair(factor, blocks, fns, data):
+    """The factor with its :mod:`blrppl.estimators.bilinear` statistics' blocks, when it is
+    eligible for them."""
+    found = bilinear.eligible(factor, blocks, fns, data)
+    if found is None:
+        return factor
+    return dataclasses.replace(factor, gram_pair=found[:2], gram_scale_rows=found[2])
+
+
 def tied_blocks(factors, blocks: dict, fns, data) -> tuple:
     """The plated dense Gaussian blocks whose rows every factor gives the same precision, on
     this data: ``(block, factor, side)`` for each factor on each such block (the facts a fit
@@ -602,7 +608,10 @@ def tied_blocks(factors, blocks: dict, fns, data) -> tuple:
         if b.point or b.members or b.local is not None or b.transform is not None:
             continue
         on = [f for f in factors if n in f.neighbours]
-        if on and all((f.gram_block == n or n in f.gram_pair) and f.name not in fns.stacks for f in on):
+        # (rows whose factor weights them by a precision of their own, τ_j, are not tied)
+        if on and all(
+            (f.gram_block == n or n in f.gram_pair) and f.name not in fns.stacks and f.gram_scale_rows != n for f in on
+        ):
             candidates[n] = [(n, f.name, f.gram_pair.index(n) if f.gram_pair else 0) for f in on]
     if not candidates:
         return ()

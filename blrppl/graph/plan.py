@@ -413,6 +413,9 @@ class Factor:
             Gaussian block A by a row of B in each element (``X @ C.T``), ``(A, B)``: its
             expectation comes from data statistics computed once per fit
             (:mod:`blrppl.estimators.bilinear`).
+        gram_scale_rows: for a ``gram_pair`` factor whose scale reads a vector of Gamma
+            precisions, one per row of A or of B (factor analysis' noise precision per
+            observed dimension), that block; "" otherwise.
         why: for a factor without a closed form, why (the argument whose form no rule
             reads, and what that form is: read off the model's program).
         members: for a stacked factor (:mod:`blrppl.graph.stack`), the sites it holds (its
@@ -451,6 +454,7 @@ class Factor:
     subsampled: tuple = ()
     gram_block: str = ""
     gram_pair: tuple = ()
+    gram_scale_rows: str = ""
     why: str = ""
     members: tuple = ()
     role: str = FactorRole.SITE
