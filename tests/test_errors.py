@@ -192,6 +192,19 @@ def _negative_observation_scale(y):
         numpyro.sample("y_obs", dist.Normal(mu, -0.5), obs=y)
 
 
+def _negative_concentration_array(y):
+    # (an array built in the model is computed in the traced run, not a constant numpyro checks)
+    p = numpyro.sample("p", dist.Dirichlet(jnp.array([1.0, -1.0, 2.0])))
+    with numpyro.plate("n", y.shape[0]):
+        numpyro.sample("y_obs", dist.Normal(p[0], 1.0), obs=y)
+
+
+def _scale_from_a_real_latent(y):
+    sigma = numpyro.sample("sigma", dist.Normal(0.0, 1.0))  # (meant: HalfNormal; its prior mean 0 is no scale)
+    with numpyro.plate("n", y.shape[0]):
+        numpyro.sample("y_obs", dist.Normal(0.0, sigma), obs=y)
+
+
 def _covariance_not_positive_definite(y):
     w = numpyro.sample("w", dist.MultivariateNormal(jnp.zeros(2), jnp.array([[1.0, 2.0], [2.0, 1.0]])))
     with numpyro.plate("n", y.shape[0]):
@@ -205,16 +218,49 @@ def _covariance_not_positive_definite(y):
         (_negative_scale_inside_to_event, "w", "Normal distribution got invalid scale parameter"),
         (_negative_observation_scale, "y_obs", "Normal distribution got invalid scale parameter"),
         (_covariance_not_positive_definite, "w", "NaN.*not positive definite"),
+        (_negative_concentration_array, "p", "Dirichlet distribution got invalid concentration parameter"),
+        (_scale_from_a_real_latent, "y_obs", "invalid scale parameter.*starting point.*HalfNormal"),
     ],
 )
 def test_invalid_constant_arguments_are_refused_naming_their_site(model, site, match):
-    """A distribution argument the model writes as a constant and that breaks its constraint:
-    a ModelTraceError naming the site (numpyro's own check, made as the distribution is
-    built, named the site before it, a plate, or none; it is now made in the model's traced
-    run: see blrppl.graph.trace._argument_checks)."""
+    """A distribution argument that breaks its constraint at the model's starting point: a
+    ModelTraceError naming the site (numpyro's own check, made as the distribution is built,
+    named the site before it, a plate, or none, and skipped arrays computed in the model; it
+    is now made in the model's traced run: see blrppl.graph.trace._argument_checks). The fit
+    stopped with "no step size found" on the array (every expected log-density non-finite)."""
     with pytest.raises(ModelTraceError, match=match) as info:
         fit(model, {"y": Y})
     assert info.value.site == site
+
+
+def test_a_nan_log_density_with_valid_arguments_is_refused_naming_its_site():
+    """Arguments inside their constraints (an infinite location is not checked when computed
+    in the model, an infinite scale is positive) whose log-density is NaN: (y − ∞)/∞."""
+
+    def model(y, s):
+        mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
+        with numpyro.plate("n", y.shape[0]):
+            numpyro.sample("y_obs", dist.Normal(mu + s, s), obs=y)
+
+    with pytest.raises(ModelTraceError, match="log-density of Normal is NaN at 5 element") as info:
+        fit(model, {"y": Y, "s": np.array(np.inf)})
+    assert info.value.site == "y_obs"
+
+
+def test_invalid_hyperparameters_passed_as_data_are_refused():
+    """Hyperparameters given as data (NumPy arrays, traced in the model's run) are checked as
+    constants are, in each of the forms a user passes them."""
+
+    def model(y, concentration, scale):
+        p = numpyro.sample("p", dist.Dirichlet(concentration))
+        with numpyro.plate("n", y.shape[0]):
+            numpyro.sample("y_obs", dist.Normal(p[0], scale), obs=y)
+
+    good = {"y": Y, "concentration": np.ones(3), "scale": np.ones(Y.shape[0])}
+    for name, value, site in (("concentration", np.array([1.0, 0.0, 2.0]), "p"), ("scale", -np.ones(Y.shape[0]), "y_obs")):
+        with pytest.raises(ModelTraceError, match=f"invalid {name} parameter") as info:
+            fit(model, {**good, name: value})
+        assert info.value.site == site
 
 
 def test_model_raising_before_any_site():

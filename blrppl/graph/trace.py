@@ -498,14 +498,19 @@ def trace_model(
                     "with numpyro.handlers.mask / obs_mask",
                     site=name,
                 )
+        # (NaN arguments first: they come from the data, and break every constraint; then
+        # arguments outside their constraint, whose log-density is often NaN too)
+        _check_nan_arguments(name, info, outputs["nan_counts"][name])
         for message, ok in outputs["arguments_valid"].get(name, {}).items():
             if not bool(ok):
                 raise ModelTraceError(
-                    f"{message}: a value the model gives it (a constant, or computed from constants); "
-                    "give one inside the constraint",
+                    f"{message} at the model's starting point (each latent at its initial value, by default its "
+                    "prior mean): a constant, a data value or a value computed from them and the latents; "
+                    "give one inside the constraint (an argument computed from a latent needs a latent whose "
+                    "support keeps it there, e.g. a HalfNormal for a scale)",
                     site=name,
                 )
-        _check_nan_arguments(name, info, outputs["nan_counts"][name])
+        _check_nan_log_prob(name, info, outputs["nan_counts"][name])
         if observed and not info["is_factor"]:
             try:
                 shape = np.broadcast_shapes(value.shape, info["dist_shape"])
@@ -549,8 +554,8 @@ def trace_model(
 
 
 def _check_nan_arguments(name, info, counts) -> None:
-    """Refuse NaN distribution parameters, and NaN log-densities outside the mask, at the
-    starting point: they come from NaN in the data the model computes them from."""
+    """Refuse NaN distribution parameters at the starting point: they come from NaN in the
+    data the model computes them from."""
     dist_name = info["dist_type"].__name__
     for arg, count in counts.items():
         count = int(count)
@@ -566,9 +571,13 @@ def _check_nan_arguments(name, info, counts) -> None:
             "even where the log-density is masked; masked NaN observations are fine)",
             site=name,
         )
+
+
+def _check_nan_log_prob(name, info, counts) -> None:
+    """Refuse a NaN log-density outside the mask at the starting point."""
     count = int(counts.get("log_prob", 0))
     if count:
-        what = "numpyro.factor term" if info["is_factor"] else f"log-density of {dist_name}"
+        what = "numpyro.factor term" if info["is_factor"] else f"log-density of {info['dist_type'].__name__}"
         raise ModelTraceError(
             f"the {what} is NaN at {count} element(s) at the starting point (outside any mask); "
             "check the data the model computes it from for NaN",
@@ -772,13 +781,23 @@ def _run_once(model, spec, init_strategy, meta, dyn, rng_key):
     }
 
 
+#: constraints whose check an argument computed in the traced run skips: a real argument's
+#: NaN are counted apart (:func:`_check_nan_arguments`), and its check would add an
+#: operation per element of every location computed from the data
+_UNCHECKED_TRACED = (constraints.real, constraints.real_vector)
+
+
 def _argument_checks(fn) -> dict:
     """The checks numpyro's validation makes of a site's distribution (and of the ones it
-    wraps: a base distribution, a mixture's components) whose arguments are known when the
-    model is traced (constants of the model, e.g. a negative scale written in it): message →
-    whether every element satisfies its constraint, computed in the traced run. Arguments
-    computed from the data or from latents are not checked, as numpyro checks none inside
-    ``jit``."""
+    wraps: a base distribution, a mixture's components) at the model's starting point:
+    message → whether every element satisfies its constraint, computed in the traced run.
+
+    numpyro checks an argument as the distribution is built, and only a concrete one (none
+    inside ``jit``). Here arguments computed in the run are checked too (a concentration
+    written as ``jnp.array([1.0, -1.0])``, hyperparameters passed as data, a scale computed
+    from a latent at its prior mean), except against ``real`` (:data:`_UNCHECKED_TRACED`):
+    the fit starts from the same point, and an argument outside its constraint there makes
+    its expected log-density, and every step, non-finite."""
     out = {}
     pending = [fn]
     while pending:
@@ -793,7 +812,9 @@ def _argument_checks(fn) -> dict:
             continue
         for param, value in arguments.items():
             constraint = d.arg_constraints.get(param)
-            if constraint is None or constraints.is_dependent(constraint) or isinstance(value, jax.core.Tracer):
+            if constraint is None or constraints.is_dependent(constraint):
+                continue
+            if isinstance(value, jax.core.Tracer) and any(constraint is c for c in _UNCHECKED_TRACED):
                 continue
             try:
                 ok = jnp.all(constraint(value))
