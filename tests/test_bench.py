@@ -13,6 +13,7 @@ import math
 
 import numpy as np
 import pytest
+from jax import random
 
 from blrppl.api import blr_fit
 from blrppl.bench import __main__ as cli
@@ -106,7 +107,8 @@ def test_report_sections_for_first_fits_sites_and_the_hand_written_loop():
 
 
 def test_pca_section_puts_blrppl_and_bayespy_side_by_side():
-    blr = {"per_step": 0.02, "elbo": -100.0, "full_wall": 3.0, "full_steps": 40, "full_elbo": -90.0}
+    to_test = {"wall": 2.5, "steps": 31, "elbo": -93.0}
+    blr = {"per_step": 0.02, "elbo": -100.0, "full_wall": 3.0, "full_steps": 40, "full_elbo": -90.0, "to_test": to_test}
     bayespy = {"per_iter": 0.004, "elbo": -120.0, "full_wall": 0.5, "full_steps": 30, "full_elbo": -95.0}
     rows = [
         {"M": 20, "N": 500, "D": 10, "steps": 10, "blr": blr, "bayespy": bayespy, "floor": {"wall": 0.35, "sweeps": 30},
@@ -114,13 +116,60 @@ def test_pca_section_puts_blrppl_and_bayespy_side_by_side():
         {"M": 100, "N": 2000, "D": 40, "steps": 10, "blr": None, "bayespy": None},
     ]
     text = report.markdown([], pca_rows=rows)
-    # 20 ms against 4 ms per iteration: 5× slower
-    assert "| 20 | 500 | 10 | 20.0 | 4.0 | 5.00× | -100.0 | -120.0 | 3.0 (40) | 0.5 (30) | -90.0 | -95.0 | 0.35 (30) | 0.42 |" in text
-    assert "| 100 | 2,000 | 40 | not run (work per step) | – | – | – | – | – | – | – | – | – | – |" in text
-    gmm = [{"K": 10, "N": 200, "D": 2, "steps": 10, "blr": {**blr, "per_step": 0.001}, "bayespy": None}]
+    # 20 ms against 4 ms per iteration: 5× slower; to BayesPy's test 2.5 s (31 steps) against
+    # BayesPy's 0.5 s (30 iterations), then blrppl's own test 3.0 s (40 steps)
+    assert ("| 20 | 500 | 10 | 20.0 | 4.0 | 5.00× | -100.0 | -120.0 | 2.5 (31) | 0.5 (30) | -93.0 | -95.0 | 3.0 (40) "
+            "| -90.0 | 0.35 (30) | 0.42 |") in text
+    assert "| 100 | 2,000 | 40 | not run (work per step) | – | – | – | – | – | – | – | – | – | – | – | – |" in text
+    gmm = [{"K": 10, "N": 200, "D": 2, "steps": 10, "blr": {**blr, "per_step": 0.001, "to_test": {}}, "bayespy": None}]
     text = report.markdown([], gmm_rows=gmm)
     assert "Wishart precisions side by side with BayesPy" in text
-    assert "| 10 | 200 | 2 | 1.0 | – | – | -100.0 | – | 3.0 (40) | – | -90.0 | – | – | – |" in text
+    assert "| 10 | 200 | 2 | 1.0 | – | – | -100.0 | – | – | – | – | – | 3.0 (40) | -90.0 | – | – |" in text
+    zoo = [
+        {"kind": "bmf", "spec": (20, 500, 10, 0.3), "steps": 10, "blr": {**blr, "to_test": to_test}, "bayespy": bayespy,
+         "numpyro_read": 0.1},
+        {"kind": "ard", "spec": (100_000, 100), "steps": 10, "blr": {"per_step": 0.001, "elbo": -5.0, "to_test": to_test},
+         "bayespy": None, "numpyro_read": None},
+    ]
+    text = report.markdown([], zoo_rows=zoo)
+    # (no columns of blrppl's own test in the zoo's table)
+    assert ("| matrix factorisation, entries missing | 20 × 500, D = 10, 30 % missing | 20.0 | 4.0 | 5.00× | -100.0 "
+            "| -120.0 | 2.5 (31) | 0.5 (30) | -93.0 | -95.0 | 0.10 |") in text
+    assert "| ARD linear regression | 100,000 × 100 | 1.0 | – | – | -5.0 | – | 2.5 (31) | – | -93.0 | – | – |" in text
+
+
+@pytest.mark.parametrize(
+    "bounds, steps",
+    [
+        # BayesPy stops at the first iteration whose bound rose by less than 10⁻⁵ relative to
+        # the mean magnitude of it and the one before: here the fourth (a rise of 10⁻³ over 100)
+        ([-200.0, -120.0, -100.1, -100.099], 4),
+        ([-200.0, -120.0, -100.0, -100.0, -90.0], 4),  # an unchanged bound stops it
+        ([-200.0, -120.0, -121.0], 3),  # so does a fall
+        ([-200.0, -120.0, -100.0], None),  # still rising by more
+        ([-200.0], None),  # one bound: no test yet
+        ([-1e6, -1e6 + 9.0, -1e6 + 18.0], 2),  # 9 in 10⁶ is below 10⁻⁵
+        ([-200.0, float("nan")], 2),
+    ],
+)
+def test_bayespy_stop_is_bayespys_convergence_test(bounds, steps):
+    assert runner.bayespy_stop(bounds) == steps
+
+
+def test_zoo_problems_are_the_models_written_as_users_write_them():
+    """Each side-by-side problem is a NumPyro model with its data (the bench's new processes
+    build them from their names) whose log density NumPyro finds a finite start for, and the
+    masked factorisation's data miss about the fraction asked."""
+    from numpyro.infer.util import initialize_model
+
+    for kind, spec in (("fa", (5, 30, 2)), ("bmf", (5, 30, 2, 0.3)), ("ard", (40, 3)), ("pca", (5, 30, 2))):
+        model, data = runner.vmp_problem(kind, spec)
+        info = initialize_model(random.PRNGKey(0), model, model_kwargs=data)[0]
+        assert np.isfinite(float(info.potential_energy)), kind
+    missing = np.isnan(runner.bmf_data(50, 400, 4, 0.3))
+    assert abs(missing.mean() - 0.3) < 0.02  # (20,000 entries: sd 0.003)
+    with pytest.raises(ValueError, match="unknown VMP problem"):
+        runner.vmp_problem("lda", ())
 
 
 def test_hmm_section_and_its_two_hand_written_passes():

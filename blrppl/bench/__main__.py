@@ -138,7 +138,7 @@ def main(argv=None) -> int:
         acc = runs[-1].accuracy
         print("  max |mean err| / ref sd: " + ", ".join(
             f"{m} {a['max_mean_err_sd']:.3g}" for m, a in acc.items()), flush=True)
-    rows, dense, sites, hand, chains, hmms, pcas, gmms, funnels = [], [], [], [], [], [], [], [], []
+    rows, dense, sites, hand, chains, hmms, pcas, gmms, funnels, zoos = [], [], [], [], [], [], [], [], [], []
     if do_scaling:
         print("scaling (BLR, logistic regression, D=10):", flush=True)
         sizes = [n for n in (1_000, 10_000, 100_000, 1_000_000) if n <= args.scaling_max]
@@ -168,6 +168,9 @@ def main(argv=None) -> int:
         print("Gaussian mixture with Wishart precisions (BayesPy's timing problems):", flush=True)
         gmms = runner.vmp_gmm(log=lambda s: print(s, flush=True))
         _clear_compiled()
+        print("factor analysis, masked matrix factorisation, ARD regression (side by side with BayesPy):", flush=True)
+        zoos = runner.vmp_zoo(log=lambda s: print(s, flush=True))
+        _clear_compiled()
     out.mkdir(parents=True, exist_ok=True)
     plots = {} if args.no_plots else report.plots(runs, rows, out / "benchmarks", doc_dir=out)
     settings = {
@@ -180,7 +183,7 @@ def main(argv=None) -> int:
         + ("this run's NUTS" if args.no_reference else
            f"NUTS {runner.REF_CHAINS} chains × ({runner.REF_WARMUP} + {runner.REF_SAMPLES}) cached in {runner.cache_dir()}"),
     }
-    text = report.markdown(runs, rows, settings, plots, dense, sites, hand, chains, hmms, pcas, gmms, funnels)
+    text = report.markdown(runs, rows, settings, plots, dense, sites, hand, chains, hmms, pcas, gmms, funnels, zoos)
     path = out / "benchmarks.md"
     path.write_text(text)
     print(f"wrote {path} ({time.perf_counter() - t0:.0f} s in all)", flush=True)

@@ -171,11 +171,11 @@ def _curvatures(plan, kwargs) -> str:
     return "; ".join(out)
 
 
-#: the start of the scripts run in new processes: their one argument, then the dtype
+#: the start of the scripts run in new processes: their arguments, then the dtype
 _SCRIPT_HEADER = r"""
 import json, sys, time
 import numpyro
-if sys.argv[2] == "float64":
+if sys.argv[-1] == "float64":
     numpyro.enable_x64()
 """
 
@@ -1082,22 +1082,30 @@ def pca_data(m: int, n: int, d: int, seed: int = 0) -> np.ndarray:
     return rng.normal(size=(n, rank)) @ rng.normal(size=(rank, m)) + rng.normal(size=(n, m))
 
 
-def _bayespy_pca(Y, d: int, iterations: int, seed: int = 0):
-    """BayesPy's own PCA model on the same data and priors (:func:`_bayespy_timing`)."""
+def _bayespy_pca(Y, d: int, iterations: int, seed: int = 0, ard: bool = True, noise_per_column: bool = False):
+    """BayesPy's own PCA model on the same data and priors (:func:`_bayespy_timing`); without
+    ``ard`` the loadings' prior is N(0, 1) (factor analysis, with ``noise_per_column``: a
+    noise precision per observed dimension); missing entries (NaN) are masked out."""
     from bayespy.inference import VB
     from bayespy.nodes import Gamma, GaussianARD, SumMultiply
 
     def build():
         n, m = Y.shape
         X = GaussianARD(0, 1, plates=(1, n), shape=(d,))
-        alpha = Gamma(1e-3, 1e-3, plates=(d,))
-        C = GaussianARD(0, alpha, plates=(m, 1), shape=(d,))
-        tau = Gamma(1e-3, 1e-3)
+        priors = []
+        if ard:
+            alpha = Gamma(1e-3, 1e-3, plates=(d,))
+            priors.append(alpha)
+            C = GaussianARD(0, alpha, plates=(m, 1), shape=(d,))
+        else:
+            C = GaussianARD(0, 1, plates=(m, 1), shape=(d,))
+        tau = Gamma(1e-3, 1e-3, plates=(m, 1) if noise_per_column else ())
         Yn = GaussianARD(SumMultiply("d,d->", X, C), tau)
-        Yn.observe(Y.T)
+        seen = ~np.isnan(Y.T)
+        Yn.observe(np.where(seen, Y.T, 0.0), mask=True if seen.all() else seen)
         np.random.seed(seed)
         C.initialize_from_random()
-        return VB(Yn, X, C, alpha, tau)  # X first, from the random C (C first collapses to C = 0)
+        return VB(Yn, X, C, *priors, tau)  # X first, from the random C (C first collapses to C = 0)
 
     return _bayespy_timing(build, iterations)
 
@@ -1190,15 +1198,61 @@ def _numpyro_read(model, data: dict, seed: int = 0) -> float:
 
 
 #: BayesPy's convergence test (``VB.update``): the bound rose by less than this, relative, in
-#: one iteration; the full fits of both stop at it (``blr_fit(tol=...)``: the ELBO's relative
-#: change, with its parameters settled, or its spread over 20 steps)
+#: one iteration. blrppl's own test at the same ``tol`` (``blr_fit(tol=...)``: the ELBO's
+#: relative change with its parameters settled, or its spread over 20 steps) is stricter:
+#: it never stops before BayesPy's would, and often hundreds of steps later, at a higher bound
 BAYESPY_TOL = 1e-5
 
 
-def _blr_timing(model, data, size: int, iterations: int) -> dict:
-    """``blr_fit``'s time per step over ``iterations`` steps (compile excluded) and its bound,
-    then a full fit to BayesPy's convergence test (:data:`BAYESPY_TOL`): wall seconds (compile
-    included), steps, bound.
+def bayespy_stop(elbo, tol: float = BAYESPY_TOL) -> int | None:
+    """The number of steps after which BayesPy's convergence test (``VB.update``) stops a run
+    whose bound after each step is ``elbo``: the first step whose bound rose by less than
+    ``tol`` relative to the mean magnitude of it and the bound before (a fall included);
+    None when no step did."""
+    bound = np.asarray(elbo, float)
+    if len(bound) < 2:
+        return None
+    rise = (bound[1:] - bound[:-1]) / (0.5 * (np.abs(bound[1:]) + np.abs(bound[:-1])))
+    hits = np.flatnonzero(~(rise >= tol))  # (a NaN rise stops it too)
+    return int(hits[0]) + 2 if len(hits) else None
+
+
+#: a first fit of a side-by-side VMP problem (:func:`vmp_problem`) stopped after a given
+#: number of steps, in a new process: what a user's first run to that step costs
+TO_BAYESPY_TEST = _SCRIPT_HEADER + r"""
+from blrppl import blr_fit
+from blrppl.bench import runner
+model, data = runner.vmp_problem(sys.argv[1], json.loads(sys.argv[2]))
+t0 = time.perf_counter()
+r = blr_fit(model, data, num_steps=int(sys.argv[3]), tol=runner.BAYESPY_TOL, progress_bar=False)
+total = time.perf_counter() - t0
+print("RESULT" + json.dumps({"total": total, "compile": r.compile_time, "steps": len(r.elbo), "elbo": float(r.elbo[-1])}))
+"""
+
+
+def _to_bayespy_test(kind: str, spec, elbo) -> dict:
+    """blrppl run to BayesPy's convergence test, compile included: the step at which the test
+    stops the bounds ``elbo`` of a fit of problem ``(kind, spec)`` (:func:`bayespy_stop`), then
+    a first fit of that many steps in a new Python process with no compilation cache
+    (blrppl's program store and JAX's persistent cache off), as a user's first run of the
+    problem: its wall seconds (data made beforehand; imports not counted, as for BayesPy),
+    steps and final bound (the same steps from the same start: the bound of ``elbo`` there)."""
+    steps = bayespy_stop(elbo)
+    if steps is None:
+        return {"wall": None, "steps": None, "elbo": None, "error": "BayesPy's test never stopped the run"}
+    out = _in_new_process(TO_BAYESPY_TEST, [kind, json.dumps(list(spec)), steps], {CACHE_ENV: "0"})
+    if out.get("error"):
+        return {"wall": None, "steps": steps, "elbo": float(elbo[steps - 1]), "error": out["error"]}
+    return {"wall": out["total"], "steps": out["steps"], "elbo": out["elbo"]}
+
+
+def _blr_timing(kind: str, spec, size: int, iterations: int, own_test: bool = True) -> dict:
+    """``blr_fit`` on the side-by-side problem ``(kind, spec)`` (:func:`vmp_problem`): its
+    time per step over ``iterations`` steps (compile excluded) and its bound; a full fit to
+    its own convergence test at :data:`BAYESPY_TOL` (wall seconds, compile included, steps,
+    bound; left out with ``own_test=False``: hundreds of slow steps past BayesPy's test on
+    the large masked factorisation); and a first fit to BayesPy's convergence test in a new
+    process (:func:`_to_bayespy_test`, key ``to_test``).
 
     The steps are timed on later fits: the first one's run time includes waiting for its
     loop, which compiles in the background while the fit is set up. As for BayesPy (its
@@ -1207,12 +1261,24 @@ def _blr_timing(model, data, size: int, iterations: int) -> dict:
     times of ``iterations`` steps and of one step (each the fastest of five runs), over
     ``iterations`` − 1.
 
-    The full fit runs first: it is the first fit of this model and data shapes in the run
-    (compiled for real; ``tol`` is an argument of the compiled loop, so the timed fits that
-    follow reuse its programs)."""
-    t0 = time.perf_counter()
-    full = blr_fit(model, data, num_steps=2_000, tol=BAYESPY_TOL, progress_bar=False)
-    full_wall = time.perf_counter() - t0
+    The first fit of the problem in the run is compiled for real (``tol`` and the number of
+    steps are arguments of the compiled loop: the fits that follow reuse its programs). It
+    is the full fit, or without it fits of growing length from the same start until
+    BayesPy's test stops one (their bounds are a prefix of one sequence)."""
+    model, data = vmp_problem(kind, spec)
+    row = {}
+    if own_test:
+        t0 = time.perf_counter()
+        full = blr_fit(model, data, num_steps=2_000, tol=BAYESPY_TOL, progress_bar=False)
+        row.update(full_wall=time.perf_counter() - t0, full_steps=len(full.elbo), full_elbo=float(full.elbo[-1]))
+        first, elbo = full, full.elbo
+    else:
+        first = None
+        for cap in (50, 200, 1_000, 2_000):
+            fit = blr_fit(model, data, num_steps=cap, tol=BAYESPY_TOL, progress_bar=False)
+            first, elbo = first or fit, fit.elbo
+            if bayespy_stop(elbo) is not None or len(elbo) < cap:
+                break
 
     def fastest_run(steps):
         # (the fastest of five: a shared machine only ever adds time, and at a fraction of a
@@ -1222,11 +1288,19 @@ def _blr_timing(model, data, size: int, iterations: int) -> dict:
 
     _, one = fastest_run(1)
     r, many = fastest_run(iterations)
-    row = {**_fit_row(size, r), "compile_time": full.compile_time, "elbo": float(r.elbo[-1])}
+    row.update({**_fit_row(size, r), "compile_time": first.compile_time, "elbo": float(r.elbo[-1])})
     row["per_step"] = max(many - one, 0.0) / max(int(r.num_steps) - 1, 1)
-    row.update(full_wall=full_wall, full_steps=len(full.elbo), full_elbo=float(full.elbo[-1]))
+    row["to_test"] = _to_bayespy_test(kind, spec, elbo)
     return row
 
+
+
+def _test_log(t: dict | None) -> str:
+    if not t:
+        return ""
+    if t.get("wall") is None:
+        return f"; to BayesPy's test: {t.get('error')}"
+    return f"; to BayesPy's test {t['wall']:.1f} s (new process), {t['steps']} steps, bound {t['elbo']:.1f}"
 
 
 def _vmp_log(name: str, b: dict | None, bp: dict | None) -> str:
@@ -1234,7 +1308,9 @@ def _vmp_log(name: str, b: dict | None, bp: dict | None) -> str:
         f"  {name}: "
         + ("blrppl not run (too much work per step)" if b is None else
            f"blrppl {1e3 * b['per_step']:.1f} ms/iteration (compile {b['compile_time']:.1f} s), "
-           f"bound {b['elbo']:.1f}; full fit {b['full_wall']:.1f} s, {b['full_steps']} steps")
+           f"bound {b['elbo']:.1f}"
+           + (f"; full fit {b['full_wall']:.1f} s, {b['full_steps']} steps" if "full_wall" in b else "")
+           + _test_log(b.get("to_test")))
         + ("" if bp is None else f"; BayesPy {1e3 * bp['per_iter']:.1f} ms/iteration, bound {bp['elbo']:.1f}; "
            f"full fit {bp['full_wall']:.1f} s, {bp['full_steps']} iterations")
     )
@@ -1251,10 +1327,10 @@ def vmp_pca(problems=PCA_PROBLEMS, iterations: int = VMP_ITERATIONS, log=print) 
         bayespy = None
     rows = []
     for m, n, d in problems:
-        Y = pca_data(m, n, d)
-        data = {"Y": Y, "latent_dim": d}
+        _, data = vmp_problem("pca", (m, n, d))
+        Y = data["Y"]
         row = {"M": m, "N": n, "D": d, "steps": iterations}
-        row["blr"] = _blr_timing(pca_model, data, n, iterations) if d**2 * m * n <= PCA_MAX_WORK else None
+        row["blr"] = _blr_timing("pca", (m, n, d), n, iterations) if d**2 * m * n <= PCA_MAX_WORK else None
         row["bayespy"] = None if bayespy is None else _bayespy_pca(Y, d, iterations)
         # (BayesPy's iterations when it ran, else blrppl's steps)
         sweeps = (row["bayespy"] or {}).get("full_steps") or (row["blr"] or {}).get("full_steps") or 100
@@ -1362,13 +1438,154 @@ def vmp_gmm(problems=GMM_PROBLEMS, iterations: int = VMP_ITERATIONS, log=print) 
         bayespy = None
     rows = []
     for k, n, d in problems:
-        X = gmm_data(k, n, d)
-        data = {"X": X, "num_components": k}
-        row = {"K": k, "N": n, "D": d, "steps": iterations, "blr": _blr_timing(gmm_model, data, n, iterations)}
+        _, data = vmp_problem("gmm", (k, n, d))
+        X = data["X"]
+        row = {"K": k, "N": n, "D": d, "steps": iterations, "blr": _blr_timing("gmm", (k, n, d), n, iterations)}
         row["bayespy"] = None if bayespy is None else _bayespy_gmm(X, k, iterations)
         sweeps = (row["bayespy"] or {}).get("full_steps") or (row["blr"] or {}).get("full_steps") or 100
         row["floor"] = {"wall": _jax_floor_gmm(X, k, sweeps)[0], "sweeps": sweeps}
         row["numpyro_read"] = _numpyro_read(gmm_model, data)
         rows.append(row)
         log(_vmp_log(f"GMM K={k} N={n} D={d}", row["blr"], row["bayespy"]))
+    return rows
+
+
+# ------------------------------------------- the other classic VMP models, side by side with BayesPy
+
+
+def fa_model(Y, latent_dim: int = 10):
+    """Factor analysis: W_m ~ N(0, I), X_n ~ N(0, I), a noise precision per observed dimension
+    ψ_m ~ Gamma(10⁻³, 10⁻³), Y_n ~ N(W X_n, diag(ψ)⁻¹)."""
+    n, m = Y.shape
+    psi = numpyro.sample("psi", dist.Gamma(1e-3, 1e-3).expand([m]).to_event(1))
+    with numpyro.plate("M", m):
+        W = numpyro.sample("W", dist.Normal(0.0, 1.0).expand([latent_dim]).to_event(1))
+    with numpyro.plate("N", n):
+        X = numpyro.sample("X", dist.Normal(0.0, 1.0).expand([latent_dim]).to_event(1))
+        numpyro.sample("Y", dist.Normal(X @ W.T, 1 / jnp.sqrt(psi)).to_event(1), obs=Y)
+
+
+def fa_data(m: int, n: int, d: int, seed: int = 0) -> np.ndarray:
+    """:func:`pca_data` with a noise scale per column, drawn from [0.5, 2]."""
+    rng = np.random.default_rng(seed)
+    rank = max(1, d // 2)
+    scales = rng.uniform(0.5, 2.0, size=m)
+    return rng.normal(size=(n, rank)) @ rng.normal(size=(rank, m)) + scales * rng.normal(size=(n, m))
+
+
+def bmf_model(Y, latent_dim: int = 10):
+    """Bayesian matrix factorisation with missing entries: :func:`pca_model` with the NaN
+    entries of ``Y`` masked out."""
+    n, m = Y.shape
+    seen = ~jnp.isnan(Y)
+    alpha = numpyro.sample("alpha", dist.Gamma(1e-3, 1e-3).expand([latent_dim]).to_event(1))
+    with numpyro.plate("M", m):
+        C = numpyro.sample("C", dist.Normal(0.0, 1 / jnp.sqrt(alpha)).to_event(1))
+    with numpyro.plate("N", n):
+        X = numpyro.sample("X", dist.Normal(0.0, 1.0).expand([latent_dim]).to_event(1))
+    tau = numpyro.sample("tau", dist.Gamma(1e-3, 1e-3))
+    with numpyro.plate("n", n, dim=-2), numpyro.plate("m", m, dim=-1):
+        numpyro.sample("Y", dist.Normal(X @ C.T, 1 / jnp.sqrt(tau)).mask(seen), obs=jnp.nan_to_num(Y))
+
+
+def bmf_data(m: int, n: int, d: int, missing: float, seed: int = 0) -> np.ndarray:
+    """:func:`pca_data` with a fraction ``missing`` of its entries NaN, at random."""
+    Y = pca_data(m, n, d, seed)
+    Y[np.random.default_rng(seed + 1).random(Y.shape) < missing] = np.nan
+    return Y
+
+
+def ard_model(X, y=None):
+    """Linear regression with ARD priors (Tipping 2001, as VB): α_i ~ Gamma(10⁻³, 10⁻³),
+    w_i ~ N(0, α_i⁻¹), τ ~ Gamma(10⁻³, 10⁻³), y_n ~ N(x_n·w, τ⁻¹)."""
+    alpha = numpyro.sample("alpha", dist.Gamma(1e-3, 1e-3).expand([X.shape[1]]).to_event(1))
+    w = numpyro.sample("w", dist.Normal(0.0, 1 / jnp.sqrt(alpha)).to_event(1))
+    tau = numpyro.sample("tau", dist.Gamma(1e-3, 1e-3))
+    with numpyro.plate("data", X.shape[0]):
+        numpyro.sample("y", dist.Normal(X @ w, 1 / jnp.sqrt(tau)), obs=y)
+
+
+def ard_data(n: int, d: int, seed: int = 0) -> tuple:
+    """N standard normal rows of d inputs, 30 % of the weights non-zero, noise sd 0.5."""
+    rng = np.random.default_rng(seed)
+    X = rng.normal(size=(n, d))
+    w = rng.normal(size=d) * (rng.random(d) < 0.3)
+    return X, X @ w + 0.5 * rng.normal(size=n)
+
+
+def _bayespy_ard(X, y, iterations: int):
+    """BayesPy's linear regression with ARD on the same data and priors (:func:`_bayespy_timing`)."""
+    from bayespy.inference import VB
+    from bayespy.nodes import Gamma, GaussianARD, SumMultiply
+
+    def build():
+        alpha = Gamma(1e-3, 1e-3, plates=(X.shape[1],))
+        w = GaussianARD(0, alpha, shape=(X.shape[1],))
+        tau = Gamma(1e-3, 1e-3)
+        obs = GaussianARD(SumMultiply("i,i", w, X), tau)
+        obs.observe(y)
+        return VB(obs, w, alpha, tau)
+
+    return _bayespy_timing(build, iterations)
+
+
+def vmp_problem(kind: str, spec) -> tuple:
+    """``(model, data)`` of a side-by-side VMP problem: ``pca`` (M, N, D), ``gmm`` (K, N, D),
+    ``fa`` (M, N, D), ``bmf`` (M, N, D, fraction missing) or ``ard`` (N, D); made alike in
+    the bench and in its new processes (:data:`TO_BAYESPY_TEST`)."""
+    if kind == "pca":
+        m, n, d = spec
+        return pca_model, {"Y": pca_data(m, n, d), "latent_dim": d}
+    if kind == "gmm":
+        k, n, d = spec
+        return gmm_model, {"X": gmm_data(k, n, d), "num_components": k}
+    if kind == "fa":
+        m, n, d = spec
+        return fa_model, {"Y": fa_data(m, n, d), "latent_dim": d}
+    if kind == "bmf":
+        m, n, d, missing = spec
+        return bmf_model, {"Y": bmf_data(m, n, d, missing), "latent_dim": d}
+    if kind == "ard":
+        n, d = spec
+        X, y = ard_data(n, d)
+        return ard_model, {"X": X, "y": y}
+    raise ValueError(f"unknown VMP problem {kind!r}")
+
+
+#: the other classic VMP models of the issue, each at BayesPy's small PCA size and a large one
+ZOO_PROBLEMS = (
+    ("fa", (20, 500, 10)),
+    ("fa", (100, 2000, 40)),
+    ("bmf", (20, 500, 10, 0.3)),
+    ("bmf", (100, 2000, 40, 0.3)),
+    ("ard", (1000, 20)),
+    ("ard", (100_000, 100)),
+)
+
+
+def _bayespy_zoo(kind: str, data: dict, iterations: int) -> dict:
+    if kind == "ard":
+        return _bayespy_ard(data["X"], data["y"], iterations)
+    return _bayespy_pca(data["Y"], data["latent_dim"], iterations, ard=kind == "bmf", noise_per_column=kind == "fa")
+
+
+def vmp_zoo(problems=ZOO_PROBLEMS, iterations: int = VMP_ITERATIONS, log=print) -> list:
+    """Factor analysis, matrix factorisation with missing entries and ARD regression
+    (:func:`vmp_problem`) against BayesPy 0.6's VMP of the same models (when the optional
+    ``bayespy`` package is installed): ms per iteration (compile excluded) and bounds, and
+    the wall time of each run to BayesPy's convergence test (compile included for blrppl,
+    in a new process: :func:`_to_bayespy_test`)."""
+    try:
+        import bayespy  # noqa: F401
+    except ImportError:
+        bayespy = None
+    rows = []
+    for kind, spec in problems:
+        model, data = vmp_problem(kind, spec)
+        row = {"kind": kind, "spec": tuple(spec), "steps": iterations}
+        row["blr"] = _blr_timing(kind, spec, spec[1] if kind != "ard" else spec[0], iterations, own_test=False)
+        row["bayespy"] = None if bayespy is None else _bayespy_zoo(kind, data, iterations)
+        row["numpyro_read"] = _numpyro_read(model, data)
+        rows.append(row)
+        log(_vmp_log(f"{kind} {spec}", row["blr"], row["bayespy"]))
     return rows
