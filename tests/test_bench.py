@@ -126,9 +126,9 @@ def test_pca_section_puts_blrppl_and_bayespy_side_by_side():
     assert "Wishart precisions side by side with BayesPy" in text
     assert "| 10 | 200 | 2 | 1.0 | – | – | -100.0 | – | – | – | – | – | 3.0 (40) | -90.0 | – | – |" in text
     zoo = [
-        {"kind": "bmf", "spec": (20, 500, 10, 0.3), "steps": 10, "blr": {**blr, "to_test": to_test}, "bayespy": bayespy,
+        {"problem": "bmf", "spec": (20, 500, 10, 0.3), "steps": 10, "blr": {**blr, "to_test": to_test}, "bayespy": bayespy,
          "numpyro_read": 0.1},
-        {"kind": "ard", "spec": (100_000, 100), "steps": 10, "blr": {"per_step": 0.001, "elbo": -5.0, "to_test": to_test},
+        {"problem": "ard", "spec": (100_000, 100), "steps": 10, "blr": {"per_step": 0.001, "elbo": -5.0, "to_test": to_test},
          "bayespy": None, "numpyro_read": None},
     ]
     text = report.markdown([], zoo_rows=zoo)
@@ -162,10 +162,10 @@ def test_zoo_problems_are_the_models_written_as_users_write_them():
     masked factorisation's data miss about the fraction asked."""
     from numpyro.infer.util import initialize_model
 
-    for kind, spec in (("fa", (5, 30, 2)), ("bmf", (5, 30, 2, 0.3)), ("ard", (40, 3)), ("pca", (5, 30, 2))):
-        model, data = runner.vmp_problem(kind, spec)
+    for problem, spec in (("fa", (5, 30, 2)), ("bmf", (5, 30, 2, 0.3)), ("ard", (40, 3)), ("pca", (5, 30, 2))):
+        model, data = runner.vmp_problem(problem, spec)
         info = initialize_model(random.PRNGKey(0), model, model_kwargs=data)[0]
-        assert np.isfinite(float(info.potential_energy)), kind
+        assert np.isfinite(float(info.potential_energy)), problem
     missing = np.isnan(runner.bmf_data(50, 400, 4, 0.3))
     assert abs(missing.mean() - 0.3) < 0.02  # (20,000 entries: sd 0.003)
     with pytest.raises(ValueError, match="unknown VMP problem"):

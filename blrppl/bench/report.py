@@ -303,14 +303,24 @@ def _vmp_cells(r, own: bool = True) -> str:
         return _f(scale * d[key], fmt) if d and d.get(key) is not None else "–"
 
     def full(d, wall="full_wall", steps="full_steps"):
-        return f"{d[wall]:.1f} ({d[steps]})" if d and d.get(wall) is not None else "–"
+        if not d or d.get(wall) is None:
+            return "–"
+        return f"{d[wall]:.1f} ({d[steps]})" if d[wall] >= 0.1 else f"{d[wall]:.2f} ({d[steps]})"
 
     cells = (
         f"{num(b, 'per_step', scale=1e3) if b else 'not run (work per step)'} | {num(bp, 'per_iter', scale=1e3)} | "
-        f"{f'{ratio:.2f}×' if ratio else '–'} | {num(b, 'elbo')} | {num(bp, 'elbo')} | {full(test, 'wall', 'steps')} | "
+        f"{_ratio(ratio)} | {num(b, 'elbo')} | {num(bp, 'elbo')} | {full(test, 'wall', 'steps')} | "
         f"{full(bp)} | {num(test, 'elbo')} | {num(bp, 'full_elbo')} |"
     )
     return cells + (f" {full(b)} | {num(b, 'full_elbo')} |" if own else "")
+
+
+def _ratio(ratio) -> str:
+    """blrppl's time per iteration over BayesPy's: two decimals, or one significant digit
+    below 0.01 (a 3-second iteration against a few milliseconds is not 0.00×)."""
+    if not ratio:
+        return "–"
+    return f"{ratio:.2f}×" if ratio >= 0.01 else f"{ratio:.1g}×"
 
 
 def _vmp_note(rows, own: bool = True) -> str:
@@ -392,15 +402,15 @@ def _gmm_section(rows) -> list:
     return lines
 
 
-#: what each zoo problem kind is, for the zoo table
+#: the name of each zoo problem in the zoo table
 _ZOO_NAMES = {"fa": "factor analysis", "bmf": "matrix factorisation, entries missing", "ard": "ARD linear regression"}
 
 
-def _zoo_size(kind, spec) -> str:
-    if kind == "ard":
+def _zoo_size(problem, spec) -> str:
+    if problem == "ard":
         return f"{spec[0]:,} × {spec[1]}"
     text = f"{spec[0]} × {spec[1]:,}, D = {spec[2]}"
-    return text + (f", {100 * spec[3]:.0f} % missing" if kind == "bmf" else "")
+    return text + (f", {100 * spec[3]:.0f} % missing" if problem == "bmf" else "")
 
 
 def _zoo_section(rows) -> list:
@@ -419,7 +429,7 @@ def _zoo_section(rows) -> list:
         "|---" * 12 + "|",
     ]
     lines += [
-        f"| {_ZOO_NAMES[r['kind']]} | {_zoo_size(r['kind'], r['spec'])} | " + _vmp_cells(r, own=False) + f" {_read(r)} |"
+        f"| {_ZOO_NAMES[r['problem']]} | {_zoo_size(r['problem'], r['spec'])} | " + _vmp_cells(r, own=False) + f" {_read(r)} |"
         for r in rows
     ]
     lines += [
