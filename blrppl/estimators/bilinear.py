@@ -8,7 +8,7 @@ A Normal factor with observed y_e whose location is
 each element reading one row a_i (D scalars) of the Gaussian block A and one row b_j of the
 Gaussian block B (``X @ C.T``, ``(U[users] * V[items]).sum(-1)``, ``jnp.einsum("nd,md->nm",
 X, C)``; c_e and s_e constants), and whose scale is a constant or c'_e τ^p with τ one scalar
-Gamma block, has
+Gamma block (a vector of them: see below), has
 
     Σ_e ω_e E_q[log N(y_e | loc_e, σ_e²)]
         = −½ t (r − 2 Σ_ij W1_ij m_iᵀ m'_j + Σ_ij W2_ij ⟨S_i, S'_j⟩) − Σ_e ω_e log c'_e
