@@ -1062,8 +1062,12 @@ PCA_MAX_WORK = 2e9
 def pca_model(Y, latent_dim: int = 10):
     """Probabilistic PCA with ARD, as BayesPy's PCA example writes it: α_d ~ Gamma(10⁻³, 10⁻³),
     C_m ~ N(0, diag(α)⁻¹), X_n ~ N(0, I), τ ~ Gamma(10⁻³, 10⁻³), Y ~ N(X Cᵀ, τ⁻¹)."""
+    _ard_pca(Y, latent_dim)
+
+
+def _ard_pca(Y, d: int, seen=None):
+    """:func:`pca_model`'s sites, the likelihood masked by ``seen`` when given."""
     n, m = Y.shape
-    d = latent_dim
     alpha = numpyro.sample("alpha", dist.Gamma(1e-3, 1e-3).expand([d]).to_event(1))
     with numpyro.plate("M", m):
         C = numpyro.sample("C", dist.Normal(0.0, 1 / jnp.sqrt(alpha)).to_event(1))
@@ -1071,7 +1075,8 @@ def pca_model(Y, latent_dim: int = 10):
         X = numpyro.sample("X", dist.Normal(0.0, 1.0).expand([d]).to_event(1))
     tau = numpyro.sample("tau", dist.Gamma(1e-3, 1e-3))
     with numpyro.plate("n", n, dim=-2), numpyro.plate("m", m, dim=-1):
-        numpyro.sample("Y", dist.Normal(X @ C.T, 1 / jnp.sqrt(tau)), obs=Y)
+        likelihood = dist.Normal(X @ C.T, 1 / jnp.sqrt(tau))
+        numpyro.sample("Y", likelihood if seen is None else likelihood.mask(seen), obs=Y)
 
 
 def pca_data(m: int, n: int, d: int, seed: int = 0) -> np.ndarray:
@@ -1478,16 +1483,7 @@ def fa_data(m: int, n: int, d: int, seed: int = 0) -> np.ndarray:
 def bmf_model(Y, latent_dim: int = 10):
     """Bayesian matrix factorisation with missing entries: :func:`pca_model` with the NaN
     entries of ``Y`` masked out."""
-    n, m = Y.shape
-    seen = ~jnp.isnan(Y)
-    alpha = numpyro.sample("alpha", dist.Gamma(1e-3, 1e-3).expand([latent_dim]).to_event(1))
-    with numpyro.plate("M", m):
-        C = numpyro.sample("C", dist.Normal(0.0, 1 / jnp.sqrt(alpha)).to_event(1))
-    with numpyro.plate("N", n):
-        X = numpyro.sample("X", dist.Normal(0.0, 1.0).expand([latent_dim]).to_event(1))
-    tau = numpyro.sample("tau", dist.Gamma(1e-3, 1e-3))
-    with numpyro.plate("n", n, dim=-2), numpyro.plate("m", m, dim=-1):
-        numpyro.sample("Y", dist.Normal(X @ C.T, 1 / jnp.sqrt(tau)).mask(seen), obs=jnp.nan_to_num(Y))
+    _ard_pca(jnp.nan_to_num(Y), latent_dim, ~jnp.isnan(Y))
 
 
 def bmf_data(m: int, n: int, d: int, missing: float, seed: int = 0) -> np.ndarray:
