@@ -467,12 +467,15 @@ def is_numeric_array(x) -> bool:
 
 
 def data_hint(args, kwargs) -> str:
-    """A hint for a model that failed on its data: arguments that are Python lists or
-    arrays of non-numbers, which NumPyro models cannot compute with ("" if none)."""
+    """A hint for a model that failed on its data: arguments that are Python lists,
+    arrays of non-numbers or pandas DataFrames (passed as they are, for a model that reads
+    their columns), which NumPyro models cannot compute with as arrays ("" if none)."""
     hints = []
     for name, x in [(f"args[{i}]", v) for i, v in enumerate(args)] + list(kwargs.items()):
         if isinstance(x, list):
             hints.append(f"'{name}' is a Python list (pass np.asarray({name}))")
+        elif _pandas(x, "DataFrame"):
+            hints.append(f"'{name}' is a pandas DataFrame, passed as it is (pass its .to_numpy() for a model that computes with it as an array)")
         elif isinstance(x, np.ndarray) and not is_numeric_array(x):
             hints.append(f"'{name}' is an array of {x.dtype} values, not numbers")
     return ("; data argument " + ", ".join(hints)) if hints else ""

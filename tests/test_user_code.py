@@ -426,8 +426,10 @@ def _frame_model(frame):
         (np.array(["1.2", "0.4"]), ModelTraceError, "(?s)site 'obs'.*not numbers"),
         (Y + 1j, ObservedDataError, "complex"),
         ([1, 0, 1], ModelTraceError, "(?s)site 'obs'.*Python list"),
+        # (a DataFrame reaches the model as it is; observed as an array it cannot be used)
+        (pd.DataFrame({"y": Y}), ModelTraceError, r"(?s)site 'obs'.*pandas DataFrame.*\.to_numpy\(\)"),
     ],
-    ids=["strings", "complex", "int-list"],
+    ids=["strings", "complex", "int-list", "dataframe"],
 )
 def test_unusable_data_are_refused_by_name(y, error, match):
     with pytest.raises(error, match=match):
