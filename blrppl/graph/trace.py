@@ -781,10 +781,25 @@ def _run_once(model, spec, init_strategy, meta, dyn, rng_key):
     }
 
 
-#: constraints whose check an argument computed in the traced run skips: a real argument's
-#: NaN are counted apart (:func:`_check_nan_arguments`), and its check would add an
-#: operation per element of every location computed from the data
-_UNCHECKED_TRACED = (constraints.real, constraints.real_vector)
+#: the constraints an argument computed in the traced run is checked against: elementwise
+#: bounds (a scale's positivity, a probability's interval, an integer count), cheap and
+#: exact. Not a real argument's (its NaN are counted apart, :func:`_check_nan_arguments`,
+#: and its check would cost an operation per element of every location computed from the
+#: data), nor a matrix's or a simplex's: an eigendecomposition of a Gaussian process's
+#: kernel matrix, or a float32 softmax summing to 1 ± 10⁻⁶ (a NaN Cholesky factor and a
+#: NaN log-density are refused anyway)
+_CHECKED_TRACED = (
+    constraints._GreaterThan, constraints._LessThan, constraints._Interval, constraints._IntegerInterval,
+    constraints._IntegerGreaterThan, constraints._Boolean,
+)
+
+
+def _elementwise_bound(constraint) -> bool:
+    """Whether ``constraint`` is one of :data:`_CHECKED_TRACED`, possibly made independent
+    over event dims."""
+    while isinstance(constraint, constraints._IndependentConstraint):
+        constraint = constraint.base_constraint
+    return isinstance(constraint, _CHECKED_TRACED)
 
 
 def _argument_checks(fn) -> dict:
@@ -795,7 +810,7 @@ def _argument_checks(fn) -> dict:
     numpyro checks an argument as the distribution is built, and only a concrete one (none
     inside ``jit``). Here arguments computed in the run are checked too (a concentration
     written as ``jnp.array([1.0, -1.0])``, hyperparameters passed as data, a scale computed
-    from a latent at its prior mean), except against ``real`` (:data:`_UNCHECKED_TRACED`):
+    from a latent at its prior mean) against elementwise bounds (:data:`_CHECKED_TRACED`):
     the fit starts from the same point, and an argument outside its constraint there makes
     its expected log-density, and every step, non-finite."""
     out = {}
@@ -814,7 +829,7 @@ def _argument_checks(fn) -> dict:
             constraint = d.arg_constraints.get(param)
             if constraint is None or constraints.is_dependent(constraint):
                 continue
-            if isinstance(value, jax.core.Tracer) and any(constraint is c for c in _UNCHECKED_TRACED):
+            if isinstance(value, jax.core.Tracer) and not _elementwise_bound(constraint):
                 continue
             try:
                 ok = jnp.all(constraint(value))
