@@ -168,6 +168,18 @@ def ppca_model(Y, latent_dim=3):
         numpyro.sample("Y", dist.Normal(X @ C.T, 1 / jnp.sqrt(tau)), obs=Y)
 
 
+def factor_analysis_model(Y, latent_dim=3):
+    """Factor analysis of centred data as users write it: a noise precision per observed
+    dimension ψ_m, rows of loadings W and factors X, Y ≈ X @ W.T."""
+    n, m = Y.shape
+    psi = numpyro.sample("psi", dist.Gamma(1.0, 1.0).expand([m]).to_event(1))
+    with numpyro.plate("M", m):
+        W = numpyro.sample("W", dist.Normal(0.0, 1.0).expand([latent_dim]).to_event(1))
+    with numpyro.plate("N", n):
+        X = numpyro.sample("X", dist.Normal(0.0, 1.0).expand([latent_dim]).to_event(1))
+        numpyro.sample("Y", dist.Normal(X @ W.T, 1 / jnp.sqrt(psi)).to_event(1), obs=Y)
+
+
 SIMPLEX_CENTERS = np.array([[0.0, 0.0], [4.0, 0.0], [0.0, 4.0]])
 
 

@@ -81,13 +81,8 @@ def transposed(Yt):
 
 
 def factor_analysis(Y):
-    # a noise precision per observed dimension: τ_j along the rows of C
-    psi = numpyro.sample("psi", dist.Gamma(2.0, 1.0).expand([M]).to_event(1))
-    with numpyro.plate("M", M):
-        C = numpyro.sample("C", dist.Normal(0.0, 1.0).expand([D]).to_event(1))
-    with numpyro.plate("N", N):
-        X = numpyro.sample("X", dist.Normal(0.0, 1.0).expand([D]).to_event(1))
-        numpyro.sample("Y", dist.Normal(X @ C.T, 1 / jnp.sqrt(psi)).to_event(1), obs=Y)
+    # a noise precision per observed dimension: τ_j along the rows of W
+    return rm.factor_analysis_model(Y, D)
 
 
 def row_noise(Y, seen):
@@ -134,7 +129,7 @@ _T_I, _T_J = (x.ravel() for x in np.meshgrid(np.arange(M), np.arange(N), indexin
 #: True for one τ, (τ's block, the element of it each element reads, the block along whose
 #: rows it runs) for a vector)
 CASES = {
-    "factor analysis": (factor_analysis, {"Y": _Y}, ("X", "C"), (_GRID_I, _GRID_J, 1.0, 0.0, _Y.ravel(), 1.0, ("psi", _GRID_J, "C"))),
+    "factor analysis": (factor_analysis, {"Y": _Y}, ("X", "W"), (_GRID_I, _GRID_J, 1.0, 0.0, _Y.ravel(), 1.0, ("psi", _GRID_J, "W"))),
     "precision per row, masked": (
         row_noise, {"Y": _Y, "seen": _SEEN}, ("X", "C"),
         (_GRID_I, _GRID_J, 1.0, 0.0, _Y.ravel(), _SEEN.ravel().astype(float), ("phi", _GRID_I, "X")),
@@ -277,8 +272,8 @@ def test_a_precision_read_at_another_row_keeps_the_elementwise_moments():
 
 
 def test_rows_weighted_by_their_own_precision_keep_their_own_covariances():
-    """Factor analysis: the rows of X share one covariance (I + Σ_j E[ψ_j] E[c_j c_jᵀ]); the
-    rows of C, each weighted by its own ψ_j, do not."""
+    """Factor analysis: the rows of X share one covariance (I + Σ_j E[ψ_j] E[w_j w_jᵀ]); the
+    rows of W, each weighted by its own ψ_j, do not."""
     plan, *_ = _plan(factor_analysis, {"Y": _Y})
     assert {n for n, _, _ in plan.tied} == {"X"}, plan.describe()
 

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import pytest
 from jax import random
 
+import reference_models as rm
 from blrppl import blr_fit
 
 pytestmark = pytest.mark.filterwarnings("ignore:blr_fit. q may be a poor approximation")
@@ -323,12 +324,7 @@ def test_factor_analysis_step_is_the_textbook_sweep():
 def centred_factor_analysis(Y):
     """Factor analysis of centred data: a noise precision per column and no mean, so the
     likelihood is read from data statistics, each column's terms weighted by its ψ_m."""
-    psi = numpyro.sample("psi", dist.Gamma(1.0, 1.0).expand([M]).to_event(1))
-    with numpyro.plate("M", M):
-        W = numpyro.sample("W", dist.Normal(0.0, 1.0).expand([D]).to_event(1))
-    with numpyro.plate("N", N):
-        X = numpyro.sample("X", dist.Normal(0.0, 1.0).expand([D]).to_event(1))
-        numpyro.sample("Y", dist.Normal(X @ W.T, 1 / jnp.sqrt(psi)).to_event(1), obs=Y)
+    rm.factor_analysis_model(Y, D)
 
 
 def _centred_fa_sweep(y):

@@ -328,36 +328,26 @@ def expected_log(factor, stats: BilinearStatistics, views) -> jax.Array:
     a, b = dict(factor.pairs)["loc"][0]
     ma, ca = _rows_of(views[a])
     mb, cb = _rows_of(views[b])
-    if not factor.gram_scale_rows:
-        cross = jnp.sum((stats.cross @ mb) * ma)
-        quad = jax.lax.cond(stats.uniform, _uniform_quad, _grid_quad, stats.quad, ma, ca, mb, cb)
+    if factor.gram_scale_rows:
+        # τ_j per row j of B (or of A): t_j weights row j's terms, inside the sums
         t, log_tau_term = scale_terms(factor, views)
-        return (
-            -0.5 * t * (stats.residual - 2.0 * cross + quad)
-            - stats.log_coef - log_tau_term * stats.weight - 0.5 * _LOG_2PI * stats.weight
-        )
-    # τ_j per row j of B (or of A): t_j weights row j's terms
-    t, log_tau_term = (jnp.reshape(x, (-1,)) for x in vector_scale_terms(factor, views))
-    on_b = factor.gram_scale_rows == b
-    ta, tb = (None, t) if on_b else (t, None)
-    cross = jnp.sum((stats.cross @ (t[:, None] * mb)) * ma) if on_b else jnp.sum((stats.cross @ mb) * (t[:, None] * ma))
-    weighted = stats.quad * (t[None, :] if on_b else t[:, None])
+        ta, tb = (None, t) if factor.gram_scale_rows == b else (t, None)
+        lead, per_row = 1.0, t
+    else:
+        t, log_tau_term = scale_terms(factor, views)
+        ta = tb = None
+        lead, per_row = t, 1.0
+    cross = jnp.sum((stats.cross @ (mb if tb is None else tb[:, None] * mb)) * (ma if ta is None else ta[:, None] * ma))
 
     def uniform(w2, ma, ca, mb, cb):
         return _uniform_quad(w2, ma, ca, mb, cb, ta, tb)
 
-    quad = jax.lax.cond(stats.uniform, uniform, lambda w2, *rows: _grid_quad(weighted, *rows), stats.quad, ma, ca, mb, cb)
+    def grid(w2, ma, ca, mb, cb):
+        w2 = w2 if tb is None else w2 * tb[None, :]
+        return _grid_quad(w2 if ta is None else w2 * ta[:, None], ma, ca, mb, cb)
+
+    quad = jax.lax.cond(stats.uniform, uniform, grid, stats.quad, ma, ca, mb, cb)
     return (
-        -0.5 * (jnp.sum(t * stats.residual) - 2.0 * cross + quad)
+        -0.5 * lead * (jnp.sum(per_row * stats.residual) - 2.0 * cross + quad)
         - stats.log_coef - jnp.sum(log_tau_term * stats.weight) - 0.5 * _LOG_2PI * jnp.sum(stats.weight)
     )
-
-
-def vector_scale_terms(factor, views) -> tuple:
-    """(t, p E[log τ]) elementwise for a factor whose scale is c τ_k^p with τ a vector Gamma
-    block (t = E[τ^(−2p)]; :func:`blrppl.estimators.gram.scale_terms` for a scalar τ)."""
-    power = dict(factor.powers)["scale"]
-    gv = views[scale_block(factor)]
-    tau = mom.PowerGamma(jnp.ones_like(gv.shape), float(power), gv.shape, gv.rate,
-                         getattr(gv, "mean_log", None), getattr(gv, "mean", None))
-    return tau.expect_pow(-2.0), tau.expect_log()

@@ -245,16 +245,18 @@ def expected_log(factor, block_name, stats: GramStatistics, views) -> jax.Array:
 
 
 def scale_terms(factor, views) -> tuple:
-    """(t, a E[log τ]) of a factor whose scale is c τ^a (t = E[τ^(−2a)]), or (1, 0) for a
-    constant scale."""
+    """(t, a E[log τ]) of a factor whose scale is c τ^a (t = E[τ^(−2a)]; elementwise, flat,
+    for a vector of τ: :mod:`blrppl.estimators.bilinear`), or (1, 0) for a constant scale."""
     gamma = scale_block(factor)
     if gamma is None:
         return 1.0, 0.0
     power = dict(factor.powers)["scale"]
     gv = views[gamma]
+    shape = () if np.size(gv.shape) == 1 else (-1,)
+    concentration = jnp.reshape(gv.shape, shape)
     tau = mom.PowerGamma(
-        jnp.ones(()), float(power), jnp.reshape(gv.shape, ()), jnp.reshape(gv.rate, ()),
-        *(jnp.reshape(x, ()) if x is not None else None for x in (getattr(gv, "mean_log", None), getattr(gv, "mean", None))),
+        jnp.ones_like(concentration), float(power), concentration, jnp.reshape(gv.rate, shape),
+        *(jnp.reshape(x, shape) if x is not None else None for x in (getattr(gv, "mean_log", None), getattr(gv, "mean", None))),
     )
     return tau.expect_pow(-2.0), tau.expect_log()  # E[σ⁻²] / c⁻² = E[τ^(−2a)]; a E[log τ]
 
