@@ -30,22 +30,35 @@ _FANOUT_FLOPS = 200_000
 _installed = False
 
 
-def _square_cost(avals, params) -> int:
-    """An upper bound on jaxlib's FLOP estimate per matrix of a factorisation (n³ for an
-    n × n matrix, times 4 for an eigendecomposition, times 3 for complex entries)."""
-    a = avals[0]
-    m, n = a.shape[-2:]
-    cost = m * n * max(min(m, n), 1) * 4
-    return cost * (3 if jnp.issubdtype(a.dtype, jnp.complexfloating) else 1)
+def _complex_factor(aval) -> int:
+    return 3 if jnp.issubdtype(aval.dtype, jnp.complexfloating) else 1
+
+
+# jaxlib's FLOP estimate per matrix, kernel by kernel (jaxlib/cpu/lapack_kernels.cc, 0.10):
+# the chunks must stay under the threshold by jaxlib's own count, and a bound far above it
+# (4 n³ for a Cholesky factorisation, whose estimate is n³/3) made a chunk of 2,000
+# factor-model rows with D = 40 a loop of 2,000 single-matrix calls, most of a VMP step
+def _cholesky_cost(avals, params) -> int:
+    n = avals[0].shape[-1]
+    return n * n * n // 3 * _complex_factor(avals[0])
+
+
+def _lu_cost(avals, params) -> int:
+    m, n = avals[0].shape[-2:]
+    return m * n * max(min(m, n), 1) * _complex_factor(avals[0])
+
+
+def _eigh_cost(avals, params) -> int:
+    n = avals[0].shape[-1]
+    # (real symmetric: 5 n³; complex Hermitian: 4 n³, times 3)
+    return n * n * n * (12 if _complex_factor(avals[0]) == 3 else 5)
 
 
 def _solve_cost(avals, params) -> int:
-    """An upper bound on jaxlib's FLOP estimate per right-hand side block of a triangular
-    solve: rows × columns × the triangle's order."""
+    """Rows × columns of the right-hand side block × the triangle's order."""
     a, b = avals[:2]
     rows, cols = b.shape[-2:]
-    cost = rows * cols * a.shape[-1]
-    return cost * (3 if jnp.issubdtype(b.dtype, jnp.complexfloating) else 1)
+    return rows * cols * a.shape[-1] * _complex_factor(b)
 
 
 def chunk_size(batch: int, cost: int) -> int:
@@ -109,9 +122,9 @@ def install() -> bool:
 
         cpu = mlir._platform_specific_lowerings["cpu"]
         wanted = {
-            linalg.cholesky_p: _square_cost,
-            linalg.lu_p: _square_cost,
-            linalg.eigh_p: _square_cost,
+            linalg.cholesky_p: _cholesky_cost,
+            linalg.lu_p: _lu_cost,
+            linalg.eigh_p: _eigh_cost,
             linalg.triangular_solve_p: _solve_cost,
         }
         rules = {p: cpu[p].rule for p in wanted if p in cpu}
