@@ -21,6 +21,7 @@ import scipy.special
 import scipy.stats
 from jax.flatten_util import ravel_pytree
 
+from blrppl.families import gaussian as gaussian_module
 from blrppl.families import (
     FAMILIES,
     Bernoulli,
@@ -942,3 +943,25 @@ def test_dense_rows_view_and_entropy_with_and_without_a_shared_precision(shared)
     np.testing.assert_allclose(view.mean, np.einsum("nij,nj->ni", cov, eta1), rtol=1e-10, atol=1e-12)
     want = 0.5 * dim * (1 + np.log(2 * np.pi)) - 0.5 * np.linalg.slogdet(prec)[1]
     np.testing.assert_allclose(entropy, want, rtol=1e-12)
+
+
+@pytest.mark.parametrize("dim", [17, 40, 64])
+def test_a_batch_of_large_precisions_is_inverted_by_halves(dim):
+    # more than BLOCK_LEAF rows: Σ and log|S| by Schur complements of halves (a factor model's
+    # rows with missing entries), equal to the inverse and determinant numpy computes; a
+    # matrix that is not positive definite gives NaN in its own row only
+    rng = np.random.default_rng(dim)
+    a = rng.normal(size=(5, dim, dim))
+    prec = a @ np.swapaxes(a, -1, -2) / dim + 0.05 * np.eye(dim)
+    prec[3] -= 2.0 * np.linalg.eigvalsh(prec[3]).max() * np.eye(dim)  # negative definite
+    eta1 = rng.normal(size=(5, dim))
+    fam = GaussianDense(dim)
+    view, entropy = fam.rule_view_and_entropy(GaussianNat(jnp.asarray(eta1), jnp.asarray(-0.5 * prec)))
+    good = [0, 1, 2, 4]
+    cov = np.linalg.inv(prec[good])
+    np.testing.assert_allclose(np.asarray(view.cov)[good], cov, rtol=1e-9, atol=1e-9 * np.abs(cov).max())
+    np.testing.assert_allclose(np.asarray(view.mean)[good], np.einsum("bij,bj->bi", cov, eta1[good]), rtol=1e-8, atol=1e-9)
+    want = 0.5 * dim * (1.0 + math.log(2 * math.pi)) - 0.5 * np.linalg.slogdet(prec[good])[1]
+    np.testing.assert_allclose(np.asarray(entropy)[good], want, rtol=1e-10)
+    assert np.all(np.isnan(np.asarray(view.cov)[3])) and np.isnan(np.asarray(entropy)[3])
+    assert fam.dim > gaussian_module.BLOCK_LEAF
