@@ -195,7 +195,7 @@ def posterior_builder(plan, records, submit):
             return True
         # (dense blocks: D² elementwise work, which XLA's backend optimisations speed up)
         work = sum(b.size * b.family.dim for b in blocks.values() if b.family.dense_event)
-        options = compiler_options((), work)
+        options = compiler_options((), work, once=True)
         try:
             with numpyro.validation_enabled(False):  # the families' parameters are valid
                 _, tree = canonical_leaves(jax.eval_shape(build, nat))

@@ -489,6 +489,9 @@ def test_compiler_options_skip_options_this_jaxlib_lacks(monkeypatch):
     small = gd.compiler_options((np.zeros(10),))
     assert small == {"xla_no_such_option_here": True, "xla_backend_optimization_level": 0}
     assert "xla_backend_optimization_level" not in gd.compiler_options((np.zeros(gd.SMALL_DATA),))
+    # a program run once per fit (diagnostics, export) on large data: level 1, not XLA's default
+    assert gd.compiler_options((np.zeros(gd.SMALL_DATA),), once=True)["xla_backend_optimization_level"] == 1
+    assert gd.compiler_options((np.zeros(10),), once=True)["xla_backend_optimization_level"] == 0
     # the unknown option is dropped at the first compilation, the known one kept
     compiled = gd.compile_lowered(jax.jit(lambda x: x * 2).lower(np.zeros(3)), small)
     np.testing.assert_array_equal(compiled(np.ones(3)), 2 * np.ones(3))

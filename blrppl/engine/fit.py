@@ -104,7 +104,7 @@ class CompiledFit:
     def compile_log_weights(self, nat, dyn, key) -> None:
         """Start compiling :meth:`log_weights` for arguments of these shapes (on a worker
         thread: the fit runs meanwhile), or load it from the program store."""
-        options = _compiler_options(dyn, None, self.dense_work)
+        options = _compiler_options(dyn, None, self.dense_work, once=True)
         with numpyro.validation_enabled(False):
             self._log_weights_compiled = compile_program(
                 self._stored("log_weights", options),

@@ -110,7 +110,7 @@ def compile_lowered(lowered, options: dict | None):
         return compile_lowered(lowered, options)
 
 
-def compiler_options(data, size: int | None = None, dense_work: int = 0) -> dict | None:
+def compiler_options(data, size: int | None = None, dense_work: int = 0, once: bool = False) -> dict | None:
     """XLA options for compiling a function of ``data``: the CPU fusion emitters off, and
     backend optimisations off for small data, where compiling dominates running.
 
@@ -123,12 +123,21 @@ def compiler_options(data, size: int | None = None, dense_work: int = 0) -> dict
     :data:`SMALL_DATA` on, such a program is compiled at optimisation level 1, which
     costs little more to compile than level 0 and runs its elementwise loops 2–4× faster
     (BayesPy's PCA, 500 × 20 with D = 10: 68 → 20 ms per step for 0.8 s more compiling;
-    the K = 40 mixture: 26 → 13 ms)."""
+    the K = 40 mixture: 26 → 13 ms).
+
+    ``once``: a program each fit runs once (its diagnostics' draws, its posterior's export)
+    is compiled at most at level 1. It compiles beside the fit's loop, on the same cores:
+    at XLA's default level the diagnostics of a 2,000 × 100 matrix factorisation took
+    2.9 s to compile (1.5 s at level 1) and ran as fast at level 1 (1.7 s), as did those of
+    a logistic regression on 10⁶ rows (1.15 s); first fits of ARD regression on 10⁵ × 100
+    inputs 4.2 → 3.1 s, of the large PCA 10.7 → 8.2 s."""
     if size is None:
         size = sum(int(np.prod(jnp.shape(x))) for x in jax.tree.leaves(data))
     options = dict(_FAST_COMPILE)
     if size < SMALL_DATA:
         options["xla_backend_optimization_level"] = 1 if dense_work >= SMALL_DATA else 0
+    elif once:
+        options["xla_backend_optimization_level"] = 1
     return options
 
 
