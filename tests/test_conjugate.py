@@ -192,6 +192,34 @@ def case_plated_gaussian():
     return model, {"group": group, "y": y}, {"a.mean": mean, "a.var": 1 / precision}, read
 
 
+def case_grouped_regression():
+    """A regression per group with 20 coefficients each (more than the 16 rows from which a
+    batch of dense precisions is inverted by halves), known noise, each group its own design."""
+    rng = np.random.default_rng(5)
+    g, d, n = 3, 20, 90
+    group = np.repeat(np.arange(g), n // g)
+    x = rng.normal(size=(n, d))
+    beta_true = rng.normal(size=(g, d))
+    s, sigma = 1.5, 0.4
+    y = np.sum(x * beta_true[group], -1) + sigma * rng.normal(size=n)
+
+    def model(X, group, y):
+        with numpyro.plate("groups", g):
+            beta = numpyro.sample("beta", dist.Normal(0.0, s).expand([d]).to_event(1))
+        with numpyro.plate("n", X.shape[0]):
+            numpyro.sample("y", dist.Normal(jnp.sum(X * beta[group], -1), sigma), obs=y)
+
+    precision = np.stack([np.eye(d) / s**2 + x[group == k].T @ x[group == k] / sigma**2 for k in range(g)])
+    cov = np.linalg.inv(precision)
+    mean = np.stack([cov[k] @ x[group == k].T @ y[group == k] / sigma**2 for k in range(g)])
+
+    def read(post):
+        q = post["beta"]
+        return {"beta.mean": q.mean, "beta.cov": q.covariance_matrix}
+
+    return model, {"X": x, "group": group, "y": y}, {"beta.mean": mean, "beta.cov": cov}, read
+
+
 CASES = {
     "linreg": case_linreg,
     "normal_normal": case_normal_normal,
@@ -201,6 +229,7 @@ CASES = {
     "dirichlet_categorical": case_dirichlet_categorical,
     "dirichlet_multinomial": case_dirichlet_multinomial,
     "plated_gaussian": case_plated_gaussian,
+    "grouped_regression": case_grouped_regression,
 }
 
 
