@@ -193,11 +193,15 @@ def _reduce_to(x, shape):
     return jnp.broadcast_to(x, shape)
 
 
-def num_draws(data_shapes, enumerated: int = 1) -> int:
+def num_draws(data_shapes, enumerated: int = 1, work: int = 1) -> int:
     """:data:`NUM_DRAWS`, or fewer (a multiple of :data:`BATCH`, at least :data:`MIN_DRAWS`)
     when the data, each element evaluated ``enumerated`` times (the values of its discrete
-    latents summed out), have more than :data:`EVALUATIONS` / NUM_DRAWS elements."""
+    latents summed out) at ``work`` times the cost of one density term (1 + D for an element of
+    ``X @ C.T`` with D latent dimensions), have more than :data:`EVALUATIONS` / NUM_DRAWS
+    elements. (A 2,000 × 100 factor model with D = 40 spent 1.7 s of its first fit on 500
+    draws; 100 take 0.35 s.)"""
     size = max(sum(int(np.prod(np.shape(x))) for x in jax.tree.leaves(data_shapes)), 1) * max(enumerated, 1)
+    size *= max(work, 1)
     affordable = (EVALUATIONS // size) // BATCH * BATCH
     return int(min(NUM_DRAWS, max(MIN_DRAWS, affordable)))
 
@@ -310,7 +314,9 @@ def make_log_weights(plan, fns, records, data_shapes, batch: int = BATCH):
     data_size = sum(int(np.prod(np.shape(x))) for x in jax.tree.leaves(data_shapes))
     # (each data element is evaluated at every enumerated value of its group's discrete latents)
     enumerated = sum(math.prod(len(blocks[d].support_values) for d in group) for group in groups) or 1
-    num = num_draws(data_shapes, enumerated)
+    # (an element of a product of Gaussian blocks, ``X @ C.T``, is a sum of D products)
+    product = max((blocks[a].element_size for f in plan.factors for _, ps in f.pairs for a, _ in ps), default=0)
+    num = num_draws(data_shapes, enumerated, 1 + product)
     at_once = draws_at_once(max(data_size, 1) * enumerated, num)
     if at_once < num:
         at_once = max(d for d in range(1, min(batch, at_once) + 1) if num % d == 0)

@@ -214,6 +214,19 @@ def test_draws_are_budgeted_by_the_enumerated_evaluations():
     assert draws_at_once(10, 1000) == 1000  # small models: every draw at once
 
 
+@pytest.mark.parametrize(
+    "shape, work, draws",
+    [
+        ((500, 20), 1, 1000),  # 10⁴ elements: every draw
+        ((500, 20), 11, 900),  # X @ C.T with D = 10: 1.1·10⁵ per draw, 10⁸ // 1.1·10⁵ = 909 → 900
+        ((2000, 100), 1, 500),  # 2·10⁵ elements
+        ((2000, 100), 41, 100),  # D = 40: 8.2·10⁶ per draw, 12 affordable: the floor of 100
+    ],
+)
+def test_draws_are_budgeted_by_the_work_of_an_element(shape, work, draws):
+    assert num_draws({"Y": np.zeros(shape)}, 1, work) == draws
+
+
 def cjs(capture_history):
     """Cormack–Jolly–Seber with a survival probability per occasion, written as NumPyro's
     capture–recapture example writes it (``scan``, an enumerated survival state per animal and

@@ -288,12 +288,6 @@ def _dense_work(plan, records) -> int:
     labels counts N·D·D·K, ``X @ C.T`` with D latent dimensions N·M·D²: the measure by which
     small data still gets optimised code (:func:`blrppl.graph.data.compiler_options`)."""
     blocks = {b.name: b for b in plan.blocks}
-
-    def element_size(b) -> int:
-        if not b.family.dense_event:
-            return 1
-        return int(np.prod([s for i, s in enumerate(b.value_shape) if i not in b.plate_axes]))
-
     total = 0
     for f in plan.factors:
         # (a product read from statistics, ``gram_pair``, still counts: its rows' second
@@ -304,7 +298,7 @@ def _dense_work(plan, records) -> int:
         for d in f.discrete:
             values = blocks[d].support_values if d in blocks else None
             states = min(states * max(len(values or ()), 1), _MAX_COUNTED_STATES)
-        pairs = sum(element_size(blocks[a]) * element_size(blocks[b]) for _, ps in f.pairs for a, b in ps)
+        pairs = sum(blocks[a].element_size * blocks[b].element_size for _, ps in f.pairs for a, b in ps)
         for n in f.members or (f.name,):
             if n not in records:
                 continue

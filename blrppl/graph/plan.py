@@ -346,6 +346,14 @@ class Block:
         """Number of scalar latent dimensions."""
         return int(math.prod(self.value_shape))
 
+    @property
+    def element_size(self) -> int:
+        """Scalars per plate element of a dense family (D for the rows of ``X`` in
+        ``X @ C.T``), else 1: the terms of one element of a product of two blocks."""
+        if not self.family.dense_event:
+            return 1
+        return int(math.prod(s for i, s in enumerate(self.value_shape) if i not in self.plate_axes))
+
     def to_canonical(self, x):
         """Site layout → canonical layout (``x`` may carry leading sample dims)."""
         if not self.family.dense_event:
