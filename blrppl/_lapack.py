@@ -34,23 +34,24 @@ def _complex_factor(aval) -> int:
     return 3 if jnp.issubdtype(aval.dtype, jnp.complexfloating) else 1
 
 
-# jaxlib's FLOP estimate per matrix, kernel by kernel (jaxlib/cpu/lapack_kernels.cc, 0.10):
-# the chunks must stay under the threshold by jaxlib's own count, and a bound far above it
-# (4 n³ for a Cholesky factorisation, whose estimate is n³/3) made a chunk of 2,000
-# factor-model rows with D = 40 a loop of 2,000 single-matrix calls, most of a VMP step
+# Upper bounds on jaxlib's FLOP estimate per matrix, kernel by kernel (jaxlib/cpu/
+# lapack_kernels.cc, 0.10: Cholesky n³/3, LU m n min(m, n), symmetric eigendecomposition
+# 5 n³, Hermitian 4 n³ × 3). A bound of 4 n³ for every factorisation was below jaxlib's
+# 5 n³ for an eigendecomposition (a chunk of 49 matrices of n = 10 was split by jaxlib
+# after all). The Cholesky and LU bounds stay at 4 n³ although jaxlib counts less: with
+# chunks of jaxlib's own size a per-group logistic regression (50 groups' 20 × 20
+# precisions, one call) took 64 ms a step against 54 ms in chunks of 6; the rows of a
+# factor model are factorised by halves instead (families/gaussian.py, _batched_inverse)
 def _cholesky_cost(avals, params) -> int:
-    n = avals[0].shape[-1]
-    return n * n * n // 3 * _complex_factor(avals[0])
-
-
-def _lu_cost(avals, params) -> int:
     m, n = avals[0].shape[-2:]
-    return m * n * max(min(m, n), 1) * _complex_factor(avals[0])
+    return 4 * m * n * max(min(m, n), 1) * _complex_factor(avals[0])
+
+
+_lu_cost = _cholesky_cost
 
 
 def _eigh_cost(avals, params) -> int:
     n = avals[0].shape[-1]
-    # (real symmetric: 5 n³; complex Hermitian: 4 n³, times 3)
     return n * n * n * (12 if _complex_factor(avals[0]) == 3 else 5)
 
 

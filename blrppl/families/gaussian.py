@@ -314,8 +314,10 @@ class GaussianDense(Family):
 
         With S the precision, P̂ = −2 λ̃₂ the message's precision, g = λ̃₁ − P̂ m and
         Ĝ = P̂ − S:  S' = S + ρĜ + ½ρ² Ĝ S⁻¹ Ĝ = ½(S + UᵀU) with U = Lᵀ + ρ L⁻¹Ĝ (S = LLᵀ),
-        always positive definite, and m' = m + ρ S'⁻¹ g. Without ``retract`` the plain
-        update λ' = λ̃ is kept at ρ = 1 (exact for conjugate messages).
+        always positive definite, and m' = m + ρ S'⁻¹ g, so that η₁' = S' m' = S' m + ρ g
+        needs no solve with S' (an LU factorisation per plate element, whose pivots XLA
+        permutes in a loop: 5,000 iterations a step for 50 groups' 20 coefficients). Without
+        ``retract`` the plain update λ' = λ̃ is kept at ρ = 1 (exact for conjugate messages).
         """
         rho = jnp.asarray(rho, nat.eta1.dtype)
 
@@ -334,9 +336,7 @@ class GaussianDense(Family):
             u = jnp.swapaxes(chol, -1, -2) + rho * jax.scipy.linalg.solve_triangular(chol, diff, lower=True)
             new_prec = 0.5 * (prec + jnp.swapaxes(u, -1, -2) @ u)
             new_prec = 0.5 * (new_prec + jnp.swapaxes(new_prec, -1, -2))
-            step = jnp.linalg.solve(new_prec, grad[..., None])[..., 0]
-            new_mean = mean + rho * step
-            return GaussianNat(jnp.einsum("...ij,...j->...i", new_prec, new_mean), -0.5 * new_prec)
+            return GaussianNat(jnp.einsum("...ij,...j->...i", new_prec, mean) + rho * grad, -0.5 * new_prec)
 
         # only the branch taken runs: at ρ = 1 no Cholesky, solve or product of D × D matrices
         return jax.lax.cond((rho < 1.0) | retract, retracted, plain, None)

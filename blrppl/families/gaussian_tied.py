@@ -161,7 +161,7 @@ class GaussianTied(GaussianDense):
     def update(self, nat: GaussianNat, message: GaussianNat, rho, retract: bool = False) -> GaussianNat:
         """As the dense family's (improved BLR for ρ < 1 or ``retract``), with one D × D
         precision: S' = ½(S + UᵀU), U = Lᵀ + ρ L⁻¹(P̂ − S), and m_p' = m_p + ρ S'⁻¹ g_p with
-        g_p = λ̃₁_p − P̂ m_p."""
+        g_p = λ̃₁_p − P̂ m_p, so η₁_p' = S' m_p + ρ g_p (no factorisation of S')."""
         rho = jnp.asarray(rho, nat.eta1.dtype)
 
         def plain(_):
@@ -176,9 +176,7 @@ class GaussianTied(GaussianDense):
             grad = message.eta1.reshape((-1, self.dim)) - mean @ target
             u = chol.T + rho * solve_triangular(chol, target - prec, lower=True)
             new_prec = _sym(0.5 * (prec + u.T @ u))
-            new_chol = jnp.linalg.cholesky(new_prec)
-            new_mean = mean + rho * jax.scipy.linalg.cho_solve((new_chol, True), grad.T).T
-            return GaussianNat((new_mean @ new_prec).reshape(nat.eta1.shape), -0.5 * new_prec)
+            return GaussianNat((mean @ new_prec + rho * grad).reshape(nat.eta1.shape), -0.5 * new_prec)
 
         return jax.lax.cond((rho < 1.0) | retract, retracted, plain, None)
 
