@@ -99,7 +99,7 @@ def _batched_inverse(prec: jax.Array) -> tuple:
     one triangular solve and a product). The products are batched matrix products, the
     LAPACK calls are on matrices of at most BLOCK_LEAF rows: CPU LAPACK on a batch of
     small matrices runs one call per few matrices (a 40 × 40 triangular solve, a call per
-    3 of them: :mod:`blrppl._lapack`), and 2,000 rows of D = 40 took 100–130 ms this way
+    3 of them: :mod:`blrppl._lapack`), and 2,000 rows of D = 40 took 100–140 ms this way
     against 60 ms by halves. A matrix that is not positive definite has a non-positive
     definite A or Z, whose factor is NaN: the result is NaN, as the Cholesky factor's."""
     n = prec.shape[-1]
@@ -315,9 +315,8 @@ class GaussianDense(Family):
         With S the precision, P̂ = −2 λ̃₂ the message's precision, g = λ̃₁ − P̂ m and
         Ĝ = P̂ − S:  S' = S + ρĜ + ½ρ² Ĝ S⁻¹ Ĝ = ½(S + UᵀU) with U = Lᵀ + ρ L⁻¹Ĝ (S = LLᵀ),
         always positive definite, and m' = m + ρ S'⁻¹ g, so that η₁' = S' m' = S' m + ρ g
-        needs no solve with S' (an LU factorisation per plate element, whose pivots XLA
-        permutes in a loop: 5,000 iterations a step for 50 groups' 20 coefficients). Without
-        ``retract`` the plain update λ' = λ̃ is kept at ρ = 1 (exact for conjugate messages).
+        needs no solve with S' (no LU factorisation per plate element). Without ``retract``
+        the plain update λ' = λ̃ is kept at ρ = 1 (exact for conjugate messages).
         """
         rho = jnp.asarray(rho, nat.eta1.dtype)
 
