@@ -42,12 +42,9 @@ def _complex_factor(aval) -> int:
 # chunks of jaxlib's own size a per-group logistic regression (50 groups' 20 × 20
 # precisions, one call) took 64 ms a step against 54 ms in chunks of 6; the rows of a
 # factor model are factorised by halves instead (families/gaussian.py, _batched_inverse)
-def _cholesky_cost(avals, params) -> int:
+def _factorisation_cost(avals, params) -> int:
     m, n = avals[0].shape[-2:]
     return 4 * m * n * max(min(m, n), 1) * _complex_factor(avals[0])
-
-
-_lu_cost = _cholesky_cost
 
 
 def _eigh_cost(avals, params) -> int:
@@ -123,8 +120,8 @@ def install() -> bool:
 
         cpu = mlir._platform_specific_lowerings["cpu"]
         wanted = {
-            linalg.cholesky_p: _cholesky_cost,
-            linalg.lu_p: _lu_cost,
+            linalg.cholesky_p: _factorisation_cost,
+            linalg.lu_p: _factorisation_cost,
             linalg.eigh_p: _eigh_cost,
             linalg.triangular_solve_p: _solve_cost,
         }

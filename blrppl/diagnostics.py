@@ -199,7 +199,7 @@ def num_draws(data_shapes, enumerated: int = 1, work: int = 1) -> int:
     latents summed out) at ``work`` times the cost of one density term (1 + D for an element of
     ``X @ C.T`` with D latent dimensions), have more than :data:`EVALUATIONS` / NUM_DRAWS
     elements. (A 2,000 × 100 factor model with D = 40 spent 1.7 s of its first fit on 500
-    draws; 100 take 0.35 s.)"""
+    draws; 100 take 0.4 s.)"""
     size = max(sum(int(np.prod(np.shape(x))) for x in jax.tree.leaves(data_shapes)), 1) * max(enumerated, 1)
     size *= max(work, 1)
     affordable = (EVALUATIONS // size) // BATCH * BATCH
