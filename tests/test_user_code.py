@@ -116,6 +116,14 @@ def test_nan_covariate_is_refused_naming_the_site_and_argument():
         fit(regression, {"X": X, "y": np.ones(8)})
 
 
+def test_infinite_covariate_is_refused_saying_so():
+    # (X @ w at the prior mean w = 0: inf × 0 is NaN; the message names infinite values too)
+    X = np.ones((8, 2))
+    X[3, 1] = np.inf
+    with pytest.raises(ModelTraceError, match=r"site 'y'.*argument 'loc'.*NaN or infinite values"):
+        fit(regression, {"X": X, "y": np.ones(8)})
+
+
 def test_nan_prior_argument_from_data_is_refused():
     def model(scales, y):
         s = numpyro.sample("s", dist.HalfNormal(scales))

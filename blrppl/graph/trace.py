@@ -566,8 +566,9 @@ def _check_nan_arguments(name, info, counts) -> None:
         )
         raise ModelTraceError(
             f"argument '{arg}' of {dist_name} has {count} NaN element(s) at the starting point: "
-            f"it is computed from data with NaN in them (a covariate?){matrix}; replace or drop the NaN "
-            "rows (a mask does not help here: the gradients through a NaN covariate are NaN "
+            f"it is computed from data with NaN or infinite values in them (a covariate? an infinite value "
+            f"times 0 is NaN){matrix}; replace or drop those rows (a mask does not help here: the gradients "
+            "through a NaN covariate are NaN "
             "even where the log-density is masked; masked NaN observations are fine)",
             site=name,
         )
