@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import warnings
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import numpyro
@@ -407,7 +408,43 @@ def _few_groups(y):
     numpyro.sample("y", dist.Normal(a[jnp.arange(len(y)) % 3], 1.0), obs=y)
 
 
+def _baseball_partially_pooled(at_bats, hits=None):
+    # (NumPyro's baseball example as written there: Beta abilities pooled by m and κ)
+    m = numpyro.sample("m", dist.Uniform(0, 1))
+    kappa = numpyro.sample("kappa", dist.Pareto(1, 1.5))
+    num_players = at_bats.shape[0]
+    with numpyro.plate("num_players", num_players):
+        phi_prior = dist.Beta(m * kappa, (1 - m) * kappa)
+        phi = numpyro.sample("phi", phi_prior)
+        return numpyro.sample("obs", dist.Binomial(at_bats, probs=phi), obs=hits)
+
+
+def _dirichlet_pool(counts):
+    alpha = numpyro.sample("alpha", dist.Gamma(2.0, 0.5))
+    with numpyro.plate("g", counts.shape[0]):
+        p = numpyro.sample("p", dist.Dirichlet(alpha * jnp.array([0.5, 0.3, 0.2])))
+        numpyro.sample("y", dist.Multinomial(20, p), obs=counts)
+
+
+def _gamma_pool(y, shape=True):
+    a = numpyro.sample("a", dist.Exponential(1.0)) if shape else 2.0
+    b = numpyro.sample("b", dist.Exponential(1.0))
+    with numpyro.plate("g", len(y)):
+        lam = numpyro.sample("lam", dist.Gamma(a, b))
+        numpyro.sample("y", dist.Poisson(lam), obs=y)
+
+
+def _softplus_scale(y):
+    # (a scale no closed form reads: the prior of x is fitted by Monte Carlo or quadrature)
+    s = numpyro.sample("s", dist.Normal(0.0, 1.0))
+    with numpyro.plate("g", len(y)):
+        x = numpyro.sample("x", dist.Normal(0.0, jax.nn.softplus(s) + 0.1))
+        numpyro.sample("y", dist.Normal(x, 1.0), obs=y)
+
+
 _ys = np.random.default_rng(0).normal(size=40)
+_hits = np.array([18, 17, 16, 15, 14, 14, 13, 12, 11, 11, 10, 10, 10, 10, 10, 9, 8, 7])
+_counts = np.random.default_rng(0).multinomial(20, [0.5, 0.3, 0.2], size=12)
 
 
 @pytest.mark.parametrize(
@@ -418,9 +455,17 @@ _ys = np.random.default_rng(0).normal(size=40)
         (_volatility_scan, (0.01 * _ys,), ("('sigma')", "40 latents of 'h'", "families={'sigma': 'grid'}")),
         (eight_schools, SCHOOLS, ("8 latents of 'theta'", "('tau')", "families={'tau': 'grid'}")),
         (_loop_walk, (np.cumsum(_ys[:20]),), ("20 latents of 'x_0' … 'x_19'", "('s')", "families={'s': 'grid'}")),
-        # (a latent scale of observations only, or of fewer than 8 latents: no funnel)
+        (_softplus_scale, (_ys[:12],), ("('s')", "12 latents of 'x'", "families={'s': 'grid'}")),
+        # (a latent concentration: the latents' spread shrinks as it grows)
+        (_baseball_partially_pooled, (np.full(18, 45), _hits),
+         ("latent concentration ('m', 'kappa')", "18 latents of 'phi'", "families={'m': 'grid', 'kappa': 'grid'}")),
+        (_dirichlet_pool, (_counts,), ("latent concentration ('alpha')", "families={'alpha': 'grid'}")),
+        (_gamma_pool, (_hits,), ("latent concentration ('a')", "18 latents of 'lam'", "families={'a': 'grid'}")),
+        # (a latent scale of observations only, or of fewer than 8 latents: no funnel; a
+        # Gamma's latent rate only shifts its latents' logarithms)
         (_noise_scale_only, (_ys,), None),
         (_few_groups, (_ys,), None),
+        (lambda y: _gamma_pool(y, shape=False), (_hits,), None),
     ],
 )
 def test_poor_q_advice_names_a_scale_of_many_latents_and_its_funnel(model, args, named):
@@ -429,7 +474,9 @@ def test_poor_q_advice_names_a_scale_of_many_latents_and_its_funnel(model, args,
     the poor-q advice says so and names them, instead of suggesting structure='joint' (which
     fits the random-walk reference no better: it ran off), and offers a grid for a scale
     that is a scalar site (in a block of its own, or the positive scalar member of the
-    latents' joint block: eight schools' τ). Plans only: no fit."""
+    latents' joint block: eight schools' τ); a Beta's, Dirichlet's or Gamma's latent
+    concentration alike, read off the prior's arguments when it has no closed form. Plans
+    only: no fit."""
     advice = poor_q_advice(plan_of(model, args, rng_key=random.PRNGKey(0)))
     if named is None:
         assert "funnel" not in advice, advice

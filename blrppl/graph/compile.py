@@ -162,6 +162,12 @@ JOINT_MAX_DIM = 500
 #: ``b_x * x``: the ELBO fell from −364 to −877 in 60 steps, coefficients of the wrong sign;
 #: apart, 100 steps to NUTS's means within 0.1 sd)
 MC_JOINT_MAX_DIM = 64
+#: the arguments that set the spread of a latent's prior rather than its location (a
+#: scale, a covariance, a Beta's, Dirichlet's or Gamma's concentration): the latent sites
+#: they read are recorded as the factor's ``spread`` (the poor-q advice names them)
+SPREAD_ARGS = frozenset(
+    {"scale", "scale_tril", "covariance_matrix", "precision_matrix", "concentration", "concentration1", "concentration0"}
+)
 #: Gaussian blocks of at least this many scalars are tested for a chain structure (banded
 #: precision, :mod:`blrppl.graph.band`); smaller ones stay dense (exact, and cheap)
 BANDED_MIN_DIM = 32
@@ -275,6 +281,7 @@ def compile_model(
         model, data_spec, data, records, rules, site_init, plate_indices, program
     )
     _check_static_supports(records, deps)
+    site_deps = deps
     if primitives & AUDITED_PRIMITIVES:
         _audit_dependencies(model, data_spec, data, records, deps, site_init, plate_indices, rng_key, program)
     if _barren is None:
@@ -541,6 +548,7 @@ def compile_model(
                     model, records, data_spec, data, families, rng_key, structure, point, point_space, subsampled,
                     arrowhead=arrowhead, banded=banded, _barren=_barren, merge_joint=False,
                 )
+    factors = [_with_spread(f, records, rules, site_deps) for f in factors]
     tied = ()
     if subsampled:
         factors = _check_subsampled(factors, records, blocks, {p.name for p in subsampled})
@@ -1741,6 +1749,20 @@ def _factors(records, rules, blocks, nbrs, classes, exact, candidates, quad_clas
             )
         )
     return factors
+
+
+def _with_spread(f, records, rules, site_deps):
+    """``f`` with its ``spread``: for a latent's prior, ``(argument, sites)`` of each of its
+    :data:`SPREAD_ARGS` that reads other latent sites (``site_deps``: per site and argument,
+    the latent sites it depends on)."""
+    rule = rules.get(f.name)
+    if f.role != FactorRole.SITE or f.observed or rule is None:
+        return f
+    spread = tuple(
+        (arg, tuple(n for n in records if n in site_deps[f.name].get(arg, ()) and n != f.name))
+        for arg in rule.arg_names if arg in SPREAD_ARGS
+    )
+    return dataclasses.replace(f, spread=tuple((arg, sites) for arg, sites in spread if sites))
 
 
 def _why_not_exact(name, record, rule, classes) -> str:

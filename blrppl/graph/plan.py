@@ -443,6 +443,10 @@ class Factor:
             states through the same K × K table (a transition ``trans[prev]``), its layout
             (:class:`blrppl.graph.chain_table.ChainTable`): K runs of the model instead of
             K² (checked at compile time); None otherwise.
+        spread: for a latent's prior, ``(argument, sites)`` of each argument setting its
+            spread (a scale, a covariance, a concentration) that reads other latent sites
+            (a hierarchical model's group sd, a Beta's pooled concentration): what its
+            poor-q advice names (:func:`blrppl.engine.fit.poor_q_advice`).
     """
 
     name: str
@@ -469,6 +473,7 @@ class Factor:
     chain_reads: tuple = ()
     broadcast_enumeration: bool = False
     chain_table: Any = None
+    spread: tuple = ()
 
     @property
     def kinds(self) -> dict:
