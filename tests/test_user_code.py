@@ -27,7 +27,8 @@ from numpyro.infer import Trace_ELBO
 from numpyro.infer.autoguide import AutoNormal
 from numpyro.infer.reparam import LocScaleReparam
 
-from blrppl import BLR, BLRError, ModelTraceError, ObservedDataError, blr_fit
+from blrppl import BLR, BLRError, ModelTraceError, ObservedDataError, UnsupportedFactorError, blr_fit
+from blrppl.api import plan_of
 
 numpyro.enable_x64()
 
@@ -122,6 +123,68 @@ def test_infinite_covariate_is_refused_saying_so():
     X[3, 1] = np.inf
     with pytest.raises(ModelTraceError, match=r"site 'y'.*argument 'loc'.*NaN or infinite values"):
         fit(regression, {"X": X, "y": np.ones(8)})
+
+
+class GaussianShell(dist.Distribution):
+    # (NumPyro's Gaussian-shells example, as written there: parameters set in __init__, no
+    # arg_constraints, so numpyro's pytree of it carries none of them)
+    support = dist.constraints.real_vector
+
+    def __init__(self, loc, radius, width):
+        self.loc, self.radius, self.width = loc, radius, width
+        super().__init__(batch_shape=loc.shape[:-1], event_shape=loc.shape[-1:])
+
+    def sample(self, key, sample_shape=()):
+        return jnp.zeros(sample_shape + self.shape())
+
+    def log_prob(self, value):
+        normalizer = (-0.5) * (jnp.log(2.0 * jnp.pi) + 2.0 * jnp.log(self.width))
+        d = jnp.linalg.norm(value - self.loc, axis=-1)
+        return normalizer - 0.5 * ((d - self.radius) / self.width) ** 2
+
+
+class DeclaredShell(GaussianShell):
+    arg_constraints = {
+        "loc": dist.constraints.real_vector, "radius": dist.constraints.positive, "width": dist.constraints.positive,
+    }
+
+
+class TaggedNormal(dist.Normal):
+    def __init__(self, loc, scale, width=1.0):
+        self.width = width  # (kept outside the pytree: read by nothing here, refused all the same)
+        super().__init__(loc, scale)
+
+
+def _shells(shell):
+    def model(center1, center2, radius, width):
+        z = numpyro.sample("z", dist.Bernoulli(0.5), infer={"enumerate": "parallel"})
+        x = numpyro.sample("x", dist.Uniform(-6.0, 6.0).expand([2]).to_event(1))
+        center = jnp.stack([center1, center2])[z]
+        numpyro.sample("shell", shell(center, radius, width), obs=x)
+
+    return model
+
+
+_SHELL_DATA = (jnp.array([-3.5, 0.0]), jnp.array([3.5, 0.0]), 2.0, 0.1)
+
+
+def test_a_distribution_whose_pytree_drops_its_parameters_is_refused_naming_them():
+    """A Distribution subclass keeping its parameters outside numpyro's pytree (no
+    ``arg_constraints``): the fit evaluates densities from pytree leaves, and its
+    ``log_prob`` raised AttributeError from inside the fit. Refused naming the site, the
+    fields and the fix; with ``arg_constraints`` declared, the same model is planned; a
+    numpyro subclass's extra field, wrapped by ``expand``, is found too."""
+    with pytest.raises(UnsupportedFactorError, match=r"site 'shell'.*GaussianShell keeps 'loc', 'radius', 'width'.*arg_constraints"):
+        fit(_shells(GaussianShell), _SHELL_DATA)
+    plan = plan_of(_shells(DeclaredShell), _SHELL_DATA, rng_key=random.PRNGKey(0))
+    assert {b.name for b in plan.blocks} == {"z", "x"}, plan.describe()
+
+    def tagged(y):
+        mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
+        numpyro.sample("y", TaggedNormal(mu, 1.0, width=2.0).expand([len(y)]), obs=y)
+
+    with pytest.raises(UnsupportedFactorError, match=r"site 'y'.*TaggedNormal keeps 'width'"):
+        fit(tagged, (np.ones(3),))
 
 
 def test_nan_prior_argument_from_data_is_refused():

@@ -31,7 +31,7 @@ from blrppl.graph.data import DataSpec, compiler_options
 from blrppl.graph.program_store import compile_program, jit as store_jit, program_key
 from blrppl.graph.stable import Stabilise
 from blrppl.graph.plan import SubsampledPlate
-from blrppl.errors import ModelTraceError, ObservedDataError, UnsupportedFactorError
+from blrppl.errors import BLRError, ModelTraceError, ObservedDataError, UnsupportedFactorError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -396,6 +396,8 @@ def trace_program(model, args=(), kwargs=None, rng_key=None, init_strategy=None)
 def _raise_trace_error(exc, name, args, kwargs):
     from blrppl.inputs import data_hint
 
+    if isinstance(exc, BLRError):
+        raise exc  # (blrppl's own check of a site, raised while the model ran: it names the fix)
     where = f"after site '{name}'" if name is not None else "before its first site"
     if isinstance(exc, ValueError) and "numpyro.subsample" in str(exc):
         raise ObservedDataError(
@@ -710,6 +712,7 @@ def _run_once(model, spec, init_strategy, meta, dyn, rng_key):
         if site["type"] != "sample":
             continue
         fn = site["fn"]
+        _check_pytree(name, fn)
         if validate:
             argument_checks[name] = _argument_checks(fn)
         base, reinterpreted, mask = unwrap(fn)
@@ -793,6 +796,56 @@ _CHECKED_TRACED = (
     constraints._GreaterThan, constraints._LessThan, constraints._Interval, constraints._IntegerInterval,
     constraints._IntegerGreaterThan, constraints._Boolean,
 )
+
+
+#: what ``Distribution.__init__`` sets on a distribution rebuilt from its pytree
+_REBUILT_BY_INIT = frozenset({"_batch_shape", "_event_shape", "_validate_args"})
+
+
+def _lost_fields(d) -> tuple:
+    """Attributes of the distribution ``d`` that its pytree does not carry: set on it, but
+    neither named by its ``arg_constraints`` nor its ``pytree_data_fields`` /
+    ``pytree_aux_fields`` (numpyro's flattening), nor recomputed (a ``lazy_property``)."""
+    leaves, treedef = jax.tree.flatten(d)
+    kept = vars(jax.tree.unflatten(treedef, leaves))
+    return tuple(
+        k for k in vars(d)
+        if k not in kept and k not in _REBUILT_BY_INIT
+        and not isinstance(getattr(type(d), k, None), dist.util.lazy_property)
+    )
+
+
+def _check_pytree(name, fn) -> None:
+    """Refuse a site whose distribution (or one it wraps) is of a class defined outside
+    numpyro that keeps parameters outside its pytree: blrppl evaluates the model's densities
+    from the distributions' pytree leaves (one traced program, vectorised over draws), and
+    such a distribution comes back without them (NumPyro's Gaussian-shells example sets
+    ``self.loc, self.radius, self.width`` in ``__init__`` with no ``arg_constraints``: its
+    ``log_prob`` raised AttributeError from inside the fit)."""
+    seen, stack = set(), [fn]
+    while stack:
+        d = stack.pop()
+        if id(d) in seen:
+            continue
+        seen.add(id(d))
+        stack.extend(v for v in vars(d).values() if isinstance(v, dist.Distribution))
+        if type(d).__module__.startswith("numpyro."):
+            continue
+        try:
+            lost = _lost_fields(d)
+        except Exception:  # (a pytree numpyro cannot rebuild: the same failure, said here)
+            lost = ("its parameters",)
+        if lost:
+            cls = type(d).__name__
+            listed = ", ".join(f"'{k}'" for k in lost)
+            raise UnsupportedFactorError(
+                f"the distribution {cls} keeps {listed} outside its pytree: numpyro flattens a Distribution "
+                "into the fields its arg_constraints (and pytree_data_fields) name, and blrppl evaluates the "
+                f"model's densities from those fields; declare them in {cls}, e.g. arg_constraints = "
+                f"{{{', '.join(f'{k!r}: constraints.real' for k in lost if not k.startswith('_'))}}} "
+                "with each parameter's constraint (or list them in pytree_data_fields)",
+                site=name,
+            )
 
 
 def _elementwise_bound(constraint) -> bool:
