@@ -300,6 +300,10 @@ def test_generic_poor_q_advice_offers_structure_joint_only_when_it_would_join_bl
     advice = poor_q_advice(plan)
     assert advice.startswith("compare with NUTS, or try "), advice  # (the generic advice)
     assert ("structure='joint'" in advice) == joint_advised, (advice, [b.name for b in plan.blocks])
+    # (one start: several are offered, as other families; a fit from several is not sent there again)
+    assert "other families=" in advice and "num_starts=4" in advice, advice
+    again = poor_q_advice(plan, num_starts=4)
+    assert "num_starts" not in again and again.endswith("other families="), again
 
 
 def test_noise_of_a_window_with_an_infinite_elbo_is_nan_without_numpy_warnings():
