@@ -833,17 +833,18 @@ def _check_pytree(name, fn) -> None:
             continue
         try:
             lost = _lost_fields(d)
-        except Exception:  # (a pytree numpyro cannot rebuild: the same failure, said here)
-            lost = ("its parameters",)
-        if lost:
+            what = ", ".join(f"'{k}'" for k in lost)
+        except Exception as exc:  # (a pytree numpyro cannot rebuild: the same failure, said here)
+            lost, what = (), f"parameters its pytree cannot rebuild ({type(exc).__name__}: {exc})"
+        if what:
             cls = type(d).__name__
-            listed = ", ".join(f"'{k}'" for k in lost)
+            example = ", ".join(f"{k!r}: constraints.real" for k in lost if not k.startswith("_"))
             raise UnsupportedFactorError(
-                f"the distribution {cls} keeps {listed} outside its pytree: numpyro flattens a Distribution "
+                f"the distribution {cls} keeps {what} outside its pytree: numpyro flattens a Distribution "
                 "into the fields its arg_constraints (and pytree_data_fields) name, and blrppl evaluates the "
-                f"model's densities from those fields; declare them in {cls}, e.g. arg_constraints = "
-                f"{{{', '.join(f'{k!r}: constraints.real' for k in lost if not k.startswith('_'))}}} "
-                "with each parameter's constraint (or list them in pytree_data_fields)",
+                f"model's densities from those fields; declare them in {cls}'s arg_constraints with each "
+                "parameter's constraint" + (f" (e.g. arg_constraints = {{{example}}})" if example else "")
+                + ", or list them in pytree_data_fields",
                 site=name,
             )
 
