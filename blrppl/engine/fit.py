@@ -23,7 +23,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import numpyro
-from numpyro.distributions import constraints
 
 from blrppl.engine.loop import BAD_RATE, CONVERGED, NONFINITE, STATIONARY, STATIONARY_STEPS, empty_history, history_size, make_chunk, run_loop
 from blrppl.engine import start as start_mod
@@ -922,11 +921,9 @@ def _funnel(plan):
     model's group sd, a volatility's shock size; summed over one site per step), or of a
     latent concentration they read (a Beta's or Dirichlet's pooling κ, a Gamma's shape:
     their spread shrinks as it grows), quoted for display; None when the plan has none. The
-    scale is named by its sites when it has a block of its own, or, in one joint block with
-    the latents (a quadrature factor reading a parameter through an exponential), by the
-    block's scalar members on a positive support (eight schools' τ); else described; a
-    factor without closed form names the latent sites its spread arguments read
-    (``Factor.spread``).
+    scale is named by the latent sites the priors' spread arguments read (``Factor.spread``:
+    read off the model's program, whatever the blocks and estimators, so eight schools' τ
+    in one joint block with the effects as well).
 
     A Gaussian q, even one dense block over the scale and its latents, does not hold their
     joint posterior: the sd of a random walk's step scale is 0.32× NUTS's fitted apart and
@@ -936,37 +933,21 @@ def _funnel(plan):
     scaled: dict = {}  # scale → (sites it scales, their scalars); one site per step adds up
     words: dict = {}  # scale → what it is to the latents: "scale" or "concentration"
     for f in plan.factors:
-        kinds, blocks = f.kinds, dict(f.arg_blocks)
-        if f.observed or f.role != FactorRole.SITE or kinds.get("value") == "const":
+        if f.observed or f.role != FactorRole.SITE or not f.spread:
             continue
         sites = f.members or (f.name,)
-        scale = None
-        if kinds.get("scale", "const") != "const":
-            scales = tuple(s for n in blocks.get("scale", ()) for s in plan.block(n).sites if s not in sites)
-            scale = scales or None
-        elif any(isinstance(leaf, int) and link == "exp" for _, leaf, link in f.links):
-            # (one joint block with the latents: its scalar members on a positive support
-            # other than the scaled sites, eight schools' τ, are the candidates)
-            joint = [plan.block(n) for n in f.neighbours if plan.block(n).members]
-            scale = tuple(
-                m.name for b in joint for m in b.members
-                if m.size == 1 and m.name not in sites
-                and type(getattr(m.transform, "codomain", None)) is type(constraints.positive)
-            ) or "fitted in one Gaussian block with them"
-        elif f.spread:
-            # (no closed form: the latent sites its spread arguments read, e.g. a Beta prior's
-            # m·κ and (1 − m)·κ)
-            scale = tuple(dict.fromkeys(s for _, read in f.spread for s in read if s not in sites)) or None
-            if scale is not None and all(arg.startswith("concentration") for arg, _ in f.spread):
-                words[scale] = "concentration"
-        if scale is not None:
-            names, count = scaled.get(scale, ((), 0))
-            scaled[scale] = (names + sites, count + sum(sizes.get(s, 0) for s in sites))
+        scale = tuple(dict.fromkeys(s for _, read in f.spread for s in read if s not in sites))
+        if not scale:
+            continue
+        if all(arg.startswith("concentration") for arg, _ in f.spread):
+            words[scale] = "concentration"
+        names, count = scaled.get(scale, ((), 0))
+        scaled[scale] = (names + sites, count + sum(sizes.get(s, 0) for s in sites))
     for scale, (names, count) in scaled.items():
         if count >= FUNNEL_MIN_LATENTS:
-            # (scalar scales can be integrated on a grid: families={site: "grid"})
-            scalars = () if isinstance(scale, str) or len(scale) > 2 else tuple(s for s in scale if sizes.get(s) == 1)
-            shown = scale if isinstance(scale, str) else ", ".join(f"'{s}'" for s in scale)
+            # (at most two scalar sites can be integrated on a grid: families={site: "grid"})
+            scalars = tuple(s for s in scale if sizes.get(s) == 1) if len(scale) <= 2 else ()
+            shown = ", ".join(f"'{s}'" for s in scale)
             latents = f"'{names[0]}'" if len(names) == 1 else f"'{names[0]}' … '{names[-1]}'"
             return shown, latents, count, scalars if len(scalars) == len(scale) else (), words.get(scale, "scale")
     return None
