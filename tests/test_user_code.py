@@ -23,6 +23,7 @@ import pandas as pd
 import pytest
 from jax import random
 from numpyro import handlers
+from numpyro.contrib.control_flow import scan
 from numpyro.infer import Trace_ELBO
 from numpyro.infer.autoguide import AutoNormal
 from numpyro.infer.reparam import LocScaleReparam
@@ -185,6 +186,20 @@ def test_a_distribution_whose_pytree_drops_its_parameters_is_refused_naming_them
 
     with pytest.raises(UnsupportedFactorError, match=r"site 'y'.*TaggedNormal keeps 'width'"):
         fit(tagged, (np.ones(3),))
+
+    def shells_in_scan(y):
+        # (numpyro's scan rebuilds its sites' distributions from their pytrees itself: the
+        # missing field's AttributeError is read as the same cause)
+        centre = numpyro.sample("centre", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
+
+        def step(carry, y_t):
+            numpyro.sample("y", GaussianShell(centre, 2.0, 0.1), obs=y_t)
+            return carry, None
+
+        scan(step, None, y)
+
+    with pytest.raises(UnsupportedFactorError, match=r"GaussianShell keeps '(loc|radius|width)'.*arg_constraints"):
+        fit(shells_in_scan, (np.ones((4, 2)),))
 
 
 def test_nan_prior_argument_from_data_is_refused():

@@ -398,6 +398,11 @@ def _raise_trace_error(exc, name, args, kwargs):
 
     if isinstance(exc, BLRError):
         raise exc  # (blrppl's own check of a site, raised while the model ran: it names the fix)
+    if isinstance(exc, AttributeError) and isinstance(getattr(exc, "obj", None), dist.Distribution):
+        # (a distribution rebuilt from its pytree before blrppl saw it, by numpyro's scan,
+        # without a field its log_prob reads: see _check_pytree)
+        field = getattr(exc, "name", None) or "parameters"
+        raise _outside_pytree(name, type(exc.obj).__name__, f"'{field}'", (field,)) from exc
     where = f"after site '{name}'" if name is not None else "before its first site"
     if isinstance(exc, ValueError) and "numpyro.subsample" in str(exc):
         raise ObservedDataError(
@@ -837,16 +842,21 @@ def _check_pytree(name, fn) -> None:
         except Exception as exc:  # (a pytree numpyro cannot rebuild: the same failure, said here)
             lost, what = (), f"parameters its pytree cannot rebuild ({type(exc).__name__}: {exc})"
         if what:
-            cls = type(d).__name__
-            example = ", ".join(f"{k!r}: constraints.real" for k in lost if not k.startswith("_"))
-            raise UnsupportedFactorError(
-                f"the distribution {cls} keeps {what} outside its pytree: numpyro flattens a Distribution "
-                "into the fields its arg_constraints (and pytree_data_fields) name, and blrppl evaluates the "
-                f"model's densities from those fields; declare them in {cls}'s arg_constraints with each "
-                "parameter's constraint" + (f" (e.g. arg_constraints = {{{example}}})" if example else "")
-                + ", or list them in pytree_data_fields",
-                site=name,
-            )
+            raise _outside_pytree(name, type(d).__name__, what, lost)
+
+
+def _outside_pytree(name, cls: str, what: str, lost: tuple) -> UnsupportedFactorError:
+    """The error of a site whose distribution class ``cls`` keeps ``what`` (the fields
+    ``lost``) outside numpyro's pytree of it."""
+    example = ", ".join(f"{k!r}: constraints.real" for k in lost if not k.startswith("_"))
+    return UnsupportedFactorError(
+        f"the distribution {cls} keeps {what} outside its pytree: numpyro flattens a Distribution "
+        "into the fields its arg_constraints (and pytree_data_fields) name, and blrppl (and numpyro's "
+        f"scan) rebuild the model's distributions from those fields; declare them in {cls}'s arg_constraints "
+        "with each parameter's constraint" + (f" (e.g. arg_constraints = {{{example}}})" if example else "")
+        + ", or list them in pytree_data_fields",
+        site=name,
+    )
 
 
 def _elementwise_bound(constraint) -> bool:
