@@ -126,6 +126,51 @@ def test_a_python_loop_walk_on_a_grid_is_its_exact_posterior():
     assert "read by their ELBOs" in result.message, result.message
 
 
+def pooled_players(at_bats, hits=None):
+    """NumPyro's baseball pool with its mean fixed (m = 0.25): each player's ability φ_i ~
+    Beta(m κ, (1 − m) κ) with a latent concentration κ ~ Pareto(1, 1.5)."""
+    kappa = numpyro.sample("kappa", dist.Pareto(1.0, 1.5))
+    with numpyro.plate("players", at_bats.shape[0]):
+        phi = numpyro.sample("phi", dist.Beta(0.25 * kappa, 0.75 * kappa))
+        numpyro.sample("obs", dist.Binomial(at_bats, probs=phi), obs=hits)
+
+
+def test_a_pooled_beta_on_a_grid_reports_the_mixture_of_its_conjugate_fits():
+    """With κ latent the players' abilities are a Gaussian on their logits (a Beta with a
+    latent concentration has no closed form); with κ fixed each is Beta, conjugate, and the
+    inner fit is exact. The result's φ is the mixture of those Beta fits over the grid,
+    moment-matched on the logit scale (4,000 draws of each): against the exact posterior
+    (quadrature over 20,001 points of log κ: p(κ | y) ∝ p(κ) Π_i B(a + y_i, b + n_i − y_i) /
+    B(a, b), and given κ, logit φ_i has mean ψ(a + y_i) − ψ(b + n_i − y_i) and variance
+    ψ′(a + y_i) + ψ′(b + n_i − y_i)), every mean within 0.06 sd and sd within 5 % (the
+    draws' Monte Carlo error: 0.016 sd on a mean, 1.1 % on an sd; measured 0.027 and 2.3 %).
+    Before, φ was the fit with κ latent: 0.2 sd off in NumPyro's two-scale example."""
+    from scipy.special import betaln, digamma, polygamma
+
+    hits = np.array([18, 16, 14, 13, 12, 11, 10, 10, 9, 7])
+    at_bats = np.full(10, 45)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (q draws κ apart from φ: the poor-q warning says so)
+        result = blr_fit(pooled_players, (at_bats, hits), families={"kappa": "grid"}, rng_key=random.PRNGKey(0),
+                         progress_bar=False)
+    assert "the blocks phi take other families with the scales fixed" in result.message, result.message
+    u = np.linspace(-3.0, 12.0, 20_001)
+    kappa = np.exp(u)
+    a, b = 0.25 * kappa, 0.75 * kappa
+    logp = np.where(kappa >= 1.0, -1.5 * u, -np.inf)  # (Pareto(1, 1.5) ∝ κ^-2.5, and log κ's Jacobian κ)
+    for y, n in zip(hits, at_bats):
+        logp = logp + betaln(a + y, b + n - y) - betaln(a, b)
+    w = np.exp(logp - logp.max())
+    w /= w.sum()
+    post_a, post_b = a[:, None] + hits, b[:, None] + at_bats - hits
+    mean = w @ (digamma(post_a) - digamma(post_b))
+    sd = np.sqrt(w @ (polygamma(1, post_a) + polygamma(1, post_b) + (digamma(post_a) - digamma(post_b)) ** 2) - mean**2)
+    phi = np.asarray(result.sample(random.PRNGKey(1), 200_000)["phi"])
+    logits = np.log(phi) - np.log1p(-phi)
+    err, ratio = (logits.mean(0) - mean) / sd, logits.std(0) / sd
+    assert np.max(np.abs(err)) <= 0.06 and np.max(np.abs(ratio - 1.0)) <= 0.05, (err, ratio)
+
+
 @pytest.mark.parametrize(
     "families, kwargs, match",
     [

@@ -61,6 +61,7 @@ from blrppl.engine.fit import _model_data, _one_exact_block, finish, prepare
 from blrppl.engine.loop import NONFINITE, run_loop
 from blrppl.errors import BLRError, FamilyError
 from blrppl.graph.data import DataSpec
+from blrppl.inputs import host_fold_in
 
 #: the family name that asks for a site to be integrated on a grid
 GRID = "grid"
@@ -80,6 +81,10 @@ EDGE_WEIGHT = 1e-3
 
 #: Newton steps that locate the mode of ℓ
 NEWTON_STEPS = 4
+
+#: draws of each grid point's fit behind the moment match of a block whose family differs
+#: with the scales fixed (:func:`_drawn_stats`)
+MIXTURE_DRAWS = 4000
 
 #: PSIS k̂ of q(x | θ*)'s importance weights at the mode up to which the grid reads ℓ from
 #: the importance-weighted bound rather than the ELBO
@@ -144,14 +149,17 @@ def _check_sites(sites, plan, records) -> list:
 
 def _moment_match(family, weights, means):
     """λ of ``family`` whose mean parameters are Σ_k w_k μ_k (``means``: mean parameters, or
-    sufficient statistics T(u_k) of points; None where a grid fit failed): the moment match
-    of the mixture Σ_k w_k q_k, or of the weighted points."""
-    total = None
+    sufficient statistics T(u_k) of points; None where a grid fit failed or was not read):
+    the moment match of the mixture Σ_k w_k q_k, or of the weighted points, over the points
+    read (their weights renormalised)."""
+    total, used = None, 0.0
     for w, mp in zip(weights, means):
         if w == 0.0 or mp is None:
             continue
         mp = jax.tree.map(lambda x: w * np.asarray(x, np.float64), mp)
         total = mp if total is None else jax.tree.map(np.add, total, mp)
+        used += w
+    total = jax.tree.map(lambda x: x / used, total)  # (the weights of the points read sum to 1)
     dtype = jax.tree.leaves(next(m for m in means if m is not None))[0].dtype
     return jax.jit(family.nat_from_mean)(jax.tree.map(lambda x: jnp.asarray(x, dtype), total))
 
@@ -360,11 +368,18 @@ def grid_fit(model, args, kwargs, options, key, sites):
     cond_blocks = {b.name: b for b in cond.plan.blocks}
     nats = [v[1] for v in values]
     mode_nat = nats[int(np.argmax(weights))]
-    unmatched = []
+    unmatched, drawn = [], []
     for b in base.plan.blocks:
         if any(b is c for c, _ in checked):
             continue
         c = cond_blocks.get(b.name)
+        if c is not None and c.family != b.family and _drawable(b) and _drawable(c):
+            try:
+                nat[b.name] = _moment_match(b.family, weights, _drawn_stats(b, c, weights, nats, key))
+                drawn.append(b.name)
+                continue
+            except NotImplementedError:  # (a family without a map from mean parameters)
+                pass
         if c is None or c.family != b.family:
             unmatched.append(b.name)
         elif b.param or b.point:
@@ -385,6 +400,12 @@ def grid_fit(model, args, kwargs, options, key, sites):
         f"{'it' if d == 1 else 'them'} fixed, read by their {'importance-weighted bounds' if weighted else 'ELBOs'}; "
         f"on the unconstrained scale {spread})"
     )
+    if drawn:
+        note += (
+            f"; the blocks {', '.join(drawn)} take other families with the scales fixed: their mixture over the grid "
+            f"is moment-matched in the families of the fit with the scales as latents, from {MIXTURE_DRAWS:,} draws "
+            "of each grid fit"
+        )
     if unmatched:
         note += (
             f"; the blocks {', '.join(unmatched)} differ with the scales fixed and report the fit with them as latents"
@@ -399,6 +420,33 @@ def grid_fit(model, args, kwargs, options, key, sites):
     for i, (site, (_, transform)) in enumerate(zip(sites, checked)):
         result.posterior[site] = _grid_marginal(us[:, i], weights, widths[i], transform)
     return result
+
+
+def _drawable(block) -> bool:
+    """A block whose draws map one to one onto its site's values: one site (no joint or
+    chain layout), continuous, not a point estimate, not local to a subsampled plate."""
+    return not (block.members or block.discrete or block.point or block.local is not None)
+
+
+def _drawn_stats(b, c, weights, nats, key) -> list:
+    """E_{q_k}[T_b(u)] at every grid point k of positive weight (None elsewhere), for a site
+    fitted in block ``b``'s family with the scales as latents and in block ``c``'s, another,
+    with them fixed (a pooled Beta's latents: a Gaussian on their logits with the scales as
+    latents, Beta with them fixed, conjugate): :data:`MIXTURE_DRAWS` draws of each fit q_k
+    (the same key at every point: common random numbers), mapped to the site's values and
+    from them to ``b``'s space, where ``b``'s sufficient statistics T_b are averaged."""
+
+    def stats(nat, key):
+        x = c.to_site(c.family.sample(nat, key, (MIXTURE_DRAWS,)))
+        x = c.transform(x) if c.transform is not None else x
+        u = b.transform.inv(x) if b.transform is not None else x
+        return jax.tree.map(lambda t: jnp.mean(t, axis=0), b.family.sufficient_stats(b.to_canonical(u)))
+
+    stats = jax.jit(stats)
+    key = host_fold_in(key, 11)
+    # (points below 10⁻⁹ of the largest weight move no moment: not drawn)
+    keep = weights > 1e-9 * np.max(weights)
+    return [stats(n[c.name], key) if n is not None and k else None for k, n in zip(keep, nats)]
 
 
 def _grid_marginal(u, weights, width: float, transform):
