@@ -30,8 +30,10 @@ from blrppl.engine.step import BLRState, initial_state, make_step, with_views
 from blrppl import families as fam
 from blrppl.errors import BLRError, InitValueError, is_out_of_memory, out_of_memory_detail
 from blrppl.graph.compile import (
-    MC_JOINT_MAX_DIM, _block_init_values, compile_model, conjugate_blocks, init_nat, rows_share_precision,
+    MC_JOINT_MAX_DIM, _block_init_values, compile_model, conjugate_blocks, init_nat, reverse_only_error,
+    rows_share_precision,
 )
+from blrppl.graph.derivatives import is_no_reverse_error, is_reverse_only_error, reverse_only_mode
 from blrppl.graph.plan import FactorRole
 from blrppl.estimators import bilinear, gram
 from blrppl.expressions import table_key
@@ -571,7 +573,22 @@ def _prepare_locked(model, args, kwargs, options, rng_key, prior, init_values, s
         # the model was run with validation above; its many internal re-runs skip it (each
         # check of a constant argument would otherwise compile on its own)
         with numpyro.validation_enabled(False):
-            bundle = _compile(model, records, data_spec, dyn_data, tracer, options, prior_spec, k_probe, supports)
+            try:
+                bundle = _compile(model, records, data_spec, dyn_data, tracer, options, prior_spec, k_probe, supports)
+            except TypeError as exc:
+                if not is_reverse_only_error(exc):
+                    raise
+                # (a function with a custom reverse-mode rule only, jax.custom_vjp: compiled
+                # again with reverse-over-reverse second derivatives)
+                try:
+                    with reverse_only_mode():
+                        bundle = _compile(
+                            model, records, data_spec, dyn_data, tracer, options, prior_spec, k_probe, supports
+                        )
+                except (TypeError, ValueError) as again:
+                    if not (is_reverse_only_error(again) or is_no_reverse_error(again)):
+                        raise
+                    raise reverse_only_error(model, data_spec, dyn_data, records) from None
         bundle.supports = supports
         bundle.data_digest = _data_digest(dyn_now) if any(b.chain for b in bundle.plan.blocks) else None
         if key is not None:

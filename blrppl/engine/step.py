@@ -22,6 +22,7 @@ from blrppl.estimators.enumeration import expected_log_factors, is_jacobian
 from blrppl.estimators import bilinear, gram
 from blrppl.expressions import base_values
 from blrppl.graph.data import host_array, split_run_data
+from blrppl.graph.derivatives import hessian_of_grad
 from blrppl.online import expected_log_previous, is_previous_posterior
 
 
@@ -129,7 +130,8 @@ NEWTON_MAX_HALVINGS = 30
 def _value_grad_hessian(block, objective_of_mean, mean):
     """L(m), ∇L(m) (shape of ``mean``) and the Hessian blocks of L at m: per plate element
     ``(*B, D, D)`` for dense blocks, the diagonal (shape of ``mean``) for diagonal ones.
-    One forward-over-reverse pass gives all three."""
+    One forward-over-reverse pass gives all three (reverse over reverse for a model with a
+    custom reverse-mode rule only, :mod:`blrppl.graph.derivatives`)."""
     shape = mean.shape
     flat = mean.reshape(-1)
 
@@ -137,7 +139,7 @@ def _value_grad_hessian(block, objective_of_mean, mean):
         value, g = jax.value_and_grad(lambda y: objective_of_mean(y.reshape(shape)))(x)
         return g, (value, g)
 
-    h, (value, g) = jax.jacfwd(grad_and_aux, has_aux=True)(flat)
+    h, (value, g) = hessian_of_grad(grad_and_aux, flat, has_aux=True)
     return value, g.reshape(shape), block.family.curvature_of_hessian(h, shape)
 
 

@@ -28,6 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from blrppl.graph.derivatives import hvp
+
 #: default number of Monte Carlo samples per factor group and step
 NUM_SAMPLES = 16
 #: Gauss–Hermite nodes for one-dimensional expectations
@@ -193,7 +195,7 @@ def _curvature(estimator, block, view, f_n, xs, others, grads, key):
             return 0.5 * (h + jnp.swapaxes(h, -1, -2))
         if estimator == "diagonal":
             z = jax.random.rademacher(key, xs.shape, dtype=xs.dtype)
-            hz = jax.vmap(lambda x, r, t: jax.jvp(lambda y: jax.grad(f_n)(y, r), (x,), (t,))[1])(xs, others, z)
+            hz = jax.vmap(lambda x, r, t: hvp(lambda y: f_n(y, r), x, t))(xs, others, z)
             diag = jnp.mean(jax.vmap(block.to_canonical)(z * hz), 0)
             return diag[..., None] * jnp.eye(dim, dtype=diag.dtype)
         eye = jnp.eye(dim, dtype=view.mean.dtype)
@@ -201,7 +203,7 @@ def _curvature(estimator, block, view, f_n, xs, others, grads, key):
         basis = jax.vmap(block.to_site)(basis)
 
         def hess_cols(x, r):
-            cols = jax.vmap(lambda t: jax.jvp(lambda y: jax.grad(f_n)(y, r), (x,), (t,))[1])(basis)
+            cols = jax.vmap(lambda t: hvp(lambda y: f_n(y, r), x, t))(basis)
             return jax.vmap(block.to_canonical)(cols)  # (D, *B, D): column j of each plate's H
 
         cols = jnp.mean(jax.vmap(hess_cols)(xs, others), 0)
@@ -210,7 +212,7 @@ def _curvature(estimator, block, view, f_n, xs, others, grads, key):
     if estimator == "stein":
         return jnp.mean(grads * (xs - view.mean) / view.var, 0)
     z = jax.random.rademacher(key, xs.shape, dtype=xs.dtype)
-    hz = jax.vmap(lambda x, r, t: jax.jvp(lambda y: jax.grad(f_n)(y, r), (x,), (t,))[1])(xs, others, z)
+    hz = jax.vmap(lambda x, r, t: hvp(lambda y: f_n(y, r), x, t))(xs, others, z)
     return jnp.mean(z * hz, 0)
 
 

@@ -29,6 +29,7 @@ from blrppl.expressions import _needs_gather_test as needs_gather_test
 from blrppl.graph.band import PROVISIONAL, arrowhead_locals, chain_bandwidth
 from blrppl.graph import chain_table, markov
 from blrppl.graph.data import compiler_options
+from blrppl.graph.derivatives import is_reverse_only_error, reverse_only
 from blrppl.graph.program_store import compile_program, jit as store_jit, program_key
 from blrppl.graph.deps import output_forms
 from blrppl.graph import forms as fm
@@ -1257,20 +1258,37 @@ def _audit_dependencies(model, data_spec, data, records, deps, site_init, plate_
         n: np.stack([tangents[n] if m == n else np.zeros_like(tangents[n]) for m in order]) for n in order
     }
 
-    def derivatives(data):
+    def random_point():
         fill = {}
         for r in latent:
             t = biject_to(r.support)
             fill[r.name] = t(t.inv(jnp.asarray(site_init[r.name])) + noise[r.name])
+        return fill
+
+    def derivatives(data):
+        fill = random_point()
 
         def along(t):
             return jax.jvp(lambda x: log_probs(x, data), (fill,), (t,))
 
         return jax.vmap(along)(stacked)
 
+    def reverse_derivatives(data):
+        # (the same slopes from reverse mode, one pass per site: a function with a custom
+        # reverse-mode rule only, jax.custom_vjp, has no forward mode)
+        values, pullback = jax.vjp(lambda x: log_probs(x, data), random_point())
+        grads = jax.vmap(lambda c: pullback(c)[0])(
+            {n: jnp.eye(len(names), dtype=jnp.result_type(v))[i] for i, (n, v) in enumerate(values.items())}
+        )
+        slopes = {
+            n: jnp.stack([jnp.vdot(grads[m][i], jnp.asarray(tangents[m], grads[m].dtype)) for m in order])
+            for i, n in enumerate(values)
+        }
+        return {n: jnp.broadcast_to(v, (len(order),)) for n, v in values.items()}, slopes
+
     # (a program of its own, stored like the fit's: keyed by its traced program, whose
     # fingerprint holds the random point and directions, and its outputs' site names)
-    traced = store_jit(derivatives, "audit").trace(data)
+    traced = store_jit(reverse_derivatives if reverse_only() else derivatives, "audit").trace(data)
     options = compiler_options(data)
     key = program_key("audit", program_fingerprint(traced.jaxpr), jax.tree.structure(traced.out_info), options)
     values, slopes = compile_program(key, lambda *_: traced.lower(), (data,), options)(data)
@@ -1839,3 +1857,40 @@ def _check_aligned(factor: SiteRecord, discrete: SiteRecord, name: str):
             "every plate of the discrete latent, using one element of it per element",
             site=name,
         )
+
+
+def reverse_only_error(model, data_spec, data, records) -> UnsupportedFactorError:
+    """The error for a model whose log-density calls a ``jax.custom_vjp`` function on a path
+    from a continuous latent that reverse-only mode (:mod:`blrppl.graph.derivatives`) could not
+    differentiate twice either, naming the sites whose log-densities call it (each site's
+    density differentiated forward along every continuous latent at its starting point,
+    traced only)."""
+    latent = [r for r in records.values() if not r.observed and not r.support.is_discrete and not r.is_param]
+    site_init = {r.name: np.asarray(r.init_value) for r in records.values() if not r.observed}
+    fns = ModelFunctions(model, data_spec, site_init)
+    point = {r.name: jnp.asarray(site_init[r.name]) for r in latent}
+    sites = []
+    for name in records:
+
+        def log_prob(values, data, name=name):
+            lp, scale = fns.log_probs((name,), values, data)[name]
+            return jnp.sum(lp if scale is None else scale * lp)
+
+        # (batched over directions, as the fit's derivatives are: JAX defers a lone JVP of a
+        # custom_vjp function to its evaluation, but refuses to batch it)
+        try:
+            jax.eval_shape(lambda d, t: jax.vmap(lambda t: jax.jvp(lambda x: log_prob(x, d), (point,), (t,)))(t),
+                           data, jax.tree.map(lambda x: x[None], point))
+        except Exception as exc:  # (another failure is not this error's to name)
+            if is_reverse_only_error(exc):
+                sites.append(name)
+    listed = ", ".join(repr(s) for s in sites) if sites else "some site"
+    return UnsupportedFactorError(
+        f"the log-density of {listed} calls a function with a custom reverse-mode derivative only "
+        "(jax.custom_vjp; jax.experimental.ode.odeint is one) whose backward pass JAX cannot differentiate "
+        "again in reverse mode (a lax.while_loop in it): blr_fit's messages need second derivatives of every "
+        "factor, forward over reverse or reverse over reverse. Compute it with operations JAX differentiates "
+        "twice, e.g. an ODE solved by a fixed-step Runge-Kutta scheme in lax.scan, or fit this model with NUTS, "
+        "which needs first derivatives only",
+        site=sites[0] if sites else None,
+    )
