@@ -1026,12 +1026,14 @@ def poor_q_advice(plan, num_starts: int = 1) -> str:
         scale, latents, count, scalars, word = funnel
         grid = ", ".join(f"'{n}': 'grid'" for n in scalars)
         if word == "scale":
+            # (Neal's funnel as NumPyro's example writes it, no data: the scale's sd 0.15× the
+            # exact one, the latents' 0.03–0.11×)
             advice = (
                 f"the {count} latents of {latents} have a latent scale ({scale}): the posterior of a scale and the "
                 "latents it scales is a funnel (their spread shrinks with it), which no Gaussian q holds, fitted apart "
                 "or in one joint block (structure='joint' is no better; a full-rank Gaussian fitted by SVI neither): "
-                "the scale's sd may come out several times too small while its mean and the latents' marginals stay "
-                "close; "
+                "the sds of the scale, and of the latents where the data say little of them, may come out several "
+                "times too small; "
             )
         else:
             # (NumPyro's baseball example, Beta(m κ, (1 − m) κ) abilities of 18 players: m's sd
