@@ -49,6 +49,14 @@ def formed_once(fn, *args):
     return jax.lax.cond(finite, fn, not_finite, *args)
 
 
+def inside_unit_interval(x: jax.Array) -> jax.Array:
+    """``x`` clipped to [tiny, 1 − ε] of its dtype: a Beta's or Dirichlet's draw that rounded to
+    0 or 1 (float32 draws of Beta(0.1, 0.9): 3 in 36,000 are 0) moved into the open support,
+    where every log-density is finite (numpyro's Dirichlet sampler clips alike)."""
+    info = jnp.finfo(jnp.result_type(x))
+    return jnp.clip(x, info.tiny, 1.0 - info.eps)
+
+
 #: ψ′ is shifted up by this many steps of its recurrence before its asymptotic series is read
 _TRIGAMMA_SHIFT = 10
 

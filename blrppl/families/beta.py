@@ -10,7 +10,9 @@ import jax.numpy as jnp
 import numpyro.distributions as dist
 from jax.scipy.special import digamma, gammaln
 
-from blrppl.families._special import dirichlet_concentration_from_mean, formed_once, sherman_morrison_denominator, trigamma
+from blrppl.families._special import (
+    dirichlet_concentration_from_mean, formed_once, inside_unit_interval, sherman_morrison_denominator, trigamma,
+)
 from blrppl.families.base import Family
 
 
@@ -136,10 +138,11 @@ class Beta(Family):
         return finite & jnp.all(nat.eta1 > -1.0) & jnp.all(nat.eta2 > -1.0)
 
     def sample(self, nat: BetaNat, rng_key: jax.Array, sample_shape: tuple[int, ...] = ()) -> jax.Array:
-        """x = g₁ / (g₁ + g₂), g ~ Gamma(α, 1), Gamma(β, 1) (implicitly reparameterised)."""
+        """x = g₁ / (g₁ + g₂), g ~ Gamma(α, 1), Gamma(β, 1) (implicitly reparameterised), inside
+        (0, 1) (:func:`inside_unit_interval`)."""
         alpha, beta = self.view(nat)
         shape = tuple(sample_shape) + jnp.broadcast_shapes(alpha.shape, beta.shape)
-        return jax.random.beta(rng_key, alpha, beta, shape=shape, dtype=alpha.dtype)
+        return inside_unit_interval(jax.random.beta(rng_key, alpha, beta, shape=shape, dtype=alpha.dtype))
 
     def linearisation_point(self, view) -> jax.Array:
         return view.alpha / (view.alpha + view.beta)

@@ -11,7 +11,9 @@ import numpy as np
 import numpyro.distributions as dist
 from jax.scipy.special import digamma, gammaln
 
-from blrppl.families._special import dirichlet_concentration_from_mean, dirichlet_fisher_solve, formed_once
+from blrppl.families._special import (
+    dirichlet_concentration_from_mean, dirichlet_fisher_solve, formed_once, inside_unit_interval,
+)
 from blrppl.families.base import Family
 
 
@@ -129,10 +131,11 @@ class Dirichlet(Family):
         return jnp.all(jnp.isfinite(nat.eta)) & jnp.all(nat.eta > -1.0)
 
     def sample(self, nat: DirichletNat, rng_key: jax.Array, sample_shape: tuple[int, ...] = ()) -> jax.Array:
-        """Normalised independent Gamma(α_k, 1) draws (implicitly reparameterised)."""
+        """Normalised independent Gamma(α_k, 1) draws (implicitly reparameterised), each
+        coordinate inside (0, 1) (:func:`inside_unit_interval`)."""
         alpha = nat.eta + 1.0
         shape = tuple(sample_shape) + alpha.shape[:-1]
-        return jax.random.dirichlet(rng_key, alpha, shape=shape, dtype=alpha.dtype)
+        return inside_unit_interval(jax.random.dirichlet(rng_key, alpha, shape=shape, dtype=alpha.dtype))
 
     def linearisation_point(self, view) -> jax.Array:
         return view.concentration / view.concentration.sum(-1, keepdims=True)

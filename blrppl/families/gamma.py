@@ -139,10 +139,13 @@ class Gamma(Family):
         return finite & jnp.all(nat.eta1 > -1.0) & jnp.all(nat.eta2 < 0.0)
 
     def sample(self, nat: GammaNat, rng_key: jax.Array, sample_shape: tuple[int, ...] = ()) -> jax.Array:
-        """x = g / b with g ~ Gamma(a, 1) (implicitly reparameterised in a)."""
+        """x = g / b with g ~ Gamma(a, 1) (implicitly reparameterised in a), at least the dtype's
+        smallest normal number (a draw of a small shape rounds to 0, where a density with
+        shape below 1 is infinite)."""
         a, b = self.view(nat)
         shape = tuple(sample_shape) + jnp.broadcast_shapes(a.shape, b.shape)
-        return jax.random.gamma(rng_key, a, shape=shape, dtype=a.dtype) / b
+        x = jax.random.gamma(rng_key, a, shape=shape, dtype=a.dtype) / b
+        return jnp.maximum(x, jnp.finfo(x.dtype).tiny)
 
     def linearisation_point(self, view) -> jax.Array:
         """log τ = 0: a power c·τ^a of the block then reads c."""
