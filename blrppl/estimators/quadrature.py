@@ -20,6 +20,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from blrppl.estimators.monte_carlo import tensor_gauss_hermite
 from blrppl.expressions import LINKS, base_values, distribution_leaves, group_moments, shift_leaf
@@ -96,17 +97,29 @@ def grid_elementwise(fns, factor, blocks, views, discrete_values, data):
 
         E_q[log f] ≈ Σ_k w_k log f(m + L z_k),    Σ = L Lᵀ per block,
 
-    with GRID_NODES[d]^d nodes z_k (32 for one scalar, 7⁴ for four). Deterministic: its
+    with GRID_NODES[d]^d nodes z_k (32 for one scalar, 7⁴ for four); of a joint block whose
+    members it reads only some of (``factor.grid_positions``), over their marginal. Deterministic: its
     gradient with respect to (m, Σ) gives the message as for the projections' rule (a
     stationary start ``Normal(mu, sigma / jnp.sqrt(1 - phi**2))``, a prior with no closed
     form on its unconstrained space)."""
     cont = [n for n in factor.neighbours if n not in factor.discrete]
-    sizes = [blocks[n].size for n in cont]
+    read = dict(factor.grid_positions)
+    sizes = [len(read[n]) if n in read else blocks[n].size for n in cont]
     d = sum(sizes)
     grid, weights = tensor_gauss_hermite(GRID_NODES[d], d)
     nodes, start = {}, 0
     for n, size in zip(cont, sizes):
         block, view = blocks[n], views[n]
+        if n in read:
+            # (the members the factor reads, over their marginal; the others at their mean,
+            # which the factor does not read)
+            pos = np.asarray(read[n])
+            z = jnp.asarray(grid[:, start : start + size], view.mean.dtype)
+            start += size
+            sub = view.mean[pos] + z @ jnp.linalg.cholesky(view.cov[pos[:, None], pos[None, :]]).T
+            x = jnp.broadcast_to(view.mean, (z.shape[0],) + view.mean.shape).at[:, pos].set(sub)
+            nodes[n] = jax.vmap(block.to_site)(x)
+            continue
         z = jnp.asarray(grid[:, start : start + size], view.mean.dtype).reshape((-1,) + view.mean.shape)
         start += size
         if block.family.dense_event:

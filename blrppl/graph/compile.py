@@ -511,13 +511,15 @@ def compile_model(
             model, data_spec, _site_fill(blocks, site_init, unconstrained), _transforms(blocks), joints, plate_indices, program
         )
         site_block = {s: n for n, b in blocks.items() for s in b.sites}
+        site_reads = {name: frozenset().union(*args.values()) for name, args in deps.items()}
         deps = {
             name: {arg: frozenset(site_block[x] for x in d) for arg, d in args.items()}
             for name, args in deps.items()
         }
         guess = {f.name: f.estimator == "exact" for f in factors}
         factors = _classify_factors(
-            records, rules, deps, blocks, fns, data, rng_key, guess=guess, elementwise=elementwise, forms=forms
+            records, rules, deps, blocks, fns, data, rng_key, guess=guess, elementwise=elementwise, forms=forms,
+            site_reads=site_reads,
         )
 
     factors = [
@@ -1398,7 +1400,7 @@ def _jacobian_factor(block: Block) -> Factor:
 
 def _classify_factors(
     records, rules, deps, blocks, fns, data, rng_key, *, quadrature=True, cache=None, guess=None, elementwise=None,
-    forms=None, provisional=False,
+    forms=None, provisional=False, site_reads=None,
 ):
     """Classify every factor's arguments and choose its estimator.
 
@@ -1502,7 +1504,7 @@ def _classify_factors(
         if more_probes:
             quad_classes.update(run_probes(more_probes, data))
         candidates.update(more)
-    return _factors(records, rules, blocks, nbrs, classes, exact, candidates, quad_classes, quadrature)
+    return _factors(records, rules, blocks, nbrs, classes, exact, candidates, quad_classes, quadrature, site_reads)
 
 
 _GAUSSIAN_KINDS = (mom.AffineGaussian.kind, mom.ExpGaussian.kind)
@@ -1671,13 +1673,36 @@ def _quadrature_probes(records, deps, blocks, fns, rng, nbrs, names, elementwise
     return candidates, probes
 
 
-def _on_grid(blocks, cont, record: SiteRecord) -> bool:
+def _grid_positions(blocks, cont, reads) -> dict:
+    """For each joint dense Gaussian block of ``cont`` (unplated) of which the factor reads
+    some members only (``reads``: the latent sites it reads), the block positions of the
+    scalars of those members: the grid rule integrates over their marginal (a capture-
+    recapture model's survival factor reads the survival probabilities of a joint block that
+    also holds the recapture probability: 20² nodes, not 10³)."""
+    from blrppl.families.gaussian import GaussianDense
+
+    if reads is None:
+        return {}
+    out = {}
+    for n in cont:
+        b = blocks[n]
+        if not b.members or b.batch_shape or not isinstance(b.family, GaussianDense):
+            continue
+        read = [pos for m, pos in zip(b.members, b.member_positions()) if m.name in reads]
+        if read and len(read) < len(b.members):
+            out[n] = tuple(int(i) for i in np.sort(np.concatenate(read)))
+    return out
+
+
+def _on_grid(blocks, cont, record: SiteRecord, positions=None) -> bool:
     """Whether a factor's continuous neighbours ``cont`` are Gaussian blocks of at most
-    :data:`GRID_MAX_DIM` scalars in all (neither points nor minibatch-local), and the cost of
-    the rule's evaluations at most :data:`GRID_MAX_EVALUATIONS`."""
+    :data:`GRID_MAX_DIM` scalars in all (neither points nor minibatch-local; of a joint block,
+    the scalars the factor reads, ``positions``), and the cost of the rule's evaluations at
+    most :data:`GRID_MAX_EVALUATIONS`."""
     if not cont or not all(blocks[n].family.gaussian and not blocks[n].point and blocks[n].local is None for n in cont):
         return False
-    d = sum(blocks[n].size for n in cont)
+    positions = positions or {}
+    d = sum(len(positions[n]) if n in positions else blocks[n].size for n in cont)
     if d > GRID_MAX_DIM:
         return False
     shape = tuple(record.value_shape)
@@ -1686,10 +1711,12 @@ def _on_grid(blocks, cont, record: SiteRecord) -> bool:
     return GRID_NODES[d] ** d * cost <= GRID_MAX_EVALUATIONS
 
 
-def _factors(records, rules, blocks, nbrs, classes, exact, candidates, quad_classes, quadrature) -> list:
-    """The :class:`Factor` s from the argument classes and the quadrature projections."""
+def _factors(records, rules, blocks, nbrs, classes, exact, candidates, quad_classes, quadrature, site_reads=None) -> list:
+    """The :class:`Factor` s from the argument classes and the quadrature projections
+    (``site_reads``: the latent sites each factor reads, where blocks hold several)."""
     factors = []
     for name, r in records.items():
+        grid_positions = {}
         rule = rules[name]
         neighbours, discrete = nbrs[name]
         gauss = [n for n in neighbours if blocks[n].family.gaussian]
@@ -1736,7 +1763,12 @@ def _factors(records, rules, blocks, nbrs, classes, exact, candidates, quad_clas
             if links:
                 estimator = "quadrature"
                 columns = tuple((n, "full" if n in full else "gather") for n in gauss)
-            elif quadrature and _on_grid(blocks, [n for n in neighbours if n not in discrete], r):
+            elif quadrature and _on_grid(
+                blocks, [n for n in neighbours if n not in discrete], r,
+                grid_positions := _grid_positions(
+                    blocks, [n for n in neighbours if n not in discrete], (site_reads or {}).get(name)
+                ),
+            ):
                 # (a few scalars in all: the rule over them is cheap, and deterministic)
                 estimator, links, columns = "quadrature", (), ()
                 kinds, arg_blocks = [("log_prob", "quadrature")], []
@@ -1764,6 +1796,7 @@ def _factors(records, rules, blocks, nbrs, classes, exact, candidates, quad_clas
                 powers=tuple(powers),
                 pairs=tuple(pairs),
                 why=why,
+                grid_positions=tuple(sorted(grid_positions.items())) if estimator == "quadrature" and not links else (),
             )
         )
     return factors

@@ -474,6 +474,10 @@ class Factor:
     broadcast_enumeration: bool = False
     chain_table: Any = None
     spread: tuple = ()
+    #: for a factor on the grid rule (quadrature without projections) that reads some members
+    #: of a joint dense Gaussian block only: ``(block, positions)`` of the scalars it reads
+    #: (the rule integrates over their marginal, not the whole block's)
+    grid_positions: tuple = ()
 
     @property
     def kinds(self) -> dict:
