@@ -1920,10 +1920,10 @@ def reverse_only_error(model, data_spec, data, records) -> UnsupportedFactorErro
     listed = ", ".join(repr(s) for s in sites) if sites else "some site"
     return UnsupportedFactorError(
         f"the log-density of {listed} calls a function with a custom reverse-mode derivative only "
-        "(jax.custom_vjp; jax.experimental.ode.odeint is one) whose backward pass JAX cannot differentiate "
-        "again in reverse mode (a lax.while_loop in it): blr_fit's messages need second derivatives of every "
-        "factor, forward over reverse or reverse over reverse. Compute it with operations JAX differentiates "
-        "twice, e.g. an ODE solved by a fixed-step Runge-Kutta scheme in lax.scan, or fit this model with NUTS, "
-        "which needs first derivatives only",
+        "(jax.custom_vjp; jax.experimental.ode.odeint is one), and blr_fit could not differentiate it twice: "
+        "not forward over reverse (JAX has no forward mode of such a function), nor reverse over reverse (e.g. "
+        "a lax.while_loop in its backward pass). Compute it with operations JAX differentiates twice, e.g. an "
+        "ODE solved by a fixed-step Runge-Kutta scheme in lax.scan, or fit this model with NUTS, which needs "
+        "first derivatives only",
         site=sites[0] if sites else None,
     )
