@@ -966,3 +966,46 @@ def test_a_custom_vjp_rule_that_cannot_be_differentiated_again_is_named():
     y = np.random.default_rng(0).poisson(2.0, 30).astype(float)
     with pytest.raises(UnsupportedFactorError, match="'y' calls a function with a custom reverse-mode derivative only"):
         blr_fit(lambda y: poisson_walk(y, link), (y,), rng_key=random.PRNGKey(0), progress_bar=False)
+
+
+SCALE = 1.0
+
+
+def scaled_normal(y):
+    """Normal–normal with the likelihood scaled by the module's SCALE (a Python float that
+    numpyro's ``handlers.scale`` keeps outside the traced program)."""
+    a = numpyro.sample("a", dist.Normal(0.0, 5.0))
+    with numpyro.plate("n", len(y)), handlers.scale(scale=SCALE):
+        numpyro.sample("y", dist.Normal(a, 1.0), obs=y)
+
+
+def test_a_scale_or_mask_given_as_a_python_value_is_part_of_the_compiled_fit():
+    """``handlers.scale(scale=c)`` and ``handlers.mask(mask=flag)`` with c and flag Python
+    values (closed over, or a module global changed between fits) are no operation of the
+    traced program: a fit compiled for another value was reused (in this process and from the
+    program store in the next), and the posterior was the first value's, silently. Each fit
+    is now its exact conjugate posterior: precision 1/25 + c·N, or 1/25 without the prior
+    masked out."""
+    y = np.random.default_rng(6).normal(1.0, 1.0, 37)
+
+    def with_prior(flag):
+        def model(y):
+            with handlers.mask(mask=flag):
+                a = numpyro.sample("a", dist.Normal(0.0, 5.0))
+            numpyro.sample("y", dist.Normal(a, 1.0).expand([len(y)]).to_event(1), obs=y)
+
+        return model
+
+    try:
+        for scale in (1.0, 4.0, 10.0):
+            globals()["SCALE"] = scale  # (as a user edits a module constant between fits)
+            fit = blr_fit(scaled_normal, (y,), rng_key=random.PRNGKey(0), progress_bar=False)
+            variance = float(fit.posterior["a"].variance)
+            np.testing.assert_allclose(variance, 1.0 / (1.0 / 25.0 + scale * len(y)), rtol=1e-10)
+    finally:
+        globals()["SCALE"] = 1.0
+    # (the prior masked out: the likelihood alone, precision N)
+    for flag in (True, False):
+        fit = blr_fit(with_prior(flag), (y,), rng_key=random.PRNGKey(0), progress_bar=False)
+        precision = (1.0 / 25.0 if flag else 0.0) + len(y)
+        np.testing.assert_allclose(float(fit.posterior["a"].variance), 1.0 / precision, rtol=1e-10)

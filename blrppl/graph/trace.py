@@ -288,7 +288,11 @@ class ModelTracer:
         self.meta: dict = {} if meta is None else meta
         jitted = store_jit(partial(_run_once, model, spec, init_strategy, self.meta), "model_run")
         self._traced = jitted.trace(dyn, rng_key)
-        self.fingerprint = program_fingerprint(self._traced.jaxpr)
+        # (a site's scale or mask given as a Python or NumPy value, `handlers.scale(scale=c)`,
+        # is no operation of the program: its value joins the fingerprint, or a fit compiled
+        # for another value would be reused, silently)
+        static = repr([(s["name"], s.get("static")) for s in self.meta.get("sites", ())])
+        self.fingerprint = program_fingerprint(self._traced.jaxpr, extra=static)
         self._compiled = None
         # a long program (one site per step of a Python loop) runs operation by operation:
         # XLA's compile time grows faster than the program, the run's time only with it
@@ -334,11 +338,25 @@ def equation_count(jaxpr) -> int:
     return total
 
 
-def program_fingerprint(closed_jaxpr) -> str:
+def _static_value(x):
+    """A concrete value (a site's scale or mask given as a Python or NumPy value) as
+    ``(dtype, shape, digest of its bytes)``; None for None or a traced value (the program
+    computes it: its operations are in the fingerprint)."""
+    if x is None or isinstance(x, jax.core.Tracer):
+        return None
+    arr = np.asarray(x)
+    if arr.dtype == object:
+        return repr(x)
+    return (str(arr.dtype), arr.shape, hashlib.blake2b(np.ascontiguousarray(arr).tobytes(), digest_size=8).hexdigest())
+
+
+def program_fingerprint(closed_jaxpr, extra: str = "") -> str:
     """A hash of a traced program: its printed equations, and the bytes of every constant
-    and literal it holds (sub-programs included)."""
+    and literal it holds (sub-programs included), and ``extra`` (what the program reads
+    outside its operations)."""
     digest = hashlib.blake2b(digest_size=20)
     digest.update(str(closed_jaxpr.jaxpr).encode())
+    digest.update(extra.encode())
 
     def add(value):
         arr = np.asarray(value)
@@ -774,6 +792,7 @@ def _run_once(model, spec, init_strategy, meta, dyn, rng_key):
                 ),
                 "has_scale": site.get("scale") is not None,
                 "infer": dict(site.get("infer") or {}),
+                "static": (_static_value(site.get("scale")), _static_value(mask)),
             }
         )
     meta["sites"] = sites
