@@ -383,3 +383,45 @@ def test_bounded_coefficient_vector_is_the_vb_fixed_point():
     np.testing.assert_allclose(np.asarray(fit.posterior["x"].mean), mx, rtol=1e-6, atol=1e-8)
     phi = _coefficient_moments(m, chol)[0]
     assert 0.3 < phi[0] < 1.0 and -0.8 < phi[1] < 0.2  # near the simulated (0.7, −0.3)
+
+
+# -- a scalar coefficient times a chain's lag, in a scan: z_t ~ Normal(a z_{t−1}, 1) --
+
+
+def ar1_scan_model(ys):
+    """The local AR(1) state space as users write it in a scan: a latent coefficient (a plain
+    Normal: a scalar) times the carried state."""
+    a = numpyro.sample("a", dist.Normal(0.0, 1.0))
+
+    def step(z_prev, y_t):
+        z = numpyro.sample("z", dist.Normal(a * z_prev, 1.0))
+        numpyro.sample("y", dist.Normal(z, 0.5), obs=y_t)
+        return z, None
+
+    scan(step, 0.0, ys)
+
+
+def test_a_scalar_coefficient_times_a_carried_state_is_the_cavi_fixed_point():
+    """``a * z_prev`` with a scalar a and the scan's stacked lag: the product of a scalar and a
+    vector was broadcast on the wrong axes (JAX's ValueError reached the user). The fit is the
+    fixed point of the textbook mean-field updates, q(a) q(z): q(z) Gaussian with precision
+    I + E[a²] (lags) − E[a] (off-diagonals) + 4 I, mean from the observations; q(a) with
+    precision 1 + Σ E[z_{t−1}²] and mean Σ E[z_t z_{t−1}] / precision (1e-7)."""
+    ys = np.random.default_rng(0).normal(size=15)
+    fit = blr_fit(ar1_scan_model, (ys,), rng_key=random.PRNGKey(0), tol=1e-30, num_steps=500, progress_bar=False)
+    t = len(ys)
+    ma, va = 0.0, 1.0
+    for _ in range(500):
+        ea, ea2 = ma, va + ma**2
+        prec = np.eye(t) * (1.0 + 4.0)
+        prec[np.arange(t - 1), np.arange(t - 1)] += ea2
+        prec[np.arange(t - 1), np.arange(1, t)] = prec[np.arange(1, t), np.arange(t - 1)] = -ea
+        cov = np.linalg.inv(prec)
+        mz = cov @ (4.0 * ys)
+        second = cov + np.outer(mz, mz)
+        pa = 1.0 + np.trace(second[:-1, :-1])
+        ma, va = np.sum(np.diag(second, 1)) / pa, 1.0 / pa
+    post = fit.posterior
+    np.testing.assert_allclose([float(post["a"].mean), float(post["a"].variance)], [ma, va], rtol=1e-7)
+    np.testing.assert_allclose(np.asarray(post["z"].mean), mz, rtol=1e-7, atol=1e-9)
+    np.testing.assert_allclose(np.asarray(post["z"].variance), np.diag(cov), rtol=1e-7)
