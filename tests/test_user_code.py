@@ -1009,3 +1009,20 @@ def test_a_scale_or_mask_given_as_a_python_value_is_part_of_the_compiled_fit():
         fit = blr_fit(with_prior(flag), (y,), rng_key=random.PRNGKey(0), progress_bar=False)
         precision = (1.0 / 25.0 if flag else 0.0) + len(y)
         np.testing.assert_allclose(float(fit.posterior["a"].variance), 1.0 / precision, rtol=1e-10)
+
+
+@pytest.mark.parametrize("log_density", [0.0, "square"])
+def test_a_latent_delta_site_is_refused_by_name(log_density):
+    """``numpyro.sample("d", dist.Delta(v, log_density=...))`` unobserved: a point mass at a
+    function of other sites, with no posterior of its own. Fitted as a latent, its
+    log_density was dropped (the posterior of ``a`` was the one without it, reported exact) or
+    the fit stopped at its first step; it is refused, naming the site and the rewrite."""
+
+    def model(y):
+        a = numpyro.sample("a", dist.Normal(0.0, 1.0))
+        density = -(a**2) if log_density == "square" else log_density
+        d = numpyro.sample("d", dist.Delta(2.0 * a, log_density=density))
+        numpyro.sample("y", dist.Normal(d, 1.0), obs=y)
+
+    with pytest.raises(BLRError, match=r"'d' is a latent Delta site.*numpyro.deterministic\('d', value\)"):
+        blr_fit(model, (jnp.array([1.0, 2.0, 3.0]),), rng_key=random.PRNGKey(0), progress_bar=False)

@@ -31,7 +31,7 @@ from blrppl.graph.data import DataSpec, compiler_options
 from blrppl.graph.program_store import compile_program, jit as store_jit, program_key
 from blrppl.graph.stable import Stabilise
 from blrppl.graph.plan import SubsampledPlate
-from blrppl.errors import BLRError, ModelTraceError, ObservedDataError, UnsupportedFactorError
+from blrppl.errors import BLRError, ModelTraceError, ObservedDataError, UnsupportedFactorError, UnsupportedLatentError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -739,6 +739,15 @@ def _run_once(model, spec, init_strategy, meta, dyn, rng_key):
         if validate:
             argument_checks[name] = _argument_checks(fn)
         base, reinterpreted, mask = unwrap(fn)
+        if isinstance(base, dist.Delta) and not site["is_observed"]:
+            # (a point mass has no density to fit a q to: its value is a function of other
+            # sites, and its log_density a factor; fitted as a latent it was dropped or stuck)
+            raise UnsupportedLatentError(
+                f"'{name}' is a latent Delta site: its value is fixed by its arguments, so it has no posterior of "
+                f"its own to fit; write numpyro.deterministic('{name}', value) for its value and, when it has a "
+                f"log_density, numpyro.factor('{name}_density', log_density) for its density",
+                site=name,
+            )
         given = tuple(given_matrices(base))
         support = effective_support(fn)
         if isinstance(support, constraints._IntegerInterval):
