@@ -1026,3 +1026,37 @@ def test_a_latent_delta_site_is_refused_by_name(log_density):
 
     with pytest.raises(BLRError, match=r"'d' is a latent Delta site.*numpyro.deterministic\('d', value\)"):
         blr_fit(model, (jnp.array([1.0, 2.0, 3.0]),), rng_key=random.PRNGKey(0), progress_bar=False)
+
+
+def weibull_times(y):
+    """Weibull survival times with Gamma priors on the concentration and the scale."""
+    k = numpyro.sample("k", dist.Gamma(2.0, 1.0))
+    lam = numpyro.sample("lam", dist.Gamma(2.0, 1.0))
+    with numpyro.plate("N", len(y)):
+        numpyro.sample("y", dist.Weibull(lam, k), obs=y)
+
+
+def test_a_start_whose_expectations_overflow_is_narrowed_and_the_fit_is_the_posterior():
+    """From the default start (unit variances on log k and log λ) the Weibull's (y/λ)^k
+    overflows at the quadrature's outer nodes: no step size kept the ELBO finite and the fit
+    stopped after 0 steps, returning its start. A fresh start that takes no step is started
+    again with its Gaussian blocks narrowed; the fit then matches the exact posterior of
+    (log k, log λ) (quadrature on a 601² grid): means within 0.05 sd and sds within 5 %
+    (a Gaussian q of a nearly Gaussian posterior: measured 0.002 sd and 0.984×)."""
+    y = np.random.default_rng(1).weibull(2.0, size=60) * 3.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (no stop warning: the fit converged)
+        fit = blr_fit(weibull_times, (y,), rng_key=random.PRNGKey(0), progress_bar=False)
+    assert fit.converged and fit.num_steps > 0, fit.message
+    mean, cov = np.asarray(fit.params["(k, lam)_blr_mean"]), np.asarray(fit.params["(k, lam)_blr_cov"])
+    u, v = np.meshgrid(np.linspace(-1.0, 2.0, 601), np.linspace(0.3, 1.9, 601), indexing="ij")
+    k, lam = np.exp(u), np.exp(v)
+    logp = np.log(k) - k + np.log(lam) - lam + u + v  # (Gamma(2, 1) priors, the logs' Jacobians)
+    logp = logp + len(y) * (np.log(k) - k * np.log(lam)) + (k - 1) * np.log(y).sum()
+    logp = logp - np.sum(np.exp(k[..., None] * (np.log(y) - np.log(lam)[..., None])), -1)
+    w = np.exp(logp - logp.max())
+    w /= w.sum()
+    exact_mean = np.array([np.sum(w * u), np.sum(w * v)])
+    exact_sd = np.sqrt(np.array([np.sum(w * u**2), np.sum(w * v**2)]) - exact_mean**2)
+    assert np.all(np.abs(mean - exact_mean) <= 0.05 * exact_sd), (mean, exact_mean, exact_sd)
+    np.testing.assert_allclose(np.sqrt(np.diag(cov)), exact_sd, rtol=0.05)
