@@ -273,6 +273,17 @@ def _substituted_run_error(exc: Exception, sites: dict) -> ModelTraceError:
             "draws the remaining steps at random (a forecast inside the model): condition the observed "
             "steps only (a scan over them), and forecast after the fit with numpyro's Predictive"
         )
+    elif isinstance(exc, AssertionError) and any(
+        "numpyro" in f.f_code.co_filename and f.f_code.co_name in ("sample", "rsample", "_sample", "__call__")
+        for f, _ in traceback.walk_tb(exc.__traceback__)
+    ):
+        # (numpyro's samplers assert a random key: a draw no site of the trace holds)
+        hint = (
+            "; the model draws a random value that is no site of its trace (a sample site inside "
+            "handlers.block, a distribution's .sample called in the model): inference runs the model "
+            "without a random key; make it a site of the model (it is then fitted) or pass "
+            "the value as data"
+        )
     what = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
     return ModelTraceError(
         f"the model could not be run with its latent sites set to values, as inference runs it: it "

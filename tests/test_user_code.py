@@ -1060,3 +1060,36 @@ def test_a_start_whose_expectations_overflow_is_narrowed_and_the_fit_is_the_post
     exact_sd = np.sqrt(np.array([np.sum(w * u**2), np.sum(w * v**2)]) - exact_mean**2)
     assert np.all(np.abs(mean - exact_mean) <= 0.05 * exact_sd), (mean, exact_mean, exact_sd)
     np.testing.assert_allclose(np.sqrt(np.diag(cov)), exact_sd, rtol=0.05)
+
+
+def _blocked_draw(y):
+    a = numpyro.sample("a", dist.Normal(0.0, 5.0))
+    with handlers.block():
+        numpyro.sample("hidden", dist.Normal(0.0, 1.0))
+    numpyro.sample("y", dist.Normal(a, 1.0).expand([len(y)]).to_event(1), obs=y)
+
+
+def _stax_module(x, y):
+    from jax.example_libraries.stax import Dense
+
+    net = numpyro.module("nn", Dense(1), (x.shape[1],))
+    sigma = numpyro.sample("sigma", dist.HalfNormal(1.0))
+    numpyro.sample("y", dist.Normal(net(x).squeeze(-1), sigma).to_event(1), obs=y)
+
+
+@pytest.mark.parametrize(
+    "model, match",
+    [
+        # (a site numpyro hides from the trace still draws with a key, which no run has: the
+        # message said only "AssertionError")
+        (_blocked_draw, r"random value that is no site of its trace \(a sample site inside handlers.block"),
+        # (numpyro.module's weights, one param holding a pytree: it blamed the data)
+        (_stax_module, r"param 'nn\$params' holds a pytree of arrays \(numpyro.module"),
+    ],
+)
+def test_draws_outside_the_trace_and_network_modules_are_named(model, match):
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(30, 4)), rng.normal(size=30)
+    args = (y,) if model is _blocked_draw else (x, y)
+    with pytest.raises(BLRError, match=match):
+        blr_fit(model, args, rng_key=random.PRNGKey(0), progress_bar=False)

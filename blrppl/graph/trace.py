@@ -676,7 +676,11 @@ def _initial(init_strategy, site):
     JAX array (as numpyro's SVI hands params to the model: a NumPy initial value would
     otherwise reach the model as NumPy and fail to index with traced arrays)."""
     if site["type"] == "param":
-        return jnp.asarray(site["args"][0]) if site["args"] else None
+        # (``numpyro.param(name)`` without an initial value: numpyro.module looks its
+        # parameters up so, and initialises them itself when they are None)
+        if not site["args"] or site["args"][0] is None:
+            return None
+        return jax.tree.map(jnp.asarray, site["args"][0])
     return init_strategy(site)
 
 
@@ -714,6 +718,15 @@ def _run_once(model, spec, init_strategy, meta, dyn, rng_key):
         if site["type"] == "param":
             kwargs = site.get("kwargs") or {}
             constraint = kwargs.get("constraint", constraints.real)
+            if isinstance(site["value"], (tuple, list, dict)):
+                # (numpyro.module's parameters: a network's weights as one pytree)
+                raise UnsupportedLatentError(
+                    f"the param '{name}' holds a pytree of arrays (numpyro.module's network parameters, "
+                    f"{len(jax.tree.leaves(site['value']))} arrays): blr_fit fits params that are single arrays; "
+                    "write the weights as sample sites with priors (a Bayesian network, fitted as Gaussians) or "
+                    "as one numpyro.param per array, or fit this model with numpyro.infer.SVI",
+                    site=name,
+                )
             value = jnp.asarray(site["value"])
             if not jnp.issubdtype(value.dtype, jnp.floating):
                 value = value.astype(jnp.result_type(float))  # e.g. numpyro.param("s", 1)
