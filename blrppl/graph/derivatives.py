@@ -6,7 +6,8 @@ Monte Carlo messages, Newton steps of point blocks. Forward over reverse (``jax.
 reverse mode only (``jax.custom_vjp``: ``jax.experimental.ode.odeint``, a user's clipped
 gradient). Such a model is compiled again in *reverse-only* mode: reverse over reverse,
 which needs the custom rule's backward pass to be differentiable in reverse mode (an adjoint
-ODE solve is: it is ``odeint`` again). The same products, at about twice the work.
+ODE solve is: it is ``odeint`` again). The same products, at more work (each reverse pass
+stores the forward pass it differentiates).
 """
 
 from __future__ import annotations
