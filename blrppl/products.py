@@ -280,10 +280,8 @@ class _Interpreter:
             shape = outs[0].shape
             # (rows, *operand shape) → (rows, *shape): the operand's axes align right, as
             # numpy broadcasts them (a scalar coefficient times a vector: `a * z_prev`)
-            lifted = [
-                jnp.broadcast_to(x.reshape(x.shape[:1] + (1,) * (len(shape) - x.ndim + 1) + x.shape[1:]), x.shape[:1] + shape)
-                for x in (u, v)
-            ]
+            aligned = [x.reshape(x.shape[:1] + (1,) * (len(shape) - x.ndim + 1) + x.shape[1:]) for x in (u, v)]
+            lifted = [jnp.broadcast_to(x, x.shape[:1] + shape) for x in aligned]
             return [(None, (*lifted, jnp.broadcast_to(mu, shape), jnp.broadcast_to(mv, shape)), None)]
         (contract_u, contract_v), (batch_u, batch_v) = eqn.params["dimension_numbers"]
         if not _contraction_worth_it(u, v, batch_u, contract_u):

@@ -1711,14 +1711,17 @@ def _on_grid(blocks, cont, record: SiteRecord, positions=None) -> bool:
     return GRID_NODES[d] ** d * cost <= GRID_MAX_EVALUATIONS
 
 
-def _factors(records, rules, blocks, nbrs, classes, exact, candidates, quad_classes, quadrature, site_reads=None) -> list:
+def _factors(
+    records, rules, blocks, nbrs, classes, exact, candidates, quad_classes, quadrature, site_reads=None,
+) -> list:
     """The :class:`Factor` s from the argument classes and the quadrature projections
     (``site_reads``: the latent sites each factor reads, where blocks hold several)."""
-    factors = []
+    factors, site_reads = [], site_reads or {}
     for name, r in records.items():
         grid_positions = {}
         rule = rules[name]
         neighbours, discrete = nbrs[name]
+        cont = [n for n in neighbours if n not in discrete]
         gauss = [n for n in neighbours if blocks[n].family.gaussian]
         pairs = []
         if exact[name]:
@@ -1760,15 +1763,11 @@ def _factors(records, rules, blocks, nbrs, classes, exact, candidates, quad_clas
                 kinds.append((f"eta{k}", mom.AffineGaussian.kind))
                 arg_blocks.append((f"eta{k}", cls.blocks))
                 full.update(cls.full)
+            grid_positions = _grid_positions(blocks, cont, site_reads.get(name))
             if links:
                 estimator = "quadrature"
                 columns = tuple((n, "full" if n in full else "gather") for n in gauss)
-            elif quadrature and _on_grid(
-                blocks, [n for n in neighbours if n not in discrete], r,
-                grid_positions := _grid_positions(
-                    blocks, [n for n in neighbours if n not in discrete], (site_reads or {}).get(name)
-                ),
-            ):
+            elif quadrature and _on_grid(blocks, cont, r, grid_positions):
                 # (a few scalars in all: the rule over them is cheap, and deterministic)
                 estimator, links, columns = "quadrature", (), ()
                 kinds, arg_blocks = [("log_prob", "quadrature")], []
