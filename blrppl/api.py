@@ -10,7 +10,7 @@ import numpyro
 from blrppl.engine.fit import COMPILE_LOCK, plan_model, prepare, run
 from blrppl.engine.grid import grid_sites, grid_fit
 from blrppl.errors import BLRError, out_of_memory_as_error
-from blrppl.graph.trace import trace_model
+from blrppl.model.trace import trace_model
 from blrppl.inputs import as_key, fit_options, host_fold_in, host_split, model_arguments
 from blrppl.result import BLRResult
 

@@ -224,7 +224,7 @@ def make_log_weights(plan, fns, records, data_shapes, batch: int = BATCH):
     Args:
         plan: the compiled plan (no subsampled plates).
         fns: the model functions of the plan.
-        records: site name → :class:`blrppl.graph.trace.SiteRecord`.
+        records: site name → :class:`blrppl.model.records.SiteRecord`.
         data_shapes: the model's data (or their shapes): large data are evaluated
             :data:`BATCH` draws at a time, small data all draws at once.
     """

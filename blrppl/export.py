@@ -12,7 +12,7 @@ import numpyro
 import numpyro.distributions as dist
 from numpyro.distributions import constraints
 
-from blrppl.expressions import canonical_leaves
+from blrppl.model.functions import canonical_leaves
 from blrppl.graph.data import compiler_options
 from blrppl.graph.program_store import compile_program, fit_program_key, jit as store_jit
 from blrppl.graph.plan import Block

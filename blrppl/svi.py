@@ -28,7 +28,7 @@ from blrppl.engine import fit
 from blrppl.engine.step import BLRState
 from blrppl.errors import BLRError, UnsupportedGuideError, out_of_memory_as_error
 from blrppl.graph.data import DataSpec, host_array, split_run_data
-from blrppl.graph.trace import trace_model
+from blrppl.model.trace import trace_model
 from blrppl.guide import PlanGuide, plan_params
 from blrppl.inputs import DEFAULT_NUM_STEPS, as_key, call_arguments, fit_options
 

@@ -30,7 +30,7 @@ from blrppl.families import (
 from blrppl.families import _band
 from blrppl.families.gaussian_banded import _colour_rows
 from blrppl.graph.compile import compile_model
-from blrppl.graph.trace import trace_model
+from blrppl.model.trace import trace_model
 
 
 def _banded_spd(rng, n, b):

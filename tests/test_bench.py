@@ -18,7 +18,7 @@ from jax import random
 from blrppl.api import blr_fit
 from blrppl.bench import __main__ as cli
 from blrppl.bench import models, report, runner
-from blrppl.graph.trace import trace_model
+from blrppl.model.trace import trace_model
 from checks import assert_every_site_exports
 
 

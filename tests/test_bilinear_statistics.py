@@ -30,7 +30,7 @@ import reference_models as rm
 from blrppl.engine.fit import init_nat, plan_model
 from blrppl.estimators import bilinear
 from blrppl.families.gaussian import GaussianDense, GaussianNat
-from blrppl.graph.trace import trace_model
+from blrppl.model.trace import trace_model
 from blrppl.inputs import fit_options, model_arguments
 
 numpyro.enable_x64()

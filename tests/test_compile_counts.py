@@ -16,11 +16,11 @@ from jax import random
 
 from blrppl import blr_fit
 from blrppl.bench.models import random_intercepts_model
-from blrppl.expressions import ModelProgram
+from blrppl.model.program import ModelProgram
 from blrppl.families import GaussianDense, GaussianDiag, GaussianNat
 from blrppl.families.gaussian import DiagGaussianNat
 from blrppl.graph.data import DataSpec, xla_compilations
-from blrppl.graph.trace import model_runs
+from blrppl.model.trace import model_runs
 from blrppl.inputs import fit_options, host_fold_in, host_split
 
 X = np.random.default_rng(0).normal(size=(40, 3))
@@ -170,7 +170,7 @@ def _splits_in_step(model, data):
     program lowered and compiled with the fit)."""
     from blrppl.engine.step import initial_state, make_step
     from blrppl.graph.compile import compile_model, init_nat
-    from blrppl.graph.trace import trace_model
+    from blrppl.model.trace import trace_model
 
     records, spec, dyn, _ = trace_model(model, (), data, jax.random.key(0))
     plan, fns, dyn, init, _ = compile_model(model, records, spec, dyn, rng_key=jax.random.key(1))
@@ -200,7 +200,7 @@ def test_starting_values_are_computed_on_the_host():
     """A fit's initial natural parameters, from concrete values, compile nothing and equal
     the traced computation's (which ``jax.eval_shape`` of the start still uses)."""
     from blrppl.graph.compile import choose_family, init_nat
-    from blrppl.graph.trace import trace_model
+    from blrppl.model.trace import trace_model
 
     def model():
         with numpyro.plate("n", 3):

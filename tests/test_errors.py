@@ -226,7 +226,7 @@ def test_invalid_constant_arguments_are_refused_naming_their_site(model, site, m
     """A distribution argument that breaks its constraint at the model's starting point: a
     ModelTraceError naming the site (numpyro's own check, made as the distribution is built,
     named the site before it, a plate, or none, and skipped arrays computed in the model; it
-    is now made in the model's traced run: see blrppl.graph.trace._argument_checks). The fit
+    is now made in the model's traced run: see blrppl.model.checks.argument_checks). The fit
     stopped with "no step size found" on the array (every expected log-density non-finite)."""
     with pytest.raises(ModelTraceError, match=match) as info:
         fit(model, {"y": Y})

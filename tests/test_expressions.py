@@ -1,4 +1,4 @@
-"""Classification of distribution arguments by autodiff probes (blrppl.expressions)."""
+"""Classification of distribution arguments by autodiff probes (blrppl.model.probes)."""
 
 import jax
 import jax.numpy as jnp
@@ -8,7 +8,7 @@ import numpyro.distributions as dist
 import pytest
 
 from blrppl import families as fam
-from blrppl.expressions import ArgumentProbe, probe_argument, run_probes
+from blrppl.model.probes import ArgumentProbe, probe_argument, run_probes
 from blrppl.graph.plan import Block
 
 N = 6
@@ -203,7 +203,7 @@ def test_probe_points_respect_supports():
     ],
 )
 def test_log_prob_reads_only_the_leaves_the_density_uses(make, read):
-    from blrppl.expressions import canonical_leaves, log_prob_reads
+    from blrppl.model.functions import canonical_leaves, log_prob_reads
 
     d = make()
     leaves, tree = canonical_leaves(d)
@@ -226,7 +226,8 @@ def _log_link_model(y):
     ],
 )
 def test_log_normal_arguments_are_read_on_log_space(site, expected):
-    from blrppl.expressions import ModelFunctions, ModelProgram
+    from blrppl.model.functions import ModelFunctions
+    from blrppl.model.program import ModelProgram
     from blrppl.graph.data import DataSpec
 
     spec, dyn = DataSpec.split((np.array([1.0, 2.0, 3.0]),), {})

@@ -1,4 +1,4 @@
-"""Argument forms read off a jaxpr (``blrppl/graph/forms.py``): a table of expressions users
+"""Argument forms read off a jaxpr (``blrppl/model/forms.py``): a table of expressions users
 write, each with the form worked out by hand, then the classes the forms give once the
 blocks are known."""
 
@@ -11,9 +11,9 @@ import pytest
 from jax import lax
 
 from blrppl import families as fam
-from blrppl.expressions import classify_form
-from blrppl.graph import forms as fm
-from blrppl.graph.deps import output_forms
+from blrppl.model.classes import classify_form
+from blrppl.model import forms as fm
+from blrppl.model.deps import output_forms
 from blrppl.graph.plan import Block
 
 X = np.arange(15.0).reshape(5, 3) / 10.0

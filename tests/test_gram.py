@@ -177,7 +177,7 @@ def test_prior_on_a_plated_blocks_own_values_reads_means_and_variances():
     give the definition at random rows' means and covariances, in both layouts."""
     from blrppl.engine.fit import plan_model
     from blrppl.families.gaussian import GaussianNat
-    from blrppl.graph.trace import trace_model
+    from blrppl.model.trace import trace_model
     from blrppl.inputs import fit_options, model_arguments
 
     for layout in ("rows", "columns"):

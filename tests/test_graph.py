@@ -9,9 +9,10 @@ import pytest
 from numpyro.distributions import constraints
 
 from blrppl import families as fam
-from blrppl.graph.deps import output_dependencies
+from blrppl.model.deps import output_dependencies
 from blrppl.graph.plan import Block, Factor, Plan
-from blrppl.graph.trace import Plate, trace_model, unwrap
+from blrppl.model.records import Plate, unwrap
+from blrppl.model.trace import trace_model
 
 # -- trace_model ---------------------------------------------------------------------------
 

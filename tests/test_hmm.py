@@ -745,7 +745,7 @@ def test_an_aligned_mixture_probes_only_its_random_sets(monkeypatch):
     chain needs (which cost a 2,000-point mixture's compile 2 s)."""
     from blrppl.graph import markov
     from blrppl.graph.compile import compile_model
-    from blrppl.graph.trace import trace_model
+    from blrppl.model.trace import trace_model
 
     probes = []
     aligned = markov.is_aligned
@@ -776,18 +776,18 @@ def test_rows_by_a_static_index_have_a_gather_gradient(index):
     equal the plain gather's; with each row read at most 4 times the gradient holds no
     scatter (XLA's CPU backend loops over a scatter's elements one by one), beyond that it
     is the plain gather's."""
-    from blrppl.estimators.enumeration import _MAX_READERS, _static_rows
+    from blrppl.graph.chain_table import MAX_READERS, static_rows
 
     table = jnp.asarray(np.random.default_rng(0).normal(size=(7, 3)))
 
     def loss(read):
         return lambda t: jnp.sum(jnp.sin(read(t)) * jnp.arange(1.0, 4.0))
 
-    fast, plain = loss(lambda t: _static_rows(t, index)), loss(lambda t: t[index])
+    fast, plain = loss(lambda t: static_rows(t, index)), loss(lambda t: t[index])
     np.testing.assert_allclose(fast(table), plain(table), rtol=1e-14)
     np.testing.assert_allclose(jax.grad(fast)(table), jax.grad(plain)(table), rtol=1e-14, atol=1e-15)
     text = jax.jit(jax.grad(fast)).lower(table).as_text()
-    assert ("scatter" in text) == (np.bincount(index.ravel()).max() > _MAX_READERS)
+    assert ("scatter" in text) == (np.bincount(index.ravel()).max() > MAX_READERS)
 
 
 def test_exchangeable_emission_means_start_from_the_observations():

@@ -1,4 +1,4 @@
-"""Moment objects (blrppl.moments): hand-worked tables, Monte Carlo checks, and the
+"""Moment objects (blrppl.moments.kinds): hand-worked tables, Monte Carlo checks, and the
 arithmetic of AffineGaussian (sharing blocks, broadcasting, covariance over event dims)."""
 
 import jax.numpy as jnp
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from scipy.special import digamma
 
-from blrppl.moments import AffineGaussian, BetaIdentity, Const, DirichletIdentity, PowerGamma
+from blrppl.moments.kinds import AffineGaussian, BetaIdentity, Const, DirichletIdentity, PowerGamma
 
 NUM_DRAWS = 200_000
 

@@ -1,4 +1,4 @@
-"""E[f(d_A, d_B)²] of products of two Gaussian blocks, read by contraction (``blrppl.products``).
+"""E[f(d_A, d_B)²] of products of two Gaussian blocks, read by contraction (``blrppl.moments.products``).
 
 Each case is an argument as users write it (``X @ C.T``, ``jnp.einsum``, ``(U[i] * V[j]).sum(-1)``,
 ``w * x``, a jitted helper), with per-element dense covariances for the two blocks. The reference
@@ -18,7 +18,7 @@ import pytest
 from jax import random
 
 import reference_models as rm
-from blrppl.products import product_second_moments
+from blrppl.moments.products import product_second_moments
 
 numpyro.enable_x64()
 
@@ -189,11 +189,11 @@ def test_factor_model_steps_equal_with_and_without_the_contraction(monkeypatch):
     contraction (whole variance, no pushed rows) and the pushes of every pair of roots agree
     (the data-statistics paths, :mod:`blrppl.estimators.bilinear` and
     :mod:`blrppl.estimators.gram`, kept out: they read neither)."""
-    import blrppl.expressions as expressions
+    import blrppl.moments.linearised as linearised
     from blrppl.estimators import bilinear, gram
     from blrppl.engine.fit import init_nat, plan_model
     from blrppl.engine.step import initial_state, make_step
-    from blrppl.graph.trace import trace_model
+    from blrppl.model.trace import trace_model
     from blrppl.inputs import fit_options, model_arguments
 
     monkeypatch.setattr(bilinear, "eligible", lambda *a, **k: None)
@@ -214,7 +214,7 @@ def test_factor_model_steps_equal_with_and_without_the_contraction(monkeypatch):
     state = jax.jit(lambda s: jax.lax.fori_loop(0, 3, lambda _, s: step(s, dyn, rho)[0], s))(state)
 
     read = []
-    contraction = expressions.product_second_moments
+    contraction = linearised.product_second_moments
 
     def spy(*a, **k):
         out = contraction(*a, **k)
@@ -224,10 +224,10 @@ def test_factor_model_steps_equal_with_and_without_the_contraction(monkeypatch):
     def evaluate():  # (traced anew under each patch: a new function each time)
         return jax.jit(lambda nat: ({b: messages(nat, (b,), dyn) for b in plan.order}, elbo(nat, dyn)))(state.nat)
 
-    monkeypatch.setattr(expressions, "product_second_moments", spy)
+    monkeypatch.setattr(linearised, "product_second_moments", spy)
     contracted = evaluate()
     assert read and all(read)
-    monkeypatch.setattr(expressions, "product_second_moments", lambda *a, **k: None)
+    monkeypatch.setattr(linearised, "product_second_moments", lambda *a, **k: None)
     pushed = evaluate()
     for got, want in zip(jax.tree.leaves(contracted), jax.tree.leaves(pushed)):
         np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-10)

@@ -62,7 +62,7 @@ def test_latent_through_a_scan_carry(model):
 def test_dependency_audit_catches_a_missed_latent(monkeypatch):
     """With the carry fixed point disabled (one pass through the body, as before), the
     numeric audit finds the latent the analysis missed instead of fitting its prior."""
-    import blrppl.graph.deps as deps
+    import blrppl.model.deps as deps
 
     monkeypatch.setattr(deps, "_scan_deps", lambda eqn, body, ins, seen=None: deps._jaxpr_deps(body, ins, seen))
 

@@ -22,8 +22,8 @@ import pytest
 from jax.scipy.special import digamma, gammaln
 from scipy import special, stats
 
-from blrppl.graph.trace import given_matrices
-from blrppl.moments import (
+from blrppl.model.records import given_matrices
+from blrppl.moments.kinds import (
     KINDS,
     AffineGaussian,
     BetaIdentity,

@@ -1,5 +1,5 @@
 """Scans whose carries are known ahead, evaluated as maps over their steps
-(`blrppl.graph.scan_map`): the same values and gradients as the scan as written, for the
+(`blrppl.model.scan_map`): the same values and gradients as the scan as written, for the
 carries users' models make (NumPyro's scan: a step counter, the previous state read from
 the substituted values, a PRNG key; a carry of two lags), and a true recurrence left as a
 scan."""
@@ -16,7 +16,7 @@ from jax import random
 from numpyro import handlers
 from numpyro.contrib.control_flow import scan
 
-from blrppl.graph import scan_map
+from blrppl.model import scan_map
 
 T = 7
 

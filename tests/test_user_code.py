@@ -403,7 +403,7 @@ def test_draws_run_no_model_code_and_follow_the_posterior():
     nothing, and the draws follow the closed-form posteriors Dirichlet(1 + counts) and
     Gamma(2 + Σc, 1 + n) (4 standard errors of 4,000 draws; the sd within 5 %)."""
     from blrppl.graph.data import xla_compilations
-    from blrppl.graph.trace import model_runs
+    from blrppl.model.trace import model_runs
 
     rng = np.random.default_rng(0)
     groups, counts = rng.integers(0, 3, 40), rng.poisson(3.0, 40).astype(float)

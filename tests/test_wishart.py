@@ -355,9 +355,9 @@ def test_mixture_step_test_can_fail(gmm_fits):
 def test_mixture_step_with_each_blocks_tangents_pushed_alone(gmm_fits, monkeypatch):
     """Large groups push each block's tangents on their own (the others' unbatched zeros):
     forced here on the small mixture, its steps are still the textbook sweeps."""
-    import blrppl.expressions as expressions
+    import blrppl.moments.linearised as linearised
 
-    monkeypatch.setattr(expressions, "SPLIT_PUSH_FLOATS", 0)
+    monkeypatch.setattr(linearised, "SPLIT_PUSH_FLOATS", 0)
     monkeypatch.setenv("BLRPPL_COMPILATION_CACHE", "0")  # (a stored program would be the joint one)
 
     def split_gmm(X):  # (a model of its own: not the compiled joint fit from memory)

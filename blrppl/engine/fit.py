@@ -36,17 +36,16 @@ from blrppl.graph.compile import (
 from blrppl.graph.derivatives import is_no_reverse_error, is_reverse_only_error, reverse_only_mode
 from blrppl.graph.plan import FactorRole
 from blrppl.estimators import bilinear, gram
-from blrppl.expressions import table_key
-from blrppl.graph.deps import output_dependencies
+from blrppl.model.functions import table_key
+from blrppl.model.deps import output_dependencies
 from blrppl.graph.stack import stack_table
 from blrppl.diagnostics import ESS_CLOSE, ESS_POOR, KHAT_WARN, Diagnostics, make_log_weights, psis_khat, relative_ess
 from blrppl.graph.data import DataSpec, RunData, split_run_data
 from blrppl.graph.data import SMALL_DATA, background_compilations, compiler_options as _compiler_options, host_array, xla_compilations
 from blrppl.graph.program_store import compile_program, fit_program_key, jit as store_jit, program_key
 from blrppl.engine.subsample import averaged_nat, svi_rate
-from blrppl.graph.trace import (
-    check_plate_sizes, full_size_model, model_runs, subsampled_plates, trace_model, trace_program,
-)
+from blrppl.model.checks import check_plate_sizes
+from blrppl.model.trace import full_size_model, model_runs, subsampled_plates, trace_model, trace_program
 from blrppl.inputs import FitOptions, host_fold_in, host_split
 from blrppl.online import online_plan, previous_nat, previous_spec
 from blrppl.export import posterior_builder

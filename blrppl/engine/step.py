@@ -20,7 +20,7 @@ import numpy as np
 
 from blrppl.estimators.enumeration import expected_log_factors, is_jacobian
 from blrppl.estimators import bilinear, gram
-from blrppl.expressions import base_values
+from blrppl.moments.linearised import base_values
 from blrppl.graph.data import host_array, split_run_data
 from blrppl.graph.derivatives import hessian_of_grad
 from blrppl.online import expected_log_previous, is_previous_posterior

@@ -46,7 +46,7 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from blrppl.expressions import MinibatchData
+from blrppl.model.functions import MinibatchData
 
 #: forgetting rate κ and delay τ of the default global step size ρ_t = (t + τ)^−κ
 SVI_KAPPA = 0.7

@@ -58,7 +58,7 @@ import jax.numpy as jnp
 import numpy as np
 import numpyro.distributions as dist
 
-from blrppl import moments as mom
+from blrppl.moments import kinds as mom
 from blrppl.estimators.gram import _LOG_2PI, element_weights, scale_block, scale_terms
 
 #: the pairs (i, j) of rows form a dense N_A × N_B grid of weights (a step then does

@@ -13,7 +13,7 @@ terms of params.
 
 from __future__ import annotations
 
-from blrppl.expressions import base_values
+from blrppl.moments.linearised import base_values
 
 
 def delta_elementwise(fns, factors, blocks, views, discrete_values, data):

@@ -33,10 +33,11 @@ from blrppl.estimators.delta import delta_elementwise
 from blrppl.estimators.exact import elementwise_expected_log_prob, reduce_factor, unwrapped_expected_log_prob
 from blrppl.estimators.monte_carlo import expected_log_jacobian, monte_carlo_elementwise
 from blrppl.estimators.quadrature import quadrature_elementwise
-from blrppl.expressions import group_moments
+from blrppl.moments.linearised import group_moments
 from blrppl.graph import chain_table
+from blrppl.graph.chain_table import static_rows
 from blrppl.graph.plan import FactorRole
-from blrppl.graph.trace import reduce_wrapped
+from blrppl.model.records import reduce_wrapped
 
 
 def is_jacobian(factor) -> bool:
@@ -91,43 +92,6 @@ def _chain_states(block, state, k: int, pairs: bool):
     return jnp.where(odd, b, a)
 
 
-def _static_rows(table: jax.Array, index: np.ndarray) -> jax.Array:
-    """``table[index]`` (rows of ``table`` by a static integer array): when no row is read
-    more than :data:`_MAX_READERS` times, its gradient is a sum of that many gathers (each
-    row's cotangents from the elements that read it, zero for unread rows) instead of a
-    scatter-add, which XLA's CPU backend runs as a serial loop over the elements (10⁵
-    iterations per step for a hidden Markov chain of 10⁵ steps)."""
-    flat = np.asarray(index).reshape(-1)
-    rows = table.shape[0]
-    counts = np.bincount(flat, minlength=rows)
-    if not flat.size or counts.max() > _MAX_READERS:
-        return table[index]
-    # readers[j, r]: the j-th element reading row r (the sentinel flat.size: a zero row)
-    order = np.argsort(flat, kind="stable")
-    rank = np.arange(flat.size) - np.repeat(np.cumsum(counts) - counts, counts)
-    readers = np.full((int(counts.max()), rows), flat.size, np.int32)
-    readers[rank, flat[order]] = order
-
-    @jax.custom_vjp
-    def take(t):
-        return t[index]
-
-    def fwd(t):
-        return t[index], None
-
-    def bwd(_, g):
-        g = jnp.reshape(g, (flat.size,) + g.shape[np.ndim(index):])
-        padded = jnp.concatenate([g, jnp.zeros((1,) + g.shape[1:], g.dtype)])
-        return (sum(padded[r] for r in readers),)
-
-    take.defvjp(fwd, bwd)
-    return take(table)
-
-
-#: rows read more often than this by :func:`_static_rows` keep the scatter-add gradient
-_MAX_READERS = 4
-
-
 def _chain_weights(factor, name, view, num_states: int):
     """``(num_states, *elements)``: for each enumerated state (a, b) of the chain ``name``
     (:func:`_chain_states`) and element of ``factor``, the chain marginal of the states the
@@ -143,7 +107,7 @@ def _chain_weights(factor, name, view, num_states: int):
     odd = (lo // width) % 2 == 1
     length = view.probs.shape[1]
     # (*elements, K): view.probs[lo % width, lo // width], rows of the flattened marginals
-    probs = _static_rows(jnp.reshape(view.probs, (width * length,) + view.probs.shape[2:]), (lo % width) * length + lo // width)
+    probs = static_rows(jnp.reshape(view.probs, (width * length,) + view.probs.shape[2:]), (lo % width) * length + lo // width)
     if num_states > k:
         by_a = jnp.repeat(probs, k, axis=-1)  # [a·K + b] = q(z = a)
         by_b = jnp.tile(probs, (1,) * (probs.ndim - 1) + (k,))  # [a·K + b] = q(z = b)
@@ -154,7 +118,7 @@ def _chain_weights(factor, name, view, num_states: int):
         t = np.minimum(lo // width, view.pair_probs.shape[1] - 1)
         steps = view.pair_probs.shape[1]
         # (*elements, K, K): q(z_t = v, z_{t+1} = w) = view.pair_probs[lo % width, t]
-        pair = _static_rows(
+        pair = static_rows(
             jnp.reshape(view.pair_probs, (width * steps,) + view.pair_probs.shape[2:]), (lo % width) * steps + t
         )
         shape = pair.shape[:-2] + (k * k,)

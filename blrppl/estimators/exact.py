@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from blrppl.graph.trace import reduce_wrapped, unwrap
+from blrppl.model.records import reduce_wrapped, unwrap
 
 
 def elementwise_expected_log_prob(factor, moments: dict, fn):

@@ -26,10 +26,10 @@ import jax.numpy as jnp
 import numpy as np
 import numpyro.distributions as dist
 
-from blrppl import moments as mom
+from blrppl.moments import kinds as mom
 from blrppl.estimators.exact import reduce_factor
 from blrppl.graph.data import host_array
-from blrppl.graph.trace import reduce_wrapped
+from blrppl.model.records import reduce_wrapped
 
 #: a Normal factor linear in a dense Gaussian block of at least this many scalars uses the
 #: precomputed statistics (smaller blocks compile faster the elementwise way)

@@ -23,9 +23,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from blrppl.estimators.monte_carlo import tensor_gauss_hermite
-from blrppl.expressions import LINKS, base_values, distribution_leaves, group_moments, shift_leaf
-from blrppl.graph.trace import reduce_wrapped
-from blrppl.moments import covariance
+from blrppl.model.functions import LINKS, distribution_leaves, shift_leaf
+from blrppl.moments.linearised import base_values, group_moments
+from blrppl.model.records import reduce_wrapped
+from blrppl.moments.kinds import covariance
 
 #: nodes per dimension of the tensor rule, by number of projections
 NODES = {1: 20, 2: 12}

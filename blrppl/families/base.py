@@ -72,7 +72,7 @@ class Family:
     #: ``"unit_interval"``, ``"simplex"``, ``"positive_definite"`` or ``"discrete"`` (a Gaussian also represents any
     #: other support on its unconstrained space)
     support: ClassVar[str] = "real"
-    #: the kind of moments (:mod:`blrppl.moments`) of an argument that is the latent itself,
+    #: the kind of moments (:mod:`blrppl.moments.kinds`) of an argument that is the latent itself,
     #: or None (a Gaussian's arguments are affine forms of it: ``"affine_gaussian"``)
     argument_kind: ClassVar[str | None] = None
     #: whether any power c·x^a of the latent (not only x itself) has closed-form moments of
@@ -227,7 +227,7 @@ class Family:
         """Scalar bool: every leaf finite and λ inside the natural-parameter domain."""
         raise NotImplementedError
 
-    # -- linearising the model (moments of arguments, blrppl.expressions) ----------------
+    # -- linearising the model (moments of arguments, blrppl.moments.linearised) ----------------
     def linearisation_point(self, view: View) -> jax.Array:
         """Where the model is linearised to read the moments of affine arguments (canonical
         layout, in the variable :meth:`from_linearisation` maps to the block's value)."""
@@ -241,7 +241,7 @@ class Family:
     def tangent_sets(self, view: View, full: bool) -> dict:
         """Stacks of tangents (canonical layout, leading axis: the tangents) pushed through
         the linearised model: tag → stack. What each family's argument moments read back
-        from them (:func:`blrppl.expressions.group_moments`)."""
+        from them (:func:`blrppl.moments.linearised.group_moments`)."""
         raise NotImplementedError
 
     def tangent_roots(self, view: View, full: bool):
@@ -249,7 +249,7 @@ class Family:
         over what one element of a non-mixing argument reads (a square root of the
         covariance), or None when the family has none: products of latents read
         E[(d_Aᵀ J d_B)²] = Σ_{k,l} f(s_k, s'_l)² through half the pushes of the left/right
-        sets (:func:`blrppl.expressions.group_moments`)."""
+        sets (:func:`blrppl.moments.linearised.group_moments`)."""
         return None
 
     # -- Gaussian families: covariances and Newton steps (engine, Monte Carlo) ----------

@@ -115,7 +115,7 @@ class Wishart(Family):
     native: ClassVar[bool] = True
     argument_kind: ClassVar[str] = "wishart"
     #: an argument that is the block itself must read whole matrices in place: E[log|Λ|] is
-    #: not an expectation of Λ's entries (checked by :func:`blrppl.expressions.gather_probe`)
+    #: not an expectation of Λ's entries (checked by :func:`blrppl.model.probes.gather_probe`)
     whole_events: ClassVar[bool] = True
 
     @classmethod
@@ -208,7 +208,7 @@ class Wishart(Family):
 
     def tangent_sets(self, view, full: bool) -> dict:
         """Rows gathered by the indexing map and multiplied by the argument's constant c in
-        c Λ (:class:`blrppl.moments.WishartIdentity`): E[Λ], and E[log|Λ|] and 1 in one
+        c Λ (:class:`blrppl.moments.kinds.WishartIdentity`): E[Λ], and E[log|Λ|] and 1 in one
         symmetric row, E[log|Λ|] at (0, 0) and 1 at (0, 1) and (1, 0), which a transpose
         leaves in place (for D = 1, two rows: E[log|Λ|] and 1). Each pushed row costs a
         copy of every matrix the argument reads: N of them in a mixture's Λ[z]."""

@@ -31,10 +31,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from blrppl.expressions import distribution_leaves, factor_arguments, random_point
+from blrppl.model.functions import distribution_leaves, factor_arguments
+from blrppl.model.probes import random_point
 from blrppl.graph.data import compile_lowered, compiler_options
 from blrppl.graph.plan import FactorRole
-from blrppl.graph.trace import unwrap
+from blrppl.model.records import unwrap
 
 #: half-bandwidths tried: the largest first (a block that is no chain of it is no chain of
 #: any smaller one: one compiled probe), then the smaller ones together

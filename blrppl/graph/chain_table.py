@@ -156,10 +156,11 @@ def tabled(factors, blocks, fns, data, rng: np.random.Generator) -> dict:
     docstring): their arguments checked in the K runs at a random point of their
     continuous neighbours, in one compiled program. A model that cannot run with the runs'
     states, or whose arguments do not carry the elements, keeps the K² runs."""
-    from blrppl.expressions import factor_arguments, random_point
+    from blrppl.model.functions import factor_arguments
+    from blrppl.model.probes import random_point
     from blrppl.graph.data import compiler_options
     from blrppl.graph.program_store import compile_program, jit as store_jit, program_key
-    from blrppl.graph.trace import program_fingerprint
+    from blrppl.model.trace import program_fingerprint
 
     found = candidates(factors, blocks, fns)
     if not found:
@@ -199,12 +200,11 @@ def expected_log_terms(table: ChainTable, base_runs: jax.Array, view) -> jax.Arr
     """Per flat element, Σ over the states it reads of their chain marginal times its
     expected log-density there (module docstring), from ``base_runs`` ``(K, elements)``:
     the factor's unwrapped expected log-density in each run of ``table``'s layout."""
-    from blrppl.estimators.enumeration import _static_rows
 
     k = base_runs.shape[0]
     g = base_runs[table.pair_run, table.pair_element]  # (K²,): G(i, j) at i·K + j
     pair_probs = jnp.reshape(view.pair_probs, (-1, k * k))
-    terms = _static_rows(pair_probs, table.pair_row) @ g  # (elements reading fewer: set below)
+    terms = static_rows(pair_probs, table.pair_row) @ g  # (elements reading fewer: set below)
     single = np.flatnonzero(table.kind == 1)
     if single.size:
         probs = jnp.reshape(view.probs, (-1, k))[table.single_row[single]]
@@ -214,3 +214,40 @@ def expected_log_terms(table: ChainTable, base_runs: jax.Array, view) -> jax.Arr
     if none.size:
         terms = terms.at[none].set(base_runs[0, none])
     return terms
+
+
+def static_rows(table: jax.Array, index: np.ndarray) -> jax.Array:
+    """``table[index]`` (rows of ``table`` by a static integer array): when no row is read
+    more than :data:`MAX_READERS` times, its gradient is a sum of that many gathers (each
+    row's cotangents from the elements that read it, zero for unread rows) instead of a
+    scatter-add, which XLA's CPU backend runs as a serial loop over the elements (10⁵
+    iterations per step for a hidden Markov chain of 10⁵ steps)."""
+    flat = np.asarray(index).reshape(-1)
+    rows = table.shape[0]
+    counts = np.bincount(flat, minlength=rows)
+    if not flat.size or counts.max() > MAX_READERS:
+        return table[index]
+    # readers[j, r]: the j-th element reading row r (the sentinel flat.size: a zero row)
+    order = np.argsort(flat, kind="stable")
+    rank = np.arange(flat.size) - np.repeat(np.cumsum(counts) - counts, counts)
+    readers = np.full((int(counts.max()), rows), flat.size, np.int32)
+    readers[rank, flat[order]] = order
+
+    @jax.custom_vjp
+    def take(t):
+        return t[index]
+
+    def fwd(t):
+        return t[index], None
+
+    def bwd(_, g):
+        g = jnp.reshape(g, (flat.size,) + g.shape[np.ndim(index):])
+        padded = jnp.concatenate([g, jnp.zeros((1,) + g.shape[1:], g.dtype)])
+        return (sum(padded[r] for r in readers),)
+
+    take.defvjp(fwd, bwd)
+    return take(table)
+
+
+#: rows read more often than this by :func:`static_rows` keep the scatter-add gradient
+MAX_READERS = 4

@@ -16,27 +16,29 @@ import numpyro.distributions as dist
 from numpyro.distributions import biject_to, constraints
 
 from blrppl import families as fam
-from blrppl import moments as mom
+from blrppl.moments import kinds as mom
 from blrppl.errors import FamilyError, UnsupportedFactorError, UnsupportedLatentError
 from blrppl.estimators import bilinear, gram
 from blrppl.estimators.monte_carlo import elementwise_bijection
 from blrppl.estimators.quadrature import GRID_NODES
-from blrppl.expressions import (
-    LINKS, ArgumentClass, ModelFunctions, ModelProgram, classify_form, distribution_leaves, factor_arguments, log_prob_reads,
-    gather_probe, pairing_probe, probe_argument, projection_args, random_point, run_probes, too_many_columns,
+from blrppl.model.functions import (
+    LINKS, ModelFunctions, distribution_leaves, factor_arguments, log_prob_reads, projection_args,
 )
-from blrppl.expressions import _needs_gather_test as needs_gather_test
+from blrppl.model.classes import ArgumentClass, classify_form, needs_gather_test, too_many_columns
+from blrppl.model.program import ModelProgram
+from blrppl.model.probes import gather_probe, pairing_probe, probe_argument, random_point, run_probes
 from blrppl.graph.band import PROVISIONAL, arrowhead_locals, chain_bandwidth
 from blrppl.graph import chain_table, markov
 from blrppl.graph.data import compiler_options
 from blrppl.graph.derivatives import is_reverse_only_error, reverse_only
 from blrppl.graph.program_store import compile_program, jit as store_jit, program_key
-from blrppl.graph.deps import output_forms
-from blrppl.graph import forms as fm
-from blrppl.graph.forms import Const, Power, inverse_link
+from blrppl.model.deps import output_forms
+from blrppl.model import forms as fm
+from blrppl.model.forms import Const, Power, inverse_link
 from blrppl.graph.plan import Block, Factor, FactorRole, LocalAxis, Plan
 from blrppl.graph.stack import stack_factors
-from blrppl.graph.trace import SiteRecord, finite_support_values, program_fingerprint
+from blrppl.model.records import SiteRecord, finite_support_values
+from blrppl.model.trace import program_fingerprint
 from blrppl.rules import find_rule
 
 def _support_kind(support) -> str:

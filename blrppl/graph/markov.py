@@ -44,9 +44,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from blrppl.errors import ResourceError, UnsupportedFactorError, is_out_of_memory, out_of_memory_detail
-from blrppl.expressions import random_point, strip_masks
+from blrppl.model.probes import random_point
+from blrppl.model.program import strip_masks
 from blrppl.graph.data import compile_lowered, compiler_options
-from blrppl.graph.plan import FactorRole
+from blrppl.graph.plan import FactorRole, site_values
 
 #: random sets each decoded reading is checked on (per probe round)
 _CHECKS = 6
@@ -76,17 +77,6 @@ class ChainLayout(NamedTuple):
 def _positions(members) -> tuple:
     sizes = [int(math.prod(m.value_shape)) for m in members]
     return sizes, int(sum(sizes))
-
-
-def site_values(members, flat_values) -> dict:
-    """Flat positions (leading dims allowed) → {member site: value of its shape}."""
-    lead = jnp.shape(flat_values)[:-1]
-    out, offset = {}, 0
-    for m in members:
-        size = int(math.prod(m.value_shape))
-        out[m.name] = jnp.reshape(flat_values[..., offset : offset + size], lead + tuple(m.value_shape))
-        offset += size
-    return out
 
 
 def aligned_reads(members, factor, batch_shape) -> tuple | None:

@@ -48,6 +48,17 @@ def _strided_view(view, positions: np.ndarray, member):
     return GaussianView(view.mean[positions], to_dense(rows))
 
 
+def site_values(members, flat_values) -> dict:
+    """Flat positions (leading dims allowed) → {member site: value of its shape}."""
+    lead = jnp.shape(flat_values)[:-1]
+    out, offset = {}, 0
+    for m in members:
+        size = int(math.prod(m.value_shape))
+        out[m.name] = jnp.reshape(flat_values[..., offset : offset + size], lead + tuple(m.value_shape))
+        offset += size
+    return out
+
+
 @dataclasses.dataclass(frozen=True)
 class SubsampledPlate:
     """A plate declared with ``subsample_size``: each step sees ``subsample_size`` of its
@@ -135,7 +146,7 @@ class Block:
             φ = g(u) as a first power (``phi * (x_prev - mu)``): they see φ through its
             moments E[g(u)], Var[g(u)] under q (Gauss–Hermite), exact for densities whose
             expectation depends on the argument only through its first two moments
-            (:func:`blrppl.expressions.support_view`). Their messages to it are not
+            (:func:`blrppl.moments.linearised.support_view`). Their messages to it are not
             conjugate (they depend on q(u)).
     """
 
@@ -282,8 +293,6 @@ class Block:
     def chain_site_values(self, states) -> dict:
         """Chain positions' states (indices into ``support_values``, flat position order,
         leading dims allowed) → {site: value}."""
-        from blrppl.graph.markov import site_values
-
         return site_values(self.members or (self._site_block(),), jnp.asarray(self.support_values)[states])
 
     def _site_block(self) -> "Block":
@@ -401,7 +410,7 @@ class Factor:
             ``"delta"`` (no closed form, but every continuous neighbour is a point block:
             log f at the points, exact).
         rule: the rule computing the expected log-density.
-        arg_kinds: kind of each argument and of the value (see :mod:`blrppl.moments`).
+        arg_kinds: kind of each argument and of the value (see :mod:`blrppl.moments.kinds`).
         arg_blocks: blocks each argument depends on.
         columns: for each Gaussian neighbour, ``"gather"`` (each element of an argument
             uses one plate element of the block) or ``"full"`` (elements mix plate elements).

@@ -28,9 +28,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from blrppl.expressions import CanonicalTree, distribution_leaves
-from blrppl.graph import forms as fm
-from blrppl.graph.trace import unwrap
+from blrppl.model.functions import CanonicalTree, distribution_leaves
+from blrppl.model import forms as fm
+from blrppl.model.records import unwrap
 
 #: a group of at least this many sites of one structure is stacked (fewer compile as fast
 #: one by one)
@@ -119,7 +119,7 @@ def stack_table(stack: Stack, fns, data) -> StackTable:
 
     Args:
         stack: the stacked factor.
-        fns: the plan's :class:`blrppl.expressions.ModelFunctions`.
+        fns: the plan's :class:`blrppl.model.functions.ModelFunctions`.
         data: the model's data leaves.
     """
     full = fns.site_values({})
@@ -206,8 +206,8 @@ def stack_factors(factors, records: dict, forms: dict, blocks: dict, fns, data, 
 
     Args:
         factors: the plan's factors.
-        records: site name → :class:`blrppl.graph.trace.SiteRecord`.
-        forms: site → item → form (:mod:`blrppl.graph.forms`).
+        records: site name → :class:`blrppl.model.records.SiteRecord`.
+        forms: site → item → form (:mod:`blrppl.model.forms`).
         blocks: block name → :class:`blrppl.graph.plan.Block`.
         fns: the plan's model functions.
         data: the model's data leaves (the compile-time data; the check point).

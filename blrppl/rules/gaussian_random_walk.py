@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpyro.distributions as dist
 
-from blrppl.moments import slice_last
+from blrppl.moments.kinds import slice_last
 from blrppl.rules._common import LOG_2PI, broadcast_batch
 from blrppl.rules.registry import register_rule
 

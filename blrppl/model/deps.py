@@ -1,5 +1,5 @@
 """Which inputs each output of a function depends on, read off its jaxpr (and, with
-:func:`output_forms`, the form of each output: :mod:`blrppl.graph.forms`).
+:func:`output_forms`, the form of each output: :mod:`blrppl.model.forms`).
 
 Used to find the latent sites each factor's arguments depend on. The analysis is
 structural (data flow through the jaxpr's equations), so it works for discrete inputs
@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 import jax
 from jax.extend import core as jex_core
 
-from blrppl.graph.forms import Const, jaxpr_forms
+from blrppl.model.forms import Const, jaxpr_forms
 
 
 def _jaxpr_deps(jaxpr, in_deps: Sequence[frozenset], seen: set | None = None) -> list[frozenset]:
@@ -73,7 +73,7 @@ def _sub_jaxpr(eqn):
 
 
 def output_forms(fn: Callable, inputs: dict, input_forms: dict, *extra) -> tuple:
-    """The dependencies and the forms (:mod:`blrppl.graph.forms`) of every leaf of
+    """The dependencies and the forms (:mod:`blrppl.model.forms`) of every leaf of
     ``fn(inputs, *extra)``, from one jaxpr, and the primitives the program uses.
 
     Args:

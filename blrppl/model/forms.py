@@ -2,7 +2,7 @@
 model's jaxpr (no numerical probing).
 
 One abstract interpretation of the program that computes every factor's arguments from the
-latent site values (the jaxpr :mod:`blrppl.graph.deps` reads) assigns each variable a
+latent site values (the jaxpr :mod:`blrppl.model.deps` reads) assigns each variable a
 **form**, propagated primitive by primitive:
 
 * :class:`Const` — depends on no continuous latent (data, literals, enumerated discrete
@@ -24,8 +24,8 @@ latent site values (the jaxpr :mod:`blrppl.graph.deps` reads) assigns each varia
 * :class:`Linked` — exp or sigmoid of an affine form (a GLM's inverse link);
 * :class:`Opaque` — anything else, with the reason (the primitive that made it so).
 
-Forms are in terms of *site* values. :func:`blrppl.expressions.classify_form` turns a form
-into the argument class of :mod:`blrppl.expressions` once the blocks are known (a site fitted by a Gaussian on
+Forms are in terms of *site* values. :func:`blrppl.model.classes.classify_form` turns a form
+into the argument class of :mod:`blrppl.model.classes` once the blocks are known (a site fitted by a Gaussian on
 log space reads ``LogPower`` as affine and ``Power`` as the exp of an affine form), or into
 ``None`` when only the numerical probes can tell (the gather structure of a mixing argument
 of a plated block, arguments that also read point blocks).

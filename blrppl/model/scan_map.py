@@ -11,7 +11,7 @@ and step; as a map over the steps it is a few array operations of length T.
 
 For a ``scan`` with carries c, inputs x_t and body (c_{t+1}, y_t) = f(c_t, x_t):
 
-* the carries are split by the body's data flow (:func:`blrppl.graph.deps`): the
+* the carries are split by the body's data flow (:func:`blrppl.model.deps`): the
   *recurrent* ones R are those on a cycle of "carry k's next value reads carry j" and
   every carry they read; the others are computed from R's and the inputs, in order of that
   (acyclic) dependency;
@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jex_core
 
-from blrppl.graph.deps import _jaxpr_deps
+from blrppl.model.deps import _jaxpr_deps
 
 #: a scan is mapped only when its recurrent part has at most this fraction of its body's
 #: equations (a counter and a key: a handful of a body's dozens)

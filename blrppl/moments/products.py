@@ -1,6 +1,6 @@
 """Second moments of products of two independent Gaussian blocks, by contraction.
 
-A bilinear argument x = f(w_A, w_B) + g(w) (:class:`blrppl.moments.BilinearGaussian`)
+A bilinear argument x = f(w_A, w_B) + g(w) (:class:`blrppl.moments.kinds.BilinearGaussian`)
 needs, per element, E[f(d_A, d_B)²] with d = w − E[w]. Pushing every pair of square-root
 tangents (s_k of A, s'_l of B) through the model gives it as Σ_{k,l} f(s_k, s'_l)²: |S_A|·|S_B|
 copies of the argument (100 for ``X @ C.T`` with D = 10). Where the product is a primitive
@@ -383,7 +383,7 @@ class ProductMoments(NamedTuple):
     """The second moments of an argument's product of blocks A and B.
 
     Attributes:
-        extra: E[f(d_A, d_B)²] (:class:`blrppl.moments.BilinearGaussian`'s ``extra``).
+        extra: E[f(d_A, d_B)²] (:class:`blrppl.moments.kinds.BilinearGaussian`'s ``extra``).
         variance: when the argument depends on A and B through the product alone (plus
             terms in neither), its whole variance under q(A) q(B), Var[f(w_A, w_B)]: the
             linear part's too, with no pushed tangents; else None.

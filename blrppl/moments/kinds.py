@@ -1,7 +1,7 @@
 """Expectations of distribution arguments under the candidate q.
 
 The compiler classifies every argument of a factor (and its value) as a function of the
-blocks (see :mod:`blrppl.expressions`) and hands the rules one *moment object* per
+blocks (see :mod:`blrppl.model.classes`) and hands the rules one *moment object* per
 argument. A moment object answers the expectations a closed-form rule needs, each
 elementwise with the argument's shape:
 
