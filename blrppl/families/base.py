@@ -72,7 +72,7 @@ class Family:
     #: ``"unit_interval"``, ``"simplex"``, ``"positive_definite"`` or ``"discrete"`` (a Gaussian also represents any
     #: other support on its unconstrained space)
     support: ClassVar[str] = "real"
-    #: the kind of moments (:mod:`blrppl.moments.kinds`) of an argument that is the latent itself,
+    #: the kind of moments (:mod:`blrppl.moments`) of an argument that is the latent itself,
     #: or None (a Gaussian's arguments are affine forms of it: ``"affine_gaussian"``)
     argument_kind: ClassVar[str | None] = None
     #: whether any power c·x^a of the latent (not only x itself) has closed-form moments of

@@ -149,7 +149,7 @@ class Beta(Family):
 
     def tangent_sets(self, view, full: bool) -> dict:
         """Rows α, β (and E[log p], E[log(1 − p)] for a rule view), gathered by the
-        indexing map (:class:`blrppl.moments.kinds.BetaIdentity`)."""
+        indexing map (:class:`blrppl.moments.BetaIdentity`)."""
         rows = [view.alpha, view.beta]
         if getattr(view, "mean_log", None) is not None:  # BetaRuleView: E[log p], E[log(1 − p)]
             rows += [view.mean_log, view.mean_log1m]

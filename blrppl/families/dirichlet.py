@@ -142,7 +142,7 @@ class Dirichlet(Family):
 
     def tangent_sets(self, view, full: bool) -> dict:
         """Rows α, Σα (and E[log π] for a rule view), gathered by the indexing map
-        (:class:`blrppl.moments.kinds.DirichletIdentity`)."""
+        (:class:`blrppl.moments.DirichletIdentity`)."""
         a = view.concentration
         rows = [a, jnp.broadcast_to(a.sum(-1, keepdims=True), a.shape)]
         if getattr(view, "mean_log", None) is not None:  # DirichletRuleView: E[log π]

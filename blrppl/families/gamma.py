@@ -156,7 +156,7 @@ class Gamma(Family):
 
     def tangent_sets(self, view, full: bool) -> dict:
         """Rows 1, α, β (and E[log τ], E[τ] for a rule view) pushed through x = c τ^a at
-        τ = 1 come back multiplied by the slope c a (:class:`blrppl.moments.kinds.PowerGamma`)."""
+        τ = 1 come back multiplied by the slope c a (:class:`blrppl.moments.PowerGamma`)."""
         ones = jnp.ones(jnp.broadcast_shapes(jnp.shape(view.shape), jnp.shape(view.rate)), view.shape.dtype)
         rows = [ones, view.shape, view.rate]
         if getattr(view, "mean_log", None) is not None:  # GammaRuleView: E[log τ], E[τ] leaves

@@ -360,7 +360,7 @@ class GaussianDense(Family):
 
     def tangent_sets(self, view: GaussianView, full: bool) -> dict:
         """``left``: unit columns, ``right``: the covariance columns Σ e_j (the inputs of
-        :class:`blrppl.moments.kinds.AffineGaussian`). By default one column per scalar of an
+        :class:`blrppl.moments.AffineGaussian`). By default one column per scalar of an
         element (D per plate element, every element at once); ``full``: one per scalar of
         the whole block (arguments that mix plate elements), each nonzero at one element."""
         cov = view.cov  # (*B, D, D)

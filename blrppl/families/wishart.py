@@ -208,7 +208,7 @@ class Wishart(Family):
 
     def tangent_sets(self, view, full: bool) -> dict:
         """Rows gathered by the indexing map and multiplied by the argument's constant c in
-        c Λ (:class:`blrppl.moments.kinds.WishartIdentity`): E[Λ], and E[log|Λ|] and 1 in one
+        c Λ (:class:`blrppl.moments.WishartIdentity`): E[Λ], and E[log|Λ|] and 1 in one
         symmetric row, E[log|Λ|] at (0, 0) and 1 at (0, 1) and (1, 0), which a transpose
         leaves in place (for D = 1, two rows: E[log|Λ|] and 1). Each pushed row costs a
         copy of every matrix the argument reads: N of them in a mixture's Λ[z]."""

@@ -8,14 +8,14 @@ import jax.numpy as jnp
 from jax import lax
 from jax.scipy.special import xlog1py, xlogy
 
-from blrppl.moments.kinds import Const
+from blrppl.moments import Const
 
 #: log(2π)
 LOG_2PI = math.log(2.0 * math.pi)
 
 
 def const_value(arg):
-    """The array of an argument the rule only accepts as :class:`~blrppl.moments.kinds.Const`."""
+    """The array of an argument the rule only accepts as :class:`~blrppl.moments.Const`."""
     if not isinstance(arg, Const):
         raise TypeError(f"expected a constant argument, got kind {arg.kind!r}")
     return arg.value

@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpyro.distributions as dist
 
-from blrppl.moments.kinds import KINDS
+from blrppl.moments import KINDS
 from blrppl.rules.registry import register_rule
 
 

@@ -7,7 +7,7 @@ import numpyro.distributions as dist
 from jax import lax
 from jax.scipy.linalg import solve_triangular
 
-from blrppl.moments.kinds import AffineGaussian
+from blrppl.moments import AffineGaussian
 from blrppl.rules._common import LOG_2PI, batch_shape, broadcast_batch, const_value
 from blrppl.rules.registry import register_rule
 

@@ -27,7 +27,7 @@ def normal_expected_log_prob(value, loc, scale):
     object, so that x and loc may depend on the same Gaussian block (their covariance
     enters). σ is independent of x and loc (it is a Gamma block or a constant). A bilinear
     loc (``w * x``: a product of affine forms of two blocks) adds E[f(d_A, d_B)²] to the
-    variance (:class:`blrppl.moments.kinds.BilinearGaussian`): L stays quadratic in each block
+    variance (:class:`blrppl.moments.BilinearGaussian`): L stays quadratic in each block
     given the other, the variational message passing update of factor models.
 
     Messages λ̃ = ∇_μ L (natural parameters):

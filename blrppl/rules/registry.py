@@ -2,7 +2,7 @@
 
 A rule computes L = E_q[log p(value | args)] elementwise (one value per batch element of
 the distribution, event dims summed) from one moment object per argument (see
-:mod:`blrppl.moments.kinds`). The compiler asks :func:`find_rule` for the rule of a factor's
+:mod:`blrppl.moments`). The compiler asks :func:`find_rule` for the rule of a factor's
 (unwrapped) distribution and checks :attr:`Rule.supports` against the kinds it found for
 the arguments; if the rule accepts them the factor's estimator is ``exact``.
 Messages are never written by hand: they are ∇_μ L, obtained by autodiff through the
