@@ -839,7 +839,7 @@ def probe_argument(fn, deps: frozenset, blocks: dict, rng: np.random.Generator) 
     if gaussian:
         compute, decide = _gaussian_probe(fn, cont, blocks)
     elif powers:
-        compute, decide = _gamma_probe(fn, cont[0])
+        compute, decide = _gamma_probe(fn, cont[0], blocks[cont[0]].family)
     else:
         compute, decide = _identity_probe(fn, cont[0], blocks[cont[0]].family)
     return ArgumentProbe(group, cont, inputs, compute, decide)
@@ -1021,7 +1021,7 @@ def _gaussian_probe(fn, cont, blocks):
     return compute, decide
 
 
-def _gamma_probe(fn, name):
+def _gamma_probe(fn, name, family):
     def compute(inputs, data):
         out = []
         for point, tangent, signs in zip(inputs["points"], inputs["tangents"], inputs["signs"]):
@@ -1066,9 +1066,15 @@ def _gamma_probe(fn, name):
                 return ArgumentClass("opaque", (name,), reason="mixes elements of its Gamma block")
         slope = np.asarray(outputs[0]["slope"]).ravel()
         power = float(slope[0]) if slope.size and np.allclose(slope, slope[0], rtol=1e-6, atol=1e-9) else None
-        return ArgumentClass("power_gamma", (name,), power=power)
+        return ArgumentClass("power_gamma", (name,), power=block_power(family, power))
 
     return compute, decide
+
+
+def block_power(family, power: float | None) -> float | None:
+    """The exponent of the block's variable τ in an argument c·x^a of its latent x = τ^p:
+    p·a (:attr:`blrppl.families.Family.argument_power`), or None (no common exponent)."""
+    return None if power is None else family.argument_power * power
 
 
 def _identity_probe(fn, name, family):
@@ -1591,7 +1597,7 @@ def classify_form(form, deps, blocks: dict, site_blocks: dict, value_moments: bo
         (space,) = spaces.values()
         family = own.family
         if family.argument_kind is not None and family.any_power:
-            return decided(family.argument_kind, power=form.power)
+            return decided(family.argument_kind, power=block_power(family, form.power))
         if family.argument_kind is not None and form.power == 1.0:
             if family.whole_events:
                 # whole matrices in place, each times a constant (β Λ of a Normal–Wishart
