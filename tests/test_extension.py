@@ -21,6 +21,8 @@ import numpy as np
 import numpyro
 import numpyro.distributions as dist
 import pytest
+from numpyro.distributions import constraints
+from numpyro.distributions.util import promote_shapes
 from jax import random
 from jax.scipy.special import erf, gammaln
 from scipy import integrate, optimize, stats
@@ -118,6 +120,84 @@ def test_without_the_rule_the_factor_is_integrated_and_agrees(laplace_rule):
     a, b = with_rule.posterior["mu"], without.posterior["mu"]
     np.testing.assert_allclose(float(b.loc), float(a.loc), atol=0.02)
     np.testing.assert_allclose(float(b.scale), float(a.scale), rtol=0.05)
+
+
+# -- a user's own distribution, with a conjugate rule ----------------------------------------
+
+
+class NormalPrecision(dist.Distribution):
+    """A Normal parameterised by its precision: a distribution numpyro does not ship."""
+
+    arg_constraints = {"loc": constraints.real, "precision": constraints.positive}
+    support = constraints.real
+    reparametrized_params = ["loc", "precision"]
+    pytree_data_fields = ("loc", "precision")
+
+    def __init__(self, loc, precision, *, validate_args=None):
+        self.loc, self.precision = promote_shapes(loc, precision)
+        batch_shape = jax.lax.broadcast_shapes(jnp.shape(loc), jnp.shape(precision))
+        super().__init__(batch_shape=batch_shape, validate_args=validate_args)
+
+    def sample(self, key, sample_shape=()):
+        eps = random.normal(key, tuple(sample_shape) + self.batch_shape)
+        return self.loc + eps / jnp.sqrt(self.precision)
+
+    def log_prob(self, value):
+        return 0.5 * (jnp.log(self.precision) - math.log(2 * math.pi)) - 0.5 * self.precision * (value - self.loc) ** 2
+
+
+def normal_precision_expected_log_prob(value, loc, precision):
+    """½ (E log τ − log 2π) − ½ E[τ] E[(x − loc)²]: quadratic in loc, linear in (E log τ, E τ)."""
+    return 0.5 * (precision.expect_log() - math.log(2 * math.pi)) - 0.5 * precision.mean() * (value - loc).mean_square()
+
+
+@pytest.fixture
+def normal_precision():
+    blrppl.register_rule(
+        NormalPrecision,
+        kinds={"value": ("const", "affine_gaussian"), "loc": ("const", "affine_gaussian"),
+               "precision": ("const", "power_gamma")},
+        conjugate=True,  # quadratic in an affine Gaussian loc or value
+        conjugate_powers={"precision": (1.0,)},
+    )(normal_precision_expected_log_prob)
+    try:
+        yield
+    finally:
+        blrppl.unregister_rule(NormalPrecision)
+
+
+Y_NORMAL = np.random.default_rng(3).normal(1.0, 0.6, size=30)
+
+
+def test_a_conjugate_rule_of_a_users_distribution_gives_the_exact_posterior_in_one_step(normal_precision, x64):
+    def model(y):
+        mu = numpyro.sample("mu", dist.Normal(0.0, 2.0))
+        with numpyro.plate("n", y.shape[0]):
+            numpyro.sample("y", NormalPrecision(mu, 4.0), obs=y)
+
+    result = blr_fit(model, {"y": Y_NORMAL}, rng_key=random.PRNGKey(0), progress_bar=False)
+    assert dict(result.plan.conjugate)["mu"] is True and result.num_steps == 1
+    precision = 1 / 2.0**2 + 4.0 * Y_NORMAL.size
+    q = result.posterior["mu"]
+    np.testing.assert_allclose(float(q.loc), 4.0 * Y_NORMAL.sum() / precision, rtol=0, atol=1e-8)
+    np.testing.assert_allclose(float(q.scale), precision**-0.5, rtol=0, atol=1e-8)
+
+
+def test_a_users_distribution_fits_as_its_builtin_twin(normal_precision, x64):
+    def model(y, user):
+        mu = numpyro.sample("mu", dist.Normal(0.0, 2.0))
+        tau = numpyro.sample("tau", dist.Gamma(2.0, 1.0))
+        with numpyro.plate("n", y.shape[0]):
+            numpyro.sample("y", NormalPrecision(mu, tau) if user else dist.Normal(mu, 1.0 / jnp.sqrt(tau)), obs=y)
+
+    fits = [blr_fit(model, {"y": Y_NORMAL, "user": user}, rng_key=random.PRNGKey(0), progress_bar=False)
+            for user in (True, False)]
+    ours, builtin = fits
+    assert dict(ours.plan.conjugate) == dict(builtin.plan.conjugate) == {"mu": True, "tau": True}
+    for name, fields in [("mu", ("loc", "scale")), ("tau", ("concentration", "rate"))]:
+        for field in fields:
+            np.testing.assert_allclose(float(getattr(ours.posterior[name], field)),
+                                       float(getattr(builtin.posterior[name], field)), rtol=1e-8)
 
 
 # -- (b) a new family: an inverse-Gamma variance, conjugate to a Normal likelihood ----------
