@@ -1,5 +1,9 @@
 """Registry of closed-form expected log-densities, keyed by numpyro distribution type.
 
+blrppl's own rules register on import of :mod:`blrppl.rules`; a user's rules through the same
+:func:`register_rule` (public as ``blrppl.register_rule``), which checks each declaration,
+and :func:`unregister_rule` (docs/extending.md).
+
 A rule computes L = E_q[log p(value | args)] elementwise (one value per batch element of
 the distribution, event dims summed) from one moment object per argument (see
 :mod:`blrppl.moments`). The compiler asks :func:`find_rule` for the rule of a factor's
@@ -104,8 +108,8 @@ def register_rule(
     arg_names = _checked_kinds(dist_type, kinds, given)
     names = ("value",) + arg_names
     powers = _checked_powers(dist_type, kinds, conjugate_powers)
-    linear = names if conjugate is True else () if conjugate is False else tuple(conjugate)
-    if isinstance(conjugate, str) or not set(linear) <= set(names):
+    linear = _checked_conjugate(conjugate, names)
+    if linear is None:
         raise RegistrationError(
             f"rule of {dist_type.__name__}: conjugate= is True, False or argument names among {list(names)}, "
             f"not {conjugate!r}"
@@ -146,7 +150,11 @@ def _checked_kinds(dist_type, kinds, given) -> tuple:
     where = f"rule of {dist_type.__name__}"
     if not isinstance(kinds, Mapping) or "value" not in kinds:
         raise RegistrationError(f"{where}: kinds= maps 'value' and each argument to the moment kinds it accepts")
-    known = set(getattr(dist_type, "arg_constraints", {})) | set(inspect.signature(dist_type).parameters) | set(given)
+    try:
+        params = set(inspect.signature(dist_type).parameters)
+    except (TypeError, ValueError):  # (a constructor without a signature: its arg_constraints only)
+        params = set()
+    known = set(getattr(dist_type, "arg_constraints", {})) | params | set(given)
     for name, accepted in kinds.items():
         if name != "value" and name not in known:
             raise RegistrationError(
@@ -177,6 +185,20 @@ def _checked_powers(dist_type, kinds, conjugate_powers) -> dict:
                 f"rule of {dist_type.__name__}: conjugate_powers['{name}'] must be a tuple of numbers, not {powers!r}"
             ) from None
     return out
+
+
+def _checked_conjugate(conjugate, names: tuple) -> tuple | None:
+    """The argument names ``conjugate=`` declares (``True``: all of ``names``), or None when
+    it is neither a bool nor a collection of them."""
+    if conjugate is True or conjugate is False:
+        return names if conjugate else ()
+    if isinstance(conjugate, str):
+        return None
+    try:
+        linear = tuple(conjugate)
+    except TypeError:
+        return None
+    return linear if set(linear) <= set(names) else None
 
 
 def _check_signature(dist_type, fn, arg_names) -> None:
