@@ -98,6 +98,8 @@ def test_a_users_laplace_rule_makes_the_factor_exact_and_fits_the_gaussian_optim
     assert result.converged, result.message
     # the Laplace factor is not quadratic in mu: its message depends on q (no one-step update)
     assert dict(result.plan.conjugate)["mu"] is False
+    again = blr_fit(laplace_model, {"y": Y_LAPLACE}, rng_key=random.PRNGKey(0), progress_bar=False)
+    assert again.compile_counts.model_runs == 1  # the compiled fit is reused while the rule holds
     m, s = gaussian_vi_optimum(Y_LAPLACE)
     q = result.posterior["mu"]
     np.testing.assert_allclose(float(q.loc), m, atol=2e-4)

@@ -31,9 +31,10 @@ _RULES: dict = {}
 _BUILTIN: dict = {}
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class Rule:
-    """A closed-form expected log-density.
+    """A closed-form expected log-density (a registration: compared and hashed by identity,
+    so that compiled fits are keyed by the rules they were built with).
 
     Attributes:
         dist_type: the numpyro distribution class.
