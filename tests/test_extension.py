@@ -1,12 +1,13 @@
 """Extending blrppl from a user's own code, through its public names only.
 
 Written as a user would: everything below that blrppl does not ship (a closed-form rule for
-numpyro's ``Laplace``, an inverse-Gamma family for a variance, an ``InverseGamma`` prior
-rule) is defined here with ``blrppl.register_rule``, ``blrppl.register_family`` and the
-public classes of ``blrppl.families``, and every registration is undone by the fixture that
-made it (the registries are process-wide). The fits are checked against references computed
-here by hand: the Gaussian variational optimum by numerical integration, and the textbook
-inverse-Gamma posterior of a Normal variance.
+numpyro's ``Laplace``, a distribution of the user's own with a conjugate rule, an
+inverse-Gamma family for a variance, an ``InverseGamma`` prior rule) is defined here with
+``blrppl.register_rule``, ``blrppl.register_family`` and the public classes of
+``blrppl.families``, and every registration is undone by the fixture that made it (the
+registries are process-wide). The fits are checked against references computed here by
+hand: the Gaussian variational optimum by numerical integration, the textbook posteriors of
+a Normal mean and of a Normal variance, and the same model written with numpyro's Normal.
 """
 
 from __future__ import annotations
@@ -386,7 +387,8 @@ def test_family_registration_errors_name_the_problem():
         blrppl.register_family(Half)
 
     for flag, match in [({"support": "ordered"}, "support"), ({"native": True}, "native"),
-                        ({"argument_kind": "inverse_gamma"}, "argument_kind"), ({"argument_power": 0.0}, "argument_power")]:
+                        ({"argument_kind": "inverse_gamma"}, "argument_kind"),
+                        ({"argument_power": 0.0}, "argument_power")]:
         bad = dataclasses.make_dataclass("Bad", [], bases=(InverseGamma,), frozen=True,
                                          namespace={"name": "bad", **flag})
         with pytest.raises(RegistrationError, match=match):

@@ -68,7 +68,8 @@ def register_family(cls_or_instance, name: str | None = None) -> type[Family]:
             f"family {cls.__name__}: give it a name (class attribute name or name=), not {name!r}"
         )
     if name != cls.name:
-        cls = dataclasses.dataclass(frozen=True)(type(cls.__name__, (cls,), {"name": name, "__module__": cls.__module__}))
+        renamed = type(cls.__name__, (cls,), {"name": name, "__module__": cls.__module__})
+        cls = dataclasses.dataclass(frozen=True)(renamed)
     _check_family(cls)
     if name in FAMILIES and FAMILIES[name] is not cls:
         raise RegistrationError(
