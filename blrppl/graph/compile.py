@@ -1848,8 +1848,10 @@ def conjugate_blocks(plan) -> tuple:
 
 def factor_conjugate(f, b) -> bool:
     """Whether the message of factor ``f`` to the continuous block ``b`` does not depend on
-    q(b): ``f`` has a closed form (``exact``) and, for a Gamma block, each power c·τ^a of it
-    in an argument is one of the rule's ``conjugate_powers``. (Closed-form rules see a
+    q(b): ``f`` has a closed form (``exact``), its rule declares itself conjugate in the
+    other arguments that read ``b`` (:func:`_declared_conjugate`) and, for a Gamma block,
+    each power c·τ^a of it in an argument is one of the rule's ``conjugate_powers``. (blrppl's
+    own closed-form rules declare every argument: they see a
     Gaussian block only through affine arguments of Normal-type densities, whose
     expectations are quadratic in it, and Beta/Dirichlet blocks only as the probabilities
     of Bernoulli, Binomial and Categorical observations or as the value of their own prior:
