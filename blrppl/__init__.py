@@ -8,6 +8,8 @@ Public names:
 * :class:`BLR` — a drop-in for ``numpyro.infer.SVI`` (``init``/``update``/``run``/
   ``evaluate``/``get_params``), with the model's own autoguide or the guide BLR chooses.
 * :mod:`blrppl.families` — the candidate exponential families.
+* :func:`register_rule` / :func:`register_family` (and their ``unregister_``) — a user's
+  closed-form rule for a distribution, a user's family (docs/extending.md).
 * the :class:`BLRError` hierarchy.
 """
 
@@ -59,12 +61,15 @@ from blrppl.errors import (
     ModelTraceError,
     ObservedDataError,
     OnlinePriorError,
+    RegistrationError,
     ResourceError,
     UnsupportedFactorError,
     UnsupportedGuideError,
     UnsupportedLatentError,
 )
+from blrppl.families import register_family, unregister_family
 from blrppl.result import BLRResult
+from blrppl.rules import register_rule, unregister_rule
 from blrppl.svi import BLR, BLRRunResult
 from blrppl.graph.data import enable_compilation_cache as _enable_compilation_cache
 
@@ -83,10 +88,15 @@ __all__ = [
     "ModelTraceError",
     "ObservedDataError",
     "OnlinePriorError",
+    "RegistrationError",
     "ResourceError",
     "UnsupportedFactorError",
     "UnsupportedGuideError",
     "UnsupportedLatentError",
     "blr_fit",
     "families",
+    "register_family",
+    "register_rule",
+    "unregister_family",
+    "unregister_rule",
 ]

@@ -62,6 +62,12 @@ class MissingDependencyError(BLRError):
     """An optional dependency a feature needs is not installed."""
 
 
+class RegistrationError(BLRError):
+    """A rule or a family registered from outside blrppl (:func:`blrppl.register_rule`,
+    :func:`blrppl.register_family`) is malformed: an unknown moment kind, an argument the
+    distribution does not have, a family missing a method the fit calls, a name taken."""
+
+
 class ResourceError(BLRError):
     """A program compiled for the model needs more memory than the machine has (XLA could
     not allocate its arrays): the model's log density evaluated at many values at once, or

@@ -49,6 +49,7 @@ from blrppl.model.trace import full_size_model, model_runs, subsampled_plates, t
 from blrppl.inputs import FitOptions, host_fold_in, host_split
 from blrppl.online import online_plan, previous_nat, previous_spec
 from blrppl.export import posterior_builder
+from blrppl.rules import user_rules
 from blrppl.result import BLRResult, CompileCounts
 
 #: default initial ρ of blocks with Monte Carlo messages (then decaying); other blocks start
@@ -189,8 +190,15 @@ def _program_parts(tracer, dyn, options, prior_spec) -> tuple | None:
         return None
     shapes = tuple((jnp.shape(x), jnp.result_type(x)) for x in dyn)
     return (
-        tracer.fingerprint, spec.treedef, spec.static, shapes, options.compiled(), prior_spec, jnp.result_type(float)
+        tracer.fingerprint, spec.treedef, spec.static, shapes, options.compiled(), prior_spec, jnp.result_type(float),
+        user_extensions(),
     )
+
+
+def user_extensions() -> tuple:
+    """The rules and families registered from outside blrppl (compared by identity): a
+    registration changes the plan, so the compiled-fit cache keys them."""
+    return fam.user_families() + user_rules()
 
 
 def _cache_key(model, tracer, dyn, options, prior_spec):
@@ -223,8 +231,8 @@ def _stored_fit_key(tracer, dyn, options, prior_spec, supports, plan) -> str | N
     (names, distributions, event dims, plates, supports, ``infer``), the latents' support
     values and the plan; None when the fit is not stored."""
     parts = _program_parts(tracer, dyn, options, prior_spec)
-    if parts is None:
-        return None
+    if parts is None or user_extensions():
+        return None  # (the store's key hashes blrppl's source, not a user's rules and families)
     return program_key(parts, tracer.meta.get("sites"), supports, plan.describe(), plan.structure_digest())
 
 

@@ -29,14 +29,24 @@ from blrppl.families.gaussian_banded import (
 from blrppl.families.gaussian_tied import GaussianTied
 from blrppl.families.wishart import Wishart, WishartNat, WishartRuleView, WishartView
 
+from blrppl.families.registry import (
+    FAMILIES,
+    register_family,
+    seal_builtin_families,
+    unregister_family,
+    user_families,
+)
+
 #: family name → family class (``GaussianDense``, ``Dirichlet`` and ``Categorical`` take
 #: the event dimension as their one argument, the others none; ``Family.for_value`` builds
 #: one for a block). A latent's default family is the first native one that fits its
 #: support: the more specific before the more general (Bernoulli before Categorical).
-FAMILIES: dict[str, type[Family]] = {
-    family.name: family
+#: A user's families join it through :func:`register_family`.
+FAMILIES.update(
+    (family.name, family)
     for family in (GaussianDense, GaussianDiag, Gamma, Beta, Dirichlet, Wishart, Bernoulli, Categorical)
-}
+)
+seal_builtin_families()
 
 __all__ = [
     "FAMILIES",
@@ -81,4 +91,7 @@ __all__ = [
     "WishartNat",
     "WishartRuleView",
     "WishartView",
+    "register_family",
+    "unregister_family",
+    "user_families",
 ]

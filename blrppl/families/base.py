@@ -78,6 +78,11 @@ class Family:
     #: whether any power c·x^a of the latent (not only x itself) has closed-form moments of
     #: :attr:`argument_kind` (a Gamma's E[x^k] and E[log x])
     any_power: ClassVar[bool] = False
+    #: the power of its block's variable τ that the latent is (x = τ^p): an argument c·x^a
+    #: is read as c·τ^(p·a) by the moments of :attr:`argument_kind` (an inverse-Gamma
+    #: variance σ² = τ⁻¹ of a Gamma precision: −1, so that a Normal scale σ = τ^(−½) is
+    #: conjugate); 1 for a family whose latent is its variable
+    argument_power: ClassVar[float] = 1.0
     #: whether an argument that is the latent itself must read whole events in place, each
     #: possibly times a constant (a Wishart's E[log|Λ|] is not an expectation of Λ's entries:
     #: no sub-matrices; E[log|cΛ|] = D log c + E[log|Λ|])

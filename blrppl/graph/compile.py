@@ -1850,8 +1850,10 @@ def conjugate_blocks(plan) -> tuple:
 
 def factor_conjugate(f, b) -> bool:
     """Whether the message of factor ``f`` to the continuous block ``b`` does not depend on
-    q(b): ``f`` has a closed form (``exact``) and, for a Gamma block, each power c·τ^a of it
-    in an argument is one of the rule's ``conjugate_powers``. (Closed-form rules see a
+    q(b): ``f`` has a closed form (``exact``), its rule declares itself conjugate in the
+    other arguments that read ``b`` (:func:`_declared_conjugate`) and, for a Gamma block,
+    each power c·τ^a of it in an argument is one of the rule's ``conjugate_powers``. (blrppl's
+    own closed-form rules declare every argument: they see a
     Gaussian block only through affine arguments of Normal-type densities, whose
     expectations are quadratic in it, and Beta/Dirichlet blocks only as the probabilities
     of Bernoulli, Binomial and Categorical observations or as the value of their own prior:
@@ -1863,6 +1865,8 @@ def factor_conjugate(f, b) -> bool:
     blocks_of = dict(f.arg_blocks)
     if any(k == mom.ExpGaussian.kind and b.name in blocks_of.get(a, ()) for a, k in f.arg_kinds):
         return False  # (a log-normal scale: E[σ⁻²] = exp(−2m + 2v) is not linear in μ)
+    if not _declared_conjugate(f, b):
+        return False
     # the powers c·τ^a of the factor's arguments: each reads one Gamma block
     for arg, power in f.powers:
         if b.name not in blocks_of.get(arg, ()):
@@ -1871,6 +1875,16 @@ def factor_conjugate(f, b) -> bool:
         if power is None or not any(np.isclose(power, a) for a in allowed):
             return False
     return True
+
+
+def _declared_conjugate(f, b) -> bool:
+    """Whether the rule of ``f`` declares itself linear in the expectation parameters of ``b``
+    through every argument that reads it (:attr:`blrppl.rules.Rule.conjugate`), but for the
+    powers of Gamma blocks (checked against its ``conjugate_powers``)."""
+    powered, blocks_of = dict(f.powers), dict(f.arg_blocks)
+    return all(
+        a in powered or a in f.rule.conjugate for a, _ in f.arg_kinds if b.name in blocks_of.get(a, ())
+    )
 
 
 def _check_aligned(factor: SiteRecord, discrete: SiteRecord, name: str):

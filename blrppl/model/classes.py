@@ -103,6 +103,12 @@ def too_many_columns(cls: "ArgumentClass", blocks: dict) -> "ArgumentClass":
     return cls
 
 
+def block_power(family, power: float | None) -> float | None:
+    """The exponent of the block's variable τ in an argument c·x^a of its latent x = τ^p:
+    p·a (:attr:`blrppl.families.Family.argument_power`), or None (no common exponent)."""
+    return None if power is None else family.argument_power * power
+
+
 def classify_form(form, deps, blocks: dict, site_blocks: dict, value_moments: bool = False) -> tuple:
     """The class of an argument read off its form (:mod:`blrppl.model.forms`), without probes.
 
@@ -208,7 +214,7 @@ def classify_form(form, deps, blocks: dict, site_blocks: dict, value_moments: bo
         (space,) = spaces.values()
         family = own.family
         if family.argument_kind is not None and family.any_power:
-            return decided(family.argument_kind, power=form.power)
+            return decided(family.argument_kind, power=block_power(family, form.power))
         if family.argument_kind is not None and form.power == 1.0:
             if family.whole_events:
                 # whole matrices in place, each times a constant (β Λ of a Normal–Wishart

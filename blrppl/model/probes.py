@@ -22,7 +22,7 @@ import numpy as np
 
 from blrppl.graph.data import compile_lowered, compiler_options
 from blrppl.graph.plan import Block
-from blrppl.model.classes import OPAQUE, ArgumentClass, needs_gather_test
+from blrppl.model.classes import OPAQUE, ArgumentClass, block_power, needs_gather_test
 from blrppl.moments import kinds as mom
 
 
@@ -168,7 +168,7 @@ def probe_argument(fn, deps: frozenset, blocks: dict, rng: np.random.Generator) 
     if gaussian:
         compute, decide = _gaussian_probe(fn, cont, blocks)
     elif powers:
-        compute, decide = _gamma_probe(fn, cont[0])
+        compute, decide = _gamma_probe(fn, cont[0], blocks[cont[0]].family)
     else:
         compute, decide = _identity_probe(fn, cont[0], blocks[cont[0]].family)
     return ArgumentProbe(group, cont, inputs, compute, decide)
@@ -339,7 +339,7 @@ def _gaussian_probe(fn, cont, blocks):
     return compute, decide
 
 
-def _gamma_probe(fn, name):
+def _gamma_probe(fn, name, family):
     def compute(inputs, data):
         out = []
         for point, tangent, signs in zip(inputs["points"], inputs["tangents"], inputs["signs"]):
@@ -384,7 +384,7 @@ def _gamma_probe(fn, name):
                 return ArgumentClass("opaque", (name,), reason="mixes elements of its Gamma block")
         slope = np.asarray(outputs[0]["slope"]).ravel()
         power = float(slope[0]) if slope.size and np.allclose(slope, slope[0], rtol=1e-6, atol=1e-9) else None
-        return ArgumentClass("power_gamma", (name,), power=power)
+        return ArgumentClass("power_gamma", (name,), power=block_power(family, power))
 
     return compute, decide
 

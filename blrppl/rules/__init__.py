@@ -21,6 +21,16 @@ from blrppl.rules import (  # noqa: F401  (imported for their registrations)
     uniform,
     wishart,
 )
-from blrppl.rules.registry import Rule, find_rule, register_rule, registered_rules
+from blrppl.rules.registry import (
+    Rule,
+    find_rule,
+    register_rule,
+    registered_rules,
+    seal_builtin_rules,
+    unregister_rule,
+    user_rules,
+)
 
-__all__ = ["Rule", "find_rule", "register_rule", "registered_rules"]
+seal_builtin_rules()
+
+__all__ = ["Rule", "find_rule", "register_rule", "registered_rules", "unregister_rule", "user_rules"]

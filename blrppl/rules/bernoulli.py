@@ -17,6 +17,7 @@ from blrppl.rules.registry import register_rule
 @register_rule(
     dist.BernoulliProbs,
     kinds={"value": ("const",), "probs": ("const", "beta", "dirichlet")},
+    conjugate=True,
 )
 def bernoulli_probs_expected_log_prob(value, probs):
     r"""E_q[log Bernoulli(y | p)], elementwise.

@@ -22,6 +22,7 @@ from blrppl.rules.registry import register_rule
         "concentration1": ("const",),
         "concentration0": ("const",),
     },
+    conjugate=True,
 )
 def beta_expected_log_prob(value, concentration1, concentration0):
     r"""E_q[log Beta(x | a, b)] (a = concentration1, b = concentration0), elementwise.

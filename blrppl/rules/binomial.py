@@ -22,6 +22,7 @@ from blrppl.rules.registry import register_rule
         "probs": ("const", "beta", "dirichlet"),
         "total_count": ("const",),
     },
+    conjugate=True,
 )
 def binomial_probs_expected_log_prob(value, probs, total_count):
     r"""E_q[log Binomial(y | n, p)], elementwise.

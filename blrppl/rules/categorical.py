@@ -16,6 +16,7 @@ ONE_HOT_MAX = 32
 @register_rule(
     dist.CategoricalProbs,
     kinds={"value": ("const",), "probs": ("const", "dirichlet")},
+    conjugate=True,
 )
 def categorical_probs_expected_log_prob(value, probs):
     r"""E_q[log Categorical(z | π)], elementwise over z.

@@ -14,6 +14,7 @@ from blrppl.rules.registry import register_rule
     dist.Dirichlet,
     kinds={"value": ("const", "dirichlet"), "concentration": ("const",)},
     event_ndim=1,
+    conjugate=True,
 )
 def dirichlet_expected_log_prob(value, concentration):
     r"""E_q[log Dirichlet(x | α)] for x on the simplex, summed over the event dim.

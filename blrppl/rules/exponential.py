@@ -12,6 +12,7 @@ from blrppl.rules.registry import register_rule
     dist.Exponential,
     kinds={"value": ("const", "power_gamma", "exp_gaussian"), "rate": ("const", "power_gamma", "exp_gaussian")},
     conjugate_powers={"value": (1.0,), "rate": (1.0,)},
+    conjugate=True,
 )
 def exponential_expected_log_prob(value, rate):
     r"""E_q[log Exponential(x | r)], elementwise.

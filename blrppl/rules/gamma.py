@@ -17,6 +17,7 @@ from blrppl.rules.registry import register_rule
         "rate": ("const", "power_gamma"),
     },
     conjugate_powers={"value": (1.0,), "rate": (1.0,)},
+    conjugate=True,
 )
 def gamma_expected_log_prob(value, concentration, rate):
     r"""E_q[log Gamma(x | a, b)] (shape a, rate b), elementwise.

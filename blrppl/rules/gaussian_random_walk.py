@@ -16,6 +16,7 @@ from blrppl.rules.registry import register_rule
     event_ndim=1,
     conjugate_powers={"scale": (-0.5,)},
     event_window=2,
+    conjugate=True,
 )
 def gaussian_random_walk_expected_log_prob(value, scale):
     r"""E_q[log GRW(x | σ)] for a walk x ∈ R^T started at 0, summed over its steps.

@@ -14,6 +14,7 @@ from blrppl.rules.registry import register_rule
     dist.HalfNormal,
     kinds={"value": ("const", "power_gamma", "exp_gaussian"), "scale": ("const", "power_gamma", "exp_gaussian")},
     conjugate_powers={"value": (0.5,), "scale": (-0.5,)},
+    conjugate=True,
 )
 def half_normal_expected_log_prob(value, scale):
     r"""E_q[log HalfNormal(x | σ)], elementwise (x ≥ 0).

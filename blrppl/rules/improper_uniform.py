@@ -14,7 +14,7 @@ from blrppl.moments import KINDS
 from blrppl.rules.registry import register_rule
 
 
-@register_rule(dist.ImproperUniform, kinds={"value": KINDS})
+@register_rule(dist.ImproperUniform, kinds={"value": KINDS}, conjugate=True)
 def improper_uniform_expected_log_prob(value):
     """Zero (a scalar, which broadcasts against any batch, mask or scale)."""
     return jnp.zeros((), jnp.result_type(float))

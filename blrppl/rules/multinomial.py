@@ -15,6 +15,7 @@ from blrppl.rules.registry import register_rule
     dist.MultinomialProbs,
     kinds={"value": ("const",), "probs": ("const", "dirichlet"), "total_count": ("const",)},
     event_ndim=1,
+    conjugate=True,
 )
 def multinomial_probs_expected_log_prob(value, probs, total_count):
     r"""E_q[log Multinomial(y | n, π)] for counts y over K categories, summed over the event dim.

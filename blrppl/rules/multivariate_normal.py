@@ -42,6 +42,7 @@ def _random_part(d: AffineGaussian, size: int) -> AffineGaussian:
         "scale_tril": ("const",),
     },
     event_ndim=1,
+    conjugate=True,
 )
 def multivariate_normal_expected_log_prob(value, loc, scale_tril):
     r"""E_q[log N(x | loc, L Lᵀ)] for x ∈ R^D, summed over the event dim.
@@ -93,6 +94,7 @@ def multivariate_normal_expected_log_prob(value, loc, scale_tril):
     },
     event_ndim=1,
     given=("precision_matrix",),
+    conjugate=True,
 )
 def multivariate_normal_precision_expected_log_prob(value, loc, precision_matrix):
     r"""E_q[log N(x | loc, Λ⁻¹)] for x ∈ R^D, of a ``MultivariateNormal`` built from its

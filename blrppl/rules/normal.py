@@ -16,6 +16,7 @@ from blrppl.rules.registry import register_rule
         "scale": ("const", "power_gamma", "exp_gaussian"),
     },
     conjugate_powers={"scale": (-0.5,)},
+    conjugate=True,
 )
 def normal_expected_log_prob(value, loc, scale):
     r"""E_q[log N(x | loc, σ²)], elementwise.

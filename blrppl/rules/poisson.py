@@ -13,6 +13,7 @@ from blrppl.rules.registry import register_rule
     dist.Poisson,
     kinds={"value": ("const",), "rate": ("const", "power_gamma", "exp_gaussian")},
     conjugate_powers={"rate": (1.0,)},
+    conjugate=True,
 )
 def poisson_expected_log_prob(value, rate):
     r"""E_q[log Poisson(y | r)], elementwise.

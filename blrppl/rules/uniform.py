@@ -19,7 +19,7 @@ from blrppl.rules._common import const_value
 from blrppl.rules.registry import register_rule
 
 
-@register_rule(dist.Uniform, kinds={"value": ("const",), "low": ("const",), "high": ("const",)})
+@register_rule(dist.Uniform, kinds={"value": ("const",), "low": ("const",), "high": ("const",)}, conjugate=True)
 def uniform_expected_log_prob(value, low, high):
     """−log(high − low), broadcast to the batch of the value and bounds."""
     low, high = const_value(low), const_value(high)

@@ -17,6 +17,7 @@ from blrppl.rules.registry import register_rule
     dist.Wishart,
     kinds={"value": ("const", "wishart"), "concentration": ("const",), "scale_tril": ("const",)},
     event_ndim=2,
+    conjugate=True,
 )
 def wishart_expected_log_prob(value, concentration, scale_tril):
     r"""E_q[log Wishart(Λ | ν₀, W₀)] for Λ a D × D positive-definite matrix, W₀ = L₀ L₀ᵀ.
