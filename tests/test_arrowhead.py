@@ -154,7 +154,7 @@ def test_poisson_group_effects_reach_the_dense_optimum(monkeypatch):
     """Every exact message of these factors lies in the arrowhead pattern, so the arrowhead
     family holds the dense Gaussian's fixed point: both fits (the dense limit lowered to
     25 scalars so that the small model gets an arrowhead) agree once both have settled."""
-    from blrppl.graph import compile as compile_mod
+    from blrppl.compiler import structure as compile_mod
 
     rng = np.random.default_rng(3)
     county, x = rng.integers(0, COUNTIES, VISITS), rng.normal(size=VISITS)
@@ -181,7 +181,7 @@ def test_monte_carlo_factors_fall_back_to_mean_field(monkeypatch):
     """A Student-t with latent degrees of freedom, location and scale reads three projections
     per element: Monte Carlo, which the arrowhead's view cannot serve. The structure was
     found; the compiler compiles again without it (the blocks of before: one per site)."""
-    from blrppl.graph import compile as compile_mod
+    from blrppl.compiler import structure as compile_mod
 
     def model(group, y=None):
         mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
