@@ -55,7 +55,7 @@ def _classify_factors(
             quadrature probes of the others run in the same compiled call as the argument
             probes; any factor the guess got wrong is probed in a second call.
         elementwise: site → the items that may be quadrature projections (see
-            :func:`_dependencies`).
+            :func:`blrppl.compiler.dependencies._dependencies`).
         forms: site → item → form (:mod:`blrppl.graph.forms`): an argument whose form
             decides its class is not probed (:func:`blrppl.expressions.classify_form`), and
             the form names what makes the others opaque.
