@@ -15,7 +15,7 @@ from blrppl.graph import markov
 from blrppl.graph.plan import Block
 
 
-def _transforms(blocks) -> dict:
+def site_transforms(blocks) -> dict:
     """Site → bijection from the block space to the site's support."""
     out = {}
     for n, b in blocks.items():
@@ -25,11 +25,12 @@ def _transforms(blocks) -> dict:
     return out
 
 
-def _transformed(block) -> bool:
+def is_transformed(block) -> bool:
+    """Whether the block (or one of its members) lies on the unconstrained space of its site."""
     return any(m.transform is not None for m in (block.members or (block,)))
 
 
-def _site_fill(blocks, site_init, unconstrained=None) -> dict:
+def site_fill(blocks, site_init, unconstrained=None) -> dict:
     """Per site, a valid value in block space (unconstrained for transformed sites, from
     ``unconstrained`` where it holds the site: the trace computed it)."""
     out = {}
@@ -48,10 +49,10 @@ def _site_fill(blocks, site_init, unconstrained=None) -> dict:
     return out
 
 
-def _block_init_values(blocks, site_init, unconstrained=None) -> dict:
+def block_init_values(blocks, site_init, unconstrained=None) -> dict:
     """Initial values in block space (unconstrained for transformed Gaussian blocks, the
     members' values concatenated for joint blocks; NumPy arrays stay on the host)."""
-    fill = _site_fill(blocks, site_init, unconstrained)
+    fill = site_fill(blocks, site_init, unconstrained)
     out = {}
     for n, b in blocks.items():
         if b.members and b.discrete:
@@ -68,7 +69,7 @@ def _block_init_values(blocks, site_init, unconstrained=None) -> dict:
 MAX_JOINT_STATES = 4096
 
 
-def _coupled_discrete(blocks: dict, factors) -> list:
+def coupled_discrete_groups(blocks: dict, factors) -> list:
     """Groups of (global, or in the same plates) discrete blocks that some factor enumerates
     together: their mean-field product q(y) q(z) cannot hold a factor that couples them
     (``z``'s probabilities depending on ``y``), so each group becomes one joint categorical
@@ -107,7 +108,7 @@ def _discrete_groups(blocks: dict, factors) -> list:
     return [tuple(n for n in blocks if n in g) for g in groups.values()]
 
 
-def _discrete_chains(blocks: dict, factors, fns, data, rng: np.random.Generator) -> tuple:
+def discrete_chains(blocks: dict, factors, fns, data, rng: np.random.Generator) -> tuple:
     """Blocks with every group of discrete latents read along a chain replaced by one
     :class:`blrppl.families.CategoricalChain` block, and factor → ``((block, Reads),)``.
 
@@ -192,7 +193,7 @@ def _factor_batch(fns, f, data) -> tuple:
     return tuple(jax.eval_shape(lambda d: fns.log_probs((f.name,), {}, d)[f.name][0], data).shape)
 
 
-def _merge_discrete(blocks: dict, members: tuple) -> dict:
+def merge_discrete(blocks: dict, members: tuple) -> dict:
     """Replace the discrete blocks ``members`` by one categorical block over the product of
     their values (states in ``itertools.product`` order of the members' supports)."""
     parts = tuple(blocks[n] for n in members)
@@ -215,7 +216,7 @@ def _replace_members(blocks: dict, members, joint: Block) -> dict:
     return out
 
 
-def _banded(block: Block, bandwidth: int) -> Block:
+def banded_block(block: Block, bandwidth: int) -> Block:
     """A Gaussian block (or joint block) with a banded precision over its scalars in C order
     (each member's part too: the marginal of a stretch of a chain is a chain; a member
     stored time-major, every S-th scalar, exports the covariances of its scalars S·d apart
@@ -232,7 +233,7 @@ def _banded(block: Block, bandwidth: int) -> Block:
     return dataclasses.replace(block, family=family, kind=family.name, plate_axes=(), members=tuple(parts))
 
 
-def _arrowhead(block: Block, globals_: tuple) -> Block:
+def arrowhead_block(block: Block, globals_: tuple) -> Block:
     """A joint Gaussian block with an arrowhead precision: dense over the positions of
     ``globals_`` ((start, stop) spans), diagonal over the others (its local members: each
     holds its marginal variances, a diagonal family)."""
@@ -246,7 +247,7 @@ def _arrowhead(block: Block, globals_: tuple) -> Block:
     return dataclasses.replace(block, family=family, kind=family.name, members=tuple(parts))
 
 
-def _merge_joint(blocks: dict, members: list, interleaved: int = 0) -> dict:
+def merge_gaussians(blocks: dict, members: list, interleaved: int = 0) -> dict:
     """Replace the blocks ``members`` by one dense Gaussian over all their scalars (the last
     ``interleaved`` of them stored step by step: :attr:`Block.interleaved`)."""
     parts = tuple(
@@ -262,7 +263,7 @@ def _merge_joint(blocks: dict, members: list, interleaved: int = 0) -> dict:
     return _replace_members(blocks, members, joint)
 
 
-def _time_major(blocks: dict, members: list) -> tuple:
+def time_major(blocks: dict, members: list) -> tuple:
     """``(order, interleaved)`` for a joint block whose members of the most common leading
     length L (at least two of them) are stored step by step after the others
     (:attr:`Block.interleaved`), or ``(None, 0)`` when no two members share a length."""
@@ -278,7 +279,7 @@ def _time_major(blocks: dict, members: list) -> tuple:
     return [n for n in members if n not in tail] + tail, len(tail)
 
 
-def _site_blocks(blocks: dict) -> dict:
+def blocks_by_site(blocks: dict) -> dict:
     """site → (its block's name, the block of the site itself: the member of a joint block,
     else the block)."""
     return {

@@ -61,7 +61,7 @@ def check_options(records, families, point, point_space, structure, subsampled, 
     return CompileOptions(families, point, point_space, structure, tuple(subsampled), rng_key)
 
 
-def _check_static_supports(records, deps) -> None:
+def check_static_supports(records, deps) -> None:
     """A latent's support may depend on the data but not on other latents: its bijection to
     an unconstrained space (and its family) is chosen once, at compile time.
 
@@ -98,7 +98,7 @@ def _check_static_supports(records, deps) -> None:
             )
 
 
-def _check_subsampled(factors, records, blocks, plates) -> list:
+def check_subsampled(factors, records, blocks, plates) -> list:
     """Record each factor's subsampled plates; a local block may only meet factors inside
     its own plate, element by element."""
     out = []
@@ -131,7 +131,7 @@ def _check_subsampled(factors, records, blocks, plates) -> list:
     return out
 
 
-def _check_aligned(factor: SiteRecord, discrete: SiteRecord, name: str):
+def check_aligned(factor: SiteRecord, discrete: SiteRecord, name: str):
     """A discrete block can be enumerated for a factor when each element of the factor uses
     the aligned element of the block: the block's plates are among the factor's."""
     fplates = {p.name for p in factor.plates}

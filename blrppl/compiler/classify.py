@@ -19,8 +19,8 @@ from blrppl.expressions import _needs_gather_test as needs_gather_test
 from blrppl.graph.forms import inverse_link
 from blrppl.graph.plan import Factor
 from blrppl.graph.trace import SiteRecord
-from blrppl.compiler.blocks import _site_blocks
-from blrppl.compiler.checks import _check_aligned
+from blrppl.compiler.blocks import blocks_by_site
+from blrppl.compiler.checks import check_aligned
 
 
 #: the most scalar projections per element a quadrature factor may have
@@ -37,7 +37,7 @@ GRID_MAX_DIM = 4
 GRID_MAX_EVALUATIONS = 1 << 21
 
 
-def _classify_factors(
+def classify_factors(
     records, rules, deps, blocks, fns, data, rng_key, *, quadrature=True, cache=None, guess=None, elementwise=None,
     forms=None, provisional=False, site_reads=None,
 ):
@@ -66,7 +66,7 @@ def _classify_factors(
     elementwise = elementwise or {}
     rng = np.random.default_rng(np.asarray(jax.random.key_data(rng_key)).ravel())
     key_of, known = cache if cache is not None else (None, {})
-    site_blocks = _site_blocks(blocks)
+    site_blocks = blocks_by_site(blocks)
     probes, nbrs, keys, decided, reasons = {}, {}, {}, {}, {}
     for name, r in records.items():
         rule = rules[name]
@@ -76,7 +76,7 @@ def _classify_factors(
             # (elsewhere the chain probe finds what each element reads: blrppl.graph.markov)
             if blocks[d].local is not None:
                 for site in blocks[d].sites:
-                    _check_aligned(r, records[site], name)
+                    check_aligned(r, records[site], name)
         nbrs[name] = (neighbours, discrete)
         if rule is None:
             continue

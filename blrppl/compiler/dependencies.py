@@ -17,7 +17,7 @@ from blrppl.graph.deps import output_forms
 from blrppl.graph.forms import Const, Power
 from blrppl.graph.trace import program_fingerprint
 from blrppl.compiler.stages import CompileOptions, Dependencies, SiteInputs
-from blrppl.compiler.checks import _check_static_supports
+from blrppl.compiler.checks import check_static_supports
 
 
 def find_dependencies(inputs: SiteInputs, options: CompileOptions) -> Dependencies:
@@ -32,7 +32,7 @@ def find_dependencies(inputs: SiteInputs, options: CompileOptions) -> Dependenci
     deps, forms, elementwise, primitives = _dependencies(
         inputs.functions, inputs.data, inputs.records, inputs.rules, inputs.site_init
     )
-    _check_static_supports(inputs.records, deps)
+    check_static_supports(inputs.records, deps)
     if primitives & AUDITED_PRIMITIVES:
         _audit_dependencies(inputs.functions, inputs.data, inputs.records, deps, inputs.site_init, options.rng_key)
     return Dependencies(deps, forms, elementwise)

@@ -9,9 +9,9 @@ from blrppl.estimators.monte_carlo import elementwise_bijection
 from blrppl.graph.plan import Block, Factor, FactorRole
 from blrppl.compiler.stages import CompileOptions, Dependencies, Estimates, FamilyChoice, SiteInputs, Structure
 from blrppl.compiler.blocks import (
-    _arrowhead, _block_init_values, _merge_discrete, _merge_joint, _site_fill, _transformed, _transforms,
+    arrowhead_block, block_init_values, merge_discrete, merge_gaussians, site_fill, is_transformed, site_transforms,
 )
-from blrppl.compiler.classify import _classify_factors
+from blrppl.compiler.classify import classify_factors
 
 
 def estimate(
@@ -24,7 +24,7 @@ def estimate(
         not structure.merge and not structure.coupled_discrete and not structure.densified and not structure.chains
         and not choice.chain_reads
     ):
-        factors = _classify_factors(
+        factors = classify_factors(
             inputs.records, inputs.rules, found.deps, blocks, fns, inputs.data, options.rng_key, cache=choice.cache,
             elementwise=found.elementwise, forms=found.forms,
         )
@@ -38,7 +38,7 @@ def estimate(
     factors += [
         _jacobian_factor(b)
         for b in blocks.values()
-        if _transformed(b) and not b.param and not (b.point and options.point_space == "constrained")
+        if is_transformed(b) and not b.param and not (b.point and options.point_space == "constrained")
     ]
     return Estimates(blocks, factors, fns, init_values, structure.chains)
 
@@ -49,15 +49,15 @@ def _merged(inputs: SiteInputs, found: Dependencies, choice: FamilyChoice, struc
     before run with the argument probes)."""
     blocks = structure.blocks
     for group in structure.coupled_discrete:
-        blocks = _merge_discrete(blocks, group)
+        blocks = merge_discrete(blocks, group)
     if structure.merge:
-        blocks = _merge_joint(blocks, structure.members)
+        blocks = merge_gaussians(blocks, structure.members)
     if structure.arrow:
         joint = next(n for n, b in blocks.items() if b.members and not b.discrete)
-        blocks[joint] = _arrowhead(blocks[joint], structure.arrow)
-    init_values = _block_init_values(blocks, inputs.site_init, inputs.unconstrained)
+        blocks[joint] = arrowhead_block(blocks[joint], structure.arrow)
+    init_values = block_init_values(blocks, inputs.site_init, inputs.unconstrained)
     joints = {n: b for n, b in blocks.items() if b.members and not b.discrete}
-    fns = inputs.functions(_site_fill(blocks, inputs.site_init, inputs.unconstrained), _transforms(blocks), joints)
+    fns = inputs.functions(site_fill(blocks, inputs.site_init, inputs.unconstrained), site_transforms(blocks), joints)
     site_block = {s: n for n, b in blocks.items() for s in b.sites}
     site_reads = {name: frozenset().union(*args.values()) for name, args in found.deps.items()}
     deps = {
@@ -65,7 +65,7 @@ def _merged(inputs: SiteInputs, found: Dependencies, choice: FamilyChoice, struc
         for name, args in found.deps.items()
     }
     guess = {f.name: f.estimator == "exact" for f in choice.factors}
-    factors = _classify_factors(
+    factors = classify_factors(
         inputs.records, inputs.rules, deps, blocks, fns, inputs.data, options.rng_key, guess=guess,
         elementwise=found.elementwise, forms=found.forms, site_reads=site_reads,
     )

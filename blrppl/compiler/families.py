@@ -16,8 +16,8 @@ from blrppl.graph import forms as fm
 from blrppl.graph.plan import Block, LocalAxis
 from blrppl.graph.trace import SiteRecord, finite_support_values
 from blrppl.compiler.stages import CompileOptions, Dependencies, FamilyChoice, SiteInputs
-from blrppl.compiler.blocks import _block_init_values, _discrete_chains, _site_blocks, _site_fill, _transforms
-from blrppl.compiler.classify import _classify_factors
+from blrppl.compiler.blocks import block_init_values, blocks_by_site, discrete_chains, site_fill, site_transforms
+from blrppl.compiler.classify import classify_factors
 
 
 def choose_families(inputs: SiteInputs, found: Dependencies, options: CompileOptions) -> FamilyChoice:
@@ -50,9 +50,9 @@ def choose_families(inputs: SiteInputs, found: Dependencies, options: CompileOpt
         }
         blocks = _with_value_moments(blocks, found.forms, deps)
         on_support = {n for n, b in blocks.items() if b.value_moments}
-        init_values = _block_init_values(blocks, inputs.site_init, inputs.unconstrained)
-        fns = inputs.functions(_site_fill(blocks, inputs.site_init, inputs.unconstrained), _transforms(blocks))
-        factors = _classify_factors(
+        init_values = block_init_values(blocks, inputs.site_init, inputs.unconstrained)
+        fns = inputs.functions(site_fill(blocks, inputs.site_init, inputs.unconstrained), site_transforms(blocks))
+        factors = classify_factors(
             inputs.records, inputs.rules, deps, blocks, fns, inputs.data, options.rng_key, quadrature=False,
             cache=cache, forms=found.forms, provisional=True,
         )
@@ -61,7 +61,7 @@ def choose_families(inputs: SiteInputs, found: Dependencies, options: CompileOpt
             break
         moved |= to_move
     # discrete latents read along a chain (a hidden Markov model) become one chain block
-    blocks, chain_reads = _discrete_chains(blocks, factors, fns, inputs.data, np.random.default_rng(0))
+    blocks, chain_reads = discrete_chains(blocks, factors, fns, inputs.data, np.random.default_rng(0))
     return FamilyChoice(blocks, factors, fns, init_values, on_support, cache, chain_reads)
 
 
@@ -248,7 +248,7 @@ def _with_value_moments(blocks: dict, forms, deps) -> dict:
     the other coefficients, whose correlations mean-field would lose.)"""
     if forms is None:
         return blocks
-    site_blocks = _site_blocks(blocks)
+    site_blocks = blocks_by_site(blocks)
     eligible = {b.name for b in blocks.values() if fm.interval_gaussian(b)}
     gains, conflicts = set(), set()
     for name, items in forms.items():

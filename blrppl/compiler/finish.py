@@ -21,7 +21,7 @@ from blrppl.graph.plan import FactorRole, Plan
 from blrppl.graph.stack import stack_factors
 from blrppl.graph.trace import program_fingerprint
 from blrppl.compiler.stages import CompileOptions, Dependencies, Estimates, SiteInputs
-from blrppl.compiler.checks import _check_subsampled
+from blrppl.compiler.checks import check_subsampled
 
 #: the arguments that set the spread of a latent's prior rather than its location (a
 #: scale, a covariance, a Beta's, Dirichlet's or Gamma's concentration): the latent sites
@@ -43,7 +43,7 @@ def finish_plan(inputs: SiteInputs, found: Dependencies, estimates: Estimates, o
     factors = [_with_spread(f, inputs.records, inputs.rules, found.deps) for f in estimates.factors]
     tied = ()
     if options.subsampled:
-        factors = _check_subsampled(factors, inputs.records, blocks, {p.name for p in options.subsampled})
+        factors = check_subsampled(factors, inputs.records, blocks, {p.name for p in options.subsampled})
     else:
         factors, fns, tied = _full_batch(inputs, found, blocks, factors, fns)
     graph = nx.Graph()

@@ -10,7 +10,9 @@ from blrppl import families as fam
 from blrppl import moments as mom
 from blrppl.graph.band import PROVISIONAL, arrowhead_locals, chain_bandwidth
 from blrppl.compiler.stages import CompileOptions, Estimates, FamilyChoice, SiteInputs, Structure, StructureLimits
-from blrppl.compiler.blocks import _banded, _coupled_discrete, _merge_joint, _site_fill, _time_major, _transforms
+from blrppl.compiler.blocks import (
+    banded_block, coupled_discrete_groups, merge_gaussians, site_fill, site_transforms, time_major,
+)
 
 #: by default, the dense Gaussian blocks are merged into one joint dense Gaussian when
 #: their total dimension is at most this
@@ -100,7 +102,7 @@ def choose_structure(
             blocks, merge, densified = {**blocks, **dense}, True, []
     for n in densified:
         blocks[n] = dense[n]
-    return Structure(blocks, members, merge, arrow, densified, chains, _coupled_discrete(blocks, factors))
+    return Structure(blocks, members, merge, arrow, densified, chains, coupled_discrete_groups(blocks, factors))
 
 
 def _plate_coupling(blocks: dict, factors: list, options: CompileOptions) -> tuple:
@@ -165,20 +167,20 @@ def _joint_chain(inputs: SiteInputs, blocks: dict, dense: dict, factors: list, j
         any(blocks[n].size >= BANDED_MIN_DIM // 2 for n in every if linked(n)) or total > JOINT_MAX_DIM
     )):
         return None
-    for order, interleaved in ((every, 0), _time_major({**blocks, **dense}, every)):
+    for order, interleaved in ((every, 0), time_major({**blocks, **dense}, every)):
         if order is None:
             break
-        trial = _merge_joint({**blocks, **dense}, order, interleaved)
+        trial = merge_gaussians({**blocks, **dense}, order, interleaved)
         joint = next(n for n, b in trial.items() if b.members and not b.discrete)
         trial_fns = inputs.functions(
-            _site_fill(trial, inputs.site_init, inputs.unconstrained), _transforms(trial), {joint: trial[joint]}
+            site_fill(trial, inputs.site_init, inputs.unconstrained), site_transforms(trial), {joint: trial[joint]}
         )
         site_block = {m: joint for m in trial[joint].sites}
         chain = chain_bandwidth(
             joint, trial, factors, trial_fns, inputs.data, np.random.default_rng(0), site_block, PROVISIONAL
         )
         if chain is not None and 3 * (2 * chain.bandwidth + 1) <= trial[joint].size:
-            return {**trial, joint: _banded(trial[joint], chain.bandwidth)}, joint, chain
+            return {**trial, joint: banded_block(trial[joint], chain.bandwidth)}, joint, chain
     return None
 
 
@@ -195,7 +197,7 @@ def _separate_chains(inputs: SiteInputs, blocks: dict, dense: dict, factors: lis
         )
         if chain is not None and 3 * (2 * chain.bandwidth + 1) <= blocks[n].size:
             chains[n] = chain
-            blocks[n] = _banded(blocks[n], chain.bandwidth)
+            blocks[n] = banded_block(blocks[n], chain.bandwidth)
     return chains
 
 
@@ -212,10 +214,10 @@ def _arrowhead_trial(inputs: SiteInputs, blocks: dict, dense: dict, factors: lis
     total = sum(blocks[n].size for n in every)
     if not (len(every) > 1 and total > JOINT_MAX_DIM and any(blocks[n].batch_shape for n in every)):
         return None
-    trial = _merge_joint({**blocks, **dense}, every)
+    trial = merge_gaussians({**blocks, **dense}, every)
     joint = next(n for n, b in trial.items() if b.members and not b.discrete)
     trial_fns = inputs.functions(
-        _site_fill(trial, inputs.site_init, inputs.unconstrained), _transforms(trial), {joint: trial[joint]}
+        site_fill(trial, inputs.site_init, inputs.unconstrained), site_transforms(trial), {joint: trial[joint]}
     )
     offsets = np.cumsum([0] + [m.size for m in trial[joint].members])
     spans = {m.name: (int(lo), int(hi)) for m, lo, hi in zip(trial[joint].members, offsets[:-1], offsets[1:])}

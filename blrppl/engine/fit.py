@@ -29,7 +29,7 @@ from blrppl.engine import start as start_mod
 from blrppl.engine.step import BLRState, initial_state, make_step, with_views
 from blrppl import families as fam
 from blrppl.errors import BLRError, InitValueError, is_out_of_memory, out_of_memory_detail
-from blrppl.compiler.blocks import _block_init_values
+from blrppl.compiler.blocks import block_init_values as _block_init_values
 from blrppl.compiler.conjugacy import conjugate_blocks
 from blrppl.compiler.families import init_nat
 from blrppl.compiler.finish import rows_share_precision
