@@ -154,7 +154,7 @@ def test_poisson_group_effects_reach_the_dense_optimum(monkeypatch):
     """Every exact message of these factors lies in the arrowhead pattern, so the arrowhead
     family holds the dense Gaussian's fixed point: both fits (the dense limit lowered to
     25 scalars so that the small model gets an arrowhead) agree once both have settled."""
-    from blrppl.graph import compile as compile_mod
+    from blrppl.compiler import structure as compile_mod
 
     rng = np.random.default_rng(3)
     county, x = rng.integers(0, COUNTIES, VISITS), rng.normal(size=VISITS)
@@ -181,7 +181,7 @@ def test_monte_carlo_factors_fall_back_to_mean_field(monkeypatch):
     """A Student-t with latent degrees of freedom, location and scale reads three projections
     per element: Monte Carlo, which the arrowhead's view cannot serve. The structure was
     found; the compiler compiles again without it (the blocks of before: one per site)."""
-    from blrppl.graph import compile as compile_mod
+    from blrppl.compiler import structure as compile_mod
 
     def model(group, y=None):
         mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
@@ -198,3 +198,28 @@ def test_monte_carlo_factors_fall_back_to_mean_field(monkeypatch):
     plan = plan_of(model, {"group": group, "y": rng.normal(size=120)[group] + rng.standard_t(5, size=800)})
     assert [b.name for b in plan.blocks] == ["mu", "d", "s", "a"], plan.describe()
     assert next(f for f in plan.factors if f.name == "y").estimator == "monte_carlo"
+
+
+def test_a_param_keeps_its_block_when_the_structure_falls_back(monkeypatch):
+    """The fallback from an arrowhead whose factor is Monte Carlo chooses the structure again:
+    a ``numpyro.param`` the likelihood reads keeps its point block (the compilation run again
+    from the start dropped the params: ``c`` stayed at its initial value, never fitted)."""
+    from blrppl.compiler import structure as compile_mod
+
+    def model(group, y=None):
+        mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
+        d = numpyro.sample("d", dist.Normal(1.5, 0.5))
+        s = numpyro.sample("s", dist.Normal(0.0, 1.0))
+        c = numpyro.param("c", 0.5)
+        with numpyro.plate("groups", 120):
+            a = numpyro.sample("a", dist.Normal(0.0, 1.0))
+        with numpyro.plate("obs", len(group)):
+            numpyro.sample("y", dist.StudentT(jnp.exp(d), mu + c + a[group], jnp.exp(s)), obs=y)
+
+    rng = np.random.default_rng(4)
+    group = rng.integers(0, 120, 800)
+    monkeypatch.setattr(compile_mod, "JOINT_MAX_DIM", 100)
+    plan = plan_of(model, {"group": group, "y": rng.normal(size=120)[group] + rng.standard_t(5, size=800)})
+    assert [b.name for b in plan.blocks] == ["mu", "d", "s", "c", "a"], plan.describe()
+    assert next(b for b in plan.blocks if b.name == "c").param
+    assert "c" in next(f for f in plan.factors if f.name == "y").neighbours

@@ -29,8 +29,8 @@ from blrppl.families import (
 )
 from blrppl.families import _band
 from blrppl.families.gaussian_banded import _colour_rows
-from blrppl.graph.compile import compile_model
 from blrppl.model.trace import trace_model
+from blrppl.compiler.pipeline import compile_model
 
 
 def _banded_spd(rng, n, b):
@@ -570,7 +570,7 @@ def test_scalar_reads_give_the_colour_rows_moments(model, data, monkeypatch):
     """A fit whose observations read the chain's diagonal (two pushed rows) takes the same
     steps as one through the 2(2b + 1) colour rows (float64, 1e-10): closed-form (Poisson),
     quadrature (logit) and an observation of two steps (colour rows in both)."""
-    import blrppl.graph.compile as compile_mod
+    import blrppl.compiler.estimators as compile_mod
     from checks import fresh_fit
 
     args = (jnp.asarray(data),)

@@ -169,8 +169,9 @@ def _splits_in_step(model, data):
     """How many ``random_split`` the jitted step of ``model`` holds (each one a threefry
     program lowered and compiled with the fit)."""
     from blrppl.engine.step import initial_state, make_step
-    from blrppl.graph.compile import compile_model, init_nat
     from blrppl.model.trace import trace_model
+    from blrppl.compiler.families import init_nat
+    from blrppl.compiler.pipeline import compile_model
 
     records, spec, dyn, _ = trace_model(model, (), data, jax.random.key(0))
     plan, fns, dyn, init, _ = compile_model(model, records, spec, dyn, rng_key=jax.random.key(1))
@@ -199,8 +200,8 @@ def test_a_closed_form_step_splits_no_key():
 def test_starting_values_are_computed_on_the_host():
     """A fit's initial natural parameters, from concrete values, compile nothing and equal
     the traced computation's (which ``jax.eval_shape`` of the start still uses)."""
-    from blrppl.graph.compile import choose_family, init_nat
     from blrppl.model.trace import trace_model
+    from blrppl.compiler.families import choose_family, init_nat
 
     def model():
         with numpyro.plate("n", 3):

@@ -21,8 +21,8 @@ from jax import random
 
 from blrppl.engine.step import constant_factors, make_objective, make_split_expectation, views_of
 from blrppl.families import BandedGaussianNat, GaussianBanded
-from blrppl.graph.compile import compile_model
 from blrppl.model.trace import trace_model
+from blrppl.compiler.pipeline import compile_model
 from checks import fresh_fit
 from test_banded import logistic_scan as logistic_ar1, poisson_walk
 

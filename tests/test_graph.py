@@ -400,7 +400,7 @@ def test_plan_describe_hand_built():
 
 
 def test_plan_describe_compiled_model():
-    from blrppl.graph.compile import compile_model
+    from blrppl.compiler.pipeline import compile_model
 
     data = _regression_data()
     records, spec, dyn, _ = trace_model(regression, (), data, jax.random.key(0))
@@ -425,7 +425,7 @@ def _scale_model(X, y=None):
 
 def _probe_spy(monkeypatch):
     """The probe keys of every compiled probe call of ``compile_model``."""
-    import blrppl.graph.compile as gc
+    import blrppl.compiler.classify as gc
 
     calls = []
     real = gc.run_probes
@@ -445,7 +445,7 @@ def test_compile_reads_argument_classes_without_probes(monkeypatch, structure):
     """σ starts as a Gamma block and moves to a log-normal one (HalfCauchy has no closed
     form for its prior); every argument's class and every quadrature projection is read off its form in
     the model's jaxpr: nothing is probed numerically."""
-    from blrppl.graph.compile import compile_model
+    from blrppl.compiler.pipeline import compile_model
 
     calls = _probe_spy(monkeypatch)
     rng = np.random.default_rng(0)
@@ -468,7 +468,7 @@ def test_compile_reads_argument_classes_without_probes(monkeypatch, structure):
 def test_probes_tell_the_gather_structure_forms_leave_open(monkeypatch):
     """A sum over a mean-field block's elements: affine (read off the form), but whether it
     mixes the block's elements beyond one column per element is for the probes."""
-    from blrppl.graph.compile import compile_model
+    from blrppl.compiler.pipeline import compile_model
 
     def model(y):
         a = numpyro.sample("a", dist.Normal(0.0, 1.0).expand([3]).to_event(1))
@@ -515,7 +515,7 @@ def test_small_data_with_dense_elements_gets_optimised_code(n, m, d, level):
     (elementwise loops 2–4× faster for little more compiling); 180 entries with D = 4 at 0."""
     import blrppl.graph.data as gd
     from blrppl.engine.fit import _dense_work, _elementwise_work
-    from blrppl.graph.compile import compile_model
+    from blrppl.compiler.pipeline import compile_model
 
     Y = np.random.default_rng(0).normal(size=(n, m))
     records, spec, dyn, _ = trace_model(_factor_model, (Y, d), {}, jax.random.key(0))

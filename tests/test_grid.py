@@ -127,7 +127,7 @@ def test_a_factor_reading_some_members_of_a_joint_block_integrates_over_them_onl
     import collections
 
     import blrppl.engine.fit as fit_module
-    import blrppl.graph.compile as compile_module
+    import blrppl.compiler.classify as compile_module
 
     rng = np.random.default_rng(0)
     seen, caught = (rng.random(50) < 0.3).astype(float), (rng.random(50) < 0.8).astype(float)

@@ -744,8 +744,8 @@ def test_an_aligned_mixture_probes_only_its_random_sets(monkeypatch):
     random sets in a program of their own width, not padded to the width of the bit probes a
     chain needs (which cost a 2,000-point mixture's compile 2 s)."""
     from blrppl.graph import markov
-    from blrppl.graph.compile import compile_model
     from blrppl.model.trace import trace_model
+    from blrppl.compiler.pipeline import compile_model
 
     probes = []
     aligned = markov.is_aligned

@@ -36,8 +36,8 @@ from blrppl.api import blr_fit
 from blrppl.engine.step import initial_state, make_step
 from blrppl.engine.subsample import SVI_KAPPA, SVI_TAU, draw_minibatch, svi_rate
 from blrppl.errors import BLRError, ObservedDataError, UnsupportedFactorError
-from blrppl.graph.compile import compile_model
 from blrppl.model.trace import subsampled_plates, trace_model
+from blrppl.compiler.pipeline import compile_model
 from describe_table import factor_rows
 
 ROOT = Path(__file__).resolve().parents[1]

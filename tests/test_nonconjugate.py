@@ -293,7 +293,7 @@ def test_imputed_covariate_matches_nuts():
     within 0.25 NUTS sd (measured ≤ 0.1); the coefficients' and missing entries' sds within
     20 % (0.85-0.99); the group means' and their scale's sds at least half NUTS' (0.62-0.67:
     apart from the imputed entries they are fitted as if those were data)."""
-    from blrppl.graph.compile import MC_JOINT_MAX_DIM
+    from blrppl.compiler.structure import MC_JOINT_MAX_DIM
 
     result = fit("imputed_logistic")
     assert result.converged, result.message

@@ -195,7 +195,7 @@ def test_one_site_per_step_beyond_the_dense_limit_is_a_chain(monkeypatch):
     limit is lowered to 16 so that 41 states are beyond it): one banded block over them in
     model order, the Kalman smoother in one step (before: a block per site, a program per
     block; 600 steps did not fit in 5 minutes and 7 GB)."""
-    from blrppl.graph import compile as compile_module
+    from blrppl.compiler import structure as compile_module
 
     monkeypatch.setattr(compile_module, "JOINT_MAX_DIM", 16)
     rng = np.random.default_rng(1)

@@ -29,10 +29,12 @@ from blrppl.engine import start as start_mod
 from blrppl.engine.step import BLRState, initial_state, make_step, with_views
 from blrppl import families as fam
 from blrppl.errors import BLRError, InitValueError, is_out_of_memory, out_of_memory_detail
-from blrppl.graph.compile import (
-    MC_JOINT_MAX_DIM, _block_init_values, compile_model, conjugate_blocks, init_nat, reverse_only_error,
-    rows_share_precision,
-)
+from blrppl.compiler.blocks import block_init_values as _block_init_values
+from blrppl.compiler.conjugacy import conjugate_blocks
+from blrppl.compiler.families import init_nat
+from blrppl.compiler.finish import rows_share_precision
+from blrppl.compiler.pipeline import compile_model, reverse_only_error
+from blrppl.compiler.structure import MC_JOINT_MAX_DIM
 from blrppl.graph.derivatives import is_no_reverse_error, is_reverse_only_error, reverse_only_mode
 from blrppl.graph.plan import FactorRole
 from blrppl.estimators import bilinear, gram

@@ -250,7 +250,7 @@ def constant_factors(plan) -> dict:
     """Block → its factors whose messages to it are the same at every q, for blocks of a
     family that ``splits_quadratic`` (a chain's banded Gaussian): factors that read this
     block alone (no other latent, nothing enumerated), each one site's log-density with a
-    closed form (:func:`blrppl.graph.compile.factor_conjugate`), hence quadratic in the
+    closed form (:func:`blrppl.compiler.conjugacy.factor_conjugate`), hence quadratic in the
     block: a random walk's or an AR prior with known coefficients, a Normal observation
     of an affine form with a known scale. Empty under subsampling.
 
@@ -264,7 +264,7 @@ def constant_factors(plan) -> dict:
     colour rows per step)."""
     if plan.subsampled:
         return {}
-    from blrppl.graph.compile import factor_conjugate
+    from blrppl.compiler.conjugacy import factor_conjugate
 
     out = {}
     for b in plan.blocks:

@@ -33,7 +33,7 @@ class GaussianTied(GaussianDense):
 
     The family the compiler gives a plated dense Gaussian block when every factor gives
     each row the same precision (the rows of probabilistic PCA, factor analysis or a matrix
-    factorisation without missing values; see :func:`blrppl.graph.compile.tied_blocks`):
+    factorisation without missing values; see :func:`blrppl.compiler.finish.tied_blocks`):
     the dense family's fixed point is then tied, and one D × D precision replaces P of
     them (one Cholesky, O(P D) elementwise work per step instead of O(P D²)).
 

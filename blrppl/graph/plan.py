@@ -515,9 +515,9 @@ class Plan:
         tied: ``(block, factor, side)`` for every factor on a block whose rows share one
             covariance (:class:`blrppl.families.GaussianTied`): the facts of the data the
             plan was compiled on that a fit on other data checks again
-            (:func:`blrppl.graph.compile.tied_blocks`).
+            (:func:`blrppl.compiler.finish.tied_blocks`).
         barren: latent sites left out of the fit because no other site reads them
-            (:func:`blrppl.graph.compile.barren_latents`): integrated out exactly, drawn
+            (:func:`blrppl.compiler.dependencies.barren_latents`): integrated out exactly, drawn
             from the model given the others.
     """
 

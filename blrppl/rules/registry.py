@@ -56,7 +56,7 @@ class Rule:
             when they are of a kind other than ``power_gamma`` (affine Gaussian arguments
             of a Normal: L quadratic in the block; Beta, Dirichlet, Wishart identities), so
             that a factor reading a block only through them is conjugate to it
-            (:func:`blrppl.graph.compile.factor_conjugate`).
+            (:func:`blrppl.compiler.conjugacy.factor_conjugate`).
     """
 
     dist_type: type

@@ -6,7 +6,7 @@ when q puts no mass outside [low, high]: for observed values (checked against th
 when the model is traced), and for the prior of the site itself, whose block is a Gaussian on
 the logit space of the interval (its bijection keeps every draw inside) or, for
 ``Uniform(0, 1)``, a Beta (the compiler reads such a value as a constant, see
-``blrppl.graph.compile._own_uniform_priors``). The prior sends no message: the posterior is
+``blrppl.compiler.classify._own_uniform_priors``). The prior sends no message: the posterior is
 made by the likelihood (and the Jacobian of the bijection).
 """
 
