@@ -530,13 +530,52 @@ def prepare(model, args, kwargs, options: FitOptions, rng_key, prior=None, init_
 
 
 def _prepare_locked(model, args, kwargs, options, rng_key, prior, init_values, start) -> Prepared:
+    """:func:`prepare` while holding :data:`COMPILE_LOCK`."""
     t0 = time.perf_counter()
     runs0, compilations0, background0 = model_runs(), xla_compilations(), background_compilations()
     k_trace, k_probe, k_host, k_loop = host_split(rng_key, 4)
     rng = np.random.default_rng(np.asarray(jax.random.key_data(k_host)).ravel())
-    learning_rate, tol = options.learning_rate, options.tol
     prior_spec = None if prior is None else previous_spec(prior)
+    bundle, key, records, data_spec, dyn_data, init_records = _fetch_or_compile(
+        model, args, kwargs, options, k_trace, k_probe, prior_spec
+    )
+    plan = bundle.plan
+    block_values = _start_values(plan, init_records, init_values, rng)
+    probs0 = {
+        b.name: rng.dirichlet(np.ones(len(b.support_values)), size=b.full.value_shape)
+        for b in plan.blocks
+        if b.discrete
+    }
+    nat0 = bundle.init_fn(block_values, probs0)
+    prior_nat = {}
+    if bundle.online:  # the previous posterior is run-time data, and the starting point
+        prior_nat = previous_nat(prior, bundle.online, nat0)
+        nat0 = {**nat0, **prior_nat}
+    dyn_data = bundle.run_data(dyn_data, prior_nat)
+    state = initial_state(nat0, k_loop, plan)
+    rho = _initial_rho(plan, options.learning_rate)
+    if isinstance(bundle.chunk, _Compiling):
+        try:
+            bundle.chunk = bundle.chunk.wait()
+        except Exception:
+            _CACHE.pop(key, None)  # a compilation that failed is not kept: the next fit retries
+            raise
+    if any(b.discrete for b in plan.blocks) and not plan.subsampled:
+        state = _discrete_start(bundle, plan, init_records, state, dyn_data, start, rng, block_values, options.tol)
+    jax.block_until_ready(state)
+    counts = CompileCounts(
+        model_runs() - runs0, xla_compilations() - compilations0, background_compilations() - background0
+    )
+    return Prepared(
+        bundle, plan, records, data_spec, dyn_data, state, rho, options.tol, CHUNK_SIZE, t0, options.iterate_average,
+        counts, options.num_starts,
+    )
 
+
+def _fetch_or_compile(model, args, kwargs, options, k_trace, k_probe, prior_spec) -> tuple:
+    """Trace the model and fetch its compiled fit from the cache, or compile it:
+    ``(bundle, cache key, records, data spec, array data, records to initialise from)``
+    (the last at full plate sizes for a model with subsampled plates)."""
     # one trace of the model's program (cheap: no compilation) gives its fingerprint; a
     # compiled fit is reused only for the same program, data layout and options
     tracer = trace_program(model, args, kwargs, k_trace)
@@ -570,32 +609,40 @@ def _prepare_locked(model, args, kwargs, options, rng_key, prior, init_values, s
         bundle = None
         records, data_spec, dyn_data, tracer = trace_model(model, args, kwargs, k_trace, tracer=tracer)
     if bundle is None:
-        # the model was run with validation above; its many internal re-runs skip it (each
-        # check of a constant argument would otherwise compile on its own)
-        with numpyro.validation_enabled(False):
-            try:
-                bundle = _compile(model, records, data_spec, dyn_data, tracer, options, prior_spec, k_probe, supports)
-            except TypeError as exc:
-                if not is_reverse_only_error(exc):
-                    raise
-                # (a function with a custom reverse-mode rule only, jax.custom_vjp: compiled
-                # again with reverse-over-reverse second derivatives)
-                try:
-                    with reverse_only_mode():
-                        bundle = _compile(
-                            model, records, data_spec, dyn_data, tracer, options, prior_spec, k_probe, supports
-                        )
-                except (TypeError, ValueError) as again:
-                    if not (is_reverse_only_error(again) or is_no_reverse_error(again)):
-                        raise
-                    raise reverse_only_error(model, data_spec, dyn_data, records) from None
+        bundle = _compile_checked(model, records, data_spec, dyn_data, tracer, options, prior_spec, k_probe, supports)
         bundle.supports = supports
         bundle.data_digest = _data_digest(dyn_now) if any(b.chain for b in bundle.plan.blocks) else None
         if key is not None:
             _remember(key, bundle)
     if plates:
         bundle.full_tracer = full_tracer
-    plan = bundle.plan
+    return bundle, key, records, data_spec, dyn_data, init_records
+
+
+def _compile_checked(model, records, data_spec, dyn_data, tracer, options, prior_spec, k_probe, supports):
+    """:func:`_compile`, again with reverse-over-reverse second derivatives for a function
+    with a custom reverse-mode rule only (``jax.custom_vjp``)."""
+    # the model was run with validation before; its many internal re-runs skip it (each
+    # check of a constant argument would otherwise compile on its own)
+    with numpyro.validation_enabled(False):
+        try:
+            return _compile(model, records, data_spec, dyn_data, tracer, options, prior_spec, k_probe, supports)
+        except TypeError as exc:
+            if not is_reverse_only_error(exc):
+                raise
+        try:
+            with reverse_only_mode():
+                return _compile(model, records, data_spec, dyn_data, tracer, options, prior_spec, k_probe, supports)
+        except (TypeError, ValueError) as again:
+            if not (is_reverse_only_error(again) or is_no_reverse_error(again)):
+                raise
+            raise reverse_only_error(model, data_spec, dyn_data, records) from None
+
+
+def _start_values(plan, init_records, init_values, rng) -> dict:
+    """Block → its starting value (unconstrained): the model's initial values, or the user's
+    ``init_values`` (checked), with the blocks a product multiplies moved off the symmetric
+    saddle."""
     site_values = {n: np.asarray(init_records[n].init_value) for b in plan.blocks for n in b.sites}
     unconstrained = {
         n: init_records[n].unconstrained_init
@@ -617,47 +664,23 @@ def _prepare_locked(model, args, kwargs, options, rng_key, prior, init_values, s
         if not set(plan.block(n).sites) & given:
             x = np.asarray(block_values[n])
             block_values[n] = x + rng.normal(size=x.shape).astype(x.dtype)
-    probs0 = {
-        b.name: rng.dirichlet(np.ones(len(b.support_values)), size=b.full.value_shape)
-        for b in plan.blocks
-        if b.discrete
-    }
-    nat0 = bundle.init_fn(block_values, probs0)
-    prior_nat = {}
-    if bundle.online:  # the previous posterior is run-time data, and the starting point
-        prior_nat = previous_nat(prior, bundle.online, nat0)
-        nat0 = {**nat0, **prior_nat}
-    dyn_data = bundle.run_data(dyn_data, prior_nat)
+    return block_values
+
+
+def _initial_rho(plan, learning_rate) -> dict:
+    """Block → its constant step size ρ (the run-time argument of the compiled step)."""
     dtype = jnp.result_type(float)
-    state = initial_state(nat0, k_loop, plan)
     if plan.subsampled:
         # local blocks take ρ = 1 and global ones the schedule inside the step (times a
         # constant user ρ); conjugacy detection would need exact ρ = 1 steps: not run
         base = 1.0 if learning_rate is None or callable(learning_rate) else float(learning_rate)
-        rho = {n: host_array(base, dtype) for n in plan.order}
-    elif learning_rate is None:
+        return {n: host_array(base, dtype) for n in plan.order}
+    if learning_rate is None:
         sampled = {n for f in plan.factors if f.estimator == "monte_carlo" for n in f.neighbours}
-        rho = {n: host_array(MONTE_CARLO_RHO if n in sampled else 1.0, dtype) for n in plan.order}
-    elif callable(learning_rate):
-        rho = {n: host_array(1.0, dtype) for n in plan.order}
-    else:
-        rho = {n: host_array(float(learning_rate), dtype) for n in plan.order}
-    if isinstance(bundle.chunk, _Compiling):
-        try:
-            bundle.chunk = bundle.chunk.wait()
-        except Exception:
-            _CACHE.pop(key, None)  # a compilation that failed is not kept: the next fit retries
-            raise
-    if any(b.discrete for b in plan.blocks) and not plan.subsampled:
-        state = _discrete_start(bundle, plan, init_records, state, dyn_data, start, rng, block_values, tol)
-    jax.block_until_ready(state)
-    counts = CompileCounts(
-        model_runs() - runs0, xla_compilations() - compilations0, background_compilations() - background0
-    )
-    return Prepared(
-        bundle, plan, records, data_spec, dyn_data, state, rho, tol, CHUNK_SIZE, t0, options.iterate_average, counts,
-        options.num_starts,
-    )
+        return {n: host_array(MONTE_CARLO_RHO if n in sampled else 1.0, dtype) for n in plan.order}
+    if callable(learning_rate):
+        return {n: host_array(1.0, dtype) for n in plan.order}
+    return {n: host_array(float(learning_rate), dtype) for n in plan.order}
 
 
 def _checked_init_value(record, value):
