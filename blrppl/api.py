@@ -7,7 +7,10 @@ from typing import Callable
 import numpy as np
 import numpyro
 
-from blrppl.engine.fit import COMPILE_LOCK, plan_model, prepare, run
+from blrppl.engine.build import plan_model
+from blrppl.engine.cache import COMPILE_LOCK
+from blrppl.engine.prepare import prepare
+from blrppl.engine.run import run
 from blrppl.engine.grid import grid_sites, grid_fit
 from blrppl.errors import BLRError, out_of_memory_as_error
 from blrppl.graph.trace import trace_model

@@ -132,7 +132,7 @@ class BLRResult:
         from numpyro import handlers
         from numpyro.infer import Predictive
 
-        from blrppl.engine.fit import COMPILE_LOCK
+        from blrppl.engine.cache import COMPILE_LOCK
 
         model, args, kwargs = self.model_call
         # the data as given (as the user's own Predictive would pass them: a model may read

@@ -24,7 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from blrppl import autoguides
-from blrppl.engine import fit
+from blrppl.engine.prepare import prepare as prepare_fit
+from blrppl.engine.run import run as run_fit
 from blrppl.engine.step import BLRState
 from blrppl.errors import BLRError, UnsupportedGuideError, out_of_memory_as_error
 from blrppl.graph.data import DataSpec, host_array, split_run_data
@@ -157,7 +158,7 @@ class BLR:
             init_values = dict(init_params)
         checked = fit_options(num_steps=num_steps, **options)
         with out_of_memory_as_error("compiling the fit"):
-            self._prepared = fit.prepare(self.model, args, kwargs, checked, rng_key, init_values=init_values)
+            self._prepared = prepare_fit(self.model, args, kwargs, checked, rng_key, init_values=init_values)
         self._checked = _arrays_of(args, kwargs)
         if self._autoguide is None:
             self.guide.plan = self._prepared.plan
@@ -320,7 +321,7 @@ class BLR:
             init_state = init_state._replace(elbo=jnp.full_like(init_state.elbo, jnp.nan))
         state = prepared.state if init_state is None else init_state
         with out_of_memory_as_error("the fit"):
-            result = fit.run(prepared, state, num_steps, progress_bar)
+            result = run_fit(prepared, state, num_steps, progress_bar)
         self.result = result
         params = self.get_params(result.state)
         if self._autoguide is None:

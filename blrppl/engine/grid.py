@@ -57,7 +57,9 @@ import numpyro.distributions as dist
 from numpyro.distributions.transforms import biject_to
 
 from blrppl.diagnostics import psis_khat
-from blrppl.engine.fit import _model_data, _one_exact_block, finish, prepare
+from blrppl.engine.build import model_data, one_exact_block
+from blrppl.engine.prepare import prepare
+from blrppl.engine.run import finish
 from blrppl.engine.loop import NONFINITE, run_loop
 from blrppl.errors import BLRError, FamilyError
 from blrppl.graph.data import DataSpec
@@ -227,7 +229,7 @@ class _Profile:
         the ELBO's gap, KL(q ‖ p(x | y, θ)), varies with θ: a stochastic volatility's
         grows with its shock size, which biased the shock size's mean down by 0.12 NUTS sd."""
         bundle = self.prepared.bundle
-        log_w = np.asarray(bundle.log_weights(nat, _model_data(self.prepared.plan, data), jax.random.key(0)), float)
+        log_w = np.asarray(bundle.log_weights(nat, model_data(self.prepared.plan, data), jax.random.key(0)), float)
         log_w = log_w[np.isfinite(log_w)]
         if log_w.size == 0:
             return -math.inf, math.inf
@@ -365,7 +367,7 @@ def _locate_mode(model, args, kwargs, options, key, sites, families, checked, ba
     # block, solved in closed form): its weights are all equal and the bound is the ELBO,
     # drawn for nothing (23 of the 29 s of a 121-point grid of NumPyro's baseball pool)
     weighted = False
-    exact = len(cond.plan.blocks) == 1 and _one_exact_block(cond.plan) is not None
+    exact = len(cond.plan.blocks) == 1 and one_exact_block(cond.plan) is not None
     if not exact and base.bundle.log_weights_fn is not None and cond.bundle.log_weights_fn is not None:
         at_mode = profile(mode)[1]
         if at_mode is not None:
