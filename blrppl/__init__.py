@@ -64,7 +64,7 @@ from blrppl.errors import (
     UnsupportedGuideError,
     UnsupportedLatentError,
 )
-from blrppl.result import BLRResult
+from blrppl.posterior.result import BLRResult
 from blrppl.svi import BLR, BLRRunResult
 from blrppl.graph.data import enable_compilation_cache as _enable_compilation_cache
 

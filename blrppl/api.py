@@ -15,7 +15,7 @@ from blrppl.engine.grid import grid_sites, grid_fit
 from blrppl.errors import BLRError, out_of_memory_as_error
 from blrppl.graph.trace import trace_model
 from blrppl.inputs import as_key, fit_options, host_fold_in, host_split, model_arguments
-from blrppl.result import BLRResult
+from blrppl.posterior.result import BLRResult
 
 
 def plan_of(model, data=None, *, rng_key=None, **options):

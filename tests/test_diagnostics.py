@@ -1,4 +1,4 @@
-"""PSIS k̂ on every fit (``blrppl/diagnostics.py``): the estimator on weights with a known tail,
+"""PSIS k̂ on every fit (``blrppl/posterior/diagnostics.py``): the estimator on weights with a known tail,
 and the fits it must pass (exact and close posteriors) and flag (a funnel, a multimodal
 posterior q cannot hold)."""
 
@@ -19,7 +19,7 @@ from numpyro.contrib.control_flow import scan
 import reference_models as rm
 from blrppl import blr_fit
 from blrppl.api import plan_of
-from blrppl.diagnostics import (
+from blrppl.posterior.diagnostics import (
     ESS_CLOSE, ESS_POOR, KHAT_WARN, NUM_DRAWS, VMAP_ALL, draws_at_once, num_draws, psis_khat, relative_ess,
 )
 from blrppl.engine.advice import poor_q_advice

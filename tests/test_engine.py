@@ -21,7 +21,7 @@ import blrppl.engine.run as run_module
 from blrppl.api import blr_fit
 from blrppl.engine import loop as engine_loop
 from blrppl.engine import step as engine_step
-from blrppl.export import site_distribution
+from blrppl.posterior.export import site_distribution
 
 M0, S0, SIGMA = 1.0, 2.0, 0.5
 

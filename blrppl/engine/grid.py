@@ -56,7 +56,7 @@ import numpyro
 import numpyro.distributions as dist
 from numpyro.distributions.transforms import biject_to
 
-from blrppl.diagnostics import psis_khat
+from blrppl.posterior.diagnostics import psis_khat
 from blrppl.engine.build import model_data, one_exact_block
 from blrppl.engine.prepare import prepare
 from blrppl.engine.run import finish

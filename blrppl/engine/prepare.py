@@ -28,8 +28,8 @@ from blrppl.graph.data import DataSpec, background_compilations, host_array, xla
 from blrppl.graph.derivatives import is_no_reverse_error, is_reverse_only_error, reverse_only_mode
 from blrppl.graph.trace import check_plate_sizes, full_size_model, model_runs, subsampled_plates, trace_model, trace_program
 from blrppl.inputs import FitOptions, host_split
-from blrppl.online import previous_nat, previous_spec
-from blrppl.result import CompileCounts
+from blrppl.posterior.online import previous_nat, previous_spec
+from blrppl.posterior.result import CompileCounts
 
 
 @dataclasses.dataclass

@@ -12,7 +12,7 @@ import warnings
 import jax
 import numpy as np
 
-from blrppl.diagnostics import ESS_CLOSE, ESS_POOR, KHAT_WARN, Diagnostics, psis_khat, relative_ess
+from blrppl.posterior.diagnostics import ESS_CLOSE, ESS_POOR, KHAT_WARN, Diagnostics, psis_khat, relative_ess
 from blrppl.engine.advice import divergence_note, improper_blocks, improper_note, never_finite, poor_q_advice, stop_message
 from blrppl.engine.build import model_data, one_exact_block
 from blrppl.engine.cache import COMPILE_LOCK
@@ -23,11 +23,11 @@ from blrppl.engine.step import BLRState
 from blrppl.engine.subsample import averaged_nat
 from blrppl.errors import is_out_of_memory, out_of_memory_detail
 from blrppl.inputs import host_fold_in
-from blrppl.result import BLRResult
+from blrppl.posterior.result import BLRResult
 
 
 def _diagnose(prepared, outcome, nat) -> Diagnostics:
-    """The fit's :class:`blrppl.diagnostics.Diagnostics`: PSIS k̂ of q from one compiled call,
+    """The fit's :class:`blrppl.posterior.diagnostics.Diagnostics`: PSIS k̂ of q from one compiled call,
     and what the ELBO trace says."""
     bundle, plan = prepared.bundle, prepared.plan
     elbo = np.asarray(outcome.elbo, dtype=float)
@@ -135,7 +135,7 @@ def finish(prepared: Prepared, outcome, nat: dict, num_steps: int, t1: float, t2
             why = f"PSIS k-hat = {diagnostics.khat:.2f} > {KHAT_WARN}"
         else:
             # (k̂ fits the tail of the weights only; their spread says how far q's bulk is:
-            # see blrppl.diagnostics.ESS_POOR)
+            # see blrppl.posterior.diagnostics.ESS_POOR)
             why = (
                 f"importance sampling from q keeps only {100 * diagnostics.ess:.0f} % of its draws effective "
                 f"(PSIS k-hat = {diagnostics.khat:.2f}): q's bulk differs from the posterior's, where a mean may lie "
@@ -159,5 +159,6 @@ def finish(prepared: Prepared, outcome, nat: dict, num_steps: int, t1: float, t2
         graph=bundle.graph,
         state=outcome.state,
         compile_counts=prepared.compile_counts,
+        model_lock=COMPILE_LOCK,
     )
     return result

@@ -23,7 +23,7 @@ from blrppl.estimators import bilinear, gram
 from blrppl.expressions import base_values
 from blrppl.graph.data import host_array, split_run_data
 from blrppl.graph.derivatives import hessian_of_grad
-from blrppl.online import expected_log_previous, is_previous_posterior
+from blrppl.posterior.online import expected_log_previous, is_previous_posterior
 
 
 class BLRState(NamedTuple):

@@ -1,7 +1,7 @@
 """Posterior export: fitted natural parameters as numpyro distributions in each site's layout.
 
-Used by :class:`blrppl.result.BLRResult` (its ``posterior``), by the guide a fit exports
-(:mod:`blrppl.guide`) and by the autoguide parameters (:mod:`blrppl.autoguides`).
+Used by :class:`blrppl.posterior.result.BLRResult` (its ``posterior``), by the guide a fit exports
+(:mod:`blrppl.posterior.guide`) and by the autoguide parameters (:mod:`blrppl.posterior.autoguides`).
 """
 
 from __future__ import annotations
