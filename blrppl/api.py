@@ -9,9 +9,9 @@ import numpyro
 
 from blrppl.engine.build import plan_model
 from blrppl.engine.cache import COMPILE_LOCK
+from blrppl.engine.grid import grid_sites, grid_fit
 from blrppl.engine.prepare import prepare
 from blrppl.engine.run import run
-from blrppl.engine.grid import grid_sites, grid_fit
 from blrppl.errors import BLRError, out_of_memory_as_error
 from blrppl.graph.trace import trace_model
 from blrppl.inputs import as_key, fit_options, host_fold_in, host_split, model_arguments

@@ -23,15 +23,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from blrppl.posterior import autoguides
 from blrppl.engine.prepare import prepare as prepare_fit
 from blrppl.engine.run import run as run_fit
 from blrppl.engine.step import BLRState
 from blrppl.errors import BLRError, UnsupportedGuideError, out_of_memory_as_error
 from blrppl.graph.data import DataSpec, host_array, split_run_data
 from blrppl.graph.trace import trace_model
-from blrppl.posterior.guide import PlanGuide, plan_params
 from blrppl.inputs import DEFAULT_NUM_STEPS, as_key, call_arguments, fit_options
+from blrppl.posterior import autoguides
+from blrppl.posterior.guide import PlanGuide, plan_params
 
 #: keywords of ``blr_fit`` that ``BLR`` accepts as options
 OPTIONS = (

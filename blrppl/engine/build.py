@@ -19,13 +19,11 @@ import numpy as np
 import numpyro
 
 from blrppl import families as fam
-from blrppl.posterior.diagnostics import make_log_weights
 from blrppl.engine.cache import stored_fit_key
 from blrppl.engine.loop import history_size, make_chunk
 from blrppl.engine.step import initial_state, make_step, with_views
 from blrppl.engine.subsample import svi_rate
 from blrppl.estimators import bilinear, gram
-from blrppl.posterior.export import posterior_builder
 from blrppl.expressions import table_key
 from blrppl.graph.compile import compile_model, conjugate_blocks, init_nat, rows_share_precision
 from blrppl.graph.data import RunData, SMALL_DATA, compiler_options as _compiler_options, host_array, split_run_data
@@ -33,6 +31,8 @@ from blrppl.graph.deps import output_dependencies
 from blrppl.graph.program_store import compile_program, fit_program_key, jit as store_jit
 from blrppl.graph.stack import stack_table
 from blrppl.graph.trace import subsampled_plates
+from blrppl.posterior.diagnostics import make_log_weights
+from blrppl.posterior.export import posterior_builder
 from blrppl.posterior.online import online_plan
 
 

@@ -56,14 +56,14 @@ import numpyro
 import numpyro.distributions as dist
 from numpyro.distributions.transforms import biject_to
 
-from blrppl.posterior.diagnostics import psis_khat
 from blrppl.engine.build import model_data, one_exact_block
+from blrppl.engine.loop import NONFINITE, run_loop
 from blrppl.engine.prepare import prepare
 from blrppl.engine.run import finish
-from blrppl.engine.loop import NONFINITE, run_loop
 from blrppl.errors import BLRError, FamilyError
 from blrppl.graph.data import DataSpec
 from blrppl.inputs import host_fold_in
+from blrppl.posterior.diagnostics import psis_khat
 
 #: the family name that asks for a site to be integrated on a grid
 GRID = "grid"

@@ -12,7 +12,6 @@ import warnings
 import jax
 import numpy as np
 
-from blrppl.posterior.diagnostics import ESS_CLOSE, ESS_POOR, KHAT_WARN, Diagnostics, psis_khat, relative_ess
 from blrppl.engine.advice import divergence_note, improper_blocks, improper_note, never_finite, poor_q_advice, stop_message
 from blrppl.engine.build import model_data, one_exact_block
 from blrppl.engine.cache import COMPILE_LOCK
@@ -23,6 +22,7 @@ from blrppl.engine.step import BLRState
 from blrppl.engine.subsample import averaged_nat
 from blrppl.errors import is_out_of_memory, out_of_memory_detail
 from blrppl.inputs import host_fold_in
+from blrppl.posterior.diagnostics import ESS_CLOSE, ESS_POOR, KHAT_WARN, Diagnostics, psis_khat, relative_ess
 from blrppl.posterior.result import BLRResult
 
 

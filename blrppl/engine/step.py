@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from blrppl.estimators.enumeration import expected_log_factors, is_jacobian
 from blrppl.estimators import bilinear, gram
+from blrppl.estimators.enumeration import expected_log_factors, is_jacobian
 from blrppl.expressions import base_values
 from blrppl.graph.data import host_array, split_run_data
 from blrppl.graph.derivatives import hessian_of_grad

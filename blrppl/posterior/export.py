@@ -14,8 +14,8 @@ from numpyro.distributions import constraints
 
 from blrppl.expressions import canonical_leaves
 from blrppl.graph.data import compiler_options
-from blrppl.graph.program_store import compile_program, fit_program_key, jit as store_jit
 from blrppl.graph.plan import Block
+from blrppl.graph.program_store import compile_program, fit_program_key, jit as store_jit
 
 
 class _SiteLayout(dist.Distribution):

@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from blrppl.posterior.export import point_value
 from blrppl.graph.plan import Plan
+from blrppl.posterior.export import point_value
 
 class CompileCounts(NamedTuple):
     """What a fit did before its first step.
