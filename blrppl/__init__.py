@@ -68,7 +68,7 @@ from blrppl.errors import (
     UnsupportedLatentError,
 )
 from blrppl.families import register_family, unregister_family
-from blrppl.result import BLRResult
+from blrppl.posterior.result import BLRResult
 from blrppl.rules import register_rule, unregister_rule
 from blrppl.svi import BLR, BLRRunResult
 from blrppl.graph.data import enable_compilation_cache as _enable_compilation_cache

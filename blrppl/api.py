@@ -7,12 +7,15 @@ from typing import Callable
 import numpy as np
 import numpyro
 
-from blrppl.engine.fit import COMPILE_LOCK, plan_model, prepare, run
+from blrppl.engine.build import plan_model
+from blrppl.engine.cache import COMPILE_LOCK
 from blrppl.engine.grid import grid_sites, grid_fit
+from blrppl.engine.prepare import prepare
+from blrppl.engine.run import run
 from blrppl.errors import BLRError, out_of_memory_as_error
 from blrppl.model.trace import trace_model
 from blrppl.inputs import as_key, fit_options, host_fold_in, host_split, model_arguments
-from blrppl.result import BLRResult
+from blrppl.posterior.result import BLRResult
 
 
 def plan_of(model, data=None, *, rng_key=None, **options):
@@ -48,100 +51,28 @@ def blr_fit(
 ) -> BLRResult:
     """Fit the latent variables of a NumPyro model by the Bayesian learning rule.
 
-    Every latent gets a candidate posterior from an exponential family chosen by its support
-    (Gaussian, Gamma, Beta, Dirichlet, Categorical/Bernoulli) and all are fitted by
-
-        λ_b ← (1 − ρ) λ_b + ρ Σ_{i ∋ b} ∇_{μ_b} E_q[log f_i]
-
-    in one jitted loop. For conjugate models one step with ρ = 1 is the exact posterior; for
-    conditionally conjugate models the sequential schedule is variational message passing.
-
-    Models with subsampled plates (``numpyro.plate(name, N, subsample_size=M)``) are fitted
-    by stochastic BLR (SVI, Hoffman et al. 2013): each step draws a minibatch of every such
-    plate by random reshuffling (each element once per epoch of ⌊N/M⌋ steps), updates the
-    *local* latents inside the plate with ρ = 1 at the minibatch elements (the others keep
-    their parameters), then the *global* latents with ρ_t = (t + 10)^−0.7 from messages in
-    which the minibatch's likelihood terms carry N/M. The ELBO is a minibatch estimate
-    (convergence: windowed means, no backtracking).
+    Every latent gets a candidate posterior from an exponential family chosen by its support,
+    and all are fitted by λ_b ← (1 − ρ) λ_b + ρ Σ_{i ∋ b} ∇_{μ_b} E_q[log f_i] in one jitted
+    loop (stochastic BLR for models with subsampled plates). Every option is described in
+    ``docs/api.md`` ("blr_fit"); in short:
 
     Args:
         model: a NumPyro model.
-        data: the model's arguments: a dict of keyword arguments, a tuple of positional ones, or
-            one array (NumPy, JAX or pandas), the model's only positional argument.
+        data: its arguments: a dict of keyword arguments, a tuple of positional ones, or one array.
         num_steps: the most steps to run (default 1000).
-        learning_rate: ρ, a float or a callable of the step number. By default ρ = 1 (for
-            conjugate blocks an exact coordinate step; for the others a natural-gradient
-            Newton-like step, halved by backtracking when it lowers the ELBO, with the improved
-            BLR retraction for Gaussians at ρ < 1), and ρ_t = 0.5 (1 + t/10)^−0.6 for blocks
-            with Monte Carlo messages. Under subsampling it is the step size of the global
-            blocks (default ρ_t = (t + 10)^−0.7; e.g. ``lambda t: (t + 1.0) ** -0.9`` for
-            other κ, τ); local blocks always take ρ = 1.
-        schedule: ``"sequential"`` (default; one block at a time with the newest
-            neighbours, i.e. VMP) or ``"parallel"`` (all blocks from the same state).
-        families: optional overrides, site → family name (``"gaussian"``,
-            ``"gaussian-diag"``, ``"gamma"``, ``"beta"``, ``"dirichlet"``,
-            ``"categorical"``, ``"bernoulli"``). Latents whose factors have no closed form
-            in their native family get a Gaussian on their unconstrained space. ``"grid"``
-            (at most two scalar continuous latents): the site is integrated on a grid of
-            fits with it held fixed (:mod:`blrppl.engine.grid`), for a scale that many
-            latents' prior reads, whose sd no Gaussian q gets right (a funnel); its
-            ``result.posterior`` entry and draws are the grid's marginal.
-        structure: ``"joint"`` fits the Gaussian latents of non-closed-form factors as one
-            dense Gaussian (their posterior correlations kept), ``"mean-field"`` one block
-            per site; by default joint when their total dimension is at most 500, except
-            chains (banded at any length) and scales on log space their factors read (apart,
-            so that those factors keep their closed form).
-        point: sites fitted by the delta method: a Gaussian seen at its mean by the other
-            factors, updated by Newton steps (ρ = 1 gives Newton's method; the posterior is
-            Laplace's approximation at convergence).
-        mc_curvature: how Monte Carlo factors estimate the curvature ½E[∇² log f] of their
-            messages to Gaussian blocks: ``"auto"`` (default: per block, the exact Hessian at
-            the draws for dense blocks of at most 64 scalars per plate element, Stein's
-            estimate for larger ones, Hutchinson's diagonal for diagonal blocks; the
-            reparameterisation estimate where a factor also sees enumerated or
-            non-Gaussian latents), ``"reparam"`` (autodiff of the sample average through the
-            Cholesky factor), ``"hessian"`` (exact Hessians at the draws; small blocks),
-            ``"diagonal"`` (Hutchinson's diagonal; large blocks), ``"gauss-newton"``
-            (empirical Fisher over the factors' elements) or ``"stein"``
-            (Σ⁻¹(x − m)∇ log fᵀ, no second derivatives).
-        rng_key: a ``jax.random`` key, ``jax.random.PRNGKey`` key data or an int seed (the
-            k-means++ starts of mixtures, Monte Carlo draws).
-        tol: convergence tolerance on the relative ELBO change (default 1e-8 in float64,
-            1e-5 in float32); natural parameters must also move less than ``sqrt(tol)``.
-            An argument of the compiled loop: a refit with another ``tol`` compiles nothing.
+        learning_rate: ρ, a float or a callable of the step number (default: per block).
+        schedule: ``"sequential"`` (default) or ``"parallel"``.
+        families: site → family name overrides (``"grid"``: integrate a scale on a grid).
+        structure: ``"joint"``, ``"mean-field"`` or None (by the Gaussian latents' dimension).
+        point: sites fitted by the delta method (Laplace's approximation).
+        mc_curvature: the curvature estimator of Monte Carlo messages (default ``"auto"``).
+        rng_key: a ``jax.random`` key, raw key data or an int seed.
+        tol: relative ELBO change for convergence (default 1e-8 in float64, 1e-5 in float32).
         progress_bar: show a progress bar.
-        prior: a previous fit's :class:`BLRResult`, whose posterior replaces the model's
-            prior (online / sequential Bayes: fit the new data only). Each *global* block
-            (no site in a plate that also holds an observed site) fitted before with the
-            same family and shape takes its previous posterior q_prev as its prior: its
-            sites' own prior factors and its ``"<block>:jacobian"`` term are replaced by the
-            exact constant message λ_prev, and the ELBO uses E_q[log q_prev]. *Local*
-            latents (per-datum, e.g. mixture assignments) belong to the old data and keep
-            the model's prior, as do blocks the previous fit does not have. The prior's
-            dependence on other latents is dropped (assumed-density filtering: q_prev is a
-            product over blocks). Successive updates with data of the same shapes reuse one
-            compiled fit. See :mod:`blrppl.online`.
-        point_space: where the ``point`` latents are point estimates: ``"unconstrained"``
-            (default; their log|det J| term is kept, so the fit is the mode and Laplace's
-            approximation on the unconstrained space) or ``"constrained"`` (no log|det J|
-            term: the mode of the density in the site's own space, what numpyro's AutoDelta
-            fits). ``numpyro.param`` sites are always point estimates in their own
-            (constrained) space: the fit maximises the model's log density over them
-            (Newton's method to convergence in every sweep), with the other latents'
-            posteriors fitted as usual, so a model whose latents are enumerated and whose
-            continuous quantities are params is fitted by EM; ``result.point_estimates()``
-            returns their values.
-        iterate_average: under subsampling, report for the global latents the average of
-            their natural parameters over the last half to three quarters of the run with
-            weights ∝ t + 1 (Polyak–Ruppert tail averaging: several times closer to the
-            full-batch fit than the last iterate, whose minibatch noise decays only like
-            ρ_t); ``False`` reports the last iterate. No effect without subsampled plates.
-        num_starts: fits from this many starting points, keeping the one with the best final
-            ELBO (the others reuse the compiled fit). With enumerated discrete latents (e.g.
-            a mixture's assignments) the first start takes an E-step under the prior means
-            (the prior's order of the components), or k-means++ seeds among the observations
-            when the prior cannot tell the components apart; the others start from k-means++
-            seeds of their own (see :mod:`blrppl.engine.start`).
+        prior: a previous fit's :class:`BLRResult` whose posterior replaces the prior (online).
+        point_space: ``"unconstrained"`` (default) or ``"constrained"`` point estimates.
+        iterate_average: under subsampling, report the tail average of the global latents.
+        num_starts: fit from this many starting points and keep the best final ELBO.
 
     Returns:
         :class:`blrppl.BLRResult`.

@@ -3,7 +3,7 @@
 ``BLR(model)`` fits the candidate posterior :func:`blrppl.blr_fit` would choose and exposes
 it as a guide (``svi.guide``) with parameters (``svi.get_params(state)``);
 ``BLR(model, guide=AutoNormal(model))`` fits the autoguide's own family and returns the
-autoguide's parameters (see :mod:`blrppl.autoguides`), so that the rest of a pipeline
+autoguide's parameters (see :mod:`blrppl.posterior.autoguides`), so that the rest of a pipeline
 written for ``SVI`` (``Predictive``, ``guide.sample_posterior``, ``guide.median``,
 ``guide.quantiles``, ``psis_diagnostic``) keeps working.
 
@@ -23,14 +23,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from blrppl import autoguides
-from blrppl.engine import fit
+from blrppl.engine.prepare import prepare as prepare_fit
+from blrppl.engine.run import run as run_fit
 from blrppl.engine.step import BLRState
 from blrppl.errors import BLRError, UnsupportedGuideError, out_of_memory_as_error
 from blrppl.graph.data import DataSpec, host_array, split_run_data
 from blrppl.model.trace import trace_model
-from blrppl.guide import PlanGuide, plan_params
 from blrppl.inputs import DEFAULT_NUM_STEPS, as_key, call_arguments, fit_options
+from blrppl.posterior import autoguides
+from blrppl.posterior.guide import PlanGuide, plan_params
 
 #: keywords of ``blr_fit`` that ``BLR`` accepts as options
 OPTIONS = (
@@ -90,7 +91,7 @@ class BLR:
     Args:
         model: a NumPyro model.
         guide: ``None`` (the candidate posterior blrppl chooses; ``self.guide`` is its
-            guide) or one of the autoguides in :data:`blrppl.autoguides.SUPPORTED`, whose
+            guide) or one of the autoguides in :data:`blrppl.posterior.autoguides.SUPPORTED`, whose
             family is then fitted.
         **options: keywords of :func:`blrppl.blr_fit` (``learning_rate``, ``schedule``,
             ``families``, ``structure``, ``point``, ``mc_curvature``, ``tol``,
@@ -98,7 +99,7 @@ class BLR:
 
     Attributes:
         guide: the guide to pass to ``Predictive`` (the autoguide given, or a
-            :class:`blrppl.guide.PlanGuide` filled in by ``init``).
+            :class:`blrppl.posterior.guide.PlanGuide` filled in by ``init``).
         result: the :class:`blrppl.BLRResult` of the last ``run``.
     """
 
@@ -157,7 +158,7 @@ class BLR:
             init_values = dict(init_params)
         checked = fit_options(num_steps=num_steps, **options)
         with out_of_memory_as_error("compiling the fit"):
-            self._prepared = fit.prepare(self.model, args, kwargs, checked, rng_key, init_values=init_values)
+            self._prepared = prepare_fit(self.model, args, kwargs, checked, rng_key, init_values=init_values)
         self._checked = _arrays_of(args, kwargs)
         if self._autoguide is None:
             self.guide.plan = self._prepared.plan
@@ -320,7 +321,7 @@ class BLR:
             init_state = init_state._replace(elbo=jnp.full_like(init_state.elbo, jnp.nan))
         state = prepared.state if init_state is None else init_state
         with out_of_memory_as_error("the fit"):
-            result = fit.run(prepared, state, num_steps, progress_bar)
+            result = run_fit(prepared, state, num_steps, progress_bar)
         self.result = result
         params = self.get_params(result.state)
         if self._autoguide is None:

@@ -27,7 +27,7 @@ import pytest
 from jax import random
 
 import reference_models as rm
-from blrppl.engine.fit import init_nat, plan_model
+from blrppl.engine.build import init_nat, plan_model
 from blrppl.estimators import bilinear
 from blrppl.families.gaussian import GaussianDense, GaussianNat
 from blrppl.model.trace import trace_model

@@ -17,7 +17,7 @@ import numpyro.distributions as dist
 import pytest
 from numpyro.contrib.control_flow import scan
 
-import blrppl.engine.fit as fit_module
+import blrppl.engine.build as build_module
 from checks import fresh_fit
 from blrppl.engine import loop as engine_loop
 
@@ -70,7 +70,7 @@ def _fit(model, args, carry: bool, monkeypatch, search: bool = True):
         options["first_search"] = options.get("first_search", False) and search
         return engine_loop.make_chunk(*a, **options)
 
-    monkeypatch.setattr(fit_module, "make_chunk", chunk)
+    monkeypatch.setattr(build_module, "make_chunk", chunk)
     return fresh_fit(model, args, monkeypatch, num_steps=25)
 
 

@@ -233,7 +233,9 @@ def test_data_statistics_of_priors_compile_no_program_of_their_own(monkeypatch):
     """A Gaussian prior's data statistics read no data: computed inside the fit's programs
     (no program compiled for them before the first step), with the same posterior as when
     they are precomputed."""
-    import blrppl.engine.fit as fit
+    import blrppl.engine.build as build
+    from blrppl.engine import prepare as prepare_module
+    from blrppl.engine import run as run_module
 
     # (30 intercepts with μ_a and b: a joint block of 32 scalars, large enough for statistics)
     rng = np.random.default_rng(4)
@@ -246,24 +248,24 @@ def test_data_statistics_of_priors_compile_no_program_of_their_own(monkeypatch):
     def model(county, x, num_counties, y=None):  # a new function: not in the compiled-fit cache
         random_intercepts_model(county, x, num_counties, y)
 
-    prepared = fit.prepare(model, (), data, fit_options(), random.PRNGKey(0))
+    prepared = prepare_module.prepare(model, (), data, fit_options(), random.PRNGKey(0))
     gram_factors = [f.name for f in prepared.plan.factors if f.gram_block]
     assert gram_factors and prepared.bundle.statistics_fn is None  # all of them read no data
     assert prepared.bundle._statistics_compiled is None  # (no program of their own)
     assert prepared.compile_counts.xla_compilations <= 2
-    result = fit.run(prepared, prepared.state, 1000, False)
+    result = run_module.run(prepared, prepared.state, 1000, False)
 
     def model2(county, x, num_counties, y=None):
         random_intercepts_model(county, x, num_counties, y)
 
-    original = fit._statistics_fns
+    original = build._statistics_fns
 
     def all_precomputed(plan, fns, data):  # (as before: computed once, before the loop)
         varying, constant = original(plan, fns, data)
         assert varying is None and constant is not None
         return constant, None
 
-    monkeypatch.setattr(fit, "_statistics_fns", all_precomputed)
+    monkeypatch.setattr(build, "_statistics_fns", all_precomputed)
     reference = blr_fit(model2, data, rng_key=random.PRNGKey(0), progress_bar=False)
     for name in ("mu_a", "b", "a"):
         np.testing.assert_allclose(result.posterior[name].mean, reference.posterior[name].mean, rtol=1e-10, atol=1e-12)

@@ -1,4 +1,4 @@
-"""PSIS k̂ on every fit (``blrppl/diagnostics.py``): the estimator on weights with a known tail,
+"""PSIS k̂ on every fit (``blrppl/posterior/diagnostics.py``): the estimator on weights with a known tail,
 and the fits it must pass (exact and close posteriors) and flag (a funnel, a multimodal
 posterior q cannot hold)."""
 
@@ -19,10 +19,10 @@ from numpyro.contrib.control_flow import scan
 import reference_models as rm
 from blrppl import blr_fit
 from blrppl.api import plan_of
-from blrppl.diagnostics import (
+from blrppl.posterior.diagnostics import (
     ESS_CLOSE, ESS_POOR, KHAT_WARN, NUM_DRAWS, VMAP_ALL, draws_at_once, num_draws, psis_khat, relative_ess,
 )
-from blrppl.engine.fit import poor_q_advice
+from blrppl.engine.advice import poor_q_advice
 
 numpyro.enable_x64()
 
@@ -311,7 +311,7 @@ def test_noise_of_a_window_with_an_infinite_elbo_is_nan_without_numpy_warnings()
     numpy's 'invalid value encountered in subtract' (∞ − ∞ in np.std) reached the user."""
     from types import SimpleNamespace
 
-    from blrppl.engine import fit as fit_module
+    from blrppl.engine import run as run_module
 
     prepared = SimpleNamespace(
         bundle=SimpleNamespace(window=4, log_weights_fn=None), plan=SimpleNamespace(subsampled=("n",))
@@ -319,10 +319,10 @@ def test_noise_of_a_window_with_an_infinite_elbo_is_nan_without_numpy_warnings()
     outcome = SimpleNamespace(elbo=np.array([-5.0, -4.0, -np.inf, -3.0, -np.inf]), rejected_steps=2)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        diagnostics = fit_module._diagnose(prepared, outcome, None)
+        diagnostics = run_module._diagnose(prepared, outcome, None)
     assert math.isnan(diagnostics.elbo_noise) and math.isnan(diagnostics.elbo_rel_change)
     outcome.elbo = np.array([-5.0, -4.0, -3.5, -3.0, -3.25])
-    assert fit_module._diagnose(prepared, outcome, None).elbo_noise == pytest.approx(np.std([-4.0, -3.5, -3.0, -3.25]))
+    assert run_module._diagnose(prepared, outcome, None).elbo_noise == pytest.approx(np.std([-4.0, -3.5, -3.0, -3.25]))
 
 
 @pytest.mark.parametrize(
@@ -339,7 +339,7 @@ def test_noise_of_a_window_with_an_infinite_elbo_is_nan_without_numpy_warnings()
     ],
 )
 def test_divergence_note_compares_the_last_elbo_with_the_best(elbo, fell_from):
-    from blrppl.engine.fit import divergence_note
+    from blrppl.engine.advice import divergence_note
 
     note = divergence_note(np.array(elbo))
     if fell_from is None:
@@ -351,15 +351,15 @@ def test_divergence_note_compares_the_last_elbo_with_the_best(elbo, fell_from):
 def test_a_fit_whose_elbo_ran_away_warns_that_it_diverged(monkeypatch):
     """The outcome of the steps given a diverging ELBO path: the result's message and a
     warning at the caller's line say so."""
-    from blrppl.engine import fit as fit_module
+    from blrppl.engine import run as run_module
 
-    real = fit_module.run_loop
+    real = run_module.run_loop
 
     def diverging(*args, **kwargs):
         outcome = real(*args, **kwargs)
         return outcome._replace(elbo=np.array([-12.0, -11.0, -3e5]), num_steps=3)
 
-    monkeypatch.setattr(fit_module, "run_loop", diverging)
+    monkeypatch.setattr(run_module, "run_loop", diverging)
 
     def model(y):
         mu = numpyro.sample("mu", dist.Normal(0.0, 10.0))

@@ -16,11 +16,12 @@ import numpyro
 import numpyro.distributions as dist
 import pytest
 
-import blrppl.engine.fit as api
+import blrppl.engine.build as build
+import blrppl.engine.run as run_module
 from blrppl.api import blr_fit
 from blrppl.engine import loop as engine_loop
 from blrppl.engine import step as engine_step
-from blrppl.export import site_distribution
+from blrppl.posterior.export import site_distribution
 
 M0, S0, SIGMA = 1.0, 2.0, 0.5
 
@@ -39,7 +40,7 @@ def exact(y):
 @pytest.fixture(scope="module")
 def captured():
     """Run blr_fit once with counting wrappers around make_step / make_chunk / run_loop."""
-    assert api.make_step is engine_step.make_step and api.make_chunk is engine_loop.make_chunk
+    assert build.make_step is engine_step.make_step and build.make_chunk is engine_loop.make_chunk
     traces = {"count": 0}
     got = {}
 
@@ -68,9 +69,9 @@ def captured():
     mp = pytest.MonkeyPatch()
     # (the program store off: a fit stored by an earlier run of this test is loaded, not traced)
     mp.setenv("BLRPPL_COMPILATION_CACHE", "0")
-    mp.setattr(api, "make_step", counting_make_step)
-    mp.setattr(api, "make_chunk", capturing_make_chunk)
-    mp.setattr(api, "run_loop", capturing_run_loop)
+    mp.setattr(build, "make_step", counting_make_step)
+    mp.setattr(build, "make_chunk", capturing_make_chunk)
+    mp.setattr(run_module, "run_loop", capturing_run_loop)
     try:
         y = 3.0 + SIGMA * np.random.default_rng(0).normal(size=20)
         result = blr_fit(

@@ -24,7 +24,8 @@ from blrppl.errors import (
     UnsupportedLatentError,
     is_out_of_memory,
 )
-from blrppl.engine import fit as fit_module
+from blrppl.engine import build as build_module
+from blrppl.engine import run as run_module
 from blrppl.graph import markov
 
 
@@ -515,7 +516,7 @@ def _raise(exc):
 
 
 def test_out_of_memory_in_the_steps_is_a_resource_error(out_of_memory, monkeypatch):
-    monkeypatch.setattr(fit_module, "run_loop", _raise(out_of_memory))
+    monkeypatch.setattr(run_module, "run_loop", _raise(out_of_memory))
     with pytest.raises(ResourceError, match="the fit needs more memory than this machine has"):
         fit(normal_gamma, (Y,))
 
@@ -526,7 +527,7 @@ def test_out_of_memory_in_the_psis_check_returns_the_fit_with_a_warning(out_of_m
         with numpyro.plate("n", y.shape[0]):
             numpyro.sample("y", dist.StudentT(4.0, 0.0, s), obs=y)
 
-    monkeypatch.setattr(fit_module.CompiledFit, "log_weights", _raise(out_of_memory))
+    monkeypatch.setattr(build_module.CompiledFit, "log_weights", _raise(out_of_memory))
     with pytest.warns(UserWarning, match="PSIS k-hat not computed: the model's log density at q's draws needs more") as caught:
         result = fit(model, (Y,))
     # (pointing at the user's call, as blr_fit's other warnings do)
@@ -555,6 +556,6 @@ def test_out_of_memory_while_probing_what_each_element_reads_names_the_site(out_
 
 def test_out_of_memory_in_blr_run_is_a_resource_error(out_of_memory, monkeypatch):
     """``BLR`` (the drop-in for numpyro's SVI) runs the same loop: the same error."""
-    monkeypatch.setattr(fit_module, "run_loop", _raise(out_of_memory))
+    monkeypatch.setattr(run_module, "run_loop", _raise(out_of_memory))
     with pytest.raises(ResourceError, match="the fit needs more memory"):
         blrppl.BLR(normal_gamma).run(jax.random.key(0), 10, Y, progress_bar=False)

@@ -7,7 +7,7 @@ import numpyro
 import numpyro.distributions as dist
 import pytest
 
-import blrppl.engine.fit as api
+import blrppl.engine.cache as cache
 from blrppl import BLRError, blr_fit
 
 A0, B0, MU0, LAM0 = 2.0, 1.0, 0.0, 0.5
@@ -78,14 +78,14 @@ def test_num_steps_caps_the_run():
 def test_second_fit_with_new_data_reuses_the_compiled_fit_and_is_exact():
     y2 = Y[::-1] * 0.5 + 3.0
     first = blr_fit(normal_gamma, {"y": Y}, tol=1e-14, progress_bar=False)
-    size = len(api._CACHE)
+    size = len(cache._CACHE)
     second = blr_fit(normal_gamma, {"y": y2}, tol=1e-14, progress_bar=False)
-    assert len(api._CACHE) == size  # no new compiled fit
+    assert len(cache._CACHE) == size  # no new compiled fit
     check_fixed_point(first, Y)
     check_fixed_point(second, y2)
     # a new data shape compiles anew
     blr_fit(normal_gamma, {"y": Y[:10]}, tol=1e-14, progress_bar=False)
-    assert len(api._CACHE) == min(size + 1, api.CACHE_SIZE)
+    assert len(cache._CACHE) == min(size + 1, cache.CACHE_SIZE)
 
 
 def test_mask_inside_to_event_equals_fit_on_the_kept_values():

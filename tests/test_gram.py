@@ -175,7 +175,7 @@ def test_prior_on_a_plated_blocks_own_values_reads_means_and_variances():
     """E[Σ_e log N(x_e | loc_e, s_e²)] = Σ_e (−((m_e − loc_e)² + v_e) / (2 s_e²) − log s_e
     − ½ log 2π), with m_e and v_e each element's mean and variance under q: the statistics
     give the definition at random rows' means and covariances, in both layouts."""
-    from blrppl.engine.fit import plan_model
+    from blrppl.engine.build import plan_model
     from blrppl.families.gaussian import GaussianNat
     from blrppl.model.trace import trace_model
     from blrppl.inputs import fit_options, model_arguments

@@ -514,7 +514,7 @@ def test_small_data_with_dense_elements_gets_optimised_code(n, m, d, level):
     """4,000 entries of X @ C.T with D = 8 are 256,000 products a step: compiled at level 1
     (elementwise loops 2–4× faster for little more compiling); 180 entries with D = 4 at 0."""
     import blrppl.graph.data as gd
-    from blrppl.engine.fit import _dense_work, _elementwise_work
+    from blrppl.engine.build import _dense_work, _elementwise_work
     from blrppl.compiler.pipeline import compile_model
 
     Y = np.random.default_rng(0).normal(size=(n, m))

@@ -126,7 +126,7 @@ def test_a_factor_reading_some_members_of_a_joint_block_integrates_over_them_onl
     the tolerance; measured: parameters within 3e-14)."""
     import collections
 
-    import blrppl.engine.fit as fit_module
+    import blrppl.engine.cache as cache_module
     import blrppl.compiler.classify as compile_module
 
     rng = np.random.default_rng(0)
@@ -135,7 +135,7 @@ def test_a_factor_reading_some_members_of_a_joint_block_integrates_over_them_onl
     reads = {f.name: f.grid_positions for f in marginal.plan.factors if f.estimator == "quadrature"}
     assert reads["seen"] == (("(phi, rho)", (0,)),) and reads["caught"] == (("(phi, rho)", (1,)),), reads
     monkeypatch.setattr(compile_module, "_grid_positions", lambda *_: {})
-    monkeypatch.setattr(fit_module, "_CACHE", collections.OrderedDict())  # (compiled again)
+    monkeypatch.setattr(cache_module, "_CACHE", collections.OrderedDict())  # (compiled again)
     whole = blr_fit(two_rates, (seen, caught), rng_key=random.PRNGKey(0), progress_bar=False)
     assert all(not f.grid_positions for f in whole.plan.factors)
     assert marginal.num_steps == whole.num_steps

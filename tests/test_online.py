@@ -27,7 +27,7 @@ import pytest
 from scipy.special import gammaln, betaln
 from scipy.stats import multivariate_normal
 
-import blrppl.engine.fit as api
+import blrppl.engine.build as build
 from blrppl.api import blr_fit
 from blrppl.errors import BLRError, OnlinePriorError
 from blrppl.graph.plan import FactorRole
@@ -240,9 +240,9 @@ def fits(request):
     online = fit(case.model, second, prior=previous)
     batch = fit(case.model, case.data)
     compiles = []
-    original = api._compile
+    original = build.compile_fit
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(api, "_compile", lambda *a, **k: compiles.append(a[0]) or original(*a, **k))
+        patch.setattr(build, "compile_fit", lambda *a, **k: compiles.append(a[0]) or original(*a, **k))
         parts = split(case.data, 3)
         chain = [fit(case.model, parts[0])]
         for part in parts[1:]:

@@ -191,7 +191,7 @@ def test_factor_model_steps_equal_with_and_without_the_contraction(monkeypatch):
     :mod:`blrppl.estimators.gram`, kept out: they read neither)."""
     import blrppl.moments.linearised as linearised
     from blrppl.estimators import bilinear, gram
-    from blrppl.engine.fit import init_nat, plan_model
+    from blrppl.engine.build import init_nat, plan_model
     from blrppl.engine.step import initial_state, make_step
     from blrppl.model.trace import trace_model
     from blrppl.inputs import fit_options, model_arguments

@@ -17,7 +17,7 @@ import numpyro.distributions as dist
 import pytest
 from jax import random
 
-from blrppl.engine import fit as engine
+from blrppl.engine import cache as engine
 from blrppl.api import blr_fit, plan_of
 from blrppl.bench.runner import ar2_loop_model as ar2_unknown_scale  # the bench's AR(2): a1, a2, sigma
 from blrppl.graph import stack

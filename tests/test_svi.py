@@ -11,7 +11,7 @@ from numpyro.infer import autoguide as ag
 from numpyro.infer.importance import psis_diagnostic
 
 from blrppl import BLR, BLRError, UnsupportedGuideError, blr_fit
-from blrppl.autoguides import low_rank
+from blrppl.posterior.autoguides import low_rank
 
 NOISE = 0.5
 PRIOR_SD = 2.0

@@ -80,7 +80,7 @@ def test_cache_sees_module_globals():
 
 
 def test_cache_sees_closures_and_reuses_identical_programs():
-    import blrppl.engine.fit as api
+    import blrppl.engine.cache as cache
 
     def make(scale):
         def model(y):
@@ -96,9 +96,9 @@ def test_cache_sees_closures_and_reuses_identical_programs():
     # the same model with new data of the same shape reuses its compiled fit
     model = make(2.0)
     fit(model, {"y": Y})
-    size = len(api._CACHE)
+    size = len(cache._CACHE)
     q = fit(model, {"y": Y + 1.0}).posterior["mu"]
-    assert len(api._CACHE) == size
+    assert len(cache._CACHE) == size
     np.testing.assert_allclose([q.mean, q.variance], exact_normal(Y + 1.0, 2.0), rtol=1e-10)
 
 

@@ -309,7 +309,7 @@ def test_the_loop_of_a_wishart_plan_compiles_optimised(gmm_fits):
     optimised however small its data; without the Wishart block the same plan would not."""
     import dataclasses
 
-    from blrppl.engine.fit import _step_work
+    from blrppl.engine.build import _step_work
     from blrppl.graph.data import SMALL_DATA
 
     _, fit, _ = gmm_fits

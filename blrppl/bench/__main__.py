@@ -36,9 +36,9 @@ def _clear_compiled():
 
     import jax
 
-    from blrppl.engine import fit as api
+    from blrppl.engine import cache
 
-    api._CACHE.clear()
+    cache.clear()
     jax.clear_caches()
     gc.collect()
 

@@ -56,12 +56,14 @@ import numpyro
 import numpyro.distributions as dist
 from numpyro.distributions.transforms import biject_to
 
-from blrppl.diagnostics import psis_khat
-from blrppl.engine.fit import _model_data, _one_exact_block, finish, prepare
+from blrppl.engine.build import model_data, one_exact_block
 from blrppl.engine.loop import NONFINITE, run_loop
+from blrppl.engine.prepare import prepare
+from blrppl.engine.run import finish
 from blrppl.errors import BLRError, FamilyError
 from blrppl.graph.data import DataSpec
 from blrppl.inputs import host_fold_in
+from blrppl.posterior.diagnostics import psis_khat
 
 #: the family name that asks for a site to be integrated on a grid
 GRID = "grid"
@@ -227,7 +229,7 @@ class _Profile:
         the ELBO's gap, KL(q ‖ p(x | y, θ)), varies with θ: a stochastic volatility's
         grows with its shock size, which biased the shock size's mean down by 0.12 NUTS sd."""
         bundle = self.prepared.bundle
-        log_w = np.asarray(bundle.log_weights(nat, _model_data(self.prepared.plan, data), jax.random.key(0)), float)
+        log_w = np.asarray(bundle.log_weights(nat, model_data(self.prepared.plan, data), jax.random.key(0)), float)
         log_w = log_w[np.isfinite(log_w)]
         if log_w.size == 0:
             return -math.inf, math.inf
@@ -270,23 +272,13 @@ def _newton(profile, u, scale):
 
 def grid_fit(model, args, kwargs, options, key, sites):
     """``blr_fit`` with ``sites`` integrated on a grid (see the module docstring): the model's
-    arguments, its checked :class:`blrppl.inputs.FitOptions` and key, the grid's sites."""
+    arguments, its checked :class:`blrppl.inputs.FitOptions` and key, the grid's sites.
+
+    (Its warnings are issued here, not in a helper: they point at the line that called
+    ``blr_fit``.)"""
     t1 = time.perf_counter()
     families = {s: f for s, f in options.families if f != GRID}
-    # the model with the scales as latents, each in a block of its own: its plan and its
-    # families are the result's, its fit the grid's first guess
-    as_latents = {**families, **{s: "gaussian" for s in sites}}
-    base_options = dataclasses.replace(options, families=tuple(sorted(as_latents.items())))
-    try:
-        base = prepare(model, args, kwargs, base_options, key)
-    except FamilyError as err:
-        if err.site in sites and "cannot represent" in str(err):  # (the Gaussian asked for here)
-            raise BLRError(
-                f"families={{'{err.site}': 'grid'}}: only a continuous scalar latent (a scale, a rate, a "
-                f"persistence) can be integrated on a grid; '{err.site}' is not one",
-                site=err.site,
-            ) from None
-        raise
+    base = _prepare_as_latents(model, args, kwargs, options, key, sites, families)
     checked = _check_sites(sites, base.plan, base.records)
     if base.plan.subsampled:
         raise BLRError(
@@ -305,10 +297,60 @@ def grid_fit(model, args, kwargs, options, key, sites):
         listed = ", ".join(repr(s) for s in sites)
         result.message += f"; {listed} not integrated on a grid: the fit with them as latents reached no finite ELBO"
         return result
+    profile, mode, cov, weighted = _locate_mode(model, args, kwargs, options, key, sites, families, checked, base, outcome)
+    d = len(sites)
+    us, weights, values, edge, half = _evaluate_grid(profile, mode, cov, weighted, sites)
+    spacing = GRID_STEP[d] * (half / HALF_WIDTH if d > 1 else 1.0)  # (in Laplace sds: see _grid_points)
+    widths = [spacing * math.sqrt(cov[i, i]) / 8 for i in range(d)]
+    nat = dict(outcome.state.nat)
+    _match_scales(nat, checked, weights, us, widths)
+    if 1.0 / np.sum(weights**2) < 3.0:
+        warnings.warn(
+            f"blr_fit: the grid of {', '.join(sites)} puts its weight on fewer than 3 of its points (the posterior "
+            "is narrower than the curvature at its mode said): its marginal is coarse; compare with NUTS",
+            UserWarning,
+            stacklevel=3,
+        )
+    cond_blocks = {b.name: b for b in profile.prepared.plan.blocks}
+    unmatched, drawn = _match_others(nat, base.plan, cond_blocks, checked, weights, [v[1] for v in values], key)
+    note = _grid_note(sites, us, weights, profile.fits, weighted, drawn, unmatched)
+    if np.max(weights[edge]) > EDGE_WEIGHT * np.max(weights):
+        warnings.warn(
+            f"blr_fit: the grid of {', '.join(sites)} still carries weight at its edge after widening it "
+            f"{WIDENINGS} times: the posterior of the scales has heavy tails the grid cuts", UserWarning, stacklevel=3,
+        )
+    t2 = time.perf_counter()
+    result = finish(base, outcome, nat, options.num_steps, t1, t2, grid=note)
+    for i, (site, (_, transform)) in enumerate(zip(sites, checked)):
+        result.posterior[site] = _grid_marginal(us[:, i], weights, widths[i], transform)
+    return result
+
+
+def _prepare_as_latents(model, args, kwargs, options, key, sites, families):
+    """The fit of the model with the scales as latents, each in a block of its own: its plan
+    and its families are the result's, its fit the grid's first guess."""
+    as_latents = {**families, **{s: "gaussian" for s in sites}}
+    base_options = dataclasses.replace(options, families=tuple(sorted(as_latents.items())))
+    try:
+        return prepare(model, args, kwargs, base_options, key)
+    except FamilyError as err:
+        if err.site in sites and "cannot represent" in str(err):  # (the Gaussian asked for here)
+            raise BLRError(
+                f"families={{'{err.site}': 'grid'}}: only a continuous scalar latent (a scale, a rate, a "
+                f"persistence) can be integrated on a grid; '{err.site}' is not one",
+                site=err.site,
+            ) from None
+        raise
+
+
+def _locate_mode(model, args, kwargs, options, key, sites, families, checked, base, outcome):
+    """``(profile, mode, cov, weighted)``: the profile ℓ of the model with the scales fixed
+    (one compiled fit, run at every grid point), its mode and curvature located by Newton
+    steps from the fit with the scales as latents (``outcome``), and whether ℓ reads the
+    importance-weighted bound."""
     views = [b.family.view(outcome.state.nat[b.name]) for b, _ in checked]
     u0 = np.array([float(np.ravel(v.mean)[0]) for v in views])
     sd0 = np.array([math.sqrt(float(np.ravel(b.family.marginal_variance(v))[0])) for (b, _), v in zip(checked, views)])
-    # the model with the scales fixed: one compiled fit, run at every grid point
     cond_options = dataclasses.replace(options, families=tuple(sorted(families.items())))
     cond_kwargs = {**kwargs, "_blr_grid": np.asarray([t(jnp.asarray(x)) for (_, t), x in zip(checked, u0)])}
     cond = prepare(_conditioned(model, sites), args, cond_kwargs, cond_options, key)
@@ -325,18 +367,23 @@ def grid_fit(model, args, kwargs, options, key, sites):
     # block, solved in closed form): its weights are all equal and the bound is the ELBO,
     # drawn for nothing (23 of the 29 s of a 121-point grid of NumPyro's baseball pool)
     weighted = False
-    exact = len(cond.plan.blocks) == 1 and _one_exact_block(cond.plan) is not None
+    exact = len(cond.plan.blocks) == 1 and one_exact_block(cond.plan) is not None
     if not exact and base.bundle.log_weights_fn is not None and cond.bundle.log_weights_fn is not None:
         at_mode = profile(mode)[1]
         if at_mode is not None:
             dyn = DataSpec.split(args, {**kwargs, "_blr_grid": profile.thetas(mode)})[1]
             weighted = profile.weighted(at_mode, cond.bundle.run_data(dyn))[1] <= KHAT_RELIABLE
+    return profile, mode, cov, weighted
+
+
+def _evaluate_grid(profile, mode, cov, weighted, sites):
+    """``(points, weights, profile values, edge mask, half-width)`` of the grid around the
+    mode, widened (× 1.5, at most :data:`WIDENINGS` times) while its edge carries weight."""
     evals, vals = np.linalg.eigh(cov)
     root = vals * np.sqrt(np.maximum(evals, 0.0))
-    d = len(sites)
     half = HALF_WIDTH
     for widening in range(WIDENINGS + 1):
-        zs = _grid_points(d, half)
+        zs = _grid_points(len(sites), half)
         us = mode + zs @ root.T
         values = [profile(u, weighted) for u in us]
         logp = np.array([v[0] for v in values])
@@ -347,29 +394,27 @@ def grid_fit(model, args, kwargs, options, key, sites):
         if np.max(weights[edge]) <= EDGE_WEIGHT or widening == WIDENINGS:
             break
         half *= 1.5
-    weights = weights / weights.sum()
-    spacing = GRID_STEP[d] * (half / HALF_WIDTH if d > 1 else 1.0)  # (in Laplace sds: see _grid_points)
-    widths = [spacing * math.sqrt(cov[i, i]) / 8 for i in range(d)]
-    nat = dict(outcome.state.nat)
+    return us, weights / weights.sum(), values, edge, half
+
+
+def _match_scales(nat, checked, weights, us, widths) -> None:
+    """Set each scale's block in ``nat`` to the moment match of the grid (its kernel,
+    N(u_k, width²), as the two points u_k ± width: a positive variance even when one point
+    holds all the weight)."""
     for i, (block, _) in enumerate(checked):
-        # (the grid's kernel, N(u_k, width²), as the two points u_k ± width: a positive
-        # variance even when one point holds all the weight)
         shape = jnp.shape(jax.tree.leaves(nat[block.name])[0])  # (the mean's: η₁ = S m)
         points = [(w / 2, u[i] + sign * widths[i]) for w, u in zip(weights, us) for sign in (-1.0, 1.0)]
         stats = [block.family.sufficient_stats(jnp.full(shape, x, jnp.result_type(float))) for _, x in points]
         nat[block.name] = _moment_match(block.family, [w for w, _ in points], stats)
-    if 1.0 / np.sum(weights**2) < 3.0:
-        warnings.warn(
-            f"blr_fit: the grid of {', '.join(sites)} puts its weight on fewer than 3 of its points (the posterior "
-            "is narrower than the curvature at its mode said): its marginal is coarse; compare with NUTS",
-            UserWarning,
-            stacklevel=3,
-        )
-    cond_blocks = {b.name: b for b in cond.plan.blocks}
-    nats = [v[1] for v in values]
+
+
+def _match_others(nat, plan, cond_blocks, checked, weights, nats, key) -> tuple:
+    """Set every other block of ``plan`` in ``nat`` from the grid points' fits ``nats`` (see
+    the module docstring); returns ``(unmatched, drawn)``, the blocks that report the fit
+    with the scales as latents and those moment-matched from draws."""
     mode_nat = nats[int(np.argmax(weights))]
     unmatched, drawn = [], []
-    for b in base.plan.blocks:
+    for b in plan.blocks:
         if any(b is c for c, _ in checked):
             continue
         c = cond_blocks.get(b.name)
@@ -393,10 +438,16 @@ def grid_fit(model, args, kwargs, options, key, sites):
                 nat[b.name] = _moment_match(b.family, weights, means)
             except NotImplementedError:  # (a family without a map from mean parameters)
                 nat[b.name] = mode_nat[b.name]
+    return unmatched, drawn
+
+
+def _grid_note(sites, us, weights, fits, weighted, drawn, unmatched) -> str:
+    """The result message's note of the scales integrated on a grid."""
+    d = len(sites)
     moments = [(float(np.sum(weights * us[:, i])), float(np.sum(weights * us[:, i] ** 2))) for i in range(d)]
     spread = ", ".join(f"'{s}' {m:.4g} ± {math.sqrt(max(m2 - m * m, 0.0)):.3g}" for s, (m, m2) in zip(sites, moments))
     note = (
-        f"{', '.join(repr(s) for s in sites)} integrated on a grid of {len(us)} points ({profile.fits} fits with "
+        f"{', '.join(repr(s) for s in sites)} integrated on a grid of {len(us)} points ({fits} fits with "
         f"{'it' if d == 1 else 'them'} fixed, read by their {'importance-weighted bounds' if weighted else 'ELBOs'}; "
         f"on the unconstrained scale {spread})"
     )
@@ -410,16 +461,7 @@ def grid_fit(model, args, kwargs, options, key, sites):
         note += (
             f"; the blocks {', '.join(unmatched)} differ with the scales fixed and report the fit with them as latents"
         )
-    if np.max(weights[edge]) > EDGE_WEIGHT * np.max(weights):
-        warnings.warn(
-            f"blr_fit: the grid of {', '.join(sites)} still carries weight at its edge after widening it "
-            f"{WIDENINGS} times: the posterior of the scales has heavy tails the grid cuts", UserWarning, stacklevel=3,
-        )
-    t2 = time.perf_counter()
-    result = finish(base, outcome, nat, options.num_steps, t1, t2, grid=note)
-    for i, (site, (_, transform)) in enumerate(zip(sites, checked)):
-        result.posterior[site] = _grid_marginal(us[:, i], weights, widths[i], transform)
-    return result
+    return note
 
 
 def _drawable(block) -> bool:

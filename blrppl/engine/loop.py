@@ -117,19 +117,9 @@ def make_chunk(
     the ELBO above the last, then the step again at the best damping (only scalars are
     carried: the best probe is computed once more, not kept).
     """
-    def windowed_converged(history, count, tol):
-        recent, previous = history[window:], history[:window]
-        diff = jnp.abs(recent.mean() - previous.mean())
-        se = jnp.sqrt((recent.var() + previous.var()) / window)
-        scale = jnp.maximum(1.0, jnp.abs(recent.mean()))
-        if epoch:
-            return (count >= 4 * window) & (jnp.mod(count, epoch) == 0) & (diff <= tol * scale)
-        return (count >= 4 * window) & ((diff <= tol * scale) | (diff <= 0.5 * se))
-
     def chunk(state, data, steps_left, rho, history, tol):
         dtype = jnp.result_type(float)
         tol = jnp.asarray(tol, dtype)
-        param_tol = jnp.sqrt(tol)
         buf = jnp.full((chunk_size,), jnp.nan, dtype)
         limit = jnp.minimum(steps_left, chunk_size)
         proper0 = {n: jnp.array(True) for n in blocks}
@@ -155,7 +145,7 @@ def make_chunk(
             return (i < limit) & (stop == CONTINUE)
 
         def body(carry):
-            st, i, buf, _, invalid, history, _, undone, (probing, best_elbo, best_damping) = carry
+            st, i, buf, _, invalid, history, _, undone, search = carry
             if rate_fn is not None:
                 rate = jnp.asarray(rate_fn(st.step))
                 bad_rate = ~(jnp.isfinite(rate) & (rate >= 0))
@@ -163,55 +153,16 @@ def make_chunk(
                 bad_rate = jnp.array(False)
             new, info = step(st, data, rho)
             finite = jnp.isfinite(info.elbo) & all_finite(new.nat)
-            accept = finite
             if window:
                 history = jnp.where(finite, jnp.roll(history, -1).at[-1].set(info.elbo), history)
-                conv = finite & info.valid & windowed_converged(history, new.step, tol)
+                accept, stationary = finite, None
+                conv = finite & info.valid & _windowed_converged(history, new.step, tol, window, epoch)
             else:
-                # backtracking: a step that lowers the (exact) ELBO is undone and ρ halved
-                known = jnp.isfinite(st.elbo)
-                drop = info.elbo < st.elbo - drop_slack(st.elbo) * jnp.maximum(1.0, jnp.abs(st.elbo))
-                accept = finite & ~(known & drop)
-                change = jnp.abs(info.elbo - st.elbo) <= tol * jnp.maximum(1.0, jnp.abs(info.elbo))
-                proper = jnp.all(jnp.stack([jnp.array(True)] + list(jax.tree.leaves(info.proper))))
-                # (the parameters' relative change, a reduction over all of them, only once
-                # the ELBO has settled)
-                settled = jax.lax.cond(
-                    change & known, lambda: relative_delta(st.nat, new.nat) <= param_tol, lambda: jnp.array(False)
-                )
-                if exact_block is not None and rate_fn is None:
-                    settled = settled | ((rho[exact_block] == 1.0) & (st.damping == 1.0))
-                history = jnp.where(accept, jnp.roll(history, -1).at[-1].set(info.elbo), history)
-                spread = jnp.max(history) - jnp.min(history)
-                flat = jnp.all(jnp.isfinite(history)) & (spread <= tol * jnp.maximum(1.0, jnp.abs(info.elbo)))
-                stationary = accept & info.valid & proper & flat & ~settled
-                conv = accept & info.valid & proper & (settled | flat)
-            # the first step's line search: every probe is undone; one that raises the ELBO
-            # above the best probe is recorded and the next probe halves ρ; the search ends at
-            # the first probe that does not (or at the floor), and the step is then computed
-            # again at the best damping (accepted: its ELBO did not drop)
-            better = probing & accept & (info.elbo > best_elbo)
-            ends = probing & jnp.isfinite(best_elbo) & (~better | (st.damping <= SEARCH_FLOOR))
-            best_damping = jnp.where(better, st.damping, best_damping)
-            best_elbo = jnp.where(better, info.elbo, best_elbo)
-            probe = probing
-            accept = accept & ~probing
-            conv = conv & ~probing
-            probing = probing & ~ends
+                exact_rho = rho[exact_block] if exact_block is not None and rate_fn is None else None
+                accept, conv, stationary, history = _exact_tests(st, new, info, finite, history, tol, exact_rho)
+            accept, conv, probe, ends, search = _line_search(search, st, info, accept, conv)
             accept = accept & ~bad_rate
-            # ρ grows back (×2, up to 1) after two accepted steps in a row: a damped step that
-            # worked right after a rejection does not restore the step that failed
-            streak = st.streak + 1
-            grown = jnp.where(streak >= 2, jnp.minimum(1.0, 2.0 * st.damping), st.damping)
-            rejected = st._replace(
-                step=jnp.where(probe, st.step, st.step + 1),
-                rng_key=new.rng_key,
-                damping=jnp.where(ends, best_damping, 0.5 * st.damping),
-                streak=jnp.zeros_like(st.streak),
-            )
-            new = jax.tree.map(
-                lambda a, b: jnp.where(accept, b, a), rejected, new._replace(damping=grown, streak=streak)
-            )
+            new = _accepted_or_rejected(st, new, accept, probe, ends, search[2])
             buf = buf.at[i].set(jnp.where(accept, info.elbo, st.elbo))
             stuck = ~accept & ~ends & (new.damping < MIN_DAMPING)
             converged_code = CONVERGED if window else jnp.where(stationary, STATIONARY, CONVERGED)
@@ -222,7 +173,6 @@ def make_chunk(
             i = i + jnp.where(stuck | bad_rate | probe, 0, 1).astype(jnp.int32)
             last_proper = info.proper if info.proper is not None else {}
             undone = undone + jnp.where(accept | bad_rate | probe, 0, 1).astype(jnp.int32)
-            search = (probing, best_elbo, best_damping)
             return new, i, buf, stop.astype(jnp.int32), invalid, history, last_proper, undone, search
 
         zero = jnp.zeros((), jnp.int32)
@@ -232,6 +182,75 @@ def make_chunk(
         return state, buf, n, stop, invalid, history, proper, undone
 
     return chunk
+
+
+def _windowed_converged(history, count, tol, window: int, epoch: int):
+    """The windowed-mean convergence test of Monte Carlo and minibatch ELBOs (see
+    :func:`make_chunk`) on the ring buffer ``history`` after ``count`` steps."""
+    recent, previous = history[window:], history[:window]
+    diff = jnp.abs(recent.mean() - previous.mean())
+    se = jnp.sqrt((recent.var() + previous.var()) / window)
+    scale = jnp.maximum(1.0, jnp.abs(recent.mean()))
+    if epoch:
+        return (count >= 4 * window) & (jnp.mod(count, epoch) == 0) & (diff <= tol * scale)
+    return (count >= 4 * window) & ((diff <= tol * scale) | (diff <= 0.5 * se))
+
+
+def _exact_tests(st, new, info, finite, history, tol, exact_rho):
+    """Backtracking and the convergence tests of exact ELBOs for the step ``st`` → ``new``:
+    ``(accept, converged, stationary, history)``. A step that lowers the ELBO is not
+    accepted (undone, ρ halved); ``exact_rho``: the ρ of the plan's only block when it is
+    conjugate (one step at ρ = 1 converges), else None."""
+    known = jnp.isfinite(st.elbo)
+    drop = info.elbo < st.elbo - drop_slack(st.elbo) * jnp.maximum(1.0, jnp.abs(st.elbo))
+    accept = finite & ~(known & drop)
+    change = jnp.abs(info.elbo - st.elbo) <= tol * jnp.maximum(1.0, jnp.abs(info.elbo))
+    proper = jnp.all(jnp.stack([jnp.array(True)] + list(jax.tree.leaves(info.proper))))
+    # (the parameters' relative change, a reduction over all of them, only once
+    # the ELBO has settled)
+    settled = jax.lax.cond(
+        change & known, lambda: relative_delta(st.nat, new.nat) <= jnp.sqrt(tol), lambda: jnp.array(False)
+    )
+    if exact_rho is not None:
+        settled = settled | ((exact_rho == 1.0) & (st.damping == 1.0))
+    history = jnp.where(accept, jnp.roll(history, -1).at[-1].set(info.elbo), history)
+    spread = jnp.max(history) - jnp.min(history)
+    flat = jnp.all(jnp.isfinite(history)) & (spread <= tol * jnp.maximum(1.0, jnp.abs(info.elbo)))
+    stationary = accept & info.valid & proper & flat & ~settled
+    conv = accept & info.valid & proper & (settled | flat)
+    return accept, conv, stationary, history
+
+
+def _line_search(search, st, info, accept, conv):
+    """The first step's line search: every probe is undone; one that raises the ELBO above
+    the best probe is recorded and the next probe halves ρ; the search ends at the first
+    probe that does not (or at the floor), and the step is then computed again at the best
+    damping (accepted: its ELBO did not drop). Returns ``(accept, converged, probe, ends,
+    search)``, the step's acceptance and convergence with a probe's withdrawn, whether it
+    was a probe, whether the search ends with it, and the new ``(probing, best ELBO, its
+    damping)``."""
+    probing, best_elbo, best_damping = search
+    better = probing & accept & (info.elbo > best_elbo)
+    ends = probing & jnp.isfinite(best_elbo) & (~better | (st.damping <= SEARCH_FLOOR))
+    best_damping = jnp.where(better, st.damping, best_damping)
+    best_elbo = jnp.where(better, info.elbo, best_elbo)
+    return accept & ~probing, conv & ~probing, probing, ends, (probing & ~ends, best_elbo, best_damping)
+
+
+def _accepted_or_rejected(st, new, accept, probe, ends, best_damping):
+    """The state after a step: ``new`` when accepted, with ρ growing back (×2, up to 1)
+    after two accepted steps in a row (a damped step that worked right after a rejection
+    does not restore the step that failed); else ``st`` with ρ halved (or, at the end of the
+    line search, the best probe's damping) and its step counted unless it was a probe."""
+    streak = st.streak + 1
+    grown = jnp.where(streak >= 2, jnp.minimum(1.0, 2.0 * st.damping), st.damping)
+    rejected = st._replace(
+        step=jnp.where(probe, st.step, st.step + 1),
+        rng_key=new.rng_key,
+        damping=jnp.where(ends, best_damping, 0.5 * st.damping),
+        streak=jnp.zeros_like(st.streak),
+    )
+    return jax.tree.map(lambda a, b: jnp.where(accept, b, a), rejected, new._replace(damping=grown, streak=streak))
 
 
 def run_loop(

@@ -18,12 +18,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from blrppl.estimators.enumeration import expected_log_factors, is_jacobian
 from blrppl.estimators import bilinear, gram
+from blrppl.estimators.enumeration import expected_log_factors, is_jacobian
 from blrppl.moments.linearised import base_values
 from blrppl.graph.data import host_array, split_run_data
 from blrppl.graph.derivatives import hessian_of_grad
-from blrppl.online import expected_log_previous, is_previous_posterior
+from blrppl.posterior.online import expected_log_previous, is_previous_posterior
 
 
 class BLRState(NamedTuple):
@@ -434,72 +434,47 @@ def decaying_rate(t, tau: float = 10.0, kappa: float = 0.6):
     return (1.0 + t / tau) ** (-kappa)
 
 
-def make_step(
-    plan,
-    fns,
-    schedule: str,
-    rate_fn: Callable | None = None,
-    max_halvings: int = 30,
-    decay_blocks=(),
-    curvature: str = "auto",
-    global_rate: Callable | None = None,
-):
-    """Build ``step(state, data, rho) -> (state, info)``.
+def _block_sets(plan, constant) -> tuple:
+    """``(retracted, exact_gaussian, multiplied, diagonal)``: the names of the plan's blocks
+    that the step treats apart.
 
-    The step size of block b at step t is ρ_b(t) = ``rho[b]`` · ``rate_fn(t)``: ``rho`` is a
-    dict of scalars passed at run time (so that one compiled step serves every choice of
-    per-block step sizes), ``rate_fn`` a static schedule (constant 1 by default; for
-    ``decay_blocks``, the blocks with Monte Carlo messages, :func:`decaying_rate`).
-
-    Args:
-        plan: the compiled plan.
-        fns: model functions.
-        schedule: ``"sequential"`` or ``"parallel"``.
-        rate_fn: optional callable of the step number.
-        decay_blocks: names of blocks whose default schedule decays.
-        curvature: estimator of Monte Carlo messages to Gaussian blocks (see
-            :data:`blrppl.estimators.monte_carlo.CURVATURES`).
-        global_rate: for plans with subsampled plates (stochastic BLR, see
-            :mod:`blrppl.engine.subsample`), the step-size schedule of the global blocks
-            when ``rate_fn`` is None (e.g. :func:`blrppl.engine.subsample.svi_rate`); None
-            means a constant 1 (ρ then comes from ``rho`` alone). Local blocks always take
-            ρ = 1 on their minibatch elements.
+    * non-conjugate Gaussian blocks (``retracted``): their messages may have an indefinite
+      precision (a funnel, a horseshoe); when they do, the step is the improved BLR
+      retraction (valid at any ρ) instead of ρ being halved until a convex combination
+      happens to be valid;
+    * conjugate Gaussian blocks (``exact_gaussian``): their validity at ρ = 1 is read off the
+      ELBO's factorisation;
+    * blocks a product of latents multiplies (``multiplied``);
+    * chains whose factors, once their ``constant`` ones are taken apart, each read one
+      scalar per element (``diagonal``): their messages' G is diagonal
+      (GaussianBanded.message_at).
     """
-    user_rate = rate_fn
-    decay_blocks = frozenset(decay_blocks)
-
-    def block_rate(n, t):
-        if user_rate is not None:
-            return user_rate(t)
-        return decaying_rate(t) if n in decay_blocks else 1.0
-    objective = make_objective(plan, fns, curvature)
-    elbo_fn = make_elbo(plan, fns)
-    expected, constant, constant_grads = make_split_expectation(plan, fns, objective)
-    blocks = {b.name: b for b in plan.blocks}
-    factors_of = {b.name: tuple(f.name for f in plan.factors_of(b.name)) for b in plan.blocks}
-    # non-conjugate Gaussian blocks: their messages may have an indefinite precision (a
-    # funnel, a horseshoe); when they do, the step is the improved BLR retraction (valid at
-    # any ρ) instead of ρ being halved until a convex combination happens to be valid
     conjugate = dict(plan.conjugate)
     retracted = {
         b.name for b in plan.blocks
         if b.family.gaussian and not b.point and not conjugate.get(b.name, False)
     }
-    # conjugate Gaussian blocks: their validity at ρ = 1 is read off the ELBO's factorisation
     exact_gaussian = {
         b.name for b in plan.blocks
         if b.family.gaussian and not b.point and conjugate.get(b.name, False)
     }
-
     multiplied = {n for f in plan.factors for _, ps in f.pairs for pair in ps for n in pair}
-    # chains whose factors, once their constant ones are taken apart, each read one scalar
-    # per element: their messages' G is diagonal (GaussianBanded.message_at)
     diagonal = {
         b.name for b in plan.blocks
         if b.family.banded and all(
             dict(f.columns).get(b.name) == "scalar" for f in plan.factors_of(b.name) if f.name not in constant.get(b.name, ())
         )
     }
+    return retracted, exact_gaussian, multiplied, diagonal
+
+
+def _make_messages(plan, objective, constant, constant_grads):
+    """``messages(nat, names, data, key=None, views=None) -> {block: λ̃}``: the summed
+    messages Σ_i λ̃_ib of the factors of the blocks ``names`` (all from the same views)."""
+    blocks = {b.name: b for b in plan.blocks}
+    factors_of = {b.name: tuple(f.name for f in plan.factors_of(b.name)) for b in plan.blocks}
+    conjugate = dict(plan.conjugate)
+    _, _, multiplied, diagonal = _block_sets(plan, constant)
 
     def messages(nat, names, data, key=None, views=None):
         views = views_of(plan, nat) if views is None else views
@@ -541,27 +516,49 @@ def make_step(
                 out[n] = solve(blocks[n], nat[n], lambda m, n=n, view=view: obj({n: view._replace(mean=m)}), view.mean)
         return out
 
-    if plan.subsampled:
-        from blrppl.engine import subsample
+    return messages
 
-        def rate_of_global(t):
-            if user_rate is not None:
-                return user_rate(t)
-            return global_rate(t) if global_rate is not None else 1.0
 
-        elbo_fn = subsample.minibatch_elbo(plan, objective, views_of)
-        step = subsample.make_minibatch_step(
-            plan,
-            messages,
-            elbo_fn,
-            lambda family, nat, msg, rho: _update_block(family, nat, msg, rho, max_halvings),
-            BLRState,
-            BLRInfo,
-            schedule,
-            rate_of_global,
-        )
-        return step, elbo_fn, messages
+def _make_update(plan, nat, views, entropies, proper, deferred, retracted, exact_gaussian, max_halvings):
+    """``update(n, msg, rate) -> ok``: update block n of ``nat`` in place by its message at
+    step size ``rate``, and its view and entropy after it: from the update's own
+    factorisation for Gaussian blocks, else formed again. Records in ``proper`` whether the
+    message was a valid natural parameter, and in ``deferred`` what the ELBO's
+    factorisation decides of a conjugate Gaussian block's message."""
+    blocks = {b.name: b for b in plan.blocks}
 
+    def update(n, msg, rate):
+        family = blocks[n].family
+        formed = None
+        if n in retracted or n in exact_gaussian:
+            formed = (family.rule_view_and_entropy, views[n], entropies[n])
+        if n in exact_gaussian:
+            # at ρ = 1 the new parameters are the message, factorised once by the ELBO's
+            # entropy: a message that is not a valid natural parameter makes it non-finite
+            # and the step is undone; at ρ < 1 the message is checked here
+            valid_msg = jax.lax.cond(rate == 1.0, lambda: jnp.array(True), lambda: family.is_valid(msg))
+            deferred[n] = (rate, valid_msg, msg)
+            nat[n], ok, views[n], entropies[n] = _update_block(family, nat[n], msg, rate, max_halvings, valid_msg, False, formed)
+            return ok
+        if n in retracted:
+            nat[n], ok, views[n], entropies[n], proper[n] = _update_retracted(
+                family, nat[n], msg, rate, max_halvings, formed
+            )
+            return ok
+        proper[n] = family.is_valid(msg)
+        nat[n], ok = _update_block(family, nat[n], msg, rate, max_halvings, proper[n])
+        view, entropy = views_and_entropies(plan, nat, (blocks[n],))
+        views.update(view)
+        entropies.update(entropy)
+        return ok
+
+    return update
+
+
+def _make_exact_step(plan, messages, expected, constant, schedule, block_rate, max_halvings):
+    """The step of a plan without subsampled plates (exact ELBOs): see :func:`make_step`;
+    ``constant``: the plan's :func:`constant_factors`."""
+    retracted, exact_gaussian, _, _ = _block_sets(plan, constant)
     draws = any(is_jacobian(f) or f.estimator == "monte_carlo" for f in plan.factors)
 
     def step(state, data, rho):
@@ -584,53 +581,95 @@ def make_step(
             views, entropies = dict(state.views), dict(state.entropies)
         else:
             views, entropies = views_and_entropies(plan, nat)
+        update = _make_update(plan, nat, views, entropies, proper, deferred, retracted, exact_gaussian, max_halvings)
 
-        def refresh(n):
-            view, entropy = views_and_entropies(plan, nat, (blocks[n],))
-            views.update(view)
-            entropies.update(entropy)
-
-        def update(n, msg):
-            """Update block n; its view and entropy after it: from the update's own
-            factorisation for Gaussian blocks, else formed again."""
-            family = blocks[n].family
-            rate = rho[n] * block_rate(n, state.step) * state.damping
-            formed = None
-            if n in retracted or n in exact_gaussian:
-                formed = (family.rule_view_and_entropy, views[n], entropies[n])
-            if n in exact_gaussian:
-                # at ρ = 1 the new parameters are the message, factorised once by the ELBO's
-                # entropy: a message that is not a valid natural parameter makes it non-finite
-                # and the step is undone; at ρ < 1 the message is checked here
-                valid_msg = jax.lax.cond(rate == 1.0, lambda: jnp.array(True), lambda: family.is_valid(msg))
-                deferred[n] = (rate, valid_msg, msg)
-                nat[n], ok, views[n], entropies[n] = _update_block(family, nat[n], msg, rate, max_halvings, valid_msg, False, formed)
-                return ok
-            if n in retracted:
-                nat[n], ok, views[n], entropies[n], proper[n] = _update_retracted(
-                    family, nat[n], msg, rate, max_halvings, formed
-                )
-                return ok
-            proper[n] = family.is_valid(msg)
-            nat[n], ok = _update_block(family, nat[n], msg, rate, max_halvings, proper[n])
-            refresh(n)
-            return ok
+        def rate(n):
+            return rho[n] * block_rate(n, state.step) * state.damping
 
         if schedule == "parallel":
             names = tuple(plan.order)
             msgs = messages(nat, names, data, keys[0], views)
             for n in names:
-                valid = valid & update(n, msgs[n])
+                valid = valid & update(n, msgs[n], rate(n))
         else:
             for n, k in zip(plan.order, keys):
-                valid = valid & update(n, messages(nat, (n,), data, k, views)[n])
+                valid = valid & update(n, messages(nat, (n,), data, k, views)[n], rate(n))
         elbo = expected(views, data, key_elbo) + sum(entropies.values())
-        for n, (rate, valid_msg, msg) in deferred.items():
+        for n, (r, valid_msg, msg) in deferred.items():
             at_message = jnp.isfinite(entropies[n]) & all_finite(msg)
-            proper[n] = jnp.where(rate == 1.0, at_message, valid_msg)
+            proper[n] = jnp.where(r == 1.0, at_message, valid_msg)
         new_state = state._replace(nat=nat, step=state.step + 1, elbo=elbo, rng_key=key)
         if carried:
             new_state = new_state._replace(views=views, entropies=entropies)
         return new_state, BLRInfo(elbo=elbo, valid=valid, proper=proper)
 
-    return step, elbo_fn, messages
+    return step
+
+
+def make_step(
+    plan,
+    fns,
+    schedule: str,
+    rate_fn: Callable | None = None,
+    max_halvings: int = 30,
+    decay_blocks=(),
+    curvature: str = "auto",
+    global_rate: Callable | None = None,
+):
+    """Build ``step(state, data, rho) -> (state, info)``.
+
+    The step size of block b at step t is ρ_b(t) = ``rho[b]`` · ``rate_fn(t)``: ``rho`` is a
+    dict of scalars passed at run time (so that one compiled step serves every choice of
+    per-block step sizes), ``rate_fn`` a static schedule (constant 1 by default; for
+    ``decay_blocks``, the blocks with Monte Carlo messages, :func:`decaying_rate`).
+
+    Args:
+        plan: the compiled plan.
+        fns: model functions.
+        schedule: ``"sequential"`` or ``"parallel"``.
+        rate_fn: optional callable of the step number.
+        decay_blocks: names of blocks whose default schedule decays.
+        curvature: estimator of Monte Carlo messages to Gaussian blocks (see
+            :data:`blrppl.estimators.monte_carlo.CURVATURES`).
+        global_rate: for plans with subsampled plates (stochastic BLR, see
+            :mod:`blrppl.engine.subsample`), the step-size schedule of the global blocks
+            when ``rate_fn`` is None (e.g. :func:`blrppl.engine.subsample.svi_rate`); None
+            means a constant 1 (ρ then comes from ``rho`` alone). Local blocks always take
+            ρ = 1 on their minibatch elements.
+
+    Returns:
+        ``(step, elbo_fn, messages)``.
+    """
+    user_rate = rate_fn
+    decay_blocks = frozenset(decay_blocks)
+
+    def block_rate(n, t):
+        if user_rate is not None:
+            return user_rate(t)
+        return decaying_rate(t) if n in decay_blocks else 1.0
+
+    objective = make_objective(plan, fns, curvature)
+    expected, constant, constant_grads = make_split_expectation(plan, fns, objective)
+    messages = _make_messages(plan, objective, constant, constant_grads)
+    if plan.subsampled:
+        from blrppl.engine import subsample
+
+        def rate_of_global(t):
+            if user_rate is not None:
+                return user_rate(t)
+            return global_rate(t) if global_rate is not None else 1.0
+
+        elbo_fn = subsample.minibatch_elbo(plan, objective, views_of)
+        step = subsample.make_minibatch_step(
+            plan,
+            messages,
+            elbo_fn,
+            lambda family, nat, msg, rho: _update_block(family, nat, msg, rho, max_halvings),
+            BLRState,
+            BLRInfo,
+            schedule,
+            rate_of_global,
+        )
+        return step, elbo_fn, messages
+    step = _make_exact_step(plan, messages, expected, constant, schedule, block_rate, max_halvings)
+    return step, make_elbo(plan, fns), messages

@@ -455,7 +455,7 @@ class Factor:
         spread: for a latent's prior, ``(argument, sites)`` of each argument setting its
             spread (a scale, a covariance, a concentration) that reads other latent sites
             (a hierarchical model's group sd, a Beta's pooled concentration): what its
-            poor-q advice names (:func:`blrppl.engine.fit.poor_q_advice`).
+            poor-q advice names (:func:`blrppl.engine.advice.poor_q_advice`).
     """
 
     name: str

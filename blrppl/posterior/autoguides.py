@@ -32,7 +32,7 @@ from numpyro.infer import autoguide as ag
 
 from blrppl.errors import UnsupportedGuideError
 from blrppl.families._band import to_dense
-from blrppl.export import point_value
+from blrppl.posterior.export import point_value
 
 #: autoguides whose family BLR fits (most specific first)
 SUPPORTED = (

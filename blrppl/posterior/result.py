@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from blrppl.export import point_value
 from blrppl.graph.plan import Plan
+from blrppl.posterior.export import point_value
 
 class CompileCounts(NamedTuple):
     """What a fit did before its first step.
@@ -45,7 +45,7 @@ class BLRResult:
         run_time: seconds spent in the jitted loop.
         graph: the factor graph (networkx) the plan was compiled from.
         state: the final :class:`blrppl.engine.step.BLRState` (a run can continue from it).
-        diagnostics: :class:`blrppl.diagnostics.Diagnostics`: PSIS k̂ of q against the model
+        diagnostics: :class:`blrppl.posterior.diagnostics.Diagnostics`: PSIS k̂ of q against the model
             (k̂ > 0.7: q is a poor approximation, and the fit warns), the last relative ELBO
             change, the steps backtracking undid, the Monte Carlo ELBO noise.
         diagnostic_time: seconds spent on the diagnostics (and the posterior export).
@@ -54,6 +54,9 @@ class BLRResult:
             small when the compiled fit came from the cache).
         model_call: ``(model, args, kwargs)`` the fit ran on, from which :meth:`sample`
             computes the model's ``numpyro.deterministic`` sites (None: latents only).
+        model_lock: the lock held while the model runs (numpyro's effect handlers keep one
+            process-wide stack, so no fit may trace a model meanwhile): the engine's, given by
+            the fit (None: no lock).
     """
 
     posterior: dict
@@ -74,12 +77,13 @@ class BLRResult:
     #: names of the model's ``numpyro.deterministic`` sites as the fit traced it (None:
     #: unknown, :meth:`sample` traces the model to find them)
     deterministic_sites: tuple | None = dataclasses.field(default=None, repr=False)
+    model_lock: Any = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def params(self) -> dict:
         """The guide's parameters: the moments of every block's view, named
-        ``"{block}_blr_{field}"`` (see :mod:`blrppl.guide`)."""
-        from blrppl.guide import plan_params
+        ``"{block}_blr_{field}"`` (see :mod:`blrppl.posterior.guide`)."""
+        from blrppl.posterior.guide import plan_params
 
         return plan_params(self.plan, self.nat)
 
@@ -89,7 +93,7 @@ class BLRResult:
         ``Predictive(model, guide=result.guide, params=result.params)``,
         ``Predictive(result.guide, params=result.params)`` and
         ``numpyro.infer.util.psis_diagnostic``."""
-        from blrppl.guide import PlanGuide
+        from blrppl.posterior.guide import PlanGuide
 
         return PlanGuide(self.plan, self.params)
 
@@ -129,10 +133,10 @@ class BLRResult:
             return {}
         import warnings
 
+        import contextlib
+
         from numpyro import handlers
         from numpyro.infer import Predictive
-
-        from blrppl.engine.fit import COMPILE_LOCK
 
         model, args, kwargs = self.model_call
         # the data as given (as the user's own Predictive would pass them: a model may read
@@ -147,7 +151,7 @@ class BLRResult:
         for i, (call_args, call_kwargs) in enumerate(calls):
             try:
                 # (numpyro's effect handlers keep one process-wide stack: no fit traces meanwhile)
-                with COMPILE_LOCK, handlers.block():
+                with self.model_lock or contextlib.nullcontext(), handlers.block():
                     names = self.deterministic_sites if deterministic else ()
                     if names is None:
                         first = {name: x[0] for name, x in draws.items()}

@@ -1,7 +1,7 @@
 """Posterior export: fitted natural parameters as numpyro distributions in each site's layout.
 
-Used by :class:`blrppl.result.BLRResult` (its ``posterior``), by the guide a fit exports
-(:mod:`blrppl.guide`) and by the autoguide parameters (:mod:`blrppl.autoguides`).
+Used by :class:`blrppl.posterior.result.BLRResult` (its ``posterior``), by the guide a fit exports
+(:mod:`blrppl.posterior.guide`) and by the autoguide parameters (:mod:`blrppl.posterior.autoguides`).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from numpyro.distributions import constraints
 
 from blrppl.model.functions import canonical_leaves
 from blrppl.graph.data import compiler_options
-from blrppl.graph.program_store import compile_program, fit_program_key, jit as store_jit
 from blrppl.graph.plan import Block
+from blrppl.graph.program_store import compile_program, fit_program_key, jit as store_jit
 
 
 class _SiteLayout(dist.Distribution):

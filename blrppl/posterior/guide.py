@@ -25,7 +25,7 @@ import numpyro.distributions as dist
 
 from blrppl.errors import BLRError
 from blrppl.families.gaussian import GaussianView
-from blrppl.export import point_value, site_distribution
+from blrppl.posterior.export import point_value, site_distribution
 
 #: name of the auxiliary site of a joint block
 JOINT_SITE = "_blr_latent"

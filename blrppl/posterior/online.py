@@ -106,7 +106,7 @@ def previous_spec(previous) -> tuple:
     Raises:
         OnlinePriorError: ``previous`` is not a :class:`blrppl.BLRResult`.
     """
-    from blrppl.result import BLRResult
+    from blrppl.posterior.result import BLRResult
 
     if not isinstance(previous, BLRResult):
         raise OnlinePriorError(

@@ -1,0 +1,298 @@
+"""What a fit's result says of how it ended: why it stopped (:func:`stop_message`), an
+improper posterior, a diverged ELBO, and what to try when q may be poor
+(:func:`poor_q_advice`, naming a funnel when the plan has one).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from blrppl import families as fam
+from blrppl.engine.build import one_exact_block
+from blrppl.engine.loop import BAD_RATE, CONVERGED, NONFINITE, STATIONARY, STATIONARY_STEPS
+from blrppl.compiler.structure import MC_JOINT_MAX_DIM
+from blrppl.graph.plan import FactorRole
+
+
+def stop_message(outcome, plan, window: int, tol: float, num_steps: int) -> str:
+    if outcome.stop == CONVERGED and plan.subsampled:
+        message = (
+            f"converged after {outcome.num_steps} steps (minibatch ELBO: the mean over the last "
+            f"{window} steps, whole epochs, changed by less than {tol:g} relative to the "
+            f"{window} before)"
+        )
+    elif outcome.stop == CONVERGED and window:
+        message = (
+            f"converged after {outcome.num_steps} steps (Monte Carlo ELBO: the mean over the "
+            f"last {window} steps no longer improves on the {window} before)"
+        )
+    elif outcome.stop == CONVERGED and one_exact_block(plan) and outcome.num_steps == 1:
+        message = (
+            "converged after 1 step (the model's only block is conjugate: one step with ρ = 1 is "
+            "its exact posterior)"
+        )
+    elif outcome.stop == CONVERGED:
+        message = f"converged after {outcome.num_steps} steps (relative ELBO change below {tol:g})"
+    elif outcome.stop == STATIONARY:
+        message = (
+            f"converged after {outcome.num_steps} steps (the ELBO moved by less than {tol:g} relative "
+            f"over the last {STATIONARY_STEPS} accepted steps; some natural parameters still move by "
+            f"more than {math.sqrt(tol):.1g}, along directions the ELBO hardly sees)"
+        )
+    elif outcome.stop == NONFINITE:
+        message = (
+            f"stopped after {outcome.num_steps} steps: no step size found that keeps the ELBO "
+            "and the natural parameters finite (and, for exact ELBOs, does not lower it); check "
+            "the data for NaN or infinite values and the priors for expectations that do not "
+            "exist" + _zero_probability_hint(outcome, plan, ", and whether") + "; the last valid state is returned"
+        )
+    elif outcome.stop == BAD_RATE:
+        message = (
+            f"stopped after {outcome.num_steps} steps: learning_rate(step) gave a step size that "
+            "is not a finite number ≥ 0 for the next step; the last valid state is returned"
+        )
+    else:
+        message = f"reached num_steps={num_steps} without meeting the convergence test"
+        if never_finite(outcome):
+            message += (
+                " (no step had a finite ELBO: check the data for NaN or infinite values and the priors for "
+                "expectations that do not exist" + _zero_probability_hint(outcome, plan, "; check whether") + ")"
+            )
+        if plan.subsampled:
+            epochs = outcome.num_steps / max(p.steps_per_epoch for p in plan.subsampled)
+            message += (
+                f" ({epochs:g} epochs of minibatches; the minibatch noise of the global "
+                "blocks shrinks with more steps)"
+            )
+    improper = improper_blocks(outcome, plan)
+    if improper:
+        message += "; " + improper_note(plan, outcome.state.nat, improper)
+    if outcome.invalid_steps:
+        message += (
+            f"; in {outcome.invalid_steps} step(s) a block found no valid update and kept its "
+            "parameters"
+        )
+    return message
+
+
+#: a fit's last ELBO this many times its best's magnitude below the best: it diverged
+DIVERGED_FALL = 10.0
+
+
+def divergence_note(elbo) -> str | None:
+    """The note for a fit whose ELBO fell far below its best and stayed there (its last
+    value below best − :data:`DIVERGED_FALL` · max(|best|, 100)), else None. A Monte Carlo
+    step is taken whenever its ELBO is finite, so a fit can drift away step by step (a poor
+    start whose steps overshoot: −2·10⁸ at the first step, −2·10³⁸ at the 35th); the state
+    returned is the last step's."""
+    elbo = np.asarray(elbo, float)
+    finite = np.flatnonzero(np.isfinite(elbo))
+    if finite.size < 2 or not np.isfinite(elbo[-1]):
+        return None
+    best = int(finite[np.argmax(elbo[finite])])
+    if elbo[-1] >= elbo[best] - DIVERGED_FALL * max(abs(elbo[best]), 100.0):
+        return None
+    return (
+        f"the fit diverged: its ELBO fell from {elbo[best]:.3g} (step {best + 1}) to {elbo[-1]:.3g} (step "
+        f"{elbo.size}), and q is the last step's; try mc_curvature='reparam', a smaller learning_rate, or "
+        "another rng_key"
+    )
+
+
+def never_finite(outcome) -> bool:
+    """Whether the fit took steps and none had a finite ELBO."""
+    elbo = np.asarray(outcome.elbo)
+    return bool(elbo.size) and not np.any(np.isfinite(elbo))
+
+
+def _zero_probability_hint(outcome, plan, lead: str) -> str:
+    """When no step had a finite ELBO and the plan has enumerated latents: the likely cause
+    (a value of one that the model gives probability 0 given the data, which q, giving every
+    value some probability, makes E_q[log p] = -inf) and the fix; else ''."""
+    discrete = [b.name for b in plan.blocks if b.discrete]
+    if not discrete or not never_finite(outcome):
+        return ""
+    listed = ", ".join(f"'{n}'" for n in discrete)
+    return (
+        f"{lead} the model gives some value of the enumerated latents ({listed}) probability 0 given the "
+        "data (a count observed as Poisson(z * rate) with z = 0, a Bernoulli probability of exactly 0 or 1 "
+        "picked by a discrete latent): q gives every value some probability, so its expected log-density "
+        "is -inf; marginalise that latent in the model (dist.ZeroInflatedPoisson, dist.MixtureGeneral) or "
+        "keep such probabilities inside (0, 1)"
+    )
+
+
+def improper_blocks(outcome, plan) -> tuple:
+    """Blocks whose exact posterior is improper: every factor of the block has a closed form
+    (so its messages do not depend on its own q: they sum to the exact conditional
+    posterior's natural parameter) and at the last step that sum was not a valid natural
+    parameter. (Other blocks with invalid messages were merely not at a fixed point.)"""
+    if outcome.converged or not np.any(np.isfinite(np.asarray(outcome.elbo))):
+        # (no step ever had a finite ELBO: the data, not the priors, are the likely cause,
+        # and the stop message says so)
+        return ()
+    return tuple(
+        n for n in outcome.improper if all(f.estimator == "exact" for f in plan.factors_of(n))
+    )
+
+
+def improper_note(plan, nat, names) -> str:
+    """Which latents an improper (or not yet valid) posterior is about: for a Gaussian block,
+    the sites that the direction of its smallest precision eigenvalue moves."""
+    sites = []
+    for n in names:
+        b = plan.block(n)
+        if isinstance(b.family, fam.GaussianDense) and b.members:
+            prec = -2.0 * np.asarray(nat[n].eta2)
+            _, vecs = np.linalg.eigh(0.5 * (prec + prec.T))
+            v = np.abs(vecs[:, 0])
+            offset = 0
+            for m in b.members:
+                if v[offset : offset + m.size].max() > 0.1:
+                    sites.append(m.name)
+                offset += m.size
+        else:
+            sites.extend(b.sites)
+    listed = ", ".join(f"'{x}'" for x in sites)
+    return (
+        f"the posterior of {listed} is improper: the closed-form messages to it do not form a "
+        "valid distribution (a singular precision), e.g. flat (ImproperUniform) priors the data "
+        "do not identify (only a sum or difference of them is); give them proper priors"
+    )
+
+
+#: a latent scale read by at least this many latents' prior makes the poor-q advice speak of
+#: a funnel (eight schools' effects and their spread)
+FUNNEL_MIN_LATENTS = 8
+
+
+def _funnel(plan):
+    """``(scale, the sites it scales, their number of scalars, the scale's sites if a grid can
+    integrate them, "scale" or "concentration")`` of a latent scale that the priors of at
+    least :data:`FUNNEL_MIN_LATENTS` latents read (a random walk's step size, a hierarchical
+    model's group sd, a volatility's shock size; summed over one site per step), or of a
+    latent concentration they read (a Beta's or Dirichlet's pooling κ, a Gamma's shape:
+    their spread shrinks as it grows), quoted for display; None when the plan has none. The
+    scale is named by the latent sites the priors' spread arguments read (``Factor.spread``:
+    read off the model's program, whatever the blocks and estimators, so eight schools' τ
+    in one joint block with the effects as well).
+
+    A Gaussian q, even one dense block over the scale and its latents, does not hold their
+    joint posterior: the sd of a random walk's step scale is 0.32× NUTS's fitted apart and
+    0.39× for a full-rank Gaussian fitted by SVI, a stochastic volatility's shock size 0.26×
+    for both and 0.28× in one joint block (``make bench``: "Scales of many latents")."""
+    sizes = {s: m.size for b in plan.blocks for m in (b.members or (b,)) for s in m.sites}
+    scaled: dict = {}  # scale → (sites it scales, their scalars); one site per step adds up
+    words: dict = {}  # scale → what it is to the latents: "scale" or "concentration"
+    for f in plan.factors:
+        if f.observed or f.role != FactorRole.SITE or not f.spread:
+            continue
+        sites = f.members or (f.name,)
+        scale = tuple(dict.fromkeys(s for _, read in f.spread for s in read if s not in sites))
+        if not scale:
+            continue
+        if all(arg.startswith("concentration") for arg, _ in f.spread):
+            words[scale] = "concentration"
+        names, count = scaled.get(scale, ((), 0))
+        scaled[scale] = (names + sites, count + sum(sizes.get(s, 0) for s in sites))
+    for scale, (names, count) in scaled.items():
+        if count >= FUNNEL_MIN_LATENTS:
+            # (at most two scalar sites can be integrated on a grid: families={site: "grid"})
+            scalars = tuple(s for s in scale if sizes.get(s) == 1) if len(scale) <= 2 else ()
+            shown = ", ".join(f"'{s}'" for s in scale)
+            latents = f"'{names[0]}'" if len(names) == 1 else f"'{names[0]}' … '{names[-1]}'"
+            return shown, latents, count, scalars if len(scalars) == len(scale) else (), words.get(scale, "scale")
+    return None
+
+
+def poor_q_advice(plan, num_starts: int = 1) -> str:
+    """What the poor-q warning advises for this plan: why q may be poor given its blocks and
+    estimators, and what to try (the generic advice when nothing in the plan says more;
+    ``num_starts``: the fit's, several starts are offered to a fit from one)."""
+    # (structure='joint' merges the dense Gaussian blocks: a plan with one of them, e.g. one
+    # fitted with structure='joint', has none left to join)
+    apart = sum(1 for b in plan.blocks if b.family.dense_event and not b.point) > 1
+    tries = ["structure='joint'"] if apart else []
+    tries.append("other families=")
+    if num_starts == 1:
+        # (NumPyro's Holt–Winters example stopped at a level smoothing of 0.70 against NUTS's
+        # 0.03 with k̂ 1.0; num_starts=4 found NUTS's mode: docs/limitations.md)
+        tries.append("several starts (num_starts=4: a Gaussian q finds one mode, and another start may find a better one)")
+    advice = "compare with NUTS, or try " + (", ".join(tries[:-1]) + " or " if len(tries) > 1 else "") + tries[-1]
+    pairs = [pair for f in plan.factors for _, ps in f.pairs for pair in ps]
+    sizes = {b.name: b.size for b in plan.blocks}
+    # a Monte Carlo factor whose blocks were kept apart by the joint limit: joined (what
+    # structure='joint' asks), its noisy updates ran off (an imputed covariate's logistic
+    # regression: the ELBO fell for 60 steps, coefficients of the wrong sign). Only the
+    # blocks a dense joint block could hold count: not enumerated ones, nor chains
+    # (a capture–recapture model's 1,771 survival states next to 7 probabilities)
+    joinable = {
+        b.name: b.size for b in plan.blocks
+        if not b.discrete and not b.family.banded and not b.family.arrowhead
+    }
+    spread = next(
+        (
+            (f.name, total) for f in plan.factors if f.estimator == "monte_carlo"
+            for parts in [[joinable[n] for n in f.neighbours if n in joinable]]
+            for total in [sum(parts)] if len(parts) > 1 and total > MC_JOINT_MAX_DIM
+        ),
+        None,
+    )
+    funnel = _funnel(plan)
+    if spread is not None:
+        advice = (
+            f"the Monte Carlo factor '{spread[0]}' reads {spread[1]} scalars in blocks fitted apart, which holds "
+            f"no correlation between them (a Gaussian block read by Monte Carlo holds at most {MC_JOINT_MAX_DIM} "
+            "scalars: joined, its updates are too noisy to converge); compare with NUTS, and prefer a form whose "
+            "factors the fit reads in closed form or by quadrature (e.g. states sampled at each step rather than "
+            "built from a vector of innovations)"
+        )
+    elif pairs:
+        # (joined, the product would be fitted by Monte Carlo: slower, and no better for a
+        # factor model's sign and rotation symmetries, which no unimodal q holds)
+        factor_model = any(sizes.get(a, 1) > 1 and sizes.get(b, 1) > 1 for a, b in pairs)
+        advice = "the blocks a product of latents multiplies are fitted apart (variational message passing), " + (
+            "and a factor model's posterior is symmetric under sign changes and rotations of its factors; "
+            "compare means of identified quantities with NUTS"
+            if factor_model else
+            "which holds no correlation between them (a coefficient's sd may come out small); compare with NUTS"
+        )
+    elif funnel is not None:
+        scale, latents, count, scalars, word = funnel
+        grid = ", ".join(f"'{n}': 'grid'" for n in scalars)
+        if word == "scale":
+            # (Neal's funnel as NumPyro's example writes it, no data: the scale's sd 0.15× the
+            # exact one, the latents' 0.03–0.11×)
+            advice = (
+                f"the {count} latents of {latents} have a latent scale ({scale}): the posterior of a scale and the "
+                "latents it scales is a funnel (their spread shrinks with it), which no Gaussian q holds, fitted apart "
+                "or in one joint block (structure='joint' is no better; a full-rank Gaussian fitted by SVI neither): "
+                "the sds of the scale, and of the latents where the data say little of them, may come out several "
+                "times too small; "
+            )
+        else:
+            # (NumPyro's baseball example, Beta(m κ, (1 − m) κ) abilities of 18 players: m's sd
+            # 0.59× NUTS's, κ's 0.08×; with both on a grid, m's 1.02×)
+            advice = (
+                f"the {count} latents of {latents} have a latent concentration ({scale}): the posterior of a "
+                "concentration and the latents it pools is a funnel (their spread shrinks as it grows), which no "
+                "Gaussian q holds: the sds of what sets the concentration may come out several times too small; "
+            )
+        advice += (
+            f"integrate the {word} on a grid of fits with it fixed, families={{{grid}}}, or compare it with NUTS"
+            if grid else f"compare the {word} with NUTS"
+        )
+    elif plan.conjugate and all(conj for _, conj in plan.conjugate):
+        # (every factor closed-form: no Monte Carlo to replace, no joint block to merge into)
+        advice = (
+            "every factor is closed-form, so q is the best of its factorisation into blocks (variational "
+            "message passing), which holds no correlation between blocks"
+            + (
+                ", and a mixture's posterior is multimodal under relabelling of its components"
+                if any(b.discrete and not b.chain for b in plan.blocks) else ""
+            )
+            + "; compare means of identified quantities with NUTS"
+        )
+    return advice

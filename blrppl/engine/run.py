@@ -1,0 +1,164 @@
+"""Running a prepared fit: the jitted loop from its state (restarted narrower when no step
+keeps the ELBO finite), then the result: the posterior export, the diagnostics, the stop
+message and its warnings (:func:`finish`).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+
+import jax
+import numpy as np
+
+from blrppl.engine.advice import divergence_note, improper_blocks, improper_note, never_finite, poor_q_advice, stop_message
+from blrppl.engine.build import model_data, one_exact_block
+from blrppl.engine.cache import COMPILE_LOCK
+from blrppl.engine.loop import CONVERGED, NONFINITE, run_loop
+from blrppl.engine.prepare import Prepared
+from blrppl.engine.restarts import NARROWED_STARTS, narrowed
+from blrppl.engine.step import BLRState
+from blrppl.engine.subsample import averaged_nat
+from blrppl.errors import is_out_of_memory, out_of_memory_detail
+from blrppl.inputs import host_fold_in
+from blrppl.posterior.diagnostics import ESS_CLOSE, ESS_POOR, KHAT_WARN, Diagnostics, psis_khat, relative_ess
+from blrppl.posterior.result import BLRResult
+
+
+def _diagnose(prepared, outcome, nat) -> Diagnostics:
+    """The fit's :class:`blrppl.posterior.diagnostics.Diagnostics`: PSIS k̂ of q from one compiled call,
+    and what the ELBO trace says."""
+    bundle, plan = prepared.bundle, prepared.plan
+    elbo = np.asarray(outcome.elbo, dtype=float)
+    finite = elbo.size >= 2 and bool(np.all(np.isfinite(elbo[-2:])))
+    change = float(abs(elbo[-1] - elbo[-2]) / max(1.0, abs(elbo[-1]))) if finite else math.nan
+    last = elbo[-bundle.window :] if bundle.window else elbo[:0]
+    # (a window with a non-finite ELBO has no noise to measure: NaN, without numpy's
+    # warning about ∞ − ∞)
+    noise = (float(np.std(last)) if np.all(np.isfinite(last)) else math.nan) if last.size else 0.0
+    base = dict(elbo_rel_change=change, rejected_steps=int(outcome.rejected_steps), elbo_noise=noise)
+    if bundle.log_weights_fn is None:
+        why = "subsampled plates" if plan.subsampled else "online fit (prior=)"
+        return Diagnostics(khat=math.nan, num_draws=0, note=f"not computed: {why}", **base)
+    if outcome.stop == CONVERGED and len(plan.blocks) == 1 and one_exact_block(plan):
+        # the model's only latent block is conjugate: its closed-form step is the exact
+        # posterior, whose importance weights are all equal (k̂ = −∞) without drawing any
+        return Diagnostics(khat=-math.inf, num_draws=0, note="one conjugate block in closed form: no draws needed", **base)
+    key = host_fold_in(outcome.state.rng_key, 7)
+    try:
+        log_weights = np.asarray(bundle.log_weights(nat, model_data(plan, prepared.dyn_data), key))
+    except Exception as exc:
+        if not is_out_of_memory(exc):
+            raise
+        # (the fit is done; only its check cannot run: the result is returned without it)
+        note = (
+            "not computed: the model's log density at q's draws needs more memory than this machine has "
+            f"({out_of_memory_detail(exc)})"
+        )
+        warnings.warn(f"blr_fit: PSIS k-hat {note}; q's quality is unchecked", UserWarning, stacklevel=5)
+        return Diagnostics(khat=math.nan, num_draws=0, note=note, **base)
+    return Diagnostics(
+        khat=psis_khat(log_weights), num_draws=int(log_weights.size), ess=relative_ess(log_weights), **base
+    )
+
+
+def run(prepared: Prepared, state: BLRState, num_steps: int, progress_bar: bool) -> BLRResult:
+    """Run the jitted loop from ``state`` and package the result.
+
+    A fresh start from which no step size keeps the ELBO finite is started again with its
+    Gaussian blocks narrowed (:func:`narrowed`): with unit variances on a log scale, a
+    Weibull's (y/λ)^k overflows at the quadrature's outer nodes (k = 2e^4.5, λ = 2e^−4.5),
+    its expectation is infinite, and the fit stopped after 0 steps."""
+    bundle = prepared.bundle
+    t1 = time.perf_counter()
+    outcome = run_loop(
+        bundle.chunk, state, prepared.dyn_data, prepared.rho, prepared.tol, num_steps, prepared.chunk_size,
+        progress_bar, bundle.window,
+    )
+    first, fresh = outcome, int(state.step) == 0
+    for _ in range(NARROWED_STARTS if fresh else 0):
+        if outcome.num_steps > 0 or outcome.stop != NONFINITE:
+            break
+        state = narrowed(prepared.plan, state)
+        outcome = run_loop(
+            bundle.chunk, state, prepared.dyn_data, prepared.rho, prepared.tol, num_steps, prepared.chunk_size,
+            progress_bar, bundle.window,
+        )
+    if outcome.num_steps == 0 and outcome.stop == NONFINITE:
+        outcome = first  # (no narrowed start took a step either: the model's own start is returned)
+    jax.block_until_ready(outcome.state)
+    t2 = time.perf_counter()
+    plan = prepared.plan
+    nat = averaged_nat(plan, outcome.state) if prepared.iterate_average and plan.subsampled else outcome.state.nat
+    return finish(prepared, outcome, nat, num_steps, t1, t2)
+
+
+def finish(prepared: Prepared, outcome, nat: dict, num_steps: int, t1: float, t2: float, grid=None) -> BLRResult:
+    """Package a run of the loop (``outcome``, reporting ``nat``): the posterior export, the
+    diagnostics, the stop message and its warnings (at the line that called ``blr_fit`` or
+    ``BLR.run``). ``grid``: the note of the scales integrated on a grid
+    (:mod:`blrppl.engine.grid`), whose marginals ``nat`` holds."""
+    bundle, plan = prepared.bundle, prepared.plan
+    with COMPILE_LOCK:
+        posterior = bundle.posterior_fn(nat)
+        diagnostics = _diagnose(prepared, outcome, nat)
+    t3 = time.perf_counter()
+    improper = improper_blocks(outcome, plan)
+    if improper:
+        warnings.warn("blr_fit: " + improper_note(plan, outcome.state.nat, improper), UserWarning, stacklevel=4)
+    message = stop_message(outcome, plan, bundle.window, prepared.tol, num_steps)
+    if outcome.stop == NONFINITE or never_finite(outcome):
+        # (the result holds the last valid state, or no step's: without a warning only the
+        # message says so)
+        warnings.warn("blr_fit: " + message, UserWarning, stacklevel=4)
+    diverged = divergence_note(outcome.elbo)
+    if diverged is not None:
+        message += "; " + diverged
+        warnings.warn("blr_fit: " + diverged, UserWarning, stacklevel=4)
+    if grid is not None:
+        message += "; " + grid
+    if diagnostics.khat > KHAT_WARN and diagnostics.ess >= ESS_CLOSE:
+        # (nearly equal weights: q's bulk is the posterior's; k̂ reads the tail of a ratio
+        # that hardly varies, no warning)
+        message += (
+            f"; PSIS k-hat = {diagnostics.khat:.2f} > {KHAT_WARN}, but importance sampling from q keeps "
+            f"{100 * diagnostics.ess:.0f} % of its draws effective: q's tails differ from the posterior's, "
+            "its bulk is close"
+        )
+    elif diagnostics.khat > KHAT_WARN or diagnostics.ess < ESS_POOR:
+        advice = poor_q_advice(plan, prepared.num_starts) if grid is None else (
+            "the scales integrated on a grid have their marginals from it, but q draws them independently of "
+            "the other latents (their dependence is not held); compare with NUTS"
+        )
+        if diagnostics.khat > KHAT_WARN:
+            why = f"PSIS k-hat = {diagnostics.khat:.2f} > {KHAT_WARN}"
+        else:
+            # (k̂ fits the tail of the weights only; their spread says how far q's bulk is:
+            # see blrppl.posterior.diagnostics.ESS_POOR)
+            why = (
+                f"importance sampling from q keeps only {100 * diagnostics.ess:.0f} % of its draws effective "
+                f"(PSIS k-hat = {diagnostics.khat:.2f}): q's bulk differs from the posterior's, where a mean may lie "
+                f"up to {math.sqrt(1.0 / diagnostics.ess - 1.0):.1f} of q's sds from q's, and sds may be too small"
+            )
+        note = f"q may be a poor approximation of the posterior ({why}): {advice}"
+        message += "; " + note
+        warnings.warn("blr_fit: " + note, UserWarning, stacklevel=4)
+    result = BLRResult(
+        posterior=posterior,
+        elbo=np.asarray(outcome.elbo),
+        num_steps=outcome.num_steps,
+        converged=outcome.converged,
+        message=message,
+        diagnostics=diagnostics,
+        diagnostic_time=t3 - t2,
+        plan=prepared.plan,
+        nat=nat,
+        compile_time=t1 - prepared.start_time,
+        run_time=t2 - t1,
+        graph=bundle.graph,
+        state=outcome.state,
+        compile_counts=prepared.compile_counts,
+        model_lock=COMPILE_LOCK,
+    )
+    return result
