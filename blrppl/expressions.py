@@ -47,7 +47,8 @@ from blrppl import moments as mom
 from blrppl.errors import BLRError, ModelTraceError
 from blrppl.estimators.monte_carlo import tensor_gauss_hermite
 from blrppl.graph import forms as fm, scan_map
-from blrppl.graph.data import DataSpec, RunData, compile_lowered, compiler_options
+from blrppl.graph.data import DataSpec, RunData
+from blrppl.runtime.compile import compile_lowered, compiler_options, jit as _jit
 from blrppl.graph.plan import Block
 from blrppl.graph.stable import Stabilise, rewrapped
 from blrppl.products import ProductMoments, product_second_moments
@@ -1126,7 +1127,7 @@ def run_probes(probes: dict, data) -> dict:
     outputs = {}
     if active:
         inputs = [p.inputs for _, p in active]
-        compiled = compile_lowered(jax.jit(compute_all).lower(inputs, data), compiler_options(data))
+        compiled = compile_lowered(_jit(compute_all).lower(inputs, data), compiler_options(data))
         outputs = {k: out for (k, _), out in zip(active, compiled(inputs, data))}
     return {k: p.decide(outputs.get(k)) for k, p in probes.items()}
 

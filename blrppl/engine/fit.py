@@ -41,8 +41,10 @@ from blrppl.graph.deps import output_dependencies
 from blrppl.graph.stack import stack_table
 from blrppl.diagnostics import ESS_CLOSE, ESS_POOR, KHAT_WARN, Diagnostics, make_log_weights, psis_khat, relative_ess
 from blrppl.graph.data import DataSpec, RunData, split_run_data
-from blrppl.graph.data import SMALL_DATA, background_compilations, compiler_options as _compiler_options, host_array, xla_compilations
-from blrppl.graph.program_store import compile_program, fit_program_key, jit as store_jit, program_key
+from blrppl.graph.data import host_array
+from blrppl.runtime.compile import SMALL_DATA, compiler_options as _compiler_options, jit as _jit
+from blrppl.runtime.counting import background_compilations, xla_compilations
+from blrppl.runtime.program_store import compile_program, fit_program_key, jit as store_jit, program_key
 from blrppl.engine.subsample import averaged_nat, svi_rate
 from blrppl.graph.trace import (
     check_plate_sizes, full_size_model, model_runs, subsampled_plates, trace_model, trace_program,
@@ -220,7 +222,7 @@ def _data_digest(dyn) -> str:
 
 def _stored_fit_key(tracer, dyn, options, prior_spec, supports, plan) -> str | None:
     """The key of a compiled fit's programs in the program store
-    (:mod:`blrppl.graph.program_store`): :func:`_program_parts`, the sites' static facts
+    (:mod:`blrppl.runtime.program_store`): :func:`_program_parts`, the sites' static facts
     (names, distributions, event dims, plates, supports, ``infer``), the latents' support
     values and the plan; None when the fit is not stored."""
     parts = _program_parts(tracer, dyn, options, prior_spec)
@@ -287,7 +289,7 @@ def _dense_work(plan, records) -> int:
     blocks of their element sizes' product), and for each hidden Markov chain its states ×
     K² × :data:`_CHAIN_WORK`. A mixture of N points in D dimensions with K
     labels counts N·D·D·K, ``X @ C.T`` with D latent dimensions N·M·D²: the measure by which
-    small data still gets optimised code (:func:`blrppl.graph.data.compiler_options`)."""
+    small data still gets optimised code (:func:`blrppl.runtime.compile.compiler_options`)."""
     blocks = {b.name: b for b in plan.blocks}
     total = 0
     for f in plan.factors:
@@ -464,7 +466,7 @@ def _compile(model, records, data_spec, dyn_data, tracer, options, prior_spec, k
     posterior_fn = posterior_builder(plan, records, _COMPILER.submit)
     bundle = CompiledFit(
         tracer, plan, graph, init_fn, None, posterior_fn, window,
-        chunk_fn=chunk, elbo_fn=jax.jit(elbo_fn), online=online, statistics_fn=statistics_fn,
+        chunk_fn=chunk, elbo_fn=_jit(elbo_fn), online=online, statistics_fn=statistics_fn,
         log_weights_fn=log_weights_fn, tables_fn=tables_fn, stored_key=fit_key, dense_work=dense_work,
     )
     if log_weights_fn is not None and not (len(plan.blocks) == 1 and exact_block is not None):

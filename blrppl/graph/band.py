@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from blrppl.expressions import distribution_leaves, factor_arguments, random_point
-from blrppl.graph.data import compile_lowered, compiler_options
+from blrppl.runtime.compile import compile_lowered, compiler_options, jit
 from blrppl.graph.plan import FactorRole
 from blrppl.graph.trace import unwrap
 
@@ -163,7 +163,7 @@ def _probe(
 
     def run(tangents) -> list:
         tangents = np.asarray(tangents, x0.dtype)
-        lowered = jax.jit(pushed).lower(x0, tangents, data)
+        lowered = jit(pushed).lower(x0, tangents, data)
         return [np.asarray(o) for o in compile_lowered(lowered, compiler_options(data))(x0, tangents, data)]
 
     return run, n, tuple(f.name for f in touching)

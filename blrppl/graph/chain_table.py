@@ -157,8 +157,8 @@ def tabled(factors, blocks, fns, data, rng: np.random.Generator) -> dict:
     continuous neighbours, in one compiled program. A model that cannot run with the runs'
     states, or whose arguments do not carry the elements, keeps the K² runs."""
     from blrppl.expressions import factor_arguments, random_point
-    from blrppl.graph.data import compiler_options
-    from blrppl.graph.program_store import compile_program, jit as store_jit, program_key
+    from blrppl.runtime.compile import compiler_options
+    from blrppl.runtime.program_store import compile_program, jit as store_jit, program_key
     from blrppl.graph.trace import program_fingerprint
 
     found = candidates(factors, blocks, fns)

@@ -28,9 +28,9 @@ from blrppl.expressions import (
 from blrppl.expressions import _needs_gather_test as needs_gather_test
 from blrppl.graph.band import PROVISIONAL, arrowhead_locals, chain_bandwidth
 from blrppl.graph import chain_table, markov
-from blrppl.graph.data import compiler_options
+from blrppl.runtime.compile import compile_lowered, compiler_options, jit
 from blrppl.graph.derivatives import is_reverse_only_error, reverse_only
-from blrppl.graph.program_store import compile_program, jit as store_jit, program_key
+from blrppl.runtime.program_store import compile_program, jit as store_jit, program_key
 from blrppl.graph.deps import output_forms
 from blrppl.graph import forms as fm
 from blrppl.graph.forms import Const, Power, inverse_link
@@ -643,7 +643,7 @@ def tied_blocks(factors, blocks: dict, fns, data) -> tuple:
 
     options = compiler_options(data, 0)
     try:
-        holds = jax.jit(shared).lower(data).compile(compiler_options=options)(data)
+        holds = compile_lowered(jit(shared).lower(data), options)(data)
     except Exception:  # (a model the statistics cannot evaluate keeps its rows' own covariances)
         return ()
     return tuple(fact for n, facts in candidates.items() if bool(holds[n]) for fact in facts)

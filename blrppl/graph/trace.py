@@ -27,8 +27,9 @@ from numpyro.primitives import Messenger
 from numpyro.infer.initialization import init_to_uniform
 from jax.extend import core as jex_core
 
-from blrppl.graph.data import DataSpec, compiler_options
-from blrppl.graph.program_store import compile_program, jit as store_jit, program_key
+from blrppl.graph.data import DataSpec
+from blrppl.runtime.compile import compiler_options
+from blrppl.runtime.program_store import compile_program, jit as store_jit, program_key
 from blrppl.graph.stable import Stabilise
 from blrppl.graph.plan import SubsampledPlate
 from blrppl.errors import BLRError, ModelTraceError, ObservedDataError, UnsupportedFactorError, UnsupportedLatentError
