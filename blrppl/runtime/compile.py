@@ -143,6 +143,7 @@ class Traced:
         self._traced = traced
 
     def lower(self):
+        """The program lowered by :func:`lower`."""
         return lower(self._traced)
 
     def __getattr__(self, name):
@@ -155,16 +156,18 @@ class Program:
     :func:`compile_lowered` (once per argument structure, shapes and dtypes). Called with
     traced arguments (inside another program) it is ``jax.jit(fn)``, part of that program."""
 
-    def __init__(self, fn, jitted=None, options: dict | None = None):
-        self._jitted = jax.jit(fn) if jitted is None else jitted
+    def __init__(self, fn, options: dict | None = None):
+        self._jitted = jax.jit(fn)
         self._options = options
         self._compiled: dict = {}
         self.__wrapped__ = fn
 
     def trace(self, *args, **kwargs) -> Traced:
+        """The program traced for these arguments; its ``lower()`` is blrppl's."""
         return Traced(self._jitted.trace(*args, **kwargs))
 
     def lower(self, *args, **kwargs):
+        """The program lowered for these arguments by :func:`lower`."""
         return lower(self._jitted.trace(*args, **kwargs))
 
     def __call__(self, *args, **kwargs):
