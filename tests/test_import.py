@@ -72,3 +72,43 @@ def test_a_blrppl_program_runs_and_the_users_own_jit_is_untouched():
     assert "stablehlo.while" not in jax.jit(f).lower(a).as_text()  # (the user's: JAX's rules)
     # inside the user's own jit, a blrppl program is part of the user's program
     np.testing.assert_allclose(jax.jit(lambda a: program(a) * 2)(a), 2 * jax.jit(f)(a), rtol=1e-6)
+
+
+def test_every_program_a_fit_compiles_is_lowered_and_compiled_as_blrppls(monkeypatch):
+    """The workarounds reach the programs of a fit: each compilation passes the scheduler
+    option, and each explicit lowering the chunked LAPACK rules."""
+    import numpyro
+    import numpyro.distributions as dist
+
+    from blrppl import blr_fit
+
+    lowerings, compilations = [], []
+    lower, compile_ = jax.stages.Traced.lower, jax.stages.Lowered.compile
+
+    def recorded_lower(self, *args, _private_parameters=None, **kwargs):
+        lowerings.append(_private_parameters)
+        return lower(self, *args, _private_parameters=_private_parameters, **kwargs)
+
+    def recorded_compile(self, compiler_options=None, **kwargs):
+        compilations.append(dict(compiler_options or {}))
+        return compile_(self, compiler_options=compiler_options, **kwargs)
+
+    monkeypatch.setattr(jax.stages.Traced, "lower", recorded_lower)
+    monkeypatch.setattr(jax.stages.Lowered, "compile", recorded_compile)
+    monkeypatch.setenv("BLRPPL_COMPILATION_CACHE", "0")  # (every program compiled here)
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+
+    def model(X, y=None):
+        beta = numpyro.sample("beta", dist.MultivariateNormal(jnp.zeros(3), jnp.eye(3)))
+        sigma = numpyro.sample("sigma", dist.HalfNormal(1.0))
+        with numpyro.plate("n", X.shape[0]):
+            numpyro.sample("y", dist.Normal(X @ beta, sigma), obs=y)
+
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(40, 3))
+    y = X @ np.array([1.0, -0.5, 0.2]) + 0.3 * rng.normal(size=40)
+    result = blr_fit(model, {"X": X, "y": y}, progress_bar=False)
+    result.sample(jax.random.PRNGKey(0), 3)
+    assert lowerings and compilations
+    assert all(p is runtime_compile.lowering_parameters() for p in lowerings)
+    assert all(c.get(FLAG) is False for c in compilations)
