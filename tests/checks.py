@@ -45,8 +45,9 @@ def assert_every_site_exports(result, model, data, num_draws: int = 5):
 
 def run_in_new_process(code: str, cache, **env_extra) -> dict:
     """Run ``code`` (which prints ``RESULT<json>``) in a new Python process whose user cache
-    directory is ``cache`` (and no ``$JAX_COMPILATION_CACHE_DIR``): its JSON."""
-    env = dict(os.environ, XDG_CACHE_HOME=str(cache), **env_extra)
+    directory is ``cache`` (blrppl's: ``cache/blrppl``; no ``$JAX_COMPILATION_CACHE_DIR``):
+    its JSON."""
+    env = dict(os.environ, XDG_CACHE_HOME=str(cache), BLRPPL_CACHE_DIR=str(Path(cache) / "blrppl"), **env_extra)
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

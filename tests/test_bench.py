@@ -9,7 +9,9 @@ with the expected columns.
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 
 import numpy as np
 import pytest
@@ -328,12 +330,17 @@ def test_bench_models_fit_with_blr(name):
 
 def test_cli_writes_report_with_expected_columns(tmp_path, monkeypatch, request):
     # the CLI points the process at a fresh compilation cache of its own (removed at exit):
-    # both are put back after the test, so later tests in this worker share the suite's cache
+    # its directory and JAX's cache settings are put back after the test
     import jax
 
-    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
-    previous = jax.config.jax_compilation_cache_dir
-    request.addfinalizer(lambda: jax.config.update("jax_compilation_cache_dir", previous))
+    if "BLRPPL_CACHE_DIR" in os.environ:  # (set again by the CLI: put back after the test)
+        monkeypatch.setenv("BLRPPL_CACHE_DIR", os.environ["BLRPPL_CACHE_DIR"])
+    else:
+        monkeypatch.delenv("BLRPPL_CACHE_DIR", raising=False)
+    for name in (
+        "jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs", "jax_persistent_cache_min_entry_size_bytes"
+    ):
+        request.addfinalizer(functools.partial(jax.config.update, name, jax.config.values[name]))
     out = tmp_path / "out"
     rc = cli.main([
         "--model", "beta_bernoulli", "--out", str(out), "--blr-steps", "5", "--svi-steps", "20",

@@ -19,7 +19,8 @@ from blrppl.bench.models import random_intercepts_model
 from blrppl.model.program import ModelProgram
 from blrppl.families import GaussianDense, GaussianDiag, GaussianNat
 from blrppl.families.gaussian import DiagGaussianNat
-from blrppl.graph.data import DataSpec, xla_compilations
+from blrppl.graph.data import DataSpec
+from blrppl.runtime.counting import xla_compilations
 from blrppl.model.trace import model_runs
 from blrppl.inputs import fit_options, host_fold_in, host_split
 
@@ -144,7 +145,7 @@ def test_fixed_view_message_equals_the_message_at_any_q(mean, var):
 def test_a_compilation_that_fails_is_not_kept(monkeypatch):
     """The chunk compiles on a worker thread after the compiled fit is cached: when that
     compilation fails, the fit raises and the next fit compiles again."""
-    from blrppl.graph import program_store
+    from blrppl.runtime import program_store
 
     def model(X, y=None):
         regression(X, y)

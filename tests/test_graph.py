@@ -483,7 +483,7 @@ def test_probes_tell_the_gather_structure_forms_leave_open(monkeypatch):
 
 
 def test_compiler_options_skip_options_this_jaxlib_lacks(monkeypatch):
-    import blrppl.graph.data as gd
+    import blrppl.runtime.compile as gd
 
     monkeypatch.setattr(gd, "_REJECTED", set())
     monkeypatch.setattr(gd, "_FAST_COMPILE", {"xla_no_such_option_here": True})
@@ -513,7 +513,7 @@ def _factor_model(Y, latent_dim):
 def test_small_data_with_dense_elements_gets_optimised_code(n, m, d, level):
     """4,000 entries of X @ C.T with D = 8 are 256,000 products a step: compiled at level 1
     (elementwise loops 2–4× faster for little more compiling); 180 entries with D = 4 at 0."""
-    import blrppl.graph.data as gd
+    import blrppl.runtime.compile as gd
     from blrppl.engine.build import _dense_work, _elementwise_work
     from blrppl.compiler.pipeline import compile_model
 

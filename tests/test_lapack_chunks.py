@@ -1,10 +1,12 @@
-"""Batched LAPACK calls run in chunks on the calling thread (blrppl._lapack).
+"""Batched LAPACK calls run in chunks on the calling thread (blrppl.runtime.lapack), in
+blrppl's own programs (lowered by blrppl.runtime.compile).
 
 jaxlib's CPU kernels split a large batch over the thread pool they run on and wait for the
 pieces: with every worker running one, nothing runs (a Gaussian mixture fit hung this way).
 The deadlock itself is a race and cannot be provoked on demand; what is checked is that a
 large batch is lowered as a loop of chunks small enough to stay on the calling thread, a
-small batch as jaxlib lowers it, and that the results are unchanged."""
+small batch as jaxlib lowers it, that the results are unchanged, and that programs not
+lowered by blrppl keep JAX's rules."""
 
 import jax
 import jax.numpy as jnp
@@ -12,8 +14,8 @@ import numpy as np
 import pytest
 from jax import random
 
-import blrppl  # noqa: F401  (installs the lowering rules)
-from blrppl import _lapack
+from blrppl.runtime import compile as runtime_compile
+from blrppl.runtime import lapack as _lapack
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="CPU lowering rules")
 
@@ -24,7 +26,13 @@ def _spd(key, batch, n):
 
 
 def _lowered(fn, *args) -> str:
-    return jax.jit(fn).lower(*args).as_text()
+    """``fn`` lowered as one of blrppl's programs."""
+    return runtime_compile.jit(fn).lower(*args).as_text()
+
+
+def _run(fn, *args):
+    """``fn`` run as one of blrppl's programs."""
+    return runtime_compile.jit(fn)(*args)
 
 
 @pytest.mark.parametrize(
@@ -82,20 +90,27 @@ def test_large_batches_are_lowered_as_loops_and_agree_with_numpy():
     text = _lowered(jnp.linalg.cholesky, a)
     assert "stablehlo.while" in text and "potrf" in text
 
-    chol = np.asarray(jnp.linalg.cholesky(a))
+    chol = np.asarray(_run(jnp.linalg.cholesky, a))
     np.testing.assert_allclose(chol, np.linalg.cholesky(np.asarray(a, np.float64)), rtol=1e-4, atol=1e-4)
-    solve = jax.scipy.linalg.solve_triangular(chol, b, lower=True)
+    solve = _run(lambda c, b: jax.scipy.linalg.solve_triangular(c, b, lower=True), chol, b)
     np.testing.assert_allclose(np.asarray(chol @ solve), np.asarray(b), rtol=1e-4, atol=1e-4)
-    w, v = jnp.linalg.eigh(a)
+    assert "stablehlo.while" in _lowered(lambda c, b: jax.scipy.linalg.solve_triangular(c, b, lower=True), chol, b)
+    w, v = _run(jnp.linalg.eigh, a)
     np.testing.assert_allclose(np.asarray(w), np.linalg.eigvalsh(np.asarray(a, np.float64)), rtol=1e-4)
-    lu_solved = jnp.linalg.solve(a, b)
+    lu_solved = _run(jnp.linalg.solve, a, b)
     np.testing.assert_allclose(np.asarray(a @ lu_solved), np.asarray(b), rtol=1e-3, atol=1e-3)
     # gradients go through the same rules (the Cholesky's JVP solves triangular systems)
-    grad = jax.grad(lambda x: jnp.sum(jnp.linalg.cholesky(x)[..., -1, -1]))(a)
+    grad = _run(jax.grad(lambda x: jnp.sum(jnp.linalg.cholesky(x)[..., -1, -1])), a)
     assert np.all(np.isfinite(np.asarray(grad)))
     # a batch that does not divide into chunks: the padding is dropped
     odd = a[:2999]
-    np.testing.assert_allclose(np.asarray(jnp.linalg.cholesky(odd)), chol[:2999], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(_run(jnp.linalg.cholesky, odd)), chol[:2999], rtol=1e-5, atol=1e-5)
+
+
+def test_programs_not_lowered_by_blrppl_keep_jaxlibs_lowering():
+    a = _spd(random.PRNGKey(0), 3000, 10)
+    text = jax.jit(jnp.linalg.cholesky).lower(a).as_text()
+    assert "potrf" in text and "stablehlo.while" not in text
 
 
 def test_small_batches_keep_jaxlibs_lowering():

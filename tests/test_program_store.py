@@ -12,14 +12,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from blrppl.graph import program_store
-from blrppl.graph.program_store import compile_program, load, program_key, store
+from blrppl.runtime import program_store
+from blrppl.runtime.program_store import compile_program, load, program_key, store
 from checks import run_in_new_process
 
 
 @pytest.fixture
 def store_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("BLRPPL_CACHE_DIR", str(tmp_path / "blrppl"))
     monkeypatch.delenv("BLRPPL_COMPILATION_CACHE", raising=False)
     return tmp_path / "blrppl" / "programs"
 
@@ -110,7 +110,7 @@ import numpy as np, numpyro, numpyro.distributions as dist
 from jax import random
 numpyro.enable_x64()
 from blrppl import blr_fit
-from blrppl.graph import program_store
+from blrppl.runtime import program_store
 
 def fit(site, prior_scale, data_seed, reference):
     def model(X, y=None):

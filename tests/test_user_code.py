@@ -402,7 +402,7 @@ def test_draws_run_no_model_code_and_follow_the_posterior():
     does not run it again (it traced the model at every call), a second call compiles
     nothing, and the draws follow the closed-form posteriors Dirichlet(1 + counts) and
     Gamma(2 + Σc, 1 + n) (4 standard errors of 4,000 draws; the sd within 5 %)."""
-    from blrppl.graph.data import xla_compilations
+    from blrppl.runtime.counting import xla_compilations
     from blrppl.model.trace import model_runs
 
     rng = np.random.default_rng(0)

@@ -310,7 +310,7 @@ def test_the_loop_of_a_wishart_plan_compiles_optimised(gmm_fits):
     import dataclasses
 
     from blrppl.engine.build import _step_work
-    from blrppl.graph.data import SMALL_DATA
+    from blrppl.runtime.compile import SMALL_DATA
 
     _, fit, _ = gmm_fits
     assert _step_work(fit.plan, 0) == SMALL_DATA

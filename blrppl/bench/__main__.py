@@ -77,19 +77,15 @@ def _fresh_compilation_cache() -> str | None:
     import shutil
     import tempfile
 
-    import jax
-
     import blrppl
+    from blrppl.runtime.cache import DIR_ENV, turned_off
 
-    if blrppl.COMPILATION_CACHE is None:
+    if turned_off():
         return None
     root = pathlib.Path(tempfile.mkdtemp(prefix="blrppl-bench-"))
     atexit.register(shutil.rmtree, root, ignore_errors=True)
-    path = root / "blrppl" / "jax"
-    path.mkdir(parents=True)
-    jax.config.update("jax_compilation_cache_dir", str(path))
-    os.environ["XDG_CACHE_HOME"] = str(root)  # (the program store: blrppl/programs beside it)
-    return str(path)
+    os.environ[DIR_ENV] = str(root / "blrppl")  # (the program store: blrppl/programs)
+    return blrppl.enable_compilation_cache(root / "blrppl" / "jax")
 
 
 def main(argv=None) -> int:

@@ -175,7 +175,7 @@ def _first_fit_section(runs) -> list:
         "(targets ≤ 3 and ≤ 2), and in brackets those of the diagnostics' and the posterior export's "
         "programs that finished meanwhile on a worker thread; and the same script run twice in new "
         "processes sharing a new cache directory: the second run's times, its programs loaded from "
-        "blrppl's program store (see `blrppl/graph/program_store.py`).",
+        "blrppl's program store (see `blrppl/runtime/program_store.py`).",
         "",
         "| model | first fit s | of which compile s | NUTS total s | ratio | model runs | XLA compilations "
         "| second process: compile s / total s |",

@@ -39,7 +39,8 @@ from numpyro.infer.autoguide import AutoMultivariateNormal, AutoNormal
 from numpyro.infer.importance import psis_diagnostic
 
 from blrppl.api import blr_fit
-from blrppl.graph.data import CACHE_ENV, compile_lowered, compiler_options as _compiler_options
+from blrppl.runtime.cache import CACHE_ENV, DIR_ENV
+from blrppl.runtime.compile import compile_lowered, compiler_options as _compiler_options
 from blrppl.bench import posteriordb
 from blrppl.bench.models import BenchModel
 
@@ -180,7 +181,9 @@ if sys.argv[-1] == "float64":
 """
 
 SECOND_PROCESS = _SCRIPT_HEADER + r"""
+import blrppl
 from blrppl import blr_fit
+blrppl.enable_compilation_cache()
 from blrppl.bench import models
 bm = models.load(sys.argv[1])
 t0 = time.perf_counter()
@@ -201,7 +204,7 @@ def second_process_fit(bm: BenchModel) -> dict:
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="blrppl-bench-cache-") as cache:
-        env = {"XDG_CACHE_HOME": cache, CACHE_ENV: "1"}
+        env = {DIR_ENV: os.path.join(cache, "blrppl"), CACHE_ENV: "1"}
         first = _in_new_process(SECOND_PROCESS, [bm.name], env)
         if first.get("error"):
             return first

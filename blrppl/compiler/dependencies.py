@@ -10,9 +10,9 @@ from numpyro.distributions import biject_to
 
 from blrppl.errors import UnsupportedFactorError
 from blrppl.model.functions import distribution_leaves, log_prob_reads
-from blrppl.graph.data import compiler_options
+from blrppl.runtime.compile import compiler_options
 from blrppl.graph.derivatives import reverse_only
-from blrppl.graph.program_store import compile_program, jit as store_jit, program_key
+from blrppl.runtime.program_store import compile_program, jit as store_jit, program_key
 from blrppl.model.deps import output_forms
 from blrppl.model.forms import Const, Power
 from blrppl.model.trace import program_fingerprint

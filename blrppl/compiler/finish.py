@@ -16,8 +16,8 @@ from blrppl.estimators import bilinear, gram
 from blrppl.model.functions import factor_arguments
 from blrppl.model.probes import random_point
 from blrppl.graph import chain_table
-from blrppl.graph.data import compiler_options
-from blrppl.graph.program_store import compile_program, jit as store_jit, program_key
+from blrppl.runtime.compile import compile_lowered, compiler_options, jit
+from blrppl.runtime.program_store import compile_program, jit as store_jit, program_key
 from blrppl.graph.plan import FactorRole, Plan
 from blrppl.graph.stack import stack_factors
 from blrppl.model.trace import program_fingerprint
@@ -144,7 +144,7 @@ def tied_blocks(factors, blocks: dict, fns, data) -> tuple:
 
     options = compiler_options(data, 0)
     try:
-        holds = jax.jit(shared).lower(data).compile(compiler_options=options)(data)
+        holds = compile_lowered(jit(shared).lower(data), options)(data)
     except Exception:  # (a model the statistics cannot evaluate keeps its rows' own covariances)
         return ()
     return tuple(fact for n, facts in candidates.items() if bool(holds[n]) for fact in facts)

@@ -29,9 +29,10 @@ from blrppl.compiler.pipeline import compile_model
 from blrppl.compiler.conjugacy import conjugate_blocks
 from blrppl.compiler.families import init_nat
 from blrppl.compiler.finish import rows_share_precision
-from blrppl.graph.data import RunData, SMALL_DATA, compiler_options as _compiler_options, host_array, split_run_data
+from blrppl.graph.data import RunData, host_array, split_run_data
+from blrppl.runtime.compile import SMALL_DATA, compiler_options as _compiler_options, jit as _jit
 from blrppl.model.deps import output_dependencies
-from blrppl.graph.program_store import compile_program, fit_program_key, jit as store_jit
+from blrppl.runtime.program_store import compile_program, fit_program_key, jit as store_jit
 from blrppl.graph.stack import stack_table
 from blrppl.model.trace import subsampled_plates
 from blrppl.posterior.diagnostics import make_log_weights
@@ -220,7 +221,7 @@ def _dense_work(plan, records) -> int:
     blocks of their element sizes' product), and for each hidden Markov chain its states ×
     K² × :data:`_CHAIN_WORK`. A mixture of N points in D dimensions with K
     labels counts N·D·D·K, ``X @ C.T`` with D latent dimensions N·M·D²: the measure by which
-    small data still gets optimised code (:func:`blrppl.graph.data.compiler_options`)."""
+    small data still gets optimised code (:func:`blrppl.runtime.compile.compiler_options`)."""
     blocks = {b.name: b for b in plan.blocks}
     total = 0
     for f in plan.factors:
@@ -378,7 +379,7 @@ def compile_fit(model, records, data_spec, dyn_data, tracer, options, prior_spec
     posterior_fn = posterior_builder(plan, records, _COMPILER.submit)
     bundle = CompiledFit(
         tracer, plan, graph, init_fn, None, posterior_fn, window,
-        chunk_fn=chunk, elbo_fn=jax.jit(elbo_fn), online=online, statistics_fn=statistics_fn,
+        chunk_fn=chunk, elbo_fn=_jit(elbo_fn), online=online, statistics_fn=statistics_fn,
         log_weights_fn=log_weights_fn, tables_fn=tables_fn, stored_key=fit_key, dense_work=dense_work,
     )
     if log_weights_fn is not None and not (len(plan.blocks) == 1 and exact_block is not None):

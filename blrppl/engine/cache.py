@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from blrppl import families as fam
-from blrppl.graph.program_store import program_key
+from blrppl.runtime.program_store import program_key
 from blrppl.rules import user_rules
 
 
@@ -82,7 +82,7 @@ def data_digest(dyn) -> str:
 
 def stored_fit_key(tracer, dyn, options, prior_spec, supports, plan) -> str | None:
     """The key of a compiled fit's programs in the program store
-    (:mod:`blrppl.graph.program_store`): :func:`_program_parts`, the sites' static facts
+    (:mod:`blrppl.runtime.program_store`): :func:`_program_parts`, the sites' static facts
     (names, distributions, event dims, plates, supports, ``infer``), the latents' support
     values and the plan; None when the fit is not stored."""
     parts = _program_parts(tracer, dyn, options, prior_spec)

@@ -62,6 +62,7 @@ from blrppl.engine.prepare import prepare
 from blrppl.engine.run import finish
 from blrppl.errors import BLRError, FamilyError
 from blrppl.graph.data import DataSpec
+from blrppl.runtime.compile import jit as _jit
 from blrppl.inputs import host_fold_in
 from blrppl.posterior.diagnostics import psis_khat
 
@@ -163,7 +164,7 @@ def _moment_match(family, weights, means):
         used += w
     total = jax.tree.map(lambda x: x / used, total)  # (the weights of the points read sum to 1)
     dtype = jax.tree.leaves(next(m for m in means if m is not None))[0].dtype
-    return jax.jit(family.nat_from_mean)(jax.tree.map(lambda x: jnp.asarray(x, dtype), total))
+    return _jit(family.nat_from_mean)(jax.tree.map(lambda x: jnp.asarray(x, dtype), total))
 
 
 def _grid_points(d: int, half_width: float) -> np.ndarray:
@@ -433,7 +434,7 @@ def _match_others(nat, plan, cond_blocks, checked, weights, nats, key) -> tuple:
             try:
                 # (compiled once for the grid: run op by op, a banded block's passes compiled
                 # their scans anew at each point, 0.1 s a point, 13 s of a 121-point grid)
-                mean_params = jax.jit(b.family.mean_params)
+                mean_params = _jit(b.family.mean_params)
                 means = [mean_params(n[b.name]) if n is not None and w > 0 else None for w, n in zip(weights, nats)]
                 nat[b.name] = _moment_match(b.family, weights, means)
             except NotImplementedError:  # (a family without a map from mean parameters)
@@ -485,7 +486,7 @@ def _drawn_stats(b, c, weights, nats, key) -> list:
         u = b.transform.inv(x) if b.transform is not None else x
         return jax.tree.map(lambda t: jnp.mean(t, axis=0), b.family.sufficient_stats(b.to_canonical(u)))
 
-    stats = jax.jit(stats)
+    stats = _jit(stats)
     key = host_fold_in(key, 11)
     # (points below 10⁻⁹ of the largest weight move no moment: not drawn)
     keep = weights > 1e-9 * np.max(weights)

@@ -25,7 +25,8 @@ from blrppl.engine.step import BLRState, initial_state
 from blrppl.errors import BLRError, InitValueError
 from blrppl.compiler.blocks import block_init_values as _block_init_values
 from blrppl.compiler.pipeline import reverse_only_error
-from blrppl.graph.data import DataSpec, background_compilations, host_array, xla_compilations
+from blrppl.graph.data import DataSpec, host_array
+from blrppl.runtime.counting import background_compilations, xla_compilations
 from blrppl.graph.derivatives import is_no_reverse_error, is_reverse_only_error, reverse_only_mode
 from blrppl.model.checks import check_plate_sizes
 from blrppl.model.trace import full_size_model, model_runs, subsampled_plates, trace_model, trace_program

@@ -60,6 +60,7 @@ import numpyro.distributions as dist
 
 from blrppl.moments import kinds as mom
 from blrppl.estimators.gram import _LOG_2PI, element_weights, scale_block, scale_terms
+from blrppl.runtime.compile import jit as _jit
 
 #: the pairs (i, j) of rows form a dense N_A × N_B grid of weights (a step then does
 #: N_A N_B D² work with a mask): used when the grid holds at most ``GRID_PER_ELEMENT`` times
@@ -246,7 +247,7 @@ def scale_rows(factor, blocks, fns, data) -> str:
         return jnp.all(k == i) & (blocks[gamma].size == _rows(ba)), jnp.all(k == j) & (blocks[gamma].size == _rows(bb))
 
     try:
-        along_a, along_b = jax.jit(index)(data)
+        along_a, along_b = _jit(index)(data)
     except Exception:  # (a model the probes cannot evaluate keeps the elementwise moments)
         return None
     return b if bool(along_b) else a if bool(along_a) else None
@@ -281,7 +282,7 @@ def eligible(factor, blocks, fns, data) -> tuple | None:
 
     dtype = jnp.result_type(float)
     try:
-        ok, size = jax.jit(check)(data, jnp.asarray(xa, dtype), jnp.asarray(xb, dtype))
+        ok, size = _jit(check)(data, jnp.asarray(xa, dtype), jnp.asarray(xb, dtype))
     except Exception:  # a model the probes cannot evaluate keeps the elementwise moments
         return None
     if not bool(ok) or ra * rb > min(MAX_GRID, max(SMALL_GRID, GRID_PER_ELEMENT * int(size))):

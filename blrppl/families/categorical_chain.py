@@ -38,6 +38,7 @@ from numpyro.distributions import constraints
 
 from blrppl.families.base import Family
 from blrppl.families.categorical import CategoricalView
+from blrppl.runtime.compile import jit as _jit
 
 
 class ChainNat(NamedTuple):
@@ -121,7 +122,7 @@ def _forward_backward(nat: ChainNat):
     return alpha, beta, log_z
 
 
-_compiled_forward_backward = jax.jit(_forward_backward)
+_compiled_forward_backward = _jit(_forward_backward)
 
 
 def _scaled_view(nat: ChainNat) -> tuple:

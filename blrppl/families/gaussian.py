@@ -99,7 +99,7 @@ def _batched_inverse(prec: jax.Array) -> tuple:
     one triangular solve and a product). The products are batched matrix products, the
     LAPACK calls are on matrices of at most BLOCK_LEAF rows: CPU LAPACK on a batch of
     small matrices runs one call per few matrices (a 40 × 40 triangular solve, a call per
-    3 of them: :mod:`blrppl._lapack`), and 2,000 rows of D = 40 took 100–140 ms this way
+    3 of them: :mod:`blrppl.runtime.lapack`), and 2,000 rows of D = 40 took 100–140 ms this way
     against 60 ms by halves. A matrix that is not positive definite has a non-positive
     definite A or Z, whose factor is NaN: the result is NaN, as the Cholesky factor's."""
     n = prec.shape[-1]

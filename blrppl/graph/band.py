@@ -33,7 +33,7 @@ import numpy as np
 
 from blrppl.model.functions import distribution_leaves, factor_arguments
 from blrppl.model.probes import random_point
-from blrppl.graph.data import compile_lowered, compiler_options
+from blrppl.runtime.compile import compile_lowered, compiler_options, jit
 from blrppl.graph.plan import FactorRole
 from blrppl.model.records import unwrap
 
@@ -164,7 +164,7 @@ def _probe(
 
     def run(tangents) -> list:
         tangents = np.asarray(tangents, x0.dtype)
-        lowered = jax.jit(pushed).lower(x0, tangents, data)
+        lowered = jit(pushed).lower(x0, tangents, data)
         return [np.asarray(o) for o in compile_lowered(lowered, compiler_options(data))(x0, tangents, data)]
 
     return run, n, tuple(f.name for f in touching)

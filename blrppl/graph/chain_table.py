@@ -158,8 +158,8 @@ def tabled(factors, blocks, fns, data, rng: np.random.Generator) -> dict:
     states, or whose arguments do not carry the elements, keeps the K² runs."""
     from blrppl.model.functions import factor_arguments
     from blrppl.model.probes import random_point
-    from blrppl.graph.data import compiler_options
-    from blrppl.graph.program_store import compile_program, jit as store_jit, program_key
+    from blrppl.runtime.compile import compiler_options
+    from blrppl.runtime.program_store import compile_program, jit as store_jit, program_key
     from blrppl.model.trace import program_fingerprint
 
     found = candidates(factors, blocks, fns)

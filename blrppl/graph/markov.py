@@ -46,7 +46,7 @@ import numpy as np
 from blrppl.errors import ResourceError, UnsupportedFactorError, is_out_of_memory, out_of_memory_detail
 from blrppl.model.probes import random_point
 from blrppl.model.program import strip_masks
-from blrppl.graph.data import compile_lowered, compiler_options
+from blrppl.runtime.compile import compile_lowered, compiler_options, jit
 from blrppl.graph.plan import FactorRole, site_values
 
 #: random sets each decoded reading is checked on (per probe round)
@@ -193,7 +193,7 @@ class Probe:
         chunks = np.concatenate([sets, np.zeros((pad, self.size), bool)]).reshape(-1, width, self.size)
         try:
             if width not in self._compiled:
-                lowered = jax.jit(run).lower(chunks[0], self.bases, self.moved, self.data)
+                lowered = jit(run).lower(chunks[0], self.bases, self.moved, self.data)
                 self._compiled[width] = compile_lowered(lowered, compiler_options(self.data))
             bases, moved = (self.check_bases, self.check_moved) if check else (self.bases, self.moved)
             outs = [self._compiled[width](c, bases, moved, self.data) for c in chunks]

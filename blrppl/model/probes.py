@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from blrppl.graph.data import compile_lowered, compiler_options
+from blrppl.runtime.compile import compile_lowered, compiler_options, jit as _jit
 from blrppl.graph.plan import Block
 from blrppl.model.classes import OPAQUE, ArgumentClass, block_power, needs_gather_test
 from blrppl.moments import kinds as mom
@@ -444,6 +444,6 @@ def run_probes(probes: dict, data) -> dict:
     outputs = {}
     if active:
         inputs = [p.inputs for _, p in active]
-        compiled = compile_lowered(jax.jit(compute_all).lower(inputs, data), compiler_options(data))
+        compiled = compile_lowered(_jit(compute_all).lower(inputs, data), compiler_options(data))
         outputs = {k: out for (k, _), out in zip(active, compiled(inputs, data))}
     return {k: p.decide(outputs.get(k)) for k, p in probes.items()}

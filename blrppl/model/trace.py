@@ -26,9 +26,10 @@ from numpyro.infer.initialization import init_to_uniform
 from jax.extend import core as jex_core
 
 from blrppl.errors import ModelTraceError, UnsupportedFactorError, UnsupportedLatentError
-from blrppl.graph.data import DataSpec, compiler_options
+from blrppl.graph.data import DataSpec
+from blrppl.runtime.compile import compiler_options
 from blrppl.graph.plan import SubsampledPlate
-from blrppl.graph.program_store import compile_program, jit as store_jit, program_key
+from blrppl.runtime.program_store import compile_program, jit as store_jit, program_key
 from blrppl.graph.stable import Stabilise
 from blrppl.model.checks import (
     NEEDS_CONCRETE,

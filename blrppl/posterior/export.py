@@ -13,9 +13,9 @@ import numpyro.distributions as dist
 from numpyro.distributions import constraints
 
 from blrppl.model.functions import canonical_leaves
-from blrppl.graph.data import compiler_options
+from blrppl.runtime.compile import compiler_options
+from blrppl.runtime.program_store import compile_program, fit_program_key, jit as store_jit
 from blrppl.graph.plan import Block
-from blrppl.graph.program_store import compile_program, fit_program_key, jit as store_jit
 
 
 class _SiteLayout(dist.Distribution):
@@ -189,7 +189,7 @@ def posterior_builder(plan, records, submit):
     def prepare(nat, key=None):
         """Start compiling the export for natural parameters of these shapes (on a worker
         thread), or load it from the program store (``key``: the fit's key there, see
-        :mod:`blrppl.graph.program_store`); False for distributions that are not pytrees
+        :mod:`blrppl.runtime.program_store`); False for distributions that are not pytrees
         (then built op by op)."""
         if compiled:
             return True

@@ -1,8 +1,8 @@
 """Compiled programs kept on disk, so that a new process running the same fit neither traces,
 lowers nor compiles them again.
 
-JAX's persistent compilation cache (:func:`blrppl.graph.data.enable_compilation_cache`)
-skips XLA's work, but it is keyed by the lowered program: a new process still traces every
+JAX's persistent compilation cache (:func:`blrppl.enable_compilation_cache`, off unless
+the user turns it on) skips XLA's work, but it is keyed by the lowered program: a new process still traces every
 program in Python and lowers it to look it up, most of a small model's first-fit time.
 This store is keyed by what a program is built from, known before it is traced:
 
@@ -14,10 +14,11 @@ result structures. Like JAX's cache, an entry is a pickle that loads machine cod
 trusts its directory as it trusts the installed packages. A stored program is used only when its argument structure, shapes and
 dtypes are those of the call at hand; anything that cannot be keyed stably (a part whose
 ``repr`` holds an object address, e.g. a user's callable option) or serialised (a program
-with hoisted constants) is simply not stored. Entries live in
-``$XDG_CACHE_HOME/blrppl/programs`` (``~/.cache/blrppl/programs``), at most
-:data:`MAX_ENTRIES` of them and :data:`MAX_BYTES` in all (the least recently used go first);
-``BLRPPL_COMPILATION_CACHE=0`` turns the store off with JAX's cache.
+with hoisted constants) is simply not stored. Entries live in ``programs`` of blrppl's
+cache directory (``$BLRPPL_CACHE_DIR``, default ``~/.cache/blrppl``:
+:func:`blrppl.runtime.cache.cache_dir`), at most :data:`MAX_ENTRIES` of them and
+:data:`MAX_BYTES` in all (the least recently used go first); ``BLRPPL_COMPILATION_CACHE=0``
+turns the store off.
 """
 from __future__ import annotations
 
@@ -35,7 +36,9 @@ import tempfile
 import jax
 import numpy as np
 
-from blrppl.graph.data import CACHE_ENV, background, compilation_cache_dir, compile_lowered, thread_cache_hits
+from blrppl.runtime.cache import cache_dir, turned_off
+from blrppl.runtime.compile import Program, compile_lowered
+from blrppl.runtime.counting import background, thread_cache_hits
 
 #: entries kept, and their total size; beyond either the least recently used are removed
 #: when a new one is written
@@ -51,9 +54,9 @@ COUNTS: "collections.Counter[str]" = collections.Counter()
 
 def directory() -> pathlib.Path | None:
     """Where compiled programs are kept, or None when the store is off."""
-    if os.environ.get(CACHE_ENV, "").strip().lower() in ("0", "off", "false", "no"):
+    if turned_off():
         return None
-    return compilation_cache_dir().parent / "programs"
+    return cache_dir() / "programs"
 
 
 @functools.lru_cache(maxsize=1)
@@ -108,8 +111,9 @@ def fit_program_key(fit_key: str | None, name: str, options) -> str | None:
     return program_key(name, fit_key, options) if fit_key else None
 
 
-def jit(fn, name: str):
-    """``jax.jit`` of ``fn`` under the name ``name`` tagged with blrppl's source hash. The name
+def jit(fn, name: str) -> Program:
+    """``jax.jit`` of ``fn`` as one of blrppl's programs (:class:`blrppl.runtime.compile.Program`:
+    lowered with blrppl's rules) under the name ``name`` tagged with blrppl's source hash. The name
     is part of JAX's persistent-cache key: a program compiled by this blrppl for the store is
     never one JAX's cache kept for another version (an executable read from that cache is
     not stored, see :func:`compile_program`)."""
@@ -118,7 +122,7 @@ def jit(fn, name: str):
         return fn(*args, **kwargs)
 
     program.__name__ = program.__qualname__ = f"blrppl_{name}_{_source_digest()[:10]}"
-    return jax.jit(program)
+    return Program(program)
 
 
 def _signature(args) -> tuple:
@@ -215,12 +219,13 @@ def compile_program(key: str | None, lower, args, options: dict | None, submit=N
 
     Args:
         key: :func:`program_key` of the program (None: neither read nor stored).
-        lower: ``args → jax.stages.Lowered``.
+        lower: ``args → jax.stages.Lowered``, or a traced program, which is lowered as
+            one of blrppl's (:func:`blrppl.runtime.compile.lower`).
         args: the program's positional arguments (arrays or shape-dtype structs).
         options: XLA compiler options.
         submit: ``submit(fn, *args) → future`` running a compilation on a worker thread.
         background: count the compilation as background work (see
-            :func:`blrppl.graph.data.background`): nothing waits for it before a fit's first step.
+            :func:`blrppl.runtime.counting.background`): nothing waits for it before a fit's first step.
 
     Returns:
         the compiled program, or with ``submit`` a future of it.

@@ -1,4 +1,5 @@
-"""Batched LAPACK calls on the CPU, run in chunks on the calling thread.
+"""Batched LAPACK calls on the CPU, run in chunks on the calling thread, in blrppl's own
+programs.
 
 jaxlib's CPU LAPACK kernels (Cholesky, triangular solve, LU, symmetric eigendecomposition)
 split a batch of matrices over XLA's intra-op thread pool once the batch holds about
@@ -13,10 +14,15 @@ The lowering rules here wrap jaxlib's: a batch small enough to stay on the calli
 is lowered as before; a larger one becomes a loop over chunks that each stay under that
 size (``lax.map``), so no kernel ever waits on the pool. One kernel loses the intra-op
 split of its batch; independent operations still run concurrently.
+
+The rules are never registered with JAX: :func:`lowering_rules` returns them as overrides
+that :mod:`blrppl.runtime.compile` passes when it lowers one of blrppl's programs, so the
+user's own programs keep JAX's lowering (docs/runtime.md).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -26,8 +32,6 @@ from jax import lax
 #: jaxlib's LAPACK kernels keep a batch on the calling thread while
 #: batch size × FLOPs per matrix stays below this (``GetLapackBatchChunkSize``)
 _FANOUT_FLOPS = 200_000
-
-_installed = False
 
 
 def _complex_factor(aval) -> int:
@@ -67,12 +71,25 @@ def chunk_size(batch: int, cost: int) -> int:
     return max(1, (_FANOUT_FLOPS - 1) // max(cost, 1))
 
 
+def _other_platforms(ctx, prim, args, params):
+    """``prim`` lowered by JAX's own rules: for a program lowered for another platform than
+    the CPU alone (an override rule replaces every platform's rule)."""
+    from jax._src.interpreters import mlir
+
+    platforms = tuple(ctx.platforms or ctx.module_context.platforms)
+    rules = {p: mlir._platform_specific_lowerings[p][prim].rule for p in platforms if prim in mlir._platform_specific_lowerings[p]}
+    default = mlir._lowerings[prim].rule if prim in mlir._lowerings else None
+    return mlir.lower_per_platform(ctx, str(prim), rules, default, set(), *args, **params)
+
+
 def _chunked_rule(prim, lapack_rule, cost_of):
     """A CPU lowering rule for ``prim``: jaxlib's ``lapack_rule`` when the batch stays on the
     calling thread, else a loop over chunks that do."""
     from jax._src.interpreters import mlir
 
     def rule(ctx, *args, **params):
+        if tuple(ctx.platforms or ctx.module_context.platforms) != ("cpu",):
+            return _other_platforms(ctx, prim, args, params)
         batch_shape = ctx.avals_in[0].shape[:-2]
         batch = math.prod(batch_shape)
         chunk = chunk_size(batch, cost_of(ctx.avals_in, params))
@@ -105,15 +122,15 @@ def _chunked_rule(prim, lapack_rule, cost_of):
     return rule
 
 
-def install() -> bool:
-    """Wrap jaxlib's CPU lowering of the batched LAPACK primitives (module docstring).
-    Idempotent; does nothing when ``BLRPPL_LAPACK_CHUNKS=0`` or when this JAX does not
-    expose the rules where expected. Returns whether the rules are installed."""
-    global _installed
-    if _installed:
-        return True
+@functools.lru_cache(maxsize=1)
+def lowering_rules() -> tuple:
+    """``(primitive, rule)`` pairs that lower the batched LAPACK primitives in chunks on the
+    CPU (module docstring), wrapping jaxlib's rules as JAX has them registered; for
+    ``jax.interpreters.mlir.LoweringParameters(override_lowering_rules=...)``. Empty when
+    ``BLRPPL_LAPACK_CHUNKS=0`` or when this JAX does not keep the rules where expected.
+    Nothing is registered with JAX."""
     if os.environ.get("BLRPPL_LAPACK_CHUNKS", "1") == "0":
-        return False
+        return ()
     try:
         from jax._src.interpreters import mlir
         from jax._src.lax import linalg
@@ -127,8 +144,5 @@ def install() -> bool:
         }
         rules = {p: cpu[p].rule for p in wanted if p in cpu}
     except Exception:  # pragma: no cover - a JAX whose internals moved
-        return False
-    for prim, lapack_rule in rules.items():
-        mlir.register_lowering(prim, _chunked_rule(prim, lapack_rule, wanted[prim]), platform="cpu")
-    _installed = True
-    return True
+        return ()
+    return tuple((prim, _chunked_rule(prim, lapack_rule, wanted[prim])) for prim, lapack_rule in rules.items())
