@@ -13,7 +13,7 @@ from blrppl.engine.grid import grid_sites, grid_fit
 from blrppl.engine.prepare import prepare
 from blrppl.engine.run import run
 from blrppl.errors import BLRError, out_of_memory_as_error
-from blrppl.model.trace import trace_model
+from blrppl.model.program import ModelProgram
 from blrppl.inputs import as_key, fit_options, host_fold_in, host_split, model_arguments
 from blrppl.posterior.result import BLRResult
 
@@ -25,9 +25,10 @@ def plan_of(model, data=None, *, rng_key=None, **options):
     options = fit_options(**options)
     k_trace, k_probe, _, _ = host_split(as_key(rng_key), 4)
     with COMPILE_LOCK:
-        records, data_spec, dyn_data, _ = trace_model(model, args, kwargs, k_trace)
+        program = ModelProgram(model)
+        records, data_spec, dyn_data, _ = program.records(args, kwargs, k_trace)
         with numpyro.validation_enabled(False):
-            return plan_model(model, records, data_spec, dyn_data, options, None, k_probe)[0]
+            return plan_model(program, records, data_spec, dyn_data, options, None, k_probe)[0]
 
 
 def blr_fit(
@@ -102,14 +103,14 @@ def blr_fit(
                 site=scales[0],
             )
         with out_of_memory_as_error("the fit"):
-            result = grid_fit(model, args, kwargs, options, key, scales)
+            result = grid_fit(ModelProgram(model), args, kwargs, options, key, scales)
         result.model_call = (model, args, kwargs)
         return result
     # (inline, not in a function of its own: warnings keep pointing at the caller's line)
     with out_of_memory_as_error("the fit"):
-        best, finals = None, []
+        best, finals, program = None, [], ModelProgram(model)
         for start in range(options.num_starts):
-            prepared = prepare(model, args, kwargs, options, key if start == 0 else host_fold_in(key, start), prior, start=start)
+            prepared = prepare(program, args, kwargs, options, key if start == 0 else host_fold_in(key, start), prior, start=start)
             # with several starts, each start's warnings (a poor q, a stop) are held back and only
             # the kept start's reach the user
             held = warnings.catch_warnings(record=True) if options.num_starts > 1 else contextlib.nullcontext()

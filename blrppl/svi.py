@@ -28,7 +28,8 @@ from blrppl.engine.run import run as run_fit
 from blrppl.engine.step import BLRState
 from blrppl.errors import BLRError, UnsupportedGuideError, out_of_memory_as_error
 from blrppl.graph.data import DataSpec, host_array, split_run_data
-from blrppl.model.trace import trace_model
+from blrppl.model.program import ModelProgram
+from blrppl.model.trace import seeded_trace, trace_model
 from blrppl.inputs import DEFAULT_NUM_STEPS, as_key, call_arguments, fit_options
 from blrppl.posterior import autoguides
 from blrppl.posterior.guide import PlanGuide, plan_params
@@ -142,7 +143,8 @@ class BLR:
         init_values = None
         if self._autoguide is not None:
             try:
-                records = autoguides.setup(self._autoguide, self.model, rng_key, args, kwargs)
+                model_trace = seeded_trace(self.model, rng_key, args, kwargs)
+                records = autoguides.setup(self._autoguide, model_trace, rng_key, args, kwargs)
             except Exception as exc:  # the autoguide's own initialisation failed
                 # bad data (NaN, out of support) make numpyro's autoguide fail without saying
                 # why: check the data the way every fit does, then report what failed
@@ -158,7 +160,7 @@ class BLR:
             init_values = dict(init_params)
         checked = fit_options(num_steps=num_steps, **options)
         with out_of_memory_as_error("compiling the fit"):
-            self._prepared = prepare_fit(self.model, args, kwargs, checked, rng_key, init_values=init_values)
+            self._prepared = prepare_fit(ModelProgram(self.model), args, kwargs, checked, rng_key, init_values=init_values)
         self._checked = _arrays_of(args, kwargs)
         if self._autoguide is None:
             self.guide.plan = self._prepared.plan

@@ -19,6 +19,7 @@ import pytest
 from jax import random
 from numpyro.contrib.control_flow import scan
 
+from blrppl.model.program import ModelProgram
 from blrppl import blr_fit
 from blrppl.families import (
     BandedGaussianNat,
@@ -278,7 +279,7 @@ def random_pairs(y):
 
 def _plan(model, y, structure=None):
     records, spec, dyn, _ = trace_model(model, (jnp.asarray(y),), {}, random.PRNGKey(0))
-    plan, *_ = compile_model(model, records, spec, dyn, rng_key=random.PRNGKey(1), structure=structure)
+    plan, *_ = compile_model(ModelProgram(model), records, spec, dyn, rng_key=random.PRNGKey(1), structure=structure)
     return plan
 
 

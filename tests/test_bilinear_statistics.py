@@ -27,6 +27,7 @@ import pytest
 from jax import random
 
 import reference_models as rm
+from blrppl.model.program import ModelProgram
 from blrppl.engine.build import init_nat, plan_model
 from blrppl.estimators import bilinear
 from blrppl.families.gaussian import GaussianDense, GaussianNat
@@ -159,7 +160,7 @@ def _plan(model, data):
     args, kwargs = model_arguments(data)
     records, spec, dyn, _ = trace_model(model, args, kwargs, random.PRNGKey(0))
     with numpyro.validation_enabled(False):
-        plan, fns, dyn, init_values, *_ = plan_model(model, records, spec, dyn, fit_options(), None, random.PRNGKey(1))
+        plan, fns, dyn, init_values, *_ = plan_model(ModelProgram(model), records, spec, dyn, fit_options(), None, random.PRNGKey(1))
     return plan, fns, dyn, init_values
 
 

@@ -175,7 +175,7 @@ def _splits_in_step(model, data):
     from blrppl.compiler.pipeline import compile_model
 
     records, spec, dyn, _ = trace_model(model, (), data, jax.random.key(0))
-    plan, fns, dyn, init, _ = compile_model(model, records, spec, dyn, rng_key=jax.random.key(1))
+    plan, fns, dyn, init, _ = compile_model(ModelProgram(model), records, spec, dyn, rng_key=jax.random.key(1))
     step, _, _ = make_step(plan, fns, "sequential")
     nat = {b.name: init_nat(b, init[b.name]) for b in plan.blocks}
     rho = {n: jnp.asarray(1.0) for n in plan.order}
@@ -249,7 +249,7 @@ def test_data_statistics_of_priors_compile_no_program_of_their_own(monkeypatch):
     def model(county, x, num_counties, y=None):  # a new function: not in the compiled-fit cache
         random_intercepts_model(county, x, num_counties, y)
 
-    prepared = prepare_module.prepare(model, (), data, fit_options(), random.PRNGKey(0))
+    prepared = prepare_module.prepare(ModelProgram(model), (), data, fit_options(), random.PRNGKey(0))
     gram_factors = [f.name for f in prepared.plan.factors if f.gram_block]
     assert gram_factors and prepared.bundle.statistics_fn is None  # all of them read no data
     assert prepared.bundle._statistics_compiled is None  # (no program of their own)

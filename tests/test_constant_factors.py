@@ -19,6 +19,7 @@ import numpyro.distributions as dist
 import pytest
 from jax import random
 
+from blrppl.model.program import ModelProgram
 from blrppl.engine.step import constant_factors, make_objective, make_split_expectation, views_of
 from blrppl.families import BandedGaussianNat, GaussianBanded
 from blrppl.model.trace import trace_model
@@ -81,7 +82,7 @@ CASES = {
 
 def _compiled(model, args):
     records, spec, dyn, _ = trace_model(model, args, {}, random.PRNGKey(0))
-    plan, fns, *_ = compile_model(model, records, spec, dyn, rng_key=random.PRNGKey(1))
+    plan, fns, *_ = compile_model(ModelProgram(model), records, spec, dyn, rng_key=random.PRNGKey(1))
     return plan, fns, dyn
 
 

@@ -4,7 +4,6 @@ import importlib.util
 import pathlib
 
 import numpy as np
-import pytest
 
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 

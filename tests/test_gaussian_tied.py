@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from blrppl.families import GaussianDense, GaussianNat, GaussianTied, GaussianView
+from blrppl.families import GaussianDense, GaussianNat, GaussianTied
 
 ROWS, D = (4, 3), 3
 

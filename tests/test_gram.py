@@ -15,6 +15,7 @@ import numpyro.distributions as dist
 from jax import random
 from numpyro import handlers
 
+from blrppl.model.program import ModelProgram
 from blrppl import BLR, blr_fit
 from blrppl.estimators import gram
 
@@ -184,7 +185,7 @@ def test_prior_on_a_plated_blocks_own_values_reads_means_and_variances():
         args, kwargs = model_arguments({"layout": layout})
         records, spec, dyn, _ = trace_model(rows_prior, args, kwargs, random.PRNGKey(0))
         options = fit_options(structure="mean-field")
-        plan, fns, dyn, *_ = plan_model(rows_prior, records, spec, dyn, options, None, random.PRNGKey(1))
+        plan, fns, dyn, *_ = plan_model(ModelProgram(rows_prior), records, spec, dyn, options, None, random.PRNGKey(1))
         block = plan.block("x")
         assert block.batch_shape == (ROWS,) and block.family.dense_event, plan.describe()
         (factor,) = [f for f in plan.factors if f.name == "x"]

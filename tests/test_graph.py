@@ -8,6 +8,7 @@ import numpyro.distributions as dist
 import pytest
 from numpyro.distributions import constraints
 
+from blrppl.model.program import ModelProgram
 from blrppl import families as fam
 from blrppl.model.deps import output_dependencies
 from blrppl.graph.plan import Block, Factor, Plan
@@ -404,7 +405,7 @@ def test_plan_describe_compiled_model():
 
     data = _regression_data()
     records, spec, dyn, _ = trace_model(regression, (), data, jax.random.key(0))
-    plan = compile_model(regression, records, spec, dyn, rng_key=jax.random.key(3), structure="mean-field")[0]
+    plan = compile_model(ModelProgram(regression), records, spec, dyn, rng_key=jax.random.key(3), structure="mean-field")[0]
     text = plan.describe()
     assert {b.name for b in plan.blocks} == {"w", "tau", "a"}
     assert {f.name for f in plan.factors} == {"w", "tau", "a", "y"}
@@ -452,7 +453,7 @@ def test_compile_reads_argument_classes_without_probes(monkeypatch, structure):
     X = rng.normal(size=(40, 3))
     data = {"X": X, "y": X @ np.array([1.0, -1.0, 0.5]) + 0.3 * rng.normal(size=40)}
     records, spec, dyn, _ = trace_model(_scale_model, (), data, jax.random.key(0))
-    plan = compile_model(_scale_model, records, spec, dyn, rng_key=jax.random.key(1), structure=structure)[0]
+    plan = compile_model(ModelProgram(_scale_model), records, spec, dyn, rng_key=jax.random.key(1), structure=structure)[0]
     assert calls == []
     if structure == "mean-field":
         assert {b.kind for b in plan.blocks} == {"gaussian"} and len(plan.blocks) == 2
@@ -476,7 +477,7 @@ def test_probes_tell_the_gather_structure_forms_leave_open(monkeypatch):
 
     calls = _probe_spy(monkeypatch)
     records, spec, dyn, _ = trace_model(model, (), {"y": np.array(0.5)}, jax.random.key(0))
-    plan = compile_model(model, records, spec, dyn, rng_key=jax.random.key(1), families={"a": "gaussian-diag"})[0]
+    plan = compile_model(ModelProgram(model), records, spec, dyn, rng_key=jax.random.key(1), families={"a": "gaussian-diag"})[0]
     assert calls == [[("y", "loc")]]
     y = next(f for f in plan.factors if f.name == "y")
     assert y.estimator == "exact" and dict(y.columns)["a"] == "full"
@@ -519,7 +520,7 @@ def test_small_data_with_dense_elements_gets_optimised_code(n, m, d, level):
 
     Y = np.random.default_rng(0).normal(size=(n, m))
     records, spec, dyn, _ = trace_model(_factor_model, (Y, d), {}, jax.random.key(0))
-    plan = compile_model(_factor_model, records, spec, dyn, rng_key=jax.random.key(1))[0]
+    plan = compile_model(ModelProgram(_factor_model), records, spec, dyn, rng_key=jax.random.key(1))[0]
     assert _dense_work(plan, records) >= n * m * d * d
     options = gd.compiler_options(dyn, _elementwise_work(plan, records), _dense_work(plan, records))
     assert options["xla_backend_optimization_level"] == level

@@ -23,6 +23,7 @@ from numpyro.infer import Predictive
 from numpyro.ops.indexing import Vindex
 from scipy.special import digamma, logsumexp
 
+from blrppl.model.program import ModelProgram
 from blrppl import BLRError, blr_fit
 from blrppl.errors import UnsupportedFactorError
 
@@ -763,7 +764,7 @@ def test_an_aligned_mixture_probes_only_its_random_sets(monkeypatch):
             numpyro.sample("y", dist.Normal(jnp.asarray(LOCS)[z], 1.0), obs=y)
 
     records, spec, dyn, _ = trace_model(mixture, (jnp.asarray(y),), {}, random.PRNGKey(0))
-    compile_model(mixture, records, spec, dyn, rng_key=random.PRNGKey(1))
+    compile_model(ModelProgram(mixture), records, spec, dyn, rng_key=random.PRNGKey(1))
     (probe,) = probes
     assert probe.width > markov._CHECKS and set(probe._compiled) == {markov._CHECKS}
 

@@ -5,7 +5,6 @@ apply to blrppl's own programs only (docs/runtime.md)."""
 
 from __future__ import annotations
 
-import os
 
 import jax
 import jax.numpy as jnp

@@ -4,6 +4,7 @@ by their :attr:`~blrppl.graph.plan.Factor.role`, not by their names."""
 
 from __future__ import annotations
 
+import ast
 import pathlib
 import re
 
@@ -69,3 +70,153 @@ def test_no_literal_kind_tests_outside_the_families():
             continue
         found += [f"{path.relative_to(PACKAGE)}:{n}: {line}" for n, line in _offences(path.read_text())]
     assert not found, "kind tests that belong to the families (flags and methods):\n" + "\n".join(found)
+
+
+# -- the package's shape: no import cycle, no module over 800 lines, no function over 120 ----------
+# (blrppl/bench is a benchmark suite, not the package: it is left out of the size limits)
+
+MAX_MODULE_LINES = 800
+MAX_FUNCTION_LINES = 120
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _modules() -> dict:
+    return {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _imports(name: str, path: pathlib.Path, modules: dict) -> set:
+    """The blrppl modules ``name`` imports, at module level or inside functions."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
+            candidates = [base] + [f"{base}.{alias.name}" for alias in node.names]
+        elif isinstance(node, ast.Import):
+            candidates = [alias.name for alias in node.names]
+        else:
+            continue
+        for candidate in candidates:
+            while candidate and candidate not in modules:
+                candidate = candidate.rpartition(".")[0]
+            # a package's __init__ re-exports; importing it from inside the package is not an edge
+            if candidate and candidate != name and modules[candidate].name != "__init__.py":
+                found.add(candidate)
+    return found
+
+
+def _cycles(graph: dict) -> list:
+    """Strongly connected components with more than one module (Tarjan's algorithm)."""
+    index, low, stack, on_stack, components = {}, {}, [], set(), []
+
+    def visit(node):
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for other in graph.get(node, ()):
+            if other not in index:
+                visit(other)
+                low[node] = min(low[node], low[other])
+            elif other in on_stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                other = stack.pop()
+                on_stack.discard(other)
+                component.append(other)
+                if other == node:
+                    break
+            if len(component) > 1:
+                components.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return components
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycles():
+    modules = _modules()
+    graph = {name: _imports(name, path, modules) for name, path in modules.items()}
+    cycles = _cycles(graph)
+    assert not cycles, "import cycles (function-level imports included):\n" + "\n".join(
+        " <-> ".join(c) for c in cycles
+    )
+
+
+def _sizes():
+    for name, path in _modules().items():
+        if name.startswith("blrppl.bench"):
+            continue
+        text = path.read_text()
+        yield name, text.count("\n"), [
+            (node.name, node.end_lineno - node.lineno + 1)
+            for node in ast.walk(ast.parse(text))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        ]
+
+
+def test_no_module_over_800_lines_and_no_function_over_120():
+    big_modules, big_functions = [], []
+    for name, lines, functions in _sizes():
+        if lines > MAX_MODULE_LINES:
+            big_modules.append(f"{name}: {lines} lines")
+        big_functions += [f"{name}.{f}: {n} lines" for f, n in functions if n > MAX_FUNCTION_LINES]
+    assert not big_modules and not big_functions, "\n".join(big_modules + big_functions)
+
+
+def test_the_posterior_never_imports_the_engine():
+    modules = _modules()
+    offending = [
+        f"{name} imports {target}"
+        for name, path in modules.items()
+        if name.startswith("blrppl.posterior")
+        for target in _imports(name, path, modules)
+        if target.startswith("blrppl.engine")
+    ]
+    assert not offending, "\n".join(offending)
+
+
+#: the only modules that hold the user's model callable (a parameter ``model`` or an attribute
+#: ``.model``): the entry points and the tracing code; everything after them sees the model's
+#: traced program (:class:`blrppl.model.program.ModelProgram`) and the plan
+MODEL_HOLDERS = {"blrppl.api", "blrppl.svi", "blrppl.model.trace", "blrppl.model.program"}
+
+
+def _holds_the_model(tree) -> bool:
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            params = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
+            if any(a.arg == "model" for a in params):
+                return True
+        if isinstance(node, ast.Attribute) and node.attr == "model":
+            return True
+    return False
+
+
+def test_the_holder_scan_finds_a_model_parameter():
+    assert _holds_the_model(ast.parse("def f(x, model):\n    pass"))
+    assert _holds_the_model(ast.parse("y = self.model"))
+    assert not _holds_the_model(ast.parse("def f(program):\n    return program.identity"))
+
+
+def test_only_the_entry_points_and_the_tracing_code_hold_the_model():
+    holders = {
+        name
+        for name, path in _modules().items()
+        if not name.startswith("blrppl.bench") and _holds_the_model(ast.parse(path.read_text()))
+    }
+    assert holders <= MODEL_HOLDERS, f"modules holding the user's model beyond the entry points: {holders - MODEL_HOLDERS}"

@@ -31,6 +31,7 @@ import numpyro.distributions as dist
 import pytest
 from scipy.special import digamma
 
+from blrppl.model.program import ModelProgram
 from blrppl import families as fam
 from blrppl.api import blr_fit
 from blrppl.engine.step import initial_state, make_step
@@ -48,7 +49,7 @@ def engine(model, data):
     """Plan, jitted step (ρ from ``rho`` alone: no schedule) and block map of a model."""
     records, spec, dyn, _ = trace_model(model, (), data, jax.random.key(0))
     plan, fns, dyn, _, _ = compile_model(
-        model, records, spec, dyn, rng_key=jax.random.key(1), subsampled=subsampled_plates(records)
+        ModelProgram(model), records, spec, dyn, rng_key=jax.random.key(1), subsampled=subsampled_plates(records)
     )
     step, _, _ = make_step(plan, fns, "sequential")
     return plan, jax.jit(step), dyn

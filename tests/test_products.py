@@ -18,6 +18,7 @@ import pytest
 from jax import random
 
 import reference_models as rm
+from blrppl.model.program import ModelProgram
 from blrppl.moments.products import product_second_moments
 
 numpyro.enable_x64()
@@ -202,7 +203,7 @@ def test_factor_model_steps_equal_with_and_without_the_contraction(monkeypatch):
     args, kwargs = model_arguments({"Y": Y})
     records, spec, dyn, _ = trace_model(rm.ppca_model, args, kwargs, random.PRNGKey(0))
     with numpyro.validation_enabled(False):
-        plan, fns, dyn, init_values, *_ = plan_model(rm.ppca_model, records, spec, dyn, fit_options(), None, random.PRNGKey(1))
+        plan, fns, dyn, init_values, *_ = plan_model(ModelProgram(rm.ppca_model), records, spec, dyn, fit_options(), None, random.PRNGKey(1))
     # (off the saddle at zero means, where the linear part of the product vanishes)
     rng = np.random.default_rng(3)
     for n in ("X", "C"):

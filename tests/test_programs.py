@@ -7,7 +7,6 @@ float64.
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import numpyro
 import numpyro.distributions as dist

@@ -24,7 +24,7 @@ from blrppl.compiler.finish import finish_plan
 
 
 def compile_model(
-    model, records, data_spec, data, families=None, rng_key=None, structure=None, point=(),
+    program: ModelProgram, records, data_spec, data, families=None, rng_key=None, structure=None, point=(),
     point_space="unconstrained", subsampled=(),
 ):
     """Build blocks, the factor graph and the plan of a traced model, pass by pass: the
@@ -33,7 +33,8 @@ def compile_model(
     again, with fewer choices, when its factors' estimators do not fit it), the plan.
 
     Args:
-        model: the numpyro model.
+        program: the model's :class:`blrppl.model.program.ModelProgram` (the compiler's only
+            handle on the model).
         records: site records from :func:`blrppl.model.trace.trace_model`.
         data_spec, data: the model's data (static part and array leaves).
         families: optional dict site → family name overriding the default
@@ -64,7 +65,7 @@ def compile_model(
         networkx graph)
     """
     options = check_options(records, families, point, point_space, structure, subsampled, rng_key)
-    inputs = site_inputs(model, data_spec, data, records, options)
+    inputs = site_inputs(program, data_spec, data, records, options)
     found = find_dependencies(inputs, options)
     keep = set(options.families) | set(options.point) | {r.name for r in inputs.latent if r.is_param}
     barren = barren_latents(inputs.records, found.deps, keep)
@@ -72,7 +73,7 @@ def compile_model(
         # the sites' inputs and dependencies again without them, their values kept for the
         # model's runs
         kept = collections.OrderedDict((n, r) for n, r in records.items() if n not in barren)
-        inputs = site_inputs(model, data_spec, data, kept, options, {n: inputs.site_init[n] for n in barren})
+        inputs = site_inputs(program, data_spec, data, kept, options, {n: inputs.site_init[n] for n in barren})
         found = find_dependencies(inputs, options)
     choice = choose_families(inputs, found, options)
     limits = StructureLimits()
@@ -82,11 +83,11 @@ def compile_model(
     return finish_plan(inputs, found, estimates, options)
 
 
-def site_inputs(model, data_spec, data, records, options: CompileOptions, barren=None) -> SiteInputs:
+def site_inputs(program: ModelProgram, data_spec, data, records, options: CompileOptions, barren=None) -> SiteInputs:
     """The sites to fit and the model's functions over them (one traced program).
 
     Args:
-        model, data_spec, data, records: as :func:`compile_model`'s.
+        program, data_spec, data, records: as :func:`compile_model`'s.
         options: the checked options.
         barren: latents left out of the fit (:func:`blrppl.compiler.dependencies.barren_latents`)
             → their values in the model's runs.
@@ -101,15 +102,15 @@ def site_inputs(model, data_spec, data, records, options: CompileOptions, barren
     sites = collections.OrderedDict((n, r) for n, r in records.items() if not r.is_param)
     rules = {r.name: (None if r.is_factor else find_rule(r.dist_type, r.given)) for r in sites.values()}
     # the model's program, traced once and shared by every evaluation of the passes and by the fit
-    program = ModelProgram(model)
+    program = program.fresh()
 
     def functions(fill, transforms=None, joints=None):
-        return ModelFunctions(model, data_spec, fill, transforms, joints, plate_indices, program)
+        return ModelFunctions(program, data_spec, fill, transforms, joints, plate_indices)
 
     return SiteInputs(data, records, sites, latent, rules, site_init, unconstrained, functions, dict(barren or {}))
 
 
-def reverse_only_error(model, data_spec, data, records) -> UnsupportedFactorError:
+def reverse_only_error(program: ModelProgram, data_spec, data, records) -> UnsupportedFactorError:
     """The error for a model whose log-density calls a ``jax.custom_vjp`` function on a path
     from a continuous latent that reverse-only mode (:mod:`blrppl.graph.derivatives`) could not
     differentiate twice either, naming the sites whose log-densities call it (each site's
@@ -117,7 +118,7 @@ def reverse_only_error(model, data_spec, data, records) -> UnsupportedFactorErro
     traced only)."""
     latent = [r for r in records.values() if not r.observed and not r.support.is_discrete and not r.is_param]
     site_init = {r.name: np.asarray(r.init_value) for r in records.values() if not r.observed}
-    fns = ModelFunctions(model, data_spec, site_init)
+    fns = ModelFunctions(program.fresh(), data_spec, site_init)
     point = {r.name: jnp.asarray(site_init[r.name]) for r in latent}
     sites = []
     for name in records:

@@ -194,8 +194,8 @@ def _with_statistics(fn, constant):
     computes from it."""
 
     def with_statistics(x, data, *rest):
-        model, previous, statistics = split_run_data(data)
-        return fn(x, RunData(model, previous, {**statistics, **constant(data)}), *rest)
+        model_data, previous, statistics = split_run_data(data)
+        return fn(x, RunData(model_data, previous, {**statistics, **constant(data)}), *rest)
 
     return with_statistics
 
@@ -268,11 +268,11 @@ def _step_work(plan, dense_work: int) -> int:
     return dense_work
 
 
-def plan_model(model, records, data_spec, dyn_data, options, prior_spec, k_probe):
+def plan_model(program, records, data_spec, dyn_data, options, prior_spec, k_probe):
     """The plan of a traced model (blocks, factors, estimators, conjugacy) and what
     :func:`compile_model` builds with it."""
     plan, fns, dyn_data, init_values, graph = compile_model(
-        model,
+        program,
         records,
         data_spec,
         dyn_data,
@@ -290,12 +290,12 @@ def plan_model(model, records, data_spec, dyn_data, options, prior_spec, k_probe
     return plan, fns, dyn_data, init_values, graph, online
 
 
-def compile_fit(model, records, data_spec, dyn_data, tracer, options, prior_spec, k_probe, supports=()):
-    """Compile a model: plan, initialisation, the jitted chunk of steps, posterior export."""
+def compile_fit(program, records, data_spec, dyn_data, tracer, options, prior_spec, k_probe, supports=()):
+    """Compile a model (its :class:`blrppl.model.program.ModelProgram`): plan, initialisation, the jitted chunk of steps, posterior export."""
     rate_fn, chunk_size, curvature = options.rate_fn, CHUNK_SIZE, options.mc_curvature
     default_rate = options.learning_rate is None
     plan, fns, dyn_data, init_values, graph, online = plan_model(
-        model, records, data_spec, dyn_data, options, prior_spec, k_probe
+        program, records, data_spec, dyn_data, options, prior_spec, k_probe
     )
     # (the latents integrated out have no block, no factor, no term of log p in the diagnostics)
     records = {n: r for n, r in records.items() if n not in plan.barren}
@@ -429,6 +429,6 @@ def one_exact_block(plan) -> str | None:
 def model_data(plan, run_data):
     """What the model functions read of a fit's run-time data: the model's data, and the
     tables of the plan's stacked factors when it has some."""
-    model, _, statistics = split_run_data(run_data)
+    data, _, statistics = split_run_data(run_data)
     stacked = {table_key(f.name): statistics[table_key(f.name)] for f in plan.factors if f.members}
-    return RunData(model, {}, stacked) if stacked else model
+    return RunData(data, {}, stacked) if stacked else data

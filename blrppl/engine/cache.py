@@ -56,13 +56,14 @@ def user_extensions() -> tuple:
     return fam.user_families() + user_rules()
 
 
-def cache_key(model, tracer, dyn, options, prior_spec):
-    """Hashable key of the compiled-fit cache in memory (the model and
+def cache_key(program, tracer, dyn, options, prior_spec):
+    """Hashable key of the compiled-fit cache in memory (the model function, from its
+    program's :attr:`~blrppl.model.program.ModelProgram.identity`, and
     :func:`_program_parts`), or None if something is unhashable (then nothing is cached)."""
     parts = _program_parts(tracer, dyn, options, prior_spec)
     if parts is None:
         return None
-    key = (model, *parts)
+    key = (program.identity, *parts)
     try:
         hash(key)
     except TypeError:

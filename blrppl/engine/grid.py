@@ -52,7 +52,6 @@ import warnings
 import jax
 import jax.numpy as jnp
 import numpy as np
-import numpyro
 import numpyro.distributions as dist
 from numpyro.distributions.transforms import biject_to
 
@@ -98,17 +97,6 @@ def grid_sites(families: dict) -> list:
     """The sites ``families`` asks to integrate on a grid, in its order."""
     return [site for site, name in (families or {}).items() if name == GRID]
 
-
-def _conditioned(model, sites):
-    """The model with ``sites`` observed at the values of the keyword argument
-    ``_blr_grid`` (run-time data: one compiled fit serves every grid point)."""
-
-    def conditioned(*args, _blr_grid=None, **kwargs):
-        values = {site: _blr_grid[i] for i, site in enumerate(sites)}
-        with numpyro.handlers.condition(data=values):
-            return model(*args, **kwargs)
-
-    return conditioned
 
 
 def _check_sites(sites, plan, records) -> list:
@@ -271,7 +259,7 @@ def _newton(profile, u, scale):
     return u, cov
 
 
-def grid_fit(model, args, kwargs, options, key, sites):
+def grid_fit(program, args, kwargs, options, key, sites):
     """``blr_fit`` with ``sites`` integrated on a grid (see the module docstring): the model's
     arguments, its checked :class:`blrppl.inputs.FitOptions` and key, the grid's sites.
 
@@ -279,7 +267,7 @@ def grid_fit(model, args, kwargs, options, key, sites):
     ``blr_fit``.)"""
     t1 = time.perf_counter()
     families = {s: f for s, f in options.families if f != GRID}
-    base = _prepare_as_latents(model, args, kwargs, options, key, sites, families)
+    base = _prepare_as_latents(program, args, kwargs, options, key, sites, families)
     checked = _check_sites(sites, base.plan, base.records)
     if base.plan.subsampled:
         raise BLRError(
@@ -298,7 +286,7 @@ def grid_fit(model, args, kwargs, options, key, sites):
         listed = ", ".join(repr(s) for s in sites)
         result.message += f"; {listed} not integrated on a grid: the fit with them as latents reached no finite ELBO"
         return result
-    profile, mode, cov, weighted = _locate_mode(model, args, kwargs, options, key, sites, families, checked, base, outcome)
+    profile, mode, cov, weighted = _locate_mode(program, args, kwargs, options, key, sites, families, checked, base, outcome)
     d = len(sites)
     us, weights, values, edge, half = _evaluate_grid(profile, mode, cov, weighted, sites)
     spacing = GRID_STEP[d] * (half / HALF_WIDTH if d > 1 else 1.0)  # (in Laplace sds: see _grid_points)
@@ -327,13 +315,13 @@ def grid_fit(model, args, kwargs, options, key, sites):
     return result
 
 
-def _prepare_as_latents(model, args, kwargs, options, key, sites, families):
+def _prepare_as_latents(program, args, kwargs, options, key, sites, families):
     """The fit of the model with the scales as latents, each in a block of its own: its plan
     and its families are the result's, its fit the grid's first guess."""
     as_latents = {**families, **{s: "gaussian" for s in sites}}
     base_options = dataclasses.replace(options, families=tuple(sorted(as_latents.items())))
     try:
-        return prepare(model, args, kwargs, base_options, key)
+        return prepare(program, args, kwargs, base_options, key)
     except FamilyError as err:
         if err.site in sites and "cannot represent" in str(err):  # (the Gaussian asked for here)
             raise BLRError(
@@ -344,7 +332,7 @@ def _prepare_as_latents(model, args, kwargs, options, key, sites, families):
         raise
 
 
-def _locate_mode(model, args, kwargs, options, key, sites, families, checked, base, outcome):
+def _locate_mode(program, args, kwargs, options, key, sites, families, checked, base, outcome):
     """``(profile, mode, cov, weighted)``: the profile ℓ of the model with the scales fixed
     (one compiled fit, run at every grid point), its mode and curvature located by Newton
     steps from the fit with the scales as latents (``outcome``), and whether ℓ reads the
@@ -354,7 +342,7 @@ def _locate_mode(model, args, kwargs, options, key, sites, families, checked, ba
     sd0 = np.array([math.sqrt(float(np.ravel(b.family.marginal_variance(v))[0])) for (b, _), v in zip(checked, views)])
     cond_options = dataclasses.replace(options, families=tuple(sorted(families.items())))
     cond_kwargs = {**kwargs, "_blr_grid": np.asarray([t(jnp.asarray(x)) for (_, t), x in zip(checked, u0)])}
-    cond = prepare(_conditioned(model, sites), args, cond_kwargs, cond_options, key)
+    cond = prepare(program.conditioned(sites), args, cond_kwargs, cond_options, key)
     if cond.data_spec.all_static:
         raise BLRError(
             "families='grid' needs a model that reads its data as arrays: this one uses them as concrete "

@@ -29,7 +29,7 @@ from blrppl.graph.data import DataSpec, host_array
 from blrppl.runtime.counting import background_compilations, xla_compilations
 from blrppl.graph.derivatives import is_no_reverse_error, is_reverse_only_error, reverse_only_mode
 from blrppl.model.checks import check_plate_sizes
-from blrppl.model.trace import full_size_model, model_runs, subsampled_plates, trace_model, trace_program
+from blrppl.model.trace import model_runs, subsampled_plates
 from blrppl.inputs import FitOptions, host_split
 from blrppl.posterior.online import previous_nat, previous_spec
 from blrppl.posterior.result import CompileCounts
@@ -58,9 +58,11 @@ class Prepared:
         return empty_history(self.bundle.window)
 
 
-def prepare(model, args, kwargs, options: FitOptions, rng_key, prior=None, init_values=None, start=0) -> Prepared:
+def prepare(program, args, kwargs, options: FitOptions, rng_key, prior=None, init_values=None, start=0) -> Prepared:
     """Trace and compile (or fetch from the cache) a model and build its first state.
 
+    ``program`` is the model's :class:`blrppl.model.program.ModelProgram`, the engine's only
+    handle on it (every run of the model goes through it);
     ``args``/``kwargs`` are the model's arguments after :func:`blrppl.inputs.model_arguments`,
     ``options`` the checked :class:`blrppl.inputs.FitOptions` and ``rng_key`` a typed key;
     ``init_values`` optionally maps sites to starting values in their constrained space;
@@ -70,10 +72,10 @@ def prepare(model, args, kwargs, options: FitOptions, rng_key, prior=None, init_
     process-wide stack, so two models cannot be traced at once).
     """
     with COMPILE_LOCK:
-        return _prepare_locked(model, args, kwargs, options, rng_key, prior, init_values, start)
+        return _prepare_locked(program, args, kwargs, options, rng_key, prior, init_values, start)
 
 
-def _prepare_locked(model, args, kwargs, options, rng_key, prior, init_values, start) -> Prepared:
+def _prepare_locked(program, args, kwargs, options, rng_key, prior, init_values, start) -> Prepared:
     """:func:`prepare` while holding :data:`COMPILE_LOCK`."""
     t0 = time.perf_counter()
     runs0, compilations0, background0 = model_runs(), xla_compilations(), background_compilations()
@@ -81,7 +83,7 @@ def _prepare_locked(model, args, kwargs, options, rng_key, prior, init_values, s
     rng = np.random.default_rng(np.asarray(jax.random.key_data(k_host)).ravel())
     prior_spec = None if prior is None else previous_spec(prior)
     bundle, key, records, data_spec, dyn_data, init_records = _fetch_or_compile(
-        model, args, kwargs, options, k_trace, k_probe, prior_spec
+        program, args, kwargs, options, k_trace, k_probe, prior_spec
     )
     plan = bundle.plan
     block_values = _start_values(plan, init_records, init_values, rng)
@@ -116,22 +118,22 @@ def _prepare_locked(model, args, kwargs, options, rng_key, prior, init_values, s
     )
 
 
-def _fetch_or_compile(model, args, kwargs, options, k_trace, k_probe, prior_spec) -> tuple:
+def _fetch_or_compile(program, args, kwargs, options, k_trace, k_probe, prior_spec) -> tuple:
     """Trace the model and fetch its compiled fit from the cache, or compile it:
     ``(bundle, cache key, records, data spec, array data, records to initialise from)``
     (the last at full plate sizes for a model with subsampled plates)."""
     # one trace of the model's program (cheap: no compilation) gives its fingerprint; a
     # compiled fit is reused only for the same program, data layout and options
-    tracer = trace_program(model, args, kwargs, k_trace)
+    tracer = program.trace(args, kwargs, k_trace)
     dyn_now = DataSpec.split(args, kwargs, all_static=tracer.spec.all_static)[1]
-    key = cache_key(model, tracer, dyn_now, options, prior_spec)
+    key = cache_key(program, tracer, dyn_now, options, prior_spec)
     bundle = cache.lookup(key)
     if bundle is not None and getattr(bundle, "data_digest", None) not in (None, data_digest(dyn_now)):
         # (a fit whose structure was probed on the data, a hidden Markov chain, is compiled
         # again for other data: an index array or a layout may read the chain differently)
         bundle = None
-    records, data_spec, dyn_data, tracer = trace_model(
-        model, args, kwargs, k_trace, tracer=bundle.tracer if bundle else tracer
+    records, data_spec, dyn_data, tracer = program.records(
+        args, kwargs, k_trace, tracer=bundle.tracer if bundle else tracer
     )
     if bundle is not None and not bundle.ties_hold(dyn_data):
         # (rows the compiled data gave one precision do not share it in this data: a mask
@@ -144,16 +146,16 @@ def _fetch_or_compile(model, args, kwargs, options, k_trace, k_probe, prior_spec
         # from one run of the model at the full plate sizes
         check_plate_sizes(plates, args, kwargs, records)
         full_tracer = bundle.full_tracer if bundle else None
-        init_records, _, _, full_tracer = trace_model(
-            full_size_model(model, plates), args, kwargs, k_trace, tracer=full_tracer
+        init_records, _, _, full_tracer = program.at_full_size(plates).records(
+            args, kwargs, k_trace, tracer=full_tracer
         )
     supports = support_signature(records)
     if bundle is not None and bundle.supports != supports:
         # a latent's support computed from the data changed: its bijection is compiled in
         bundle = None
-        records, data_spec, dyn_data, tracer = trace_model(model, args, kwargs, k_trace, tracer=tracer)
+        records, data_spec, dyn_data, tracer = program.records(args, kwargs, k_trace, tracer=tracer)
     if bundle is None:
-        bundle = _compile_checked(model, records, data_spec, dyn_data, tracer, options, prior_spec, k_probe, supports)
+        bundle = _compile_checked(program, records, data_spec, dyn_data, tracer, options, prior_spec, k_probe, supports)
         bundle.supports = supports
         bundle.data_digest = data_digest(dyn_now) if any(b.chain for b in bundle.plan.blocks) else None
         if key is not None:
@@ -163,24 +165,24 @@ def _fetch_or_compile(model, args, kwargs, options, k_trace, k_probe, prior_spec
     return bundle, key, records, data_spec, dyn_data, init_records
 
 
-def _compile_checked(model, records, data_spec, dyn_data, tracer, options, prior_spec, k_probe, supports):
+def _compile_checked(program, records, data_spec, dyn_data, tracer, options, prior_spec, k_probe, supports):
     """:func:`compile_fit`, again with reverse-over-reverse second derivatives for a function
     with a custom reverse-mode rule only (``jax.custom_vjp``)."""
     # the model was run with validation before; its many internal re-runs skip it (each
     # check of a constant argument would otherwise compile on its own)
     with numpyro.validation_enabled(False):
         try:
-            return build.compile_fit(model, records, data_spec, dyn_data, tracer, options, prior_spec, k_probe, supports)
+            return build.compile_fit(program, records, data_spec, dyn_data, tracer, options, prior_spec, k_probe, supports)
         except TypeError as exc:
             if not is_reverse_only_error(exc):
                 raise
         try:
             with reverse_only_mode():
-                return build.compile_fit(model, records, data_spec, dyn_data, tracer, options, prior_spec, k_probe, supports)
+                return build.compile_fit(program, records, data_spec, dyn_data, tracer, options, prior_spec, k_probe, supports)
         except (TypeError, ValueError) as again:
             if not (is_reverse_only_error(again) or is_no_reverse_error(again)):
                 raise
-            raise reverse_only_error(model, data_spec, dyn_data, records) from None
+            raise reverse_only_error(program, data_spec, dyn_data, records) from None
 
 
 def _start_values(plan, init_records, init_values, rng) -> dict:

@@ -17,14 +17,14 @@ class RunData(NamedTuple):
     model's array data.
 
     Attributes:
-        model: the model's dynamic data leaves.
+        model_data: the model's dynamic data leaves.
         previous_nat: online fits: per matched block, the previous posterior's natural
-            parameters (see :mod:`blrppl.online`).
+            parameters (see :mod:`blrppl.posterior.online`).
         statistics: per factor with precomputed data statistics (see
             :mod:`blrppl.estimators.gram`), its statistics.
     """
 
-    model: tuple
+    model_data: tuple
     previous_nat: dict = {}
     statistics: dict = {}
 
@@ -32,7 +32,7 @@ class RunData(NamedTuple):
 def split_run_data(data) -> tuple:
     """(model data, previous natural parameters, factor statistics) of run-time data."""
     if isinstance(data, RunData):
-        return data.model, data.previous_nat, data.statistics
+        return data.model_data, data.previous_nat, data.statistics
     return data, {}, {}
 
 

@@ -46,13 +46,13 @@ class ModelFunctions:
     pruned to the wanted sites, so a factor does not pay for the rest of the model.
 
     Args:
-        model: the numpyro model.
+        program: the model's :class:`ModelProgram` (shared by every ``ModelFunctions`` of
+            one compilation).
         data_spec: how to rebuild the model's arguments from the dynamic data leaves.
         fill_values: a valid value for every latent site (used for sites a factor does not
             depend on; their values never reach the factor's arguments).
         plate_indices: plate name → minibatch indices used for subsampled plates when the
             data carry none (:class:`MinibatchData`), e.g. while compiling.
-        program: the model's :class:`ModelProgram` (a new one if None).
         stacks: stacked factors (:mod:`blrppl.graph.stack`) by name: their entries are built
             from per-fit tables that ``data`` carries (a :class:`blrppl.graph.data.RunData`
             whose ``statistics`` hold them), not from the program.
@@ -60,17 +60,15 @@ class ModelFunctions:
 
     def __init__(
         self,
-        model,
+        program: ModelProgram,
         data_spec: DataSpec,
         fill_values: dict,
         transforms: dict | None = None,
         joints: dict | None = None,
         plate_indices: dict | None = None,
-        program: ModelProgram | None = None,
         stacks: dict | None = None,
     ):
-        self.model = model
-        self.program = program if program is not None and program.model is model else ModelProgram(model)
+        self.program = program
         self.data_spec = data_spec
         self.fill_values = fill_values
         self.transforms = dict(transforms or {})
@@ -130,7 +128,7 @@ class ModelFunctions:
         ``exp_inputs``: see :meth:`ModelProgram.sites`."""
         tables = {}
         if isinstance(data, RunData):
-            tables, data = data.statistics, data.model
+            tables, data = data.statistics, data.model_data
         indices = self.plate_indices
         if isinstance(data, MinibatchData):
             indices = {**indices, **data.indices}

@@ -23,7 +23,7 @@ from blrppl.graph.data import DataSpec
 from blrppl.graph.stable import Stabilise, rewrapped
 from blrppl.model import scan_map
 from blrppl.model.records import given_matrices, unwrap, value_mask
-from blrppl.model.trace import PlateIndices, count_model_run
+from blrppl.model.trace import PlateIndices, count_model_run, full_size_model, trace_model, trace_program
 
 
 class _Collected(Exception):
@@ -77,6 +77,42 @@ class ModelProgram:
         self._pruned: dict = {}
         self._with_exp: dict = {}
         self._specs: dict = {}
+
+    # Everything below the entry points (the compiler, the engine) holds the model only as
+    # this program: these are the ways they run it.
+
+    @property
+    def identity(self):
+        """What identifies the model in the compiled-fit cache (the model function itself)."""
+        return self.model
+
+    def fresh(self) -> "ModelProgram":
+        """The same model as a new program (nothing traced yet)."""
+        return ModelProgram(self.model)
+
+    def trace(self, args=(), kwargs=None, rng_key=None, init_strategy=None):
+        """The model's program traced with this data (:func:`blrppl.model.trace.trace_program`)."""
+        return trace_program(self.model, args, kwargs, rng_key, init_strategy)
+
+    def records(self, args=(), kwargs=None, rng_key=None, tracer=None):
+        """The model run once, its sites recorded (:func:`blrppl.model.trace.trace_model`)."""
+        return trace_model(self.model, args, kwargs, rng_key, tracer=tracer)
+
+    def at_full_size(self, plates) -> "ModelProgram":
+        """The model with every subsampled plate in ``plates`` using all its elements."""
+        return ModelProgram(full_size_model(self.model, plates))
+
+    def conditioned(self, sites) -> "ModelProgram":
+        """The model with ``sites`` observed at the values of the keyword argument
+        ``_blr_grid`` (run-time data: one compiled fit serves every value)."""
+        model = self.model
+
+        def conditioned(*args, _blr_grid=None, **kwargs):
+            values = {site: _blr_grid[i] for i, site in enumerate(sites)}
+            with handlers.condition(data=values):
+                return model(*args, **kwargs)
+
+        return ModelProgram(conditioned)
 
     def _run(self, full, args, kwargs, indices, names=None, tracing=False):
         count_model_run()

@@ -540,6 +540,12 @@ def subsampled_plates(records) -> tuple:
     return tuple(found.values())
 
 
+def seeded_trace(model, rng_key, args, kwargs) -> dict:
+    """numpyro's trace of one run of ``model`` seeded with ``rng_key`` (as ``SVI.init`` runs it
+    before an autoguide's first run)."""
+    return handlers.trace(handlers.seed(model, rng_key)).get_trace(*args, **kwargs)
+
+
 def full_size_model(model, plates):
     """``model`` with every subsampled plate in ``plates`` using all its elements (for
     validating all observed data and initialising every element of the local latents)."""

@@ -65,14 +65,16 @@ def check_supported(guide) -> None:
         )
 
 
-def setup(guide, model, rng_key, args, kwargs) -> dict:
+def setup(guide, model_trace, rng_key, args, kwargs) -> dict:
     """Run the autoguide once (as ``SVI.init`` does) so that its prototype exists.
+
+    ``model_trace`` is numpyro's trace of one seeded run of the model
+    (:func:`blrppl.model.trace.seeded_trace`), checked for discrete latents first.
 
     Returns:
         site → True for the continuous latent sites the autoguide covers.
     """
-    trace = handlers.trace(handlers.seed(model, rng_key)).get_trace(*args, **kwargs)
-    for name, site in trace.items():
+    for name, site in model_trace.items():
         if site["type"] == "sample" and not site["is_observed"] and site["fn"].support.is_discrete:
             raise UnsupportedGuideError(
                 f"autoguides cannot represent the discrete latent '{name}'; use BLR(model) "
