@@ -21,7 +21,8 @@ import numpyro
 from blrppl import families as fam
 from blrppl.engine.cache import stored_fit_key
 from blrppl.engine.loop import history_size, make_chunk
-from blrppl.engine.step import initial_state, make_step, with_views
+from blrppl.engine.state import initial_state
+from blrppl.engine.step import make_step, with_views
 from blrppl.engine.subsample import svi_rate
 from blrppl.estimators import bilinear, gram
 from blrppl.model.functions import table_key

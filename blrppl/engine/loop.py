@@ -28,7 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from blrppl.engine.step import BLRState, all_finite, relative_delta
+from blrppl.engine.state import BLRState
+from blrppl.engine.step import all_finite, relative_delta
 from blrppl.graph.data import host_array
 
 CONTINUE, CONVERGED, NONFINITE, BAD_RATE, STATIONARY = 0, 1, 2, 3, 4
