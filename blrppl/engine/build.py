@@ -68,6 +68,8 @@ class CompiledFit:
     posterior_fn: Callable
     window: int = 0
     chunk_fn: Callable | None = None  # the chunk before compilation (traceable inside a user's jit)
+    #: the step ``(state, data, rho) -> (state, info)`` the chunk runs (:mod:`blrppl.engine.kernel`)
+    step_fn: Callable | None = None
     elbo_fn: Callable | None = None  # jitted ELBO(nat, data, key)
     #: online fits: the blocks whose prior is the previous posterior (run-time data)
     online: tuple = ()
@@ -380,7 +382,7 @@ def compile_fit(program, records, data_spec, dyn_data, tracer, options, prior_sp
     posterior_fn = posterior_builder(plan, records, _COMPILER.submit)
     bundle = CompiledFit(
         tracer, plan, graph, init_fn, None, posterior_fn, window,
-        chunk_fn=chunk, elbo_fn=_jit(elbo_fn), online=online, statistics_fn=statistics_fn,
+        chunk_fn=chunk, step_fn=step, elbo_fn=_jit(elbo_fn), online=online, statistics_fn=statistics_fn,
         log_weights_fn=log_weights_fn, tables_fn=tables_fn, stored_key=fit_key, dense_work=dense_work,
     )
     if log_weights_fn is not None and not (len(plan.blocks) == 1 and exact_block is not None):
