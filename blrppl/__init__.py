@@ -3,6 +3,8 @@
 Public names:
 
 * :func:`blr_fit` — fit a model; returns a :class:`BLRResult`.
+* :func:`blr_kernel` — the rule as a kernel (:class:`BLRKernel`: ``init``, ``step``) a
+  user's own ``jax.lax.scan`` steps, with its :class:`BLRState` and :class:`BLRInfo`.
 * :class:`BLRResult` — posteriors per site, draws, summary, ELBO trace, plan, and a
   guide with its params for ``Predictive``.
 * :class:`BLR` — a drop-in for ``numpyro.infer.SVI`` (``init``/``update``/``run``/
@@ -17,7 +19,9 @@ Public names:
 """
 
 from blrppl import families
-from blrppl.api import blr_fit
+from blrppl.api import blr_fit, blr_kernel
+from blrppl.engine.kernel import BLRKernel
+from blrppl.engine.state import BLRInfo, BLRState
 from blrppl.errors import (
     BLRError,
     FamilyError,
@@ -41,8 +45,11 @@ from blrppl.runtime.cache import enable_compilation_cache
 __all__ = [
     "BLR",
     "BLRError",
+    "BLRInfo",
+    "BLRKernel",
     "BLRResult",
     "BLRRunResult",
+    "BLRState",
     "FamilyError",
     "InitValueError",
     "MissingDependencyError",
@@ -55,6 +62,7 @@ __all__ = [
     "UnsupportedGuideError",
     "UnsupportedLatentError",
     "blr_fit",
+    "blr_kernel",
     "enable_compilation_cache",
     "families",
     "register_family",

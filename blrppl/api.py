@@ -1,4 +1,5 @@
-"""``blr_fit``: fit a NumPyro model by the Bayesian learning rule."""
+"""``blr_fit``: fit a NumPyro model by the Bayesian learning rule; ``blr_kernel``: the rule
+as a kernel a user's own loop steps."""
 
 import contextlib
 import warnings
@@ -10,8 +11,10 @@ import numpyro
 from blrppl.engine.build import plan_model
 from blrppl.engine.cache import COMPILE_LOCK
 from blrppl.engine.grid import grid_sites, grid_fit
+from blrppl.engine.kernel import BLRKernel, fit_kernel
 from blrppl.engine.prepare import prepare
 from blrppl.engine.run import run
+from blrppl.engine.state import BLRState
 from blrppl.errors import BLRError, out_of_memory_as_error
 from blrppl.model.program import ModelProgram
 from blrppl.inputs import as_key, fit_options, host_fold_in, host_split, model_arguments
@@ -131,3 +134,49 @@ def blr_fit(
             listed = ", ".join(f"{e:.6g}" for e in finals)
             result.message += f"; best of {options.num_starts} starts (start {index}; final ELBOs {listed})"
         return result
+
+
+def blr_kernel(model: Callable, data=None, *, rng_key=None, prior: BLRResult | None = None, **options) -> tuple[BLRKernel, BLRState]:
+    """The Bayesian learning rule of a model as a kernel: ``(kernel, state)`` with
+    ``kernel.step(state) -> (state, info)`` one step of the rule, a pure function of the
+    state (the data and step sizes are bound), for a user's own ``jax.lax.scan`` or
+    ``fori_loop`` under ``jax.jit``.
+
+    The model is compiled as ``blr_fit`` compiles it (and the compiled fit is shared with
+    ``blr_fit`` through its cache), and ``state`` is the start ``blr_fit`` would take. The
+    kernel's step is the rule alone: ``blr_fit``'s backtracking, first-step line search and
+    convergence tests are its caller's to add (``info.elbo``, ``info.valid``).
+
+    Args:
+        model: a NumPyro model.
+        data: its arguments: a dict of keyword arguments, a tuple of positional ones, or one array.
+        rng_key: a ``jax.random`` key, raw key data or an int seed.
+        prior: a previous fit's :class:`BLRResult` whose posterior replaces the prior (online).
+        **options: ``blr_fit``'s options of the rule (``learning_rate``, ``schedule``,
+            ``families``, ``structure``, ``point``, ``mc_curvature``, ``point_space``).
+
+    Returns:
+        ``(kernel, state)``: a :class:`blrppl.engine.kernel.BLRKernel` (``init``, ``step``)
+        and its first :class:`blrppl.engine.state.BLRState` (natural parameters by block in
+        ``state.nat``); see ``docs/api.md`` ("blr_kernel").
+
+    Raises:
+        BLRError: an option of the fit's loop, not of the rule (``families='grid'``,
+            ``num_starts`` > 1).
+    """
+    args, kwargs = model_arguments(data)
+    options = fit_options(**options)
+    if grid_sites(options.families_dict) or options.num_starts > 1:
+        raise BLRError(
+            "blr_kernel steps the rule of one start: families='grid' and num_starts > 1 are options of blr_fit"
+        )
+    key, program = as_key(rng_key), ModelProgram(model)
+    with out_of_memory_as_error("the kernel's compilation"):
+        prepared = prepare(program, args, kwargs, options, key, prior)
+
+    def start_from_values(values):
+        # (a start of the user's values: prepared again, from the compiled fit's cache)
+        return prepare(program, args, kwargs, options, key, prior, init_values=values).state
+
+    kernel = fit_kernel(prepared, start_from_values)
+    return kernel, kernel.init()

@@ -25,7 +25,7 @@ import numpy as np
 
 from blrppl.engine.prepare import prepare as prepare_fit
 from blrppl.engine.run import run as run_fit
-from blrppl.engine.step import BLRState
+from blrppl.engine.state import BLRState
 from blrppl.errors import BLRError, UnsupportedGuideError, out_of_memory_as_error
 from blrppl.graph.data import DataSpec, host_array, split_run_data
 from blrppl.model.program import ModelProgram
@@ -53,7 +53,7 @@ class BLRRunResult(NamedTuple):
 
     Attributes:
         params: the guide's parameters.
-        state: the final :class:`~blrppl.engine.step.BLRState`.
+        state: the final :class:`~blrppl.engine.state.BLRState`.
         losses: negative ELBO after every step.
     """
 

@@ -21,7 +21,8 @@ import numpyro
 from blrppl import families as fam
 from blrppl.engine.cache import stored_fit_key
 from blrppl.engine.loop import history_size, make_chunk
-from blrppl.engine.step import initial_state, make_step, with_views
+from blrppl.engine.state import initial_state
+from blrppl.engine.step import make_step, with_views
 from blrppl.engine.subsample import svi_rate
 from blrppl.estimators import bilinear, gram
 from blrppl.model.functions import table_key
@@ -67,6 +68,8 @@ class CompiledFit:
     posterior_fn: Callable
     window: int = 0
     chunk_fn: Callable | None = None  # the chunk before compilation (traceable inside a user's jit)
+    #: the step ``(state, data, rho) -> (state, info)`` the chunk runs (:mod:`blrppl.engine.kernel`)
+    step_fn: Callable | None = None
     elbo_fn: Callable | None = None  # jitted ELBO(nat, data, key)
     #: online fits: the blocks whose prior is the previous posterior (run-time data)
     online: tuple = ()
@@ -379,7 +382,7 @@ def compile_fit(program, records, data_spec, dyn_data, tracer, options, prior_sp
     posterior_fn = posterior_builder(plan, records, _COMPILER.submit)
     bundle = CompiledFit(
         tracer, plan, graph, init_fn, None, posterior_fn, window,
-        chunk_fn=chunk, elbo_fn=_jit(elbo_fn), online=online, statistics_fn=statistics_fn,
+        chunk_fn=chunk, step_fn=step, elbo_fn=_jit(elbo_fn), online=online, statistics_fn=statistics_fn,
         log_weights_fn=log_weights_fn, tables_fn=tables_fn, stored_key=fit_key, dense_work=dense_work,
     )
     if log_weights_fn is not None and not (len(plan.blocks) == 1 and exact_block is not None):

@@ -28,7 +28,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from blrppl.engine.step import BLRState, all_finite, relative_delta
+from blrppl.engine.kernel import bind_step
+from blrppl.engine.state import BLRState
+from blrppl.engine.step import all_finite, relative_delta
 from blrppl.graph.data import host_array
 
 CONTINUE, CONVERGED, NONFINITE, BAD_RATE, STATIONARY = 0, 1, 2, 3, 4
@@ -139,6 +141,8 @@ def make_chunk(
 
         if views_fn is not None:
             state = views_fn(state)
+        # the kernel's step (blrppl.engine.kernel): the rule with this chunk's data and ρ bound
+        kernel_step = bind_step(step, data, rho)
 
         def cond(carry):
             _, i, _, stop, _, _, _, _, _ = carry
@@ -151,7 +155,7 @@ def make_chunk(
                 bad_rate = ~(jnp.isfinite(rate) & (rate >= 0))
             else:
                 bad_rate = jnp.array(False)
-            new, info = step(st, data, rho)
+            new, info = kernel_step(st)
             finite = jnp.isfinite(info.elbo) & all_finite(new.nat)
             if window:
                 history = jnp.where(finite, jnp.roll(history, -1).at[-1].set(info.elbo), history)

@@ -21,7 +21,7 @@ from blrppl.engine import start as start_mod
 from blrppl.engine.build import CHUNK_SIZE, MONTE_CARLO_RHO, CompiledFit, Compiling
 from blrppl.engine.cache import COMPILE_LOCK, cache_key, data_digest, support_signature
 from blrppl.engine.loop import empty_history
-from blrppl.engine.step import BLRState, initial_state
+from blrppl.engine.state import BLRState, initial_state
 from blrppl.errors import BLRError, InitValueError
 from blrppl.compiler.blocks import block_init_values as _block_init_values
 from blrppl.compiler.pipeline import reverse_only_error

@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from blrppl.engine.step import BLRState
+from blrppl.engine.state import BLRState
 from blrppl.graph.data import host_array
 
 

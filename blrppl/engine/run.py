@@ -18,7 +18,7 @@ from blrppl.engine.cache import COMPILE_LOCK
 from blrppl.engine.loop import CONVERGED, NONFINITE, run_loop
 from blrppl.engine.prepare import Prepared
 from blrppl.engine.restarts import NARROWED_STARTS, narrowed
-from blrppl.engine.step import BLRState
+from blrppl.engine.state import BLRState
 from blrppl.engine.subsample import averaged_nat
 from blrppl.errors import is_out_of_memory, out_of_memory_detail
 from blrppl.inputs import host_fold_in

@@ -44,7 +44,7 @@ class BLRResult:
         compile_time: seconds spent tracing, probing and compiling.
         run_time: seconds spent in the jitted loop.
         graph: the factor graph (networkx) the plan was compiled from.
-        state: the final :class:`blrppl.engine.step.BLRState` (a run can continue from it).
+        state: the final :class:`blrppl.engine.state.BLRState` (a run can continue from it).
         diagnostics: :class:`blrppl.posterior.diagnostics.Diagnostics`: PSIS k̂ of q against the model
             (k̂ > 0.7: q is a poor approximation, and the fit warns), the last relative ELBO
             change, the steps backtracking undid, the Monte Carlo ELBO noise.
