@@ -1,3 +1,11 @@
+# Layout: unit/<subpackage>/ (one folder per subpackage of blrppl), integration/ (whole
+# models fitted end to end), plans/ (the golden plan tables). Each folder is a package
+# (``__init__.py``; tests/ itself is not), so pytest imports a test file as
+# ``unit.engine.test_grid`` with tests/ on sys.path: test files of one name may live in two
+# folders, a test module imports another by its dotted name (``from integration import
+# test_nonconjugate``), and the shared helpers at tests/ (checks, reference_models,
+# describe_table) by their plain names (pyproject's ``pythonpath`` puts tests/ there too).
+
 import atexit
 import os
 import shutil

@@ -1,5 +1,5 @@
 """Non-conjugate models with fixed synthetic data sets, shared by the reference generator
-(``tests/data/make_references.py``, long NUTS runs) and ``tests/test_nonconjugate.py``, and
+(``tests/data/make_references.py``, long NUTS runs) and ``tests/integration/test_nonconjugate.py``, and
 NumPyro's eight schools (``eight_schools_model``, ``EIGHT_SCHOOLS``), shared by the tests of the
 funnel advice, the grid and float32. This module does not enable x64 (the float32 tests'
 subprocess imports it).

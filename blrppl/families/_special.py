@@ -13,7 +13,7 @@ from jax.scipy.special import digamma
 _EULER = 0.5772156649015329
 
 #: fixed iteration counts of the mean → natural parameter inversions; both converge to
-#: the conditioning limit of the problem well before (see tests/test_families.py)
+#: the conditioning limit of the problem well before (see tests/unit/families/test_families.py)
 GAMMA_NEWTON_STEPS = 5
 DIRICHLET_NEWTON_STEPS = 16
 

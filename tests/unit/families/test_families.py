@@ -408,7 +408,7 @@ def draws(name: str):
 
 
 #: families with their own suite: the Wishart's natural parameter −½W⁻¹ is a symmetric matrix, so
-#: its Fisher matrix in the flattened coordinates of this suite is singular (tests/test_wishart.py
+#: its Fisher matrix in the flattened coordinates of this suite is singular (tests/unit/families/test_wishart.py
 #: checks the same identities: ∇A = μ, round trips, entropy and density against scipy, Monte
 #: Carlo, messages, validity, float32)
 OWN_SUITE = {"wishart"}

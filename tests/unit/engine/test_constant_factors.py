@@ -25,7 +25,7 @@ from blrppl.families import BandedGaussianNat, GaussianBanded
 from blrppl.model.trace import trace_model
 from blrppl.compiler.pipeline import compile_model
 from checks import fresh_fit
-from test_banded import logistic_scan as logistic_ar1, poisson_walk
+from unit.families.test_banded import logistic_scan as logistic_ar1, poisson_walk
 
 numpyro.enable_x64()
 

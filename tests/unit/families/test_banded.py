@@ -474,7 +474,7 @@ def test_state_space_with_its_initial_state_is_one_banded_block_equal_to_kalman(
     ``x0``, then ``x`` carried by ``scan``) at T = 400, with a gap: x0 joins the chain (one
     banded block over 401 scalars in model order) and the fit equals the Kalman/RTS
     smoother in one step."""
-    import test_state_space as ss
+    from integration import test_state_space as ss
 
     n = 400
     rng = np.random.default_rng(7)

@@ -41,7 +41,7 @@ from blrppl.model.trace import subsampled_plates, trace_model
 from blrppl.compiler.pipeline import compile_model
 from describe_table import factor_rows
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 ATOL = 1e-10
 
 

@@ -491,7 +491,7 @@ import json, sys
 import jax, numpy as np
 assert not jax.config.jax_enable_x64
 sys.path.insert(0, "tests")
-import test_em as T
+from integration import test_em as T
 from blrppl import blr_fit
 res = blr_fit(T.gmm, {"x": T.X.astype(np.float32)}, num_steps=T.NUM_ITER, tol=1e-30, progress_bar=False)
 est = res.point_estimates()
@@ -510,7 +510,7 @@ def test_em_in_float32():
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "JAX_ENABLE_X64": "0", "PYTHONPATH": str(root)}
     out = subprocess.run([sys.executable, "-c", F32_CODE], cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]

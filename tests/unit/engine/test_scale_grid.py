@@ -1,7 +1,7 @@
 """Scales integrated on a grid (``families={"tau": "grid"}``, :mod:`blrppl.engine.grid`).
 
 Against exact posteriors (below) and against the stored long-NUTS references of
-``tests/test_nonconjugate.py`` (a random walk's two scales, a stochastic volatility's shock
+``tests/integration/test_nonconjugate.py`` (a random walk's two scales, a stochastic volatility's shock
 size: issue 13's bars for chains).
 
 Float64. The exact reference is eight schools as NumPyro's docs write it (centred): given
@@ -21,7 +21,7 @@ import pytest
 from jax import random
 
 import reference_models as rm
-import test_nonconjugate as nc
+from integration import test_nonconjugate as nc
 from blrppl import BLR, blr_fit
 from blrppl.errors import BLRError
 

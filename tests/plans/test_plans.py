@@ -2,10 +2,10 @@
 models written the way NumPyro users write the constructs the compiler must read (a scan, a
 Python loop of sites, a random walk, a funnel, a change point, a transformed latent...).
 
-Each table is stored in ``tests/data/plans/<model>.txt``. A change in how the compiler reads
+Each table is stored in ``tests/plans/data/<model>.txt``. A change in how the compiler reads
 models (which family a latent gets, which estimator a factor gets, what the arguments are,
 what is merged into a joint block) shows up here as a diff: either an improvement to explain
-(then regenerate the files: ``BLRPPL_UPDATE_PLANS=1 pytest tests/test_plans.py``, and commit
+(then regenerate the files: ``BLRPPL_UPDATE_PLANS=1 pytest tests/plans/test_plans.py``, and commit
 them with the reason) or a bug.
 """
 
@@ -32,8 +32,8 @@ from blrppl.errors import MissingDependencyError
 
 numpyro.enable_x64()
 
-PLANS = pathlib.Path(__file__).parent / "data" / "plans"
-EXAMPLES = pathlib.Path(__file__).parents[1] / "examples"
+PLANS = pathlib.Path(__file__).parent / "data"
+EXAMPLES = pathlib.Path(__file__).parents[2] / "examples"
 UPDATE = os.environ.get("BLRPPL_UPDATE_PLANS") == "1"
 
 

@@ -469,12 +469,12 @@ def test_float32_chain_equals_forward_backward():
     from pathlib import Path
 
     ys = simulate(np.random.default_rng(6), 400)[1][:, None]
-    tests = Path(__file__).resolve().parent
-    code = FLOAT32.replace("TESTS", str(tests))
+    here = Path(__file__).resolve().parent
+    code = FLOAT32.replace("TESTS", str(here))
     env = {k: v for k, v in __import__("os").environ.items() if k != "JAX_ENABLE_X64"}
     out = subprocess.run(
         [sys.executable, "-c", code], input=json.dumps(ys.tolist()), capture_output=True, text=True, env=env,
-        cwd=tests.parent, timeout=600,
+        cwd=here.parents[2], timeout=600,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])

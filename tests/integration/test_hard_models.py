@@ -21,11 +21,11 @@ import pytest
 import reference_models as rm
 from blrppl import blr_fit
 from checks import assert_every_site_exports
-from test_nonconjugate import posterior_moments
+from integration.test_nonconjugate import posterior_moments
 
 numpyro.enable_x64()
 
-DATA = pathlib.Path(__file__).parent / "data"
+DATA = pathlib.Path(__file__).parents[1] / "data"
 _FITS: dict = {}
 
 

@@ -25,7 +25,7 @@ from blrppl import blr_fit
 
 numpyro.enable_x64()
 
-DATA = pathlib.Path(__file__).parent / "data"
+DATA = pathlib.Path(__file__).parents[1] / "data"
 NUM_DRAWS = 40_000
 _FITS: dict = {}
 

@@ -861,7 +861,7 @@ def test_counts_with_per_row_totals_fit():
     """``Multinomial(counts.sum(-1), ...)`` and ``DirichletMultinomial(..., total_count=...)``
     as users write them for rows of counts with different totals: the totals are computed from
     the traced data (a JAX TypeError out of the compiled loop before). The Dirichlet case is
-    exact in tests/test_conjugate.py; here a softmax regression and a Dirichlet-multinomial
+    exact in tests/integration/test_conjugate.py; here a softmax regression and a Dirichlet-multinomial
     with Gamma concentrations follow the data's shares."""
     rng = np.random.default_rng(0)
     counts = rng.multinomial(12, [0.2, 0.3, 0.5], 40).astype(float)

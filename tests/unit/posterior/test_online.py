@@ -34,7 +34,7 @@ from blrppl.graph.plan import FactorRole
 from describe_table import factor_rows
 
 ATOL = 1e-8
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def fit(model, data, prior=None, **kw):

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 CODE = r"""
 import json
@@ -110,7 +110,7 @@ out["student_t_volatility"] = {"mean": np.asarray(s.mean).tolist(), "sd": np.sqr
 
 # an AR(1) state with a bounded persistence (read through its moments) started from its
 # stationary distribution (integrated on a grid): both quadratures in single precision
-from test_grid import stationary_ar1, stationary_ar1_data
+from unit.estimators.test_grid import stationary_ar1, stationary_ar1_data
 r = blr_fit(stationary_ar1, {"y": stationary_ar1_data().astype(np.float32)}, rng_key=random.PRNGKey(0),
             progress_bar=False)
 u = r.posterior["phi"].base_dist
@@ -119,7 +119,7 @@ out["stationary_ar1"] = {"x": np.asarray(r.posterior["x"].mean).tolist(), "u": [
                          "message": r.message, "elbo": [float(e) for e in r.elbo]}
 
 # a local linear trend written as two sites of one scan, stored step by step in one banded block
-from test_state_space import _trend_data, local_linear_trend_scan
+from integration.test_state_space import _trend_data, local_linear_trend_scan
 r = blr_fit(local_linear_trend_scan, {"y": _trend_data(40).astype(np.float32)}, rng_key=random.PRNGKey(0),
             progress_bar=False)
 out["local_linear_trend"] = {
@@ -208,7 +208,7 @@ def test_float32_numpyro_stochastic_volatility_matches_nuts(float32_run):
     """NumPyro's stochastic-volatility example in float32 (its (s, nu) quadrature and the
     banded walk's passes in single precision): converged with finite ELBOs, every state's
     sd within 20 % of the float64 NUTS reference (the float64 fit's bar,
-    tests/test_nonconjugate.py) and its mean within 0.3 NUTS sd: float32's default stopping
+    tests/integration/test_nonconjugate.py) and its mean within 0.3 NUTS sd: float32's default stopping
     rule (relative ELBO change 1e-5, 0.05 nats of an ELBO of 5,000) ends while the first
     days' states, which few returns pull, still move (measured 0.22 sd at s[7], 0.03 sd on
     average; 0.10 with tol=1e-6, 0.06 in float64)."""
@@ -226,12 +226,12 @@ def test_float32_numpyro_stochastic_volatility_matches_nuts(float32_run):
 
 
 def test_float32_bounded_persistence_and_grid_match_float64(float32_run):
-    """The stationary AR(1) of tests/test_grid.py (a persistence on (−1, 1) read through its
+    """The stationary AR(1) of tests/unit/estimators/test_grid.py (a persistence on (−1, 1) read through its
     moments, a start integrated on a grid) in float32 matches the same fit in float64: the
     states' means within 2e-3 (a hundredth of their sd; float32 stops at a relative ELBO
     change of 1e-5), q(u) of the persistence within 1 %."""
     import jax
-    from test_grid import stationary_ar1, stationary_ar1_data
+    from unit.estimators.test_grid import stationary_ar1, stationary_ar1_data
 
     from blrppl import blr_fit
 
@@ -246,10 +246,10 @@ def test_float32_bounded_persistence_and_grid_match_float64(float32_run):
 
 
 def test_float32_two_component_state_is_exact(float32_run):
-    """The local linear trend of tests/test_state_space.py (level and slope, two sites of one
+    """The local linear trend of tests/integration/test_state_space.py (level and slope, two sites of one
     scan, stored step by step in one banded block) in float32: one step, the exact posterior
     (float64, computed here) to float32 precision."""
-    from test_state_space import _trend_data, exact_gaussian, local_linear_trend_scan
+    from integration.test_state_space import _trend_data, exact_gaussian, local_linear_trend_scan
 
     out, _, _ = float32_run
     r = out["local_linear_trend"]
@@ -267,7 +267,7 @@ def test_float32_eight_schools_spread_on_a_grid(float32_run):
     neighbour's, a fit at τ = e⁻⁶ carried a precision the fits at larger τ did not recover
     from, and τ came out 0.003): τ's mean and sd within 2 % of the exact posterior's, θ's
     means within 1 %."""
-    from test_scale_grid import exact_eight_schools
+    from unit.engine.test_scale_grid import exact_eight_schools
 
     out = float32_run[0]["schools_grid"]
     m, sd, theta = exact_eight_schools()

@@ -5,7 +5,7 @@ import pathlib
 
 import numpy as np
 
-EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
 
 
 def load(name):

@@ -1,0 +1,1 @@
+"""Whole models fitted end to end against exact answers, NUTS references and the examples."""

@@ -1,0 +1,1 @@
+"""The golden plan tables: ``plan.describe()`` of every reference, benchmark and example model."""
