@@ -163,11 +163,12 @@ def fit_blr(bm: BenchModel, num_steps: int | None = None) -> MethodResult:
 def _curvatures(plan, kwargs) -> str:
     """"block: estimator" for every Gaussian block with Monte Carlo messages ("" if none)."""
     from blrppl.estimators.monte_carlo import auto_curvature
+    from blrppl.estimators.registry import estimator_of
 
     chosen = kwargs.get("mc_curvature", "auto")
     out = []
     for b in plan.blocks:
-        if b.family.gaussian and any(f.estimator == "monte_carlo" for f in plan.factors_of(b.name)):
+        if b.family.gaussian and any(estimator_of(f).draws for f in plan.factors_of(b.name)):
             out.append(f"{b.name}: {auto_curvature(b) if chosen == 'auto' else chosen}")
     return "; ".join(out)
 

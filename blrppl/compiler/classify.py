@@ -11,6 +11,7 @@ import numpyro.distributions as dist
 
 from blrppl import moments as mom
 from blrppl.estimators.quadrature import GRID_NODES
+from blrppl.estimators.registry import ESTIMATORS
 from blrppl.model.functions import LINKS, projection_args
 from blrppl.model.classes import ArgumentClass, classify_form, too_many_columns
 from blrppl.model.probes import gather_probe, pairing_probe, probe_argument, random_point, run_probes
@@ -338,11 +339,11 @@ def _factors(
                 if cls.kind == mom.BilinearGaussian.kind:
                     pairs.append((arg, cls.pairs))
             columns = tuple((n, "full" if n in full else "gather") for n in gauss)
-            estimator, links = "exact", ()
+            estimator, links = ESTIMATORS["exact"], ()
         elif all(blocks[n].point for n in neighbours if n not in discrete):
             # no closed form, but every continuous neighbour (if any) is a point block: log f at the
             # points (enumerated over the discrete neighbours) is exact
-            estimator, links, columns, powers, rule = "delta", (), (), [], None
+            estimator, links, columns, powers, rule = ESTIMATORS["delta"], (), (), [], None
             kinds, arg_blocks = [("log_prob", "delta")], []
         else:
             links, kinds, arg_blocks, full, powers = [], [], [], set(), []
@@ -366,18 +367,18 @@ def _factors(
                 full.update(cls.full)
             grid_positions = _grid_positions(blocks, cont, site_reads.get(name))
             if links:
-                estimator = "quadrature"
+                estimator = ESTIMATORS["quadrature"]
                 columns = tuple((n, "full" if n in full else "gather") for n in gauss)
             elif quadrature and _on_grid(blocks, cont, r, grid_positions):
                 # (a few scalars in all: the rule over them is cheap, and deterministic)
-                estimator, links, columns = "quadrature", (), ()
+                estimator, links, columns = ESTIMATORS["quadrature"], (), ()
                 kinds, arg_blocks = [("log_prob", "quadrature")], []
             else:
-                estimator, links, columns = "monte_carlo", (), ()
+                estimator, links, columns = ESTIMATORS["monte_carlo"], (), ()
                 kinds, arg_blocks = [("log_prob", "monte_carlo")], []
             why = _why_not_exact(name, r, rule, classes)
             rule = None
-        if estimator in ("exact", "delta"):
+        if not estimator.approximates:
             why = ""
         factors.append(
             Factor(
@@ -386,7 +387,7 @@ def _factors(
                 observed=r.observed,
                 neighbours=neighbours,
                 discrete=discrete,
-                estimator=estimator,
+                estimator=estimator.name,
                 rule=rule,
                 arg_kinds=tuple(kinds),
                 arg_blocks=tuple(arg_blocks),
@@ -396,7 +397,7 @@ def _factors(
                 powers=tuple(powers),
                 pairs=tuple(pairs),
                 why=why,
-                grid_positions=tuple(sorted(grid_positions.items())) if estimator == "quadrature" and not links else (),
+                grid_positions=tuple(sorted(grid_positions.items())) if estimator.grid_rule and not links else (),
             )
         )
     return factors

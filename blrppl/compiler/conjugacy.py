@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from blrppl import moments as mom
+from blrppl.estimators.registry import estimator_of
 
 
 def conjugate_blocks(plan) -> tuple:
@@ -35,7 +36,7 @@ def factor_conjugate(f, b) -> bool:
     expectations are quadratic in it, and Beta/Dirichlet blocks only as the probabilities
     of Bernoulli, Binomial and Categorical observations or as the value of their own prior:
     every such expectation is linear in the block's expectation parameters.)"""
-    if f.estimator != "exact" or b.value_moments or (b.batch_shape and (b.name, "full") in f.columns):
+    if not estimator_of(f).closed_form or b.value_moments or (b.batch_shape and (b.name, "full") in f.columns):
         # (a factor mixing independent elements of the block: its message to one element
         # depends on the others' q, mean-field coordinate steps iterate)
         return False

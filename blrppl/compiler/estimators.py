@@ -5,7 +5,9 @@ from __future__ import annotations
 import dataclasses
 
 
-from blrppl.estimators.monte_carlo import elementwise_bijection
+from blrppl.estimators.monte_carlo import MONTE_CARLO, elementwise_bijection
+from blrppl.estimators.quadrature import QUADRATURE
+from blrppl.estimators.registry import estimator_of
 from blrppl.graph.plan import Block, Factor, FactorRole
 from blrppl.compiler.stages import CompileOptions, Dependencies, Estimates, FamilyChoice, SiteInputs, Structure
 from blrppl.compiler.blocks import (
@@ -64,7 +66,7 @@ def _merged(inputs: SiteInputs, found: Dependencies, choice: FamilyChoice, struc
         name: {arg: frozenset(site_block[x] for x in d) for arg, d in args.items()}
         for name, args in found.deps.items()
     }
-    guess = {f.name: f.estimator == "exact" for f in choice.factors}
+    guess = {f.name: estimator_of(f).closed_form for f in choice.factors}
     factors = classify_factors(
         inputs.records, inputs.rules, deps, blocks, fns, inputs.data, options.rng_key, guess=guess,
         elementwise=found.elementwise, forms=found.forms, site_reads=site_reads,
@@ -77,7 +79,7 @@ def _scalar_columns(f: Factor, chains: dict) -> Factor:
     element (:class:`blrppl.graph.band.Chain`), when its messages come from its arguments'
     moments (closed form or quadrature): their covariances are then the diagonal of the
     chain's Σ (:meth:`blrppl.families.GaussianBanded.scalar_tangent_sets`)."""
-    if f.estimator not in ("exact", "quadrature"):
+    if not estimator_of(f).reads_moments:
         return f
     columns = tuple((n, "scalar" if n in chains and f.name in chains[n].scalar_reads else mode) for n, mode in f.columns)
     return f if columns == f.columns else dataclasses.replace(f, columns=columns)
@@ -93,7 +95,7 @@ def _jacobian_factor(block: Block) -> Factor:
         observed=False,
         neighbours=(block.name,),
         discrete=(),
-        estimator="quadrature" if elementwise else "monte_carlo",
+        estimator=(QUADRATURE if elementwise else MONTE_CARLO).name,
         rule=None,
         arg_kinds=(),
         arg_blocks=(),

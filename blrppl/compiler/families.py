@@ -10,6 +10,7 @@ import numpy as np
 from numpyro.distributions import biject_to, constraints
 
 from blrppl import families as fam
+from blrppl.estimators.registry import estimator_of
 from blrppl.errors import FamilyError, UnsupportedFactorError, UnsupportedLatentError
 from blrppl.model.classes import classify_form
 from blrppl.model import forms as fm
@@ -80,7 +81,7 @@ def _to_move(factors, blocks: dict, families: dict) -> set:
     whose family the user chose)."""
     to_move = set()
     for f in factors:
-        if f.estimator == "exact":
+        if estimator_of(f).closed_form:
             # a Gamma block keeps its family only where the factor is conjugate to it:
             # other powers need moments such as E[τ^-2] that exist only for some shapes
             for arg, power in f.powers:

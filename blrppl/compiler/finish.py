@@ -13,6 +13,7 @@ import numpy as np
 
 from blrppl import families as fam
 from blrppl.estimators import bilinear, gram
+from blrppl.estimators.registry import estimator_of
 from blrppl.model.functions import factor_arguments
 from blrppl.model.probes import random_point
 from blrppl.graph import chain_table
@@ -182,7 +183,7 @@ def _broadcast_enumerated(factors, blocks: dict, fns, data, rng: np.random.Gener
     raises, and keeps full values."""
     candidates = [
         f for f in factors
-        if f.discrete and f.estimator == "exact" and f.role == FactorRole.SITE and f.name not in fns.stacks
+        if f.discrete and estimator_of(f).closed_form and f.role == FactorRole.SITE and f.name not in fns.stacks
         and not any(blocks[d].chain or blocks[d].local is not None for d in f.discrete)
     ]
     if not candidates:

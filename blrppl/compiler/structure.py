@@ -8,7 +8,8 @@ import numpy as np
 
 from blrppl import families as fam
 from blrppl import moments as mom
-from blrppl.graph.band import PROVISIONAL, arrowhead_locals, chain_bandwidth
+from blrppl.estimators.registry import estimator_of
+from blrppl.graph.band import arrowhead_locals, chain_bandwidth
 from blrppl.compiler.stages import CompileOptions, Estimates, FamilyChoice, SiteInputs, Structure, StructureLimits
 from blrppl.compiler.blocks import (
     banded_block, coupled_discrete_groups, merge_gaussians, site_fill, site_transforms, time_major,
@@ -177,7 +178,8 @@ def _joint_chain(inputs: SiteInputs, blocks: dict, dense: dict, factors: list, j
         )
         site_block = {m: joint for m in trial[joint].sites}
         chain = chain_bandwidth(
-            joint, trial, factors, trial_fns, inputs.data, np.random.default_rng(0), site_block, PROVISIONAL
+            joint, trial, factors, trial_fns, inputs.data, np.random.default_rng(0), site_block,
+            provisional=True,
         )
         if chain is not None and 3 * (2 * chain.bandwidth + 1) <= trial[joint].size:
             return {**trial, joint: banded_block(trial[joint], chain.bandwidth)}, joint, chain
@@ -193,7 +195,7 @@ def _separate_chains(inputs: SiteInputs, blocks: dict, dense: dict, factors: lis
     for n in candidates:
         chain = chain_bandwidth(
             n, {**blocks, n: dense.get(n, blocks[n])}, factors, fns, inputs.data, np.random.default_rng(0),
-            estimators=PROVISIONAL,
+            provisional=True,
         )
         if chain is not None and 3 * (2 * chain.bandwidth + 1) <= blocks[n].size:
             chains[n] = chain
@@ -240,12 +242,12 @@ def fallback(estimates: Estimates, options: CompileOptions, limits: StructureLim
     """
     blocks, factors, chains = estimates.blocks, estimates.factors, estimates.chains
     for n in [*chains, *(b.name for b in blocks.values() if b.family.arrowhead)]:
-        if any(n in f.neighbours and f.estimator not in ("exact", "quadrature") for f in factors):
+        if any(n in f.neighbours and not estimator_of(f).reads_moments for f in factors):
             return limits._replace(arrowhead=limits.arrowhead and n in chains, banded=limits.banded and n not in chains)
     for n, b in blocks.items():
         joint = b.members and not b.discrete and not b.family.banded and not b.family.arrowhead
         if options.structure is None and joint:
-            if b.size > MC_JOINT_MAX_DIM and any(n in f.neighbours and f.estimator == "monte_carlo" for f in factors):
+            if b.size > MC_JOINT_MAX_DIM and any(n in f.neighbours and estimator_of(f).samples_jointly for f in factors):
                 return limits._replace(merge_joint=False)
     return None
 

@@ -13,6 +13,7 @@ from blrppl import families as fam
 from blrppl.engine.build import one_exact_block
 from blrppl.engine.loop import BAD_RATE, CONVERGED, NONFINITE, STATIONARY, STATIONARY_STEPS
 from blrppl.compiler.structure import MC_JOINT_MAX_DIM
+from blrppl.estimators.registry import estimator_of
 from blrppl.graph.plan import FactorRole
 
 
@@ -134,7 +135,7 @@ def improper_blocks(outcome, plan) -> tuple:
         # and the stop message says so)
         return ()
     return tuple(
-        n for n in outcome.improper if all(f.estimator == "exact" for f in plan.factors_of(n))
+        n for n in outcome.improper if all(estimator_of(f).closed_form for f in plan.factors_of(n))
     )
 
 
@@ -234,7 +235,7 @@ def poor_q_advice(plan, num_starts: int = 1) -> str:
     }
     spread = next(
         (
-            (f.name, total) for f in plan.factors if f.estimator == "monte_carlo"
+            (f.name, total) for f in plan.factors if estimator_of(f).samples_jointly
             for parts in [[joinable[n] for n in f.neighbours if n in joinable]]
             for total in [sum(parts)] if len(parts) > 1 and total > MC_JOINT_MAX_DIM
         ),

@@ -25,6 +25,7 @@ from blrppl.engine.state import initial_state
 from blrppl.engine.step import make_step, with_views
 from blrppl.engine.subsample import svi_rate
 from blrppl.estimators import bilinear, gram
+from blrppl.estimators.registry import estimator_of
 from blrppl.model.functions import table_key
 from blrppl.compiler.pipeline import compile_model
 from blrppl.compiler.conjugacy import conjugate_blocks
@@ -312,7 +313,7 @@ def compile_fit(program, records, data_spec, dyn_data, tracer, options, prior_sp
         nat = {n: init_nat(b, values[n], probs.get(n)) for n, b in blocks.items()}
         return jax.tree.map(host_array, nat)
 
-    sampled = [f for f in plan.factors if f.estimator == "monte_carlo"]
+    sampled = [f for f in plan.factors if estimator_of(f).decaying_steps]
     decay = {n for f in sampled for n in f.neighbours} if default_rate else set()
     window = MC_WINDOW if sampled else 0
     epoch = 0

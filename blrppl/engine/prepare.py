@@ -23,6 +23,7 @@ from blrppl.engine.cache import COMPILE_LOCK, cache_key, data_digest, support_si
 from blrppl.engine.loop import empty_history
 from blrppl.engine.state import BLRState, initial_state
 from blrppl.errors import BLRError, InitValueError
+from blrppl.estimators.registry import estimator_of
 from blrppl.compiler.blocks import block_init_values as _block_init_values
 from blrppl.compiler.pipeline import reverse_only_error
 from blrppl.graph.data import DataSpec, host_array
@@ -222,7 +223,7 @@ def _initial_rho(plan, learning_rate) -> dict:
         base = 1.0 if learning_rate is None or callable(learning_rate) else float(learning_rate)
         return {n: host_array(base, dtype) for n in plan.order}
     if learning_rate is None:
-        sampled = {n for f in plan.factors if f.estimator == "monte_carlo" for n in f.neighbours}
+        sampled = {n for f in plan.factors if estimator_of(f).decaying_steps for n in f.neighbours}
         return {n: host_array(MONTE_CARLO_RHO if n in sampled else 1.0, dtype) for n in plan.order}
     if callable(learning_rate):
         return {n: host_array(1.0, dtype) for n in plan.order}

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from blrppl.engine.state import BLRInfo, BLRState, initial_state  # noqa: F401 (re-exported)
 from blrppl.estimators import bilinear, gram
 from blrppl.estimators.enumeration import expected_log_factors, is_jacobian
+from blrppl.estimators.registry import estimator_of
 from blrppl.moments.linearised import base_values
 from blrppl.graph.data import split_run_data
 from blrppl.graph.derivatives import hessian_of_grad
@@ -497,7 +498,7 @@ def _make_exact_step(plan, messages, expected, constant, schedule, block_rate, m
     """The step of a plan without subsampled plates (exact ELBOs): see :func:`make_step`;
     ``constant``: the plan's :func:`constant_factors`."""
     retracted, exact_gaussian, _, _ = _block_sets(plan, constant)
-    draws = any(is_jacobian(f) or f.estimator == "monte_carlo" for f in plan.factors)
+    draws = any(is_jacobian(f) or estimator_of(f).draws for f in plan.factors)
 
     def step(state, data, rho):
         nat = dict(state.nat)

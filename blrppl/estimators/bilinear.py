@@ -59,6 +59,7 @@ import numpy as np
 import numpyro.distributions as dist
 
 from blrppl.moments import kinds as mom
+from blrppl.estimators.registry import estimator_of
 from blrppl.estimators.gram import _LOG_2PI, element_weights, scale_block, scale_terms
 from blrppl.runtime.compile import jit as _jit
 
@@ -85,7 +86,7 @@ class BilinearStatistics(NamedTuple):
 def candidate(factor, blocks) -> tuple | None:
     """The blocks (A, B) of a factor whose form may allow the statistics (the probes of
     :func:`eligible` decide), else None."""
-    if factor.estimator != "exact" or factor.rule is None or factor.rule.dist_type is not dist.Normal:
+    if not estimator_of(factor).closed_form or factor.rule is None or factor.rule.dist_type is not dist.Normal:
         return None
     if factor.discrete or factor.subsampled or factor.members:
         return None

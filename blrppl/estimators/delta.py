@@ -13,7 +13,13 @@ terms of params.
 
 from __future__ import annotations
 
+from blrppl.estimators.registry import Estimator, register_estimator
 from blrppl.moments.linearised import base_values
+
+#: log f at the point blocks' means m: L = log f(m_1, …, m_k), exact and deterministic
+DELTA = register_estimator(
+    Estimator(name="delta", summary="log f at the point blocks, L = log f(m_1, …, m_k)")
+)
 
 
 def delta_elementwise(fns, factors, blocks, views, discrete_values, data):

@@ -33,6 +33,7 @@ from blrppl.estimators.delta import delta_elementwise
 from blrppl.estimators.exact import elementwise_expected_log_prob, reduce_factor, unwrapped_expected_log_prob
 from blrppl.estimators.monte_carlo import expected_log_jacobian, monte_carlo_elementwise
 from blrppl.estimators.quadrature import quadrature_elementwise
+from blrppl.estimators.registry import estimator_of
 from blrppl.moments.linearised import group_moments
 from blrppl.graph import chain_table
 from blrppl.graph.chain_table import static_rows
@@ -181,7 +182,7 @@ def expected_log_factors(fns, factors, blocks, views, data, key=None, curvature=
     key = jax.random.key(0) if key is None else key
     # only Monte Carlo factors and log|det J| terms draw: without them no key is split (each
     # split is a threefry program that every fit's programs would lower and compile)
-    draws = any(is_jacobian(f) or f.estimator == "monte_carlo" for f in factors)
+    draws = any(is_jacobian(f) or estimator_of(f).draws for f in factors)
     total = 0.0
     for f in factors:
         if is_jacobian(f):
@@ -194,7 +195,7 @@ def expected_log_factors(fns, factors, blocks, views, data, key=None, curvature=
     factors = [f for f in factors if not is_jacobian(f)]
     if not factors:
         return total
-    wrappers = fns.factor_wrappers([f.name for f in factors if f.estimator == "exact"], data)
+    wrappers = fns.factor_wrappers([f.name for f in factors if estimator_of(f).closed_form], data)
     groups: dict = {}
     for f in factors:
         # (factors reading pairs of a chain's states run K² times, the others K times; a

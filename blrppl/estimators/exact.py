@@ -10,7 +10,19 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from blrppl.estimators.registry import Estimator, register_estimator
 from blrppl.model.records import reduce_wrapped, unwrap
+
+#: closed form: for a factor f with rule R,
+#: L = E_q[log f] = Σ_elements R(moments of its arguments' classes)
+EXACT = register_estimator(
+    Estimator(
+        name="exact",
+        summary="closed form, L = Σ_elements R(moments of the arguments) from the rule R",
+        closed_form=True,
+        reads_moments=True,
+    )
+)
 
 
 def elementwise_expected_log_prob(factor, moments: dict, fn):

@@ -28,6 +28,7 @@ import numpyro.distributions as dist
 
 from blrppl.moments import kinds as mom
 from blrppl.estimators.exact import reduce_factor
+from blrppl.estimators.registry import estimator_of
 from blrppl.graph.data import host_array
 from blrppl.model.records import reduce_wrapped
 
@@ -70,7 +71,7 @@ def eligible(factor, blocks, fns=None, data=None) -> str | None:
     diagonal, and the expectation reads the rows' means and variances only (the latent's
     own prior; its shape is read off a trace of the model with ``fns`` and ``data``).
     """
-    if factor.estimator != "exact" or factor.rule is None or factor.rule.dist_type is not dist.Normal:
+    if not estimator_of(factor).closed_form or factor.rule is None or factor.rule.dist_type is not dist.Normal:
         return None
     if factor.discrete or factor.subsampled:
         return None

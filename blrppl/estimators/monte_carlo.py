@@ -28,7 +28,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from blrppl.estimators.registry import Estimator, register_estimator
 from blrppl.graph.derivatives import hvp
+
+#: draws from q, L ≈ (1/S) Σ_s log f(x_s) with x_s = m + chol(Σ) ε_s and fresh ε_s per step
+MONTE_CARLO = register_estimator(
+    Estimator(
+        name="monte_carlo",
+        summary="draws from q, L ≈ (1/S) Σ_s log f(m + chol(Σ) ε_s)",
+        deterministic=False,
+        draws=True,
+        decaying_steps=True,
+        samples_jointly=True,
+        approximates=True,
+        provisional=True,
+    )
+)
 
 #: default number of Monte Carlo samples per factor group and step
 NUM_SAMPLES = 16

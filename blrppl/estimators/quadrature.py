@@ -23,10 +23,24 @@ import jax.numpy as jnp
 import numpy as np
 
 from blrppl.estimators.monte_carlo import tensor_gauss_hermite
+from blrppl.estimators.registry import Estimator, register_estimator
 from blrppl.model.functions import LINKS, distribution_leaves, shift_leaf
 from blrppl.moments.linearised import base_values, group_moments
 from blrppl.model.records import reduce_wrapped
 from blrppl.moments.kinds import covariance
+
+#: Gauss–Hermite quadrature over the factor's scalar projections η_n ~ N(m_n, C_n),
+#: L = Σ_n Σ_k w_k log p(y_n | g(m_n + chol(C_n) t_k)), or, for a few scalars of a joint
+#: block, the tensor rule over their marginal (the grid rule)
+QUADRATURE = register_estimator(
+    Estimator(
+        name="quadrature",
+        summary="Gauss–Hermite nodes, L = Σ_n Σ_k w_k log p(y_n | g(m_n + chol(C_n) t_k))",
+        reads_moments=True,
+        approximates=True,
+        grid_rule=True,
+    )
+)
 
 #: nodes per dimension of the tensor rule, by number of projections
 NODES = {1: 20, 2: 12}

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from blrppl.estimators.registry import estimator_of
 from blrppl.model.functions import distribution_leaves, factor_arguments
 from blrppl.model.probes import random_point
 from blrppl.runtime.compile import compile_lowered, compiler_options, jit
@@ -42,10 +43,16 @@ from blrppl.model.records import unwrap
 CANDIDATES = (1, 2, 3, 4, 6, 8)
 #: columns of the random covariance factor Z
 _REFERENCE_COLUMNS = 3
-#: the estimators of factors a chain or an arrowhead may have while the compiler's family
-#: policy iterates: closed form, or "monte_carlo" until the quadrature probes (which run on
-#: the final blocks) decide (a logistic or Student-t observation of a chain gets quadrature)
-PROVISIONAL = ("exact", "quadrature", "monte_carlo")
+
+
+def _qualifies(factor, provisional: bool) -> bool:
+    """Whether a factor's estimator lets a block it touches be a chain or an arrowhead: it
+    reads the block through its arguments' moments (closed form, quadrature), or, while
+    the compiler's family policy iterates (``provisional``), it is a provisional choice
+    that the quadrature probes, which run on the final blocks, may replace (a logistic or
+    Student-t observation of a chain gets quadrature)."""
+    estimator = estimator_of(factor)
+    return estimator.reads_moments or (provisional and estimator.provisional)
 
 
 def _every_argument(site: dict) -> dict:
@@ -129,20 +136,20 @@ def _combiner(site: dict, args: dict, rule, rng: np.random.Generator):
 
 def _probe(
     name: str, blocks: dict, factors, fns, data, rng: np.random.Generator, site_block: dict | None,
-    estimators: tuple = ("exact", "quadrature"),
+    provisional: bool = False,
 ):
     """``(run, n, names)``: ``run(tangents)`` pushes tangents ``(k, n)`` of the block
     ``name`` at a random point through a random combination of each touching factor's
     arguments per element (:func:`_combiner`), one compiled program per shape of
     ``tangents``: a list of ``(k, elements)`` arrays, one per factor (``names``, in that
-    order). None when the block qualifies for no structure (a factor whose estimator is not
-    one of ``estimators``, or no factor)."""
+    order). None when the block qualifies for no structure (a factor whose estimator does
+    not qualify, see :func:`_qualifies`, or no factor)."""
     block = blocks[name]
     n = block.size
     site_block = site_block or {}
     neighbours_of = {f.name: {site_block.get(m, m) for m in f.neighbours} for f in factors}
     touching = [f for f in factors if name in neighbours_of[f.name] and f.role == FactorRole.SITE]
-    if n < 3 or not touching or any(f.estimator not in estimators for f in touching):
+    if n < 3 or not touching or not all(_qualifies(f, provisional) for f in touching):
         return None
     neighbours = set().union(*(neighbours_of[f.name] for f in touching))
     values = {m: np.asarray(random_point(blocks[m], rng)) for m in neighbours}
@@ -180,19 +187,19 @@ class Chain(NamedTuple):
 
 def chain_bandwidth(
     name: str, blocks: dict, factors, fns, data, rng: np.random.Generator, site_block: dict | None = None,
-    estimators: tuple = ("exact", "quadrature"),
+    provisional: bool = False,
 ) -> Chain | None:
     """The smallest half-bandwidth b in :data:`CANDIDATES` such that the block ``name`` is a
     chain of bandwidth b (see the module docstring), with the factors that read one scalar
     per element; or None.
 
-    Only blocks whose factors' estimators are among ``estimators`` qualify (closed form and
-    quadrature read the block through the moments of their arguments; the compiler passes
-    its provisional Monte Carlo ones too, and checks the final classes). ``site_block`` maps
+    Only blocks whose factors' estimators read them through the moments of their arguments
+    qualify (closed form and quadrature; with ``provisional``, the compiler's provisional
+    Monte Carlo ones too: it checks the final classes). ``site_block`` maps
     the sites the factors name as neighbours to the block holding them, when ``blocks``
     merges some.
     """
-    probe = _probe(name, blocks, factors, fns, data, rng, site_block, estimators)
+    probe = _probe(name, blocks, factors, fns, data, rng, site_block, provisional)
     if probe is None:
         return None
     run, n, names = probe
@@ -243,7 +250,7 @@ def arrowhead_locals(
     per-site block can leave a factor Monte Carlo that the merged block gives quadrature):
     only the arguments' structure is probed here, and the compiler checks the final ones.
     """
-    probe = _probe(name, blocks, factors, fns, data, rng, site_block, PROVISIONAL)
+    probe = _probe(name, blocks, factors, fns, data, rng, site_block, provisional=True)
     parts = [p for p in spans if spans[p][1] - spans[p][0] >= 2]
     if probe is None or not parts:
         return ()

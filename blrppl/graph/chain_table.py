@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from blrppl.estimators.registry import estimator_of
 from blrppl.graph.plan import FactorRole
 
 
@@ -111,7 +112,7 @@ def candidates(factors, blocks, fns) -> dict:
     factors of one chain block, whose elements are the chain reads' elements, reading pairs."""
     out = {}
     for f in factors:
-        if not (f.estimator == "exact" and f.role == FactorRole.SITE and f.rule is not None and f.chain_reads):
+        if not (estimator_of(f).closed_form and f.role == FactorRole.SITE and f.rule is not None and f.chain_reads):
             continue
         if len(f.discrete) != 1 or not blocks[f.discrete[0]].chain or f.name in fns.stacks:
             continue

@@ -406,9 +406,11 @@ class Factor:
         observed: whether the site is observed (else it is the prior of its own block).
         neighbours: blocks the factor touches, in model order.
         discrete: the discrete neighbours (enumerated).
-        estimator: ``"exact"`` (closed-form rule), ``"quadrature"``, ``"monte_carlo"`` or
-            ``"delta"`` (no closed form, but every continuous neighbour is a point block:
-            log f at the points, exact).
+        estimator: the name of its estimator: ``"exact"`` (closed-form rule),
+            ``"quadrature"``, ``"monte_carlo"`` or ``"delta"`` (no closed form, but every
+            continuous neighbour is a point block: log f at the points, exact). What the
+            estimator is (closed form, deterministic, ...) is asked of its registered object,
+            :func:`blrppl.estimators.registry.estimator_of`, never of the name.
         rule: the rule computing the expected log-density.
         arg_kinds: kind of each argument and of the value (see :mod:`blrppl.moments.kinds`).
         arg_blocks: blocks each argument depends on.

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from blrppl.estimators.registry import estimator_of
 from blrppl.model.functions import CanonicalTree, distribution_leaves
 from blrppl.model import forms as fm
 from blrppl.model.records import unwrap
@@ -37,7 +38,6 @@ from blrppl.model.records import unwrap
 MIN_MEMBERS = 24
 #: the most scalars one leaf's Jacobian table may hold (members × leaf size × |s|)
 MAX_TABLE = 1 << 22
-_ESTIMATORS = ("exact", "quadrature", "monte_carlo", "delta")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,7 +152,7 @@ def _is_affine(form) -> bool:
 def _candidate(f, record, forms: dict, blocks: dict) -> bool:
     if f.name not in forms or record is None or record.is_factor or record.is_param:
         return False
-    if f.discrete or f.from_statistics or f.subsampled or f.estimator not in _ESTIMATORS:
+    if f.discrete or f.from_statistics or f.subsampled or not estimator_of(f).stackable:
         return False
     if record.has_mask or record.has_scale or record.plates or record.reinterpreted_ndim:
         return False

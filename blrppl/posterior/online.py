@@ -52,6 +52,7 @@ import numpy as np
 
 from blrppl import families as fam
 from blrppl.errors import OnlinePriorError
+from blrppl.estimators.exact import EXACT
 from blrppl.graph.plan import Factor, FactorRole
 
 #: suffix of the name of the pseudo-factor holding a block's previous posterior (for
@@ -246,7 +247,7 @@ def _previous_factor(block) -> Factor:
         observed=False,
         neighbours=(block.name,),
         discrete=(),
-        estimator="exact",
+        estimator=EXACT.name,
         rule=PreviousPosterior(block.name),
         arg_kinds=(),
         arg_blocks=(),

@@ -5,12 +5,14 @@ by their :attr:`~blrppl.graph.plan.Factor.role`, not by their names."""
 from __future__ import annotations
 
 import ast
+import importlib
 import pathlib
 import re
 
 import pytest
 
 import blrppl
+import blrppl.estimators
 import blrppl.families
 
 PACKAGE = pathlib.Path(blrppl.__file__).parent
@@ -71,6 +73,77 @@ def test_no_literal_kind_tests_outside_the_families():
         found += [f"{path.relative_to(PACKAGE)}:{n}: {line}" for n, line in _offences(path.read_text())]
     assert not found, "kind tests that belong to the families (flags and methods):\n" + "\n".join(found)
 
+
+# -- estimators are told apart by their attributes, not by their names ---------------------------
+# (blrppl/estimators/ defines them: the objects of blrppl.estimators.registry, one per name)
+
+#: an ``estimator`` compared with, or looked up in, string literals; whatever is compared with,
+#: or looked up in, a registered estimator's name
+_ESTIMATOR_NAMES = "|".join(re.escape(n) for n in blrppl.estimators.ESTIMATORS)
+ESTIMATOR_TESTS = [
+    re.compile(r"""\bestimators?\b\s*(==|!=)\s*f?["']"""),
+    re.compile(r"""["']\s*(==|!=)\s*[\w.]*\bestimators?\b"""),
+    re.compile(r"""\bestimators?\b\s+(not\s+)?in\s*[(\[{]\s*["']"""),
+    re.compile(rf"""(==|!=)\s*["']({_ESTIMATOR_NAMES})["']"""),
+    re.compile(rf"""["']({_ESTIMATOR_NAMES})["']\s*(==|!=)"""),
+    re.compile(rf"""\bin\s*[(\[{{]\s*(["'][\w-]*["']\s*,\s*)*["']({_ESTIMATOR_NAMES})["']"""),
+]
+
+
+def _estimator_offences(text: str) -> list:
+    out = []
+    for number, line in enumerate(text.splitlines(), 1):
+        code = line.split("#", 1)[0]
+        if any(p.search(code) for p in ESTIMATOR_TESTS):
+            out.append((number, line.strip()))
+    return out
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        'if f.estimator == "exact":',
+        "draws = any(f.estimator == 'monte_carlo' for f in plan.factors)",
+        'if f.estimator != "exact" or b.value_moments:',
+        'if f.estimator not in ("exact", "quadrature"):',
+        'if estimator in ("exact", "delta"):',
+        'elif "quadrature" == factor.estimator:',
+        'sampled = [f for f in group if kind == "monte_carlo"]',
+        'if name in ("delta", "exact"):',
+    ],
+)
+def test_the_scan_finds_estimator_name_tests(line):
+    assert _estimator_offences(line)
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "if estimator_of(f).closed_form:",
+        'estimator, links = ESTIMATORS["exact"], ()',
+        "estimator=(QUADRATURE if elementwise else MONTE_CARLO).name,",
+        "if new.estimator != old.estimator:",
+    ],
+)
+def test_estimators_may_be_looked_up_and_compared_with_each_other(line):
+    assert not _estimator_offences(line)
+
+
+def test_no_estimator_name_tests_outside_the_estimators():
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if PACKAGE / "estimators" in path.parents:
+            continue
+        found += [f"{path.relative_to(PACKAGE)}:{n}: {line}" for n, line in _estimator_offences(path.read_text())]
+    assert not found, "estimator name tests that belong to the estimators' attributes:\n" + "\n".join(found)
+
+
+
+def test_each_estimator_is_an_object_of_its_own_module():
+    for name, obj in blrppl.estimators.ESTIMATORS.items():
+        module = importlib.import_module(f"blrppl.estimators.{name}")
+        assert getattr(module, name.upper()) is obj
+        assert blrppl.estimators.estimator_of(name) is obj and obj.describe() == name
 
 # -- the package's shape: no import cycle, no module over 800 lines, no function over 120 ----------
 # (blrppl/bench is a benchmark suite, not the package: it is left out of the size limits)
