@@ -18,7 +18,14 @@ from blrppl.moments.linearised import base_values
 
 #: log f at the point blocks' means m: L = log f(m_1, …, m_k), exact and deterministic
 DELTA = register_estimator(
-    Estimator(name="delta", summary="log f at the point blocks, L = log f(m_1, …, m_k)")
+    Estimator(
+        name="delta",
+        summary="log f at the point blocks, L = log f(m_1, …, m_k)",
+        order=0,
+        elementwise=lambda fns, fs, blocks, views, dvals, data, wrappers, key, curvature: (
+            *delta_elementwise(fns, fs, blocks, views, dvals, data), 0.0
+        ),
+    )
 )
 
 

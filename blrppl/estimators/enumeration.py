@@ -29,10 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from blrppl.estimators.delta import delta_elementwise
-from blrppl.estimators.exact import elementwise_expected_log_prob, reduce_factor, unwrapped_expected_log_prob
-from blrppl.estimators.monte_carlo import expected_log_jacobian, monte_carlo_elementwise
-from blrppl.estimators.quadrature import quadrature_elementwise
+from blrppl.estimators.exact import reduce_factor, unwrapped_expected_log_prob
+from blrppl.estimators.monte_carlo import expected_log_jacobian
 from blrppl.estimators.registry import estimator_of
 from blrppl.moments.linearised import group_moments
 from blrppl.graph import chain_table
@@ -49,29 +47,18 @@ def is_jacobian(factor) -> bool:
 def _elementwise(fns, group, blocks, views, dvals, data, wrappers, key, curvature="auto"):
     """Per-element E_q[log f | discrete values] of a group of factors, their scales, and a
     scalar term to add (the explicit-curvature surrogate of Monte Carlo factors)."""
-    exact = [f for f in group if f.estimator == "exact"]
-    quad = [f for f in group if f.estimator == "quadrature"]
-    sampled = [f for f in group if f.estimator == "monte_carlo"]
-    delta = [f for f in group if f.estimator == "delta"]
-    els, scales = {}, {}
-    if delta:
-        d, sc = delta_elementwise(fns, delta, blocks, views, dvals, data)
-        els.update(d)
+    by_estimator: dict = {}
+    for f in group:
+        by_estimator.setdefault(estimator_of(f), []).append(f)
+    els, scales, extra = {}, {}, 0.0
+    for estimator in sorted(by_estimator, key=lambda e: (e.order, e.name)):
+        e, sc, x = estimator.elementwise(
+            fns, by_estimator[estimator], blocks, views, dvals, data, wrappers, key, curvature
+        )
+        els.update(e)
         scales.update(sc)
-    if quad:
-        q, sc = quadrature_elementwise(fns, quad, blocks, views, dvals, data)
-        els.update(q)
-        scales.update(sc)
-    if exact:
-        moments = group_moments(fns, exact, blocks, views, dvals, data, on_support=True)
-        for f in exact:
-            els[f.name] = elementwise_expected_log_prob(f, moments[f.name], wrappers[f.name][0])
-            scales[f.name] = wrappers[f.name][1]
-    extra = 0.0
-    if sampled:
-        mc, sc, extra = monte_carlo_elementwise(fns, sampled, blocks, views, dvals, data, key, curvature=curvature)
-        els.update(mc)
-        scales.update(sc)
+        if not (isinstance(x, float) and x == 0.0):  # (a surrogate term: Monte Carlo's curvature)
+            extra = x if isinstance(extra, float) and extra == 0.0 else extra + x
     return els, scales, extra
 
 

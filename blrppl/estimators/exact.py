@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 from blrppl.estimators.registry import Estimator, register_estimator
 from blrppl.model.records import reduce_wrapped, unwrap
+from blrppl.moments.linearised import group_moments
 
 #: closed form: for a factor f with rule R,
 #: L = E_q[log f] = Σ_elements R(moments of its arguments' classes)
@@ -21,8 +22,20 @@ EXACT = register_estimator(
         summary="closed form, L = Σ_elements R(moments of the arguments) from the rule R",
         closed_form=True,
         reads_moments=True,
+        order=2,
+        elementwise=lambda fns, fs, blocks, views, dvals, data, wrappers, key, curvature: (
+            _exact_elementwise(fns, fs, blocks, views, dvals, data, wrappers)
+        ),
     )
 )
+
+
+def _exact_elementwise(fns, factors, blocks, views, discrete_values, data, wrappers) -> tuple:
+    """L per element of each closed-form factor from its rule, given the discrete values (the
+    moments of every factor's arguments built in one pass), the sites' scales, and 0.0."""
+    moments = group_moments(fns, factors, blocks, views, discrete_values, data, on_support=True)
+    els = {f.name: elementwise_expected_log_prob(f, moments[f.name], wrappers[f.name][0]) for f in factors}
+    return els, {f.name: wrappers[f.name][1] for f in factors}, 0.0
 
 
 def elementwise_expected_log_prob(factor, moments: dict, fn):

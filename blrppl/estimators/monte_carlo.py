@@ -42,6 +42,10 @@ MONTE_CARLO = register_estimator(
         samples_jointly=True,
         approximates=True,
         provisional=True,
+        order=3,
+        elementwise=lambda fns, fs, blocks, views, dvals, data, wrappers, key, curvature: monte_carlo_elementwise(
+            fns, fs, blocks, views, dvals, data, key, curvature=curvature
+        ),
     )
 )
 

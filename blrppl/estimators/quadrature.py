@@ -39,6 +39,10 @@ QUADRATURE = register_estimator(
         reads_moments=True,
         approximates=True,
         grid_rule=True,
+        order=1,
+        elementwise=lambda fns, fs, blocks, views, dvals, data, wrappers, key, curvature: (
+            *quadrature_elementwise(fns, fs, blocks, views, dvals, data), 0.0
+        ),
     )
 )
 

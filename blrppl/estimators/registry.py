@@ -18,6 +18,7 @@ Factors on discrete blocks are evaluated by each of them at every enumerated ass
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +52,13 @@ class Estimator:
             vectorised factor (:mod:`blrppl.graph.stack`).
         enumerated: it evaluates L at every enumerated assignment of the factor's discrete
             neighbours (:mod:`blrppl.estimators.enumeration`).
+        order: where its factors come among a group's estimators when their terms are summed
+            (a fixed order keeps the sum's rounding the same from build to build).
+        elementwise: its evaluation, ``elementwise(fns, factors, blocks, views, discrete_values,
+            data, wrappers, key, curvature) -> (els, scales, extra)``: per factor of ``factors``
+            (those of one group that carry this estimator) L per batch element given the discrete
+            values, the site's scale, and a scalar to add to the objective (0.0 but for
+            surrogate terms); ``wrappers`` maps a factor to its wrapped distribution and scale.
     """
 
     name: str
@@ -66,6 +74,8 @@ class Estimator:
     grid_rule: bool = False
     stackable: bool = True
     enumerated: bool = True
+    order: int = 100
+    elementwise: Callable | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def describe(self) -> str:
         """The estimator's label in a plan table: its name."""
