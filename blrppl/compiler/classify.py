@@ -13,7 +13,7 @@ from blrppl import moments as mom
 from blrppl.estimators.quadrature import GRID_NODES
 from blrppl.estimators.registry import ESTIMATORS
 from blrppl.model.functions import LINKS, projection_args
-from blrppl.model.classes import ArgumentClass, classify_form, too_many_columns
+from blrppl.model.classes import ArgumentClass, classify_form, constant_class, too_many_columns
 from blrppl.model.probes import gather_probe, pairing_probe, probe_argument, random_point, run_probes
 from blrppl.model.classes import needs_gather_test
 from blrppl.model.forms import inverse_link
@@ -83,6 +83,12 @@ def classify_factors(
         for arg in ("value",) + rule.arg_names:
             keys[(name, arg)] = key_of(name, arg) if key_of is not None else None
             if keys[(name, arg)] in known:
+                continue
+            constant = constant_class(deps[name][arg], blocks)
+            if constant is not None:
+                decided[(name, arg)] = constant
+                if forms is not None:
+                    reasons[(name, arg)] = ""
                 continue
             if forms is not None:
                 cls, reasons[(name, arg)] = classify_form(
@@ -261,6 +267,10 @@ def _quadrature_probes(records, deps, blocks, fns, rng, nbrs, names, elementwise
         for item in items:
             index = item if item == "value" or item.startswith("shift:") else int(item.split(":")[1])
             for link in LINKS if not item.startswith("shift:") else ("identity",):
+                constant = constant_class(deps[name][item], blocks)
+                if constant is not None:
+                    probes[(name, index, link)] = constant
+                    continue
                 if forms is not None:
                     cls, _ = classify_form(inverse_link(forms[name][item], link), deps[name][item], blocks, site_blocks)
                     if cls is not None:

@@ -109,6 +109,14 @@ def block_power(family, power: float | None) -> float | None:
     return None if power is None else family.argument_power * power
 
 
+def constant_class(deps, blocks: dict) -> ArgumentClass | None:
+    """``"const"`` for an argument that reads no continuous latent, or point blocks only (seen at
+    their means: a constant of the factor's expectation, whose value at the points still
+    depends on them for their updates); None otherwise. Decided from the dependencies alone."""
+    cont = [n for n in deps if not blocks[n].discrete]
+    return ArgumentClass("const", ()) if all(blocks[n].point for n in cont) else None
+
+
 def classify_form(form, deps, blocks: dict, site_blocks: dict, value_moments: bool = False) -> tuple:
     """The class of an argument read off its form (:mod:`blrppl.model.forms`), without probes.
 
