@@ -35,13 +35,26 @@ FORBIDDEN += [
 ]
 
 
-def _offences(text: str) -> list:
+def _offences(text: str, patterns=None) -> list:
+    """(line number, line) of each line of ``text`` whose code (comments left out) matches one
+    of ``patterns`` (the literal kind tests by default)."""
+    patterns = FORBIDDEN if patterns is None else patterns
     out = []
     for number, line in enumerate(text.splitlines(), 1):
         code = line.split("#", 1)[0]
-        if any(p.search(code) for p in FORBIDDEN):
+        if any(p.search(code) for p in patterns):
             out.append((number, line.strip()))
     return out
+
+
+def _package_offences(owner: str, patterns=None) -> list:
+    """The offences in every module of the package outside ``blrppl/<owner>/``."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if PACKAGE / owner in path.parents:
+            continue
+        found += [f"{path.relative_to(PACKAGE)}:{n}: {line}" for n, line in _offences(path.read_text(), patterns)]
+    return found
 
 
 @pytest.mark.parametrize(
@@ -66,11 +79,7 @@ def test_block_kinds_may_be_compared_with_each_other():
 
 
 def test_no_literal_kind_tests_outside_the_families():
-    found = []
-    for path in sorted(PACKAGE.rglob("*.py")):
-        if PACKAGE / "families" in path.parents:
-            continue
-        found += [f"{path.relative_to(PACKAGE)}:{n}: {line}" for n, line in _offences(path.read_text())]
+    found = _package_offences("families")
     assert not found, "kind tests that belong to the families (flags and methods):\n" + "\n".join(found)
 
 
@@ -91,12 +100,7 @@ ESTIMATOR_TESTS = [
 
 
 def _estimator_offences(text: str) -> list:
-    out = []
-    for number, line in enumerate(text.splitlines(), 1):
-        code = line.split("#", 1)[0]
-        if any(p.search(code) for p in ESTIMATOR_TESTS):
-            out.append((number, line.strip()))
-    return out
+    return _offences(text, ESTIMATOR_TESTS)
 
 
 @pytest.mark.parametrize(
@@ -130,13 +134,8 @@ def test_estimators_may_be_looked_up_and_compared_with_each_other(line):
 
 
 def test_no_estimator_name_tests_outside_the_estimators():
-    found = []
-    for path in sorted(PACKAGE.rglob("*.py")):
-        if PACKAGE / "estimators" in path.parents:
-            continue
-        found += [f"{path.relative_to(PACKAGE)}:{n}: {line}" for n, line in _estimator_offences(path.read_text())]
+    found = _package_offences("estimators", ESTIMATOR_TESTS)
     assert not found, "estimator name tests that belong to the estimators' attributes:\n" + "\n".join(found)
-
 
 
 def test_each_estimator_is_an_object_of_its_own_module():
@@ -144,6 +143,7 @@ def test_each_estimator_is_an_object_of_its_own_module():
         module = importlib.import_module(f"blrppl.estimators.{name}")
         assert getattr(module, name.upper()) is obj
         assert blrppl.estimators.estimator_of(name) is obj and obj.describe() == name
+
 
 # -- the package's shape: no import cycle, no module over 800 lines, no function over 120 ----------
 # (blrppl/bench is a benchmark suite, not the package: it is left out of the size limits)
