@@ -97,9 +97,29 @@ def _member_items(stack: Stack, entries: dict) -> tuple:
     """Each leaf, then the value, stacked over the members (members, *shape)."""
     per_member = []
     for m in stack.members:
-        _, leaves, _ = distribution_leaves(entries[m])
-        per_member.append([jnp.asarray(x) for x in leaves] + [jnp.asarray(entries[m]["value"])])
+        base, leaves, _ = distribution_leaves(entries[m])
+        per_member.append(_aligned(leaves, base, stack.batch_shape) + [jnp.asarray(entries[m]["value"])])
     return tuple(jnp.stack(items) for items in zip(*per_member))
+
+
+def _aligned(leaves, base, batch_shape: tuple) -> list:
+    """A member's leaves with a leading 1 per batch dimension that its value adds to its
+    distribution's (an observation broadcasting the distribution, ``obs`` of shape (5,)
+    for a scalar ``Normal``): stacked over the members, they broadcast against the stacked
+    values as each member's leaves broadcast against its own value."""
+    extra = (1,) * (len(batch_shape) - len(base.batch_shape))
+    return [jnp.reshape(jnp.asarray(x), extra + jnp.shape(x)) for x in leaves]
+
+
+def _member_batch_shape(base, value) -> tuple | None:
+    """A member's batch shape as its value sees it: the distribution's, broadcast with the
+    value's leading dimensions (None when they do not broadcast)."""
+    shape = np.shape(value)
+    lead = shape[: len(shape) - base.event_dim] if len(shape) >= base.event_dim else ()
+    try:
+        return tuple(np.broadcast_shapes(lead, tuple(base.batch_shape)))
+    except ValueError:
+        return None
 
 
 def _site_dict(stack: Stack, full: dict, s) -> dict:
@@ -183,11 +203,14 @@ def _signature(f, entry, forms: dict):
     if unwrap(base)[0] is not base:
         return None  # wrapped (expanded, masked): left one factor per site
     _, leaves, tree = distribution_leaves(entry)
-    items = [jnp.asarray(x) for x in leaves] + [jnp.asarray(entry["value"])]
+    batch_shape = _member_batch_shape(base, entry["value"])
+    if batch_shape is None:
+        return None
+    items = _aligned(leaves, base, batch_shape) + [jnp.asarray(entry["value"])]
     keys = [f"leaf:{i}" for i in range(len(leaves))] + ["value"]
     # (a leaf the density does not read has no form: a constant of the table, never read)
     affine = tuple(k in forms[f.name] and not isinstance(forms[f.name][k], fm.Const) for k in keys)
-    layout = _Layout(tree, tuple(base.batch_shape), tuple((x.shape, x.dtype) for x in items), affine)
+    layout = _Layout(tree, batch_shape, tuple((x.shape, x.dtype) for x in items), affine)
     factor = (f.observed, f.estimator, id(f.rule), f.arg_kinds, f.arg_blocks, f.columns, f.neighbours, f.links, f.powers, f.dist_name, f.why)
     return factor, layout
 

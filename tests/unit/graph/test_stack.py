@@ -234,3 +234,65 @@ def test_a_long_trace_run_is_evaluated_op_by_op_with_the_same_result(monkeypatch
     mean, cov = closed_form(y)
     np.testing.assert_allclose(result.posterior["phi"].mean, mean, atol=1e-8)
     np.testing.assert_allclose(result.posterior["phi"].covariance_matrix, cov, atol=1e-8)
+
+
+# ------------------------------------- observations that broadcast their site's distribution
+
+NUM_GROUPS = 26
+PRIOR_SD = 3.0
+
+
+def replicated_groups(y):
+    """One site per group, each observed as a vector its scalar distribution broadcasts
+    over (``obs`` of shape (R,) for a ``Normal`` of batch shape (), as numpyro allows)."""
+    mu = numpyro.sample("mu", dist.Normal(0.0, PRIOR_SD))
+    for g in range(y.shape[0]):
+        theta = numpyro.sample(f"theta_{g}", dist.Normal(mu, 1.0))
+        numpyro.sample(f"y_{g}", dist.Normal(theta, 1.0), obs=y[g])
+
+
+def replicated_pairs(y):
+    """The same with a distribution of batch shape (2,) observed as (R, 2)."""
+    mu = numpyro.sample("mu", dist.Normal(jnp.zeros(2), PRIOR_SD).to_event(1))
+    for g in range(y.shape[0]):
+        numpyro.sample(f"y_{g}", dist.Normal(mu + 0.1 * g, 1.0), obs=y[g])
+
+
+def gaussian_posterior(precision, shift):
+    cov = np.linalg.inv(precision)
+    return cov @ shift, cov
+
+
+def test_observations_broadcasting_their_distribution_are_stacked_exactly():
+    """Each member's leaves broadcast against its own value as they do in numpyro: the
+    stacked fit is the closed-form posterior of (mu, theta) (a Gaussian linear model)."""
+    y = np.random.default_rng(3).normal(1.0, 1.5, size=(NUM_GROUPS, 5))
+    result = blr_fit(replicated_groups, {"y": y}, rng_key=random.PRNGKey(0), progress_bar=False)
+    assert sorted(len(f.members) for f in stacked_rows(result.plan)) == [NUM_GROUPS, NUM_GROUPS]
+    # joint precision of (mu, theta_0..theta_{G-1})
+    size = NUM_GROUPS + 1
+    precision = np.zeros((size, size))
+    precision[0, 0] = 1 / PRIOR_SD**2 + NUM_GROUPS
+    precision[0, 1:] = precision[1:, 0] = -1.0
+    precision[1:, 1:] = np.eye(NUM_GROUPS) * (1.0 + y.shape[1])
+    shift = np.concatenate([[0.0], y.sum(axis=1)])
+    mean, cov = gaussian_posterior(precision, shift)
+    got = np.array([result.posterior["mu"].mean] + [result.posterior[f"theta_{g}"].mean for g in range(NUM_GROUPS)])
+    np.testing.assert_allclose(got, mean, atol=1e-6)
+    sds = np.array([result.posterior[f"theta_{g}"].scale for g in range(NUM_GROUPS)])
+    # the marginal sds of a mean-field or a joint q: between the conditional and the marginal
+    assert np.all(sds <= np.sqrt(np.diag(cov))[1:] + 1e-8)
+    assert np.all(sds >= 1 / np.sqrt(np.diag(precision))[1:] - 1e-8)
+
+
+def test_vector_observations_of_a_batched_distribution_are_stacked_exactly():
+    y = np.random.default_rng(4).normal(size=(NUM_GROUPS, 3, 2))
+    result = blr_fit(replicated_pairs, {"y": y}, rng_key=random.PRNGKey(0), progress_bar=False)
+    assert [len(f.members) for f in stacked_rows(result.plan)] == [NUM_GROUPS]
+    count = NUM_GROUPS * y.shape[1]
+    offsets = 0.1 * np.arange(NUM_GROUPS)[:, None, None]
+    precision = np.eye(2) * (1 / PRIOR_SD**2 + count)
+    mean, cov = gaussian_posterior(precision, (y - offsets).sum(axis=(0, 1)))
+    q = result.posterior["mu"]
+    np.testing.assert_allclose(q.mean, mean, atol=1e-8)
+    np.testing.assert_allclose(np.diag(q.covariance_matrix), np.diag(cov), atol=1e-8)
