@@ -33,6 +33,7 @@ from blrppl.runtime.program_store import compile_program, jit as store_jit, prog
 from blrppl.graph.stable import Stabilise
 from blrppl.model.checks import (
     NEEDS_CONCRETE,
+    LooseLatents,
     argument_checks,
     check_pytree,
     check_sample_site,
@@ -342,7 +343,9 @@ def _run_once(model, spec, init_strategy, meta, dyn, rng_key):
     count_model_run()
     args, kwargs = spec.merge(dyn)
     last = _LastSite(
-        handlers.substitute(handlers.seed(Stabilise(model), rng_key), substitute_fn=partial(_initial, init_strategy))
+        LooseLatents(
+            handlers.substitute(handlers.seed(Stabilise(model), rng_key), substitute_fn=partial(_initial, init_strategy))
+        )
     )
     meta["last"] = last
     # numpyro validates a distribution's arguments as it is built, eagerly: one small XLA
