@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from blrppl.errors import BLRError, ModelTraceError, ObservedDataError
+from blrppl.errors import BLRError, ModelTraceError, ObservedDataError, TransformationError
 
 #: schedules of the natural-parameter updates
 SCHEDULES = ("sequential", "parallel")
@@ -42,6 +42,44 @@ STRUCTURES = (None, "joint", "mean-field")
 POINT_SPACES = ("unconstrained", "constrained")
 #: the most steps of a fit when ``num_steps`` is not given
 DEFAULT_NUM_STEPS = 1000
+
+
+# -- JAX transformations ---------------------------------------------------------------
+
+
+def _under_transformation() -> bool:
+    """Whether JAX is tracing in this thread (a ``jit``, ``vmap``, ``grad``, ``scan``... in
+    progress); False where this JAX has no such query."""
+    try:
+        from jax._src import core
+
+        return not core.trace_state_clean()
+    except Exception:  # pragma: no cover - a JAX whose internals moved
+        return False
+
+
+def refuse_transformation(entry: str, *values) -> None:
+    """Refuse a fit called under a JAX transformation, or with traced arrays among
+    ``values`` (its data, key, starting values).
+
+    Args:
+        entry: the entry point, as the user called it (``"blr_fit"``, ``"BLR.init"``).
+        *values: what the user passed (any pytrees).
+
+    Raises:
+        TransformationError: saying why a fit cannot run there and what to do instead.
+    """
+    traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(values))
+    if not traced and not _under_transformation():
+        return
+    raise TransformationError(
+        f"{entry} cannot run under a JAX transformation (jax.jit, jax.vmap, jax.grad, lax.scan, ...)"
+        f"{': it was given traced arrays' if traced else ''}. A fit traces and compiles the model itself, "
+        "runs its own jitted loop on concrete data and returns Python objects. Call it outside the "
+        "transformed function (a loop over data sets or keys in Python, one fit each); to run the "
+        "learning rule inside your own jitted code, take kernel, state = blrppl.blr_kernel(model, data) "
+        "outside it and call kernel.step(state) inside (e.g. in jax.lax.scan), or BLR.update after BLR.init."
+    )
 
 
 # -- keys ----------------------------------------------------------------------------
