@@ -494,6 +494,57 @@ def _convert(x, name: str):
     return x
 
 
+def argument_names(args, kwargs) -> list[str]:
+    """The names of the array arguments among ``(args, kwargs)`` (``'y'``, ``'args[0]'``,
+    ``"data['x']"``), in the order of :meth:`blrppl.graph.data.DataSpec.split`'s arrays."""
+    paths = jax.tree_util.tree_flatten_with_path((tuple(args), dict(kwargs)), is_leaf=lambda x: x is None)[0]
+    names = []
+    for path, leaf in paths:
+        if not is_numeric_array(leaf):
+            continue
+        first = path[1]
+        name = str(getattr(first, "key", None)) if path[0].idx == 1 else f"args[{getattr(first, 'idx', 0)}]"
+        names.append(name + jax.tree_util.keystr(path[2:]))
+    return names
+
+
+def as_compiled_dtype(value, dtype, name: str, entry: str):
+    """An array argument in ``dtype``, the dtype a program was compiled for, when it came in
+    another: converted when the conversion is numpy's promotion (booleans and integers to
+    floats, a safe cast) or keeps its values (checked on concrete values: float64 data
+    that float32 holds exactly, integral floats to integers).
+
+    Args:
+        value: the argument (a NumPy or JAX array, possibly traced).
+        dtype: the dtype the program takes.
+        name: the argument's name, for the error.
+        entry: the call that compiled the program (``"BLR.init"``), for the error.
+
+    Raises:
+        BLRError: a conversion that would change values (or cannot be checked on traced
+            values), naming the argument, its dtype and the one compiled for.
+    """
+    source, target = np.dtype(value.dtype), np.dtype(dtype)
+    if source == target:
+        return value
+    traced = isinstance(value, jax.core.Tracer)
+    if (source.kind in "biu" and target.kind == "f") or np.can_cast(source, target, "safe"):
+        return jnp.asarray(value, target) if traced else jax.device_put(np.asarray(value).astype(target))
+    if not traced:
+        host = np.asarray(value)
+        with np.errstate(invalid="ignore", over="ignore"):
+            cast = host.astype(target)
+            same = cast == host
+            if source.kind == "f" and target.kind == "f":
+                same |= np.isnan(host) & np.isnan(cast)
+        if bool(np.all(same)):
+            return jax.device_put(cast)
+    raise BLRError(
+        f"data argument '{name}' is {source}, with values that {target} (the dtype {entry} compiled "
+        f"for) does not hold exactly; pass it as {target}, or call {entry} again with these arguments"
+    )
+
+
 def is_numeric_array(x) -> bool:
     """Arrays that travel into jit as data: JAX arrays, and NumPy arrays of numbers or
     booleans (other NumPy arrays, e.g. of strings, reach the model as they are)."""

@@ -30,7 +30,15 @@ from blrppl.errors import BLRError, UnsupportedGuideError, out_of_memory_as_erro
 from blrppl.graph.data import DataSpec, host_array, split_run_data
 from blrppl.model.program import ModelProgram
 from blrppl.model.trace import seeded_trace, trace_model
-from blrppl.inputs import DEFAULT_NUM_STEPS, as_key, call_arguments, fit_options, refuse_transformation
+from blrppl.inputs import (
+    DEFAULT_NUM_STEPS,
+    argument_names,
+    as_compiled_dtype,
+    as_key,
+    call_arguments,
+    fit_options,
+    refuse_transformation,
+)
 from blrppl.posterior import autoguides
 from blrppl.posterior.guide import PlanGuide, plan_params
 
@@ -199,6 +207,8 @@ class BLR:
         seen = _arrays_of(args, kwargs)
         if not _same_objects(seen, self._checked) and not _is_traced(dyn):
             bundle = prepared.bundle
+            if not _same_objects(tuple(dyn), DataSpec.split(args, kwargs)[1]):  # (converted: validated as such)
+                args, kwargs = DataSpec.split(args, kwargs)[0].merge(dyn)
             trace_model(self.model, args, kwargs, jax.random.key(0), tracer=bundle.tracer)
             self._checked = seen
         return dyn
@@ -238,7 +248,9 @@ class BLR:
                 "the model's arguments differ in structure or shape from those BLR.init compiled "
                 "for; call init again with the new arguments"
             )
-        return dyn
+        # (the same values in another dtype: converted to the compiled program's where that keeps them)
+        names = argument_names(args, kwargs)
+        return tuple(as_compiled_dtype(a, b.dtype, n, "BLR.init") for a, b, n in zip(dyn, compiled_for, names))
 
     def _require(self):
         if self._prepared is None:
