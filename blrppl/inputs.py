@@ -524,18 +524,19 @@ def as_compiled_dtype(value, dtype, name: str, entry: str):
         BLRError: a conversion that would change values (or cannot be checked on traced
             values), naming the argument, its dtype and the one compiled for.
     """
-    source, target = np.dtype(value.dtype), np.dtype(dtype)
-    if source == target:
+    if value.dtype == dtype:  # (also keys, whose dtypes numpy does not know)
         return value
+    source, target = np.dtype(value.dtype), np.dtype(dtype)
     traced = isinstance(value, jax.core.Tracer)
-    if (source.kind in "biu" and target.kind == "f") or np.can_cast(source, target, "safe"):
+    floats = jnp.issubdtype(source, jnp.floating), jnp.issubdtype(target, jnp.floating)
+    if (floats[1] and not floats[0]) or np.can_cast(source, target, "safe"):  # (numpy's promotion)
         return jnp.asarray(value, target) if traced else jax.device_put(np.asarray(value).astype(target))
     if not traced:
         host = np.asarray(value)
         with np.errstate(invalid="ignore", over="ignore"):
             cast = host.astype(target)
             same = cast == host
-            if source.kind == "f" and target.kind == "f":
+            if all(floats):
                 same |= np.isnan(host) & np.isnan(cast)
         if bool(np.all(same)):
             return jax.device_put(cast)
