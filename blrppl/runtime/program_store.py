@@ -188,12 +188,18 @@ def _read(root: pathlib.Path, path: pathlib.Path):
     try:
         payload, in_tree, out_tree, signature = pickle.loads(data)
         return payload, in_tree, out_tree, signature
-    except Exception:  # damaged (a write cut short, garbage): removed, to be written anew
-        try:
-            path.unlink(missing_ok=True)
-        except OSError as exc:  # a read-only store: left, compiled again each time
-            _fault(root, exc)
+    except Exception:  # damaged (a write cut short, garbage)
+        _discard(root, path)
         return None
+
+
+def _discard(root: pathlib.Path, path: pathlib.Path) -> None:
+    """Remove a damaged entry, to be written anew; in a read-only store it is left (and
+    compiled again each time)."""
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as exc:
+        _fault(root, exc)
 
 
 def load(key: str | None, args):
@@ -216,7 +222,8 @@ def load(key: str | None, args):
         from jax.experimental import serialize_executable
 
         compiled = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
-    except Exception:  # from a jaxlib that cannot load it: compiled again
+    except Exception:  # damaged inside, or from a jaxlib that cannot load it: compiled again
+        _discard(root, path)
         return None
     with contextlib.suppress(OSError):  # (recently used; a read-only store still serves it)
         os.utime(path)

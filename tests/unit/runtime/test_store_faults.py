@@ -8,6 +8,7 @@ import errno
 import json
 import os
 import pathlib
+import pickle
 import subprocess
 import sys
 import tempfile
@@ -125,9 +126,12 @@ def test_a_read_only_store_serves_its_entries_and_a_truncated_one_is_compiled(st
 def test_damaged_entries_are_written_anew(store_root, reference):
     counted(fit)
     entries = sorted(store_root.glob("*.xla"))
-    for i, entry in enumerate(entries):
+    for i, entry in enumerate(entries):  # truncated, garbage, an executable that does not load
         data = entry.read_bytes()
-        entry.write_bytes(data[:7] if i % 2 else b"\x80\x04garbage" + data[:40])
+        if i % 3 == 2:
+            payload, in_tree, out_tree, signature = pickle.loads(data)
+            data = pickle.dumps((payload[: len(payload) // 2], in_tree, out_tree, signature))
+        entry.write_bytes(data[:7] if i % 3 == 0 else b"\x80\x04garbage" + data[:40] if i % 3 == 1 else data)
     again, counts, warned = counted(fit)
     assert again == reference and counts["loaded"] == 0 and counts["stored"] == len(entries) and not warned
     refilled, counts, _ = counted(fit)
