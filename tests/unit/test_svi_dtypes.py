@@ -57,7 +57,7 @@ def test_int_observations_after_float_init_give_the_float_step(data):
     assert int_loss == loss
     assert svi.evaluate(as_float, x, jnp.asarray(y, jnp.int32)) == svi.evaluate(as_float, x, y)
     # inside the user's jit too, and from a state through run
-    jitted, jit_loss = jax.jit(svi.update)(state, x, y.astype(np.int64))
+    _, jit_loss = jax.jit(svi.update)(state, x, y.astype(np.int64))
     np.testing.assert_allclose(jit_loss, loss, rtol=1e-12)
     ran_int = svi.run(random.PRNGKey(0), 3, x, y.astype(np.int64), init_state=state, progress_bar=False)
     ran_float = svi.run(random.PRNGKey(0), 3, x, y, init_state=state, progress_bar=False)

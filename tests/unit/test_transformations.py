@@ -53,14 +53,14 @@ def test_blr_init_and_run_under_jit_are_refused_and_update_inside_jit_runs():
     refused(lambda: jax.jit(lambda y: svi.init(random.PRNGKey(0), y).elbo)(jnp.asarray(Y)), "BLR.init")
     refused(lambda: jax.jit(lambda y: svi.run(random.PRNGKey(0), 10, y, progress_bar=False).losses)(jnp.asarray(Y)), "BLR.run")
     state = svi.init(random.PRNGKey(0), Y)
-    jitted_state, loss = jax.jit(svi.update)(state, Y)
-    eager_state, eager_loss = svi.update(state, Y)
+    _, loss = jax.jit(svi.update)(state, Y)
+    _, eager_loss = svi.update(state, Y)
     np.testing.assert_allclose(loss, eager_loss, rtol=1e-12)
 
 
 def test_a_kernel_made_outside_steps_inside_jit_and_fits_run_after_a_refusal():
     kernel, state = blr_kernel(model, {"y": Y}, rng_key=random.PRNGKey(0))
-    stepped, info = jax.jit(kernel.step)(state)
+    _, info = jax.jit(kernel.step)(state)
     assert np.isfinite(info.elbo)
     with pytest.raises(TransformationError):
         jax.jit(fit)(jnp.asarray(Y))
