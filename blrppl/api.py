@@ -17,13 +17,14 @@ from blrppl.engine.run import run
 from blrppl.engine.state import BLRState
 from blrppl.errors import BLRError, out_of_memory_as_error
 from blrppl.model.program import ModelProgram
-from blrppl.inputs import as_key, fit_options, host_fold_in, host_split, model_arguments
+from blrppl.inputs import as_key, fit_options, host_fold_in, host_split, model_arguments, refuse_transformation
 from blrppl.posterior.result import BLRResult
 
 
 def plan_of(model, data=None, *, rng_key=None, **options):
     """The plan ``blr_fit(model, data, rng_key=rng_key, **options)`` fits, without compiling
     the fit: blocks, factors and estimators (``plan_of(...).describe()``)."""
+    refuse_transformation("plan_of", data, rng_key)
     args, kwargs = model_arguments(data)
     options = fit_options(**options)
     k_trace, k_probe, _, _ = host_split(as_key(rng_key), 4)
@@ -80,7 +81,12 @@ def blr_fit(
 
     Returns:
         :class:`blrppl.BLRResult`.
+
+    Raises:
+        TransformationError: called under ``jax.jit``, ``jax.vmap``, ``jax.grad`` (see
+            :func:`blr_kernel` to drive the rule inside one's own jitted loop).
     """
+    refuse_transformation("blr_fit", data, rng_key)
     args, kwargs = model_arguments(data)
     options = fit_options(
         num_steps=num_steps,
@@ -163,7 +169,10 @@ def blr_kernel(model: Callable, data=None, *, rng_key=None, prior: BLRResult | N
     Raises:
         BLRError: an option of the fit's loop, not of the rule (``families='grid'``,
             ``num_starts`` > 1).
+        TransformationError: called under a JAX transformation (the kernel is made outside,
+            its ``step`` called inside).
     """
+    refuse_transformation("blr_kernel", data, rng_key)
     args, kwargs = model_arguments(data)
     options = fit_options(**options)
     if grid_sites(options.families_dict) or options.num_starts > 1:

@@ -74,6 +74,11 @@ class ResourceError(BLRError):
     data too large for one step."""
 
 
+class TransformationError(BLRError):
+    """A fit was called under a JAX transformation (``jax.jit``, ``jax.vmap``, ``jax.grad``,
+    ``lax.scan``, ...): a fit traces and compiles the model itself, on concrete data."""
+
+
 def is_out_of_memory(exc: BaseException) -> bool:
     """Whether ``exc`` is XLA's out-of-memory error (``RESOURCE_EXHAUSTED``: a JAX runtime
     error, whose class name depends on the jaxlib version)."""

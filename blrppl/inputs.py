@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from blrppl.errors import BLRError, ModelTraceError, ObservedDataError
+from blrppl.errors import BLRError, ModelTraceError, ObservedDataError, TransformationError
 
 #: schedules of the natural-parameter updates
 SCHEDULES = ("sequential", "parallel")
@@ -42,6 +42,44 @@ STRUCTURES = (None, "joint", "mean-field")
 POINT_SPACES = ("unconstrained", "constrained")
 #: the most steps of a fit when ``num_steps`` is not given
 DEFAULT_NUM_STEPS = 1000
+
+
+# -- JAX transformations ---------------------------------------------------------------
+
+
+def _under_transformation() -> bool:
+    """Whether JAX is tracing in this thread (a ``jit``, ``vmap``, ``grad``, ``scan``... in
+    progress); False where this JAX has no such query."""
+    try:
+        from jax._src import core
+
+        return not core.trace_state_clean()
+    except Exception:  # pragma: no cover - a JAX whose internals moved
+        return False
+
+
+def refuse_transformation(entry: str, *values) -> None:
+    """Refuse a fit called under a JAX transformation, or with traced arrays among
+    ``values`` (its data, key, starting values).
+
+    Args:
+        entry: the entry point, as the user called it (``"blr_fit"``, ``"BLR.init"``).
+        *values: what the user passed (any pytrees).
+
+    Raises:
+        TransformationError: saying why a fit cannot run there and what to do instead.
+    """
+    traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(values))
+    if not traced and not _under_transformation():
+        return
+    raise TransformationError(
+        f"{entry} cannot run under a JAX transformation (jax.jit, jax.vmap, jax.grad, lax.scan, ...)"
+        f"{': it was given traced arrays' if traced else ''}. A fit traces and compiles the model itself, "
+        "runs its own jitted loop on concrete data and returns Python objects. Call it outside the "
+        "transformed function (a loop over data sets or keys in Python, one fit each); to run the "
+        "learning rule inside your own jitted code, take kernel, state = blrppl.blr_kernel(model, data) "
+        "outside it and call kernel.step(state) inside (e.g. in jax.lax.scan), or BLR.update after BLR.init."
+    )
 
 
 # -- keys ----------------------------------------------------------------------------
@@ -454,6 +492,58 @@ def _convert(x, name: str):
     if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and jnp.issubdtype(x.dtype, jnp.complexfloating):
         raise ObservedDataError(f"data argument '{name}' holds complex numbers; blrppl fits real-valued models")
     return x
+
+
+def argument_names(args, kwargs) -> list[str]:
+    """The names of the array arguments among ``(args, kwargs)`` (``'y'``, ``'args[0]'``,
+    ``"data['x']"``), in the order of :meth:`blrppl.graph.data.DataSpec.split`'s arrays."""
+    paths = jax.tree_util.tree_flatten_with_path((tuple(args), dict(kwargs)), is_leaf=lambda x: x is None)[0]
+    names = []
+    for path, leaf in paths:
+        if not is_numeric_array(leaf):
+            continue
+        first = path[1]
+        name = str(getattr(first, "key", None)) if path[0].idx == 1 else f"args[{getattr(first, 'idx', 0)}]"
+        names.append(name + jax.tree_util.keystr(path[2:]))
+    return names
+
+
+def as_compiled_dtype(value, dtype, name: str, entry: str):
+    """An array argument in ``dtype``, the dtype a program was compiled for, when it came in
+    another: converted when the conversion is numpy's promotion (booleans and integers to
+    floats, a safe cast) or keeps its values (checked on concrete values: float64 data
+    that float32 holds exactly, integral floats to integers).
+
+    Args:
+        value: the argument (a NumPy or JAX array, possibly traced).
+        dtype: the dtype the program takes.
+        name: the argument's name, for the error.
+        entry: the call that compiled the program (``"BLR.init"``), for the error.
+
+    Raises:
+        BLRError: a conversion that would change values (or cannot be checked on traced
+            values), naming the argument, its dtype and the one compiled for.
+    """
+    if value.dtype == dtype:  # (also keys, whose dtypes numpy does not know)
+        return value
+    source, target = np.dtype(value.dtype), np.dtype(dtype)
+    traced = isinstance(value, jax.core.Tracer)
+    floats = jnp.issubdtype(source, jnp.floating), jnp.issubdtype(target, jnp.floating)
+    if (floats[1] and not floats[0]) or np.can_cast(source, target, "safe"):  # (numpy's promotion)
+        return jnp.asarray(value, target) if traced else jax.device_put(np.asarray(value).astype(target))
+    if not traced:
+        host = np.asarray(value)
+        with np.errstate(invalid="ignore", over="ignore"):
+            cast = host.astype(target)
+            same = cast == host
+            if all(floats):
+                same |= np.isnan(host) & np.isnan(cast)
+        if bool(np.all(same)):
+            return jax.device_put(cast)
+    raise BLRError(
+        f"data argument '{name}' is {source}, with values that {target} (the dtype {entry} compiled "
+        f"for) does not hold exactly; pass it as {target}, or call {entry} again with these arguments"
+    )
 
 
 def is_numeric_array(x) -> bool:

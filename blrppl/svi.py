@@ -30,7 +30,15 @@ from blrppl.errors import BLRError, UnsupportedGuideError, out_of_memory_as_erro
 from blrppl.graph.data import DataSpec, host_array, split_run_data
 from blrppl.model.program import ModelProgram
 from blrppl.model.trace import seeded_trace, trace_model
-from blrppl.inputs import DEFAULT_NUM_STEPS, as_key, call_arguments, fit_options
+from blrppl.inputs import (
+    DEFAULT_NUM_STEPS,
+    argument_names,
+    as_compiled_dtype,
+    as_key,
+    call_arguments,
+    fit_options,
+    refuse_transformation,
+)
 from blrppl.posterior import autoguides
 from blrppl.posterior.guide import PlanGuide, plan_params
 
@@ -175,7 +183,12 @@ class BLR:
             init_params: optional starting values: site → value for ``guide=None``, the
                 autoguide's location parameters (``'{site}_auto_loc'``, ``'auto_loc'``)
                 otherwise. Scales start at the defaults of :func:`blr_fit`.
+
+        Raises:
+            TransformationError: called under ``jax.jit``, ``jax.vmap``, ``jax.grad``: call
+                ``init`` outside, then :meth:`update` inside one's own jitted loop.
         """
+        refuse_transformation("BLR.init", rng_key, args, kwargs, init_params)
         args, kwargs = call_arguments(args, kwargs)
         prepared = self._setup(as_key(rng_key), args, kwargs, init_params)
         if self._autoguide is None:
@@ -194,6 +207,8 @@ class BLR:
         seen = _arrays_of(args, kwargs)
         if not _same_objects(seen, self._checked) and not _is_traced(dyn):
             bundle = prepared.bundle
+            if not _same_objects(tuple(dyn), DataSpec.split(args, kwargs)[1]):  # (converted: validated as such)
+                args, kwargs = DataSpec.split(args, kwargs)[0].merge(dyn)
             trace_model(self.model, args, kwargs, jax.random.key(0), tracer=bundle.tracer)
             self._checked = seen
         return dyn
@@ -233,7 +248,9 @@ class BLR:
                 "the model's arguments differ in structure or shape from those BLR.init compiled "
                 "for; call init again with the new arguments"
             )
-        return dyn
+        # (the same values in another dtype: converted to the compiled program's where that keeps them)
+        names = argument_names(args, kwargs)
+        return tuple(as_compiled_dtype(a, b.dtype, n, "BLR.init") for a, b, n in zip(dyn, compiled_for, names))
 
     def _require(self):
         if self._prepared is None:
@@ -311,6 +328,7 @@ class BLR:
             :class:`BLRRunResult` ``(params, state, losses)``; the full
             :class:`blrppl.BLRResult` is ``self.result``.
         """
+        refuse_transformation("BLR.run", rng_key, args, kwargs, init_state, init_params)
         num_steps = fit_options(num_steps=num_steps).num_steps
         if init_state is None or self._prepared is None:
             args, kwargs = call_arguments(args, kwargs)

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from blrppl.engine.interrupt import deferred_interrupts
 from blrppl.engine.kernel import bind_step
 from blrppl.engine.state import BLRState
 from blrppl.engine.step import all_finite, relative_delta
@@ -261,38 +262,48 @@ def run_loop(
     chunk_fn, state: BLRState, data, rho, tol: float, num_steps: int, chunk_size: int, progress_bar: bool,
     window: int = 0,
 ):
-    """Run chunks until convergence (relative tolerance ``tol``), a stop, or ``num_steps``."""
+    """Run chunks until convergence (relative tolerance ``tol``), a stop, or ``num_steps``.
+
+    Ctrl-C stops the run at the next chunk boundary with ``KeyboardInterrupt``
+    (:func:`blrppl.engine.interrupt.deferred_interrupts`), even where Python would drop it.
+    """
     history = empty_history(window)
     tol = host_array(tol, jnp.result_type(float))
     elbos, total, stop, invalid, proper, rejected = [], 0, CONTINUE, 0, {}, 0
-    bar = None
-    if progress_bar:
-        try:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=num_steps, desc="blr", leave=False)
-        except ImportError:  # pragma: no cover
-            bar = None
-    while total < num_steps and stop == CONTINUE:
-        state, buf, n, stop_arr, inv, history, last_proper, rej = chunk_fn(
-            state, data, host_array(num_steps - total, np.int32), rho, history, tol
-        )
-        n = int(n)
-        rejected += int(rej)
-        if n:
-            proper = last_proper
-        elbos.append(np.asarray(buf)[:n])
-        total += n
-        stop = int(stop_arr)
-        invalid += int(inv)
+    bar = _progress_bar(num_steps) if progress_bar else None
+    try:
+        with deferred_interrupts() as interrupt:
+            while total < num_steps and stop == CONTINUE:
+                interrupt.check()
+                state, buf, n, stop_arr, inv, history, last_proper, rej = chunk_fn(
+                    state, data, host_array(num_steps - total, np.int32), rho, history, tol
+                )
+                n = int(n)
+                rejected += int(rej)
+                if n:
+                    proper = last_proper
+                elbos.append(np.asarray(buf)[:n])
+                total += n
+                stop = int(stop_arr)
+                invalid += int(inv)
+                if bar is not None:
+                    bar.update(n)
+                    if n:
+                        bar.set_postfix(elbo=f"{float(elbos[-1][-1]):.4g}")
+                if n == 0 and stop == CONTINUE:
+                    break
+    finally:
         if bar is not None:
-            bar.update(n)
-            if n:
-                bar.set_postfix(elbo=f"{float(elbos[-1][-1]):.4g}")
-        if n == 0 and stop == CONTINUE:
-            break
-    if bar is not None:
-        bar.close()
+            bar.close()
     elbo = np.concatenate(elbos) if elbos else np.zeros((0,))
     improper = tuple(k for k, v in proper.items() if not bool(v))
     return LoopOutcome(state, elbo, total, stop in (CONVERGED, STATIONARY), stop, invalid, improper, rejected)
+
+
+def _progress_bar(num_steps: int):
+    """A tqdm progress bar of ``num_steps`` steps, or None without tqdm."""
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # pragma: no cover
+        return None
+    return tqdm(total=num_steps, desc="blr", leave=False)
