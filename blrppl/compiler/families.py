@@ -179,7 +179,7 @@ def choose_family(record: SiteRecord, override: str | None, unconstrained: bool 
     if cls.gaussian:
         transform = None if support == "real" else biject_to(record.support)
         ushape = shape if transform is None else tuple(transform.inverse_shape(shape))
-        axes = record.plate_axes() if cls.dense_event else ()
+        axes = _row_axes(record, ushape) if cls.dense_event else ()
         return Block(record.name, cls.for_value(ushape, axes), cls.name, ushape, axes, None, transform, shape)
     if cls.support != support:
         fits = sorted(n for n, c in fam.FAMILIES.items() if c.support in (support, "real"))
@@ -201,6 +201,20 @@ def init_nat(block: Block, init_value, probs=None):
     if block.discrete:
         return family.nat_from_view(fam.CategoricalView(xp.asarray(probs, dtype)))
     return family.initial_nat(block.to_canonical(xp.asarray(init_value).astype(dtype)))
+
+
+def _row_axes(record: SiteRecord, ushape: tuple) -> tuple:
+    """The plate axes of a dense Gaussian block: its site's plates, or, outside any plate,
+    the leading axes its prior holds independent (:meth:`SiteRecord.row_axes`: a latent
+    matrix written without plates is fitted as if its rows were declared in one, and the
+    structure pass makes it dense again when a factor mixes its rows, as for any plate)."""
+    axes = record.plate_axes()
+    if axes:
+        return axes
+    rows = record.row_axes()
+    if rows and tuple(ushape[: len(rows)]) == tuple(record.value_shape[: len(rows)]):
+        return rows
+    return ()
 
 
 def _param_block(record: SiteRecord) -> Block:

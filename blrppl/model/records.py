@@ -90,6 +90,19 @@ class SiteRecord:
             axes.append(self.batch_ndim + plate.dim)
         return tuple(axes)
 
+    def row_axes(self) -> tuple[int, ...]:
+        """The leading axes of a latent outside any plate along which its distribution is
+        independent, read as if a plate declared them: all but the last axis when the
+        distribution, before ``to_event``, has them as batch axes. A latent matrix written
+        ``Normal(0, 1).expand([N, D]).to_event(2)`` has independent rows (0,); so has
+        ``MultivariateNormal(m, S).expand([N]).to_event(1)``. ``()`` for a site in a plate,
+        a vector, or a distribution whose event couples the rows (``LKJCholesky``)."""
+        if self.observed or self.is_param or self.plates or len(self.value_shape) < 2:
+            return ()
+        if self.event_ndim - self.reinterpreted_ndim > 1:
+            return ()
+        return tuple(range(len(self.value_shape) - 1))
+
 
 class Param:
     """Marker ``dist_type`` of ``numpyro.param`` sites (they have no distribution)."""

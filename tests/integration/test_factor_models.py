@@ -235,8 +235,8 @@ def test_matrix_factorisation_from_index_pairs():
 
 def unplated_factorisation(Y):
     """The same likelihood over the whole matrix with the factors as single (N, D) and (M, D)
-    sites (``to_event(2)``, no plates): one Gaussian block each, whose precision the compiler
-    finds banded (each row's D scalars coupled, the rows apart)."""
+    sites (``to_event(2)``, no plates): one Gaussian block each, fitted as if its rows were
+    declared in a plate (each row's D scalars coupled, the rows apart)."""
     U = numpyro.sample("U", dist.Normal(jnp.zeros((N, D)), 1.0).to_event(2))
     V = numpyro.sample("V", dist.Normal(jnp.zeros((M, D)), 1.0).to_event(2))
     tau = numpyro.sample("tau", dist.Gamma(1.0, 1.0))
@@ -244,28 +244,18 @@ def unplated_factorisation(Y):
 
 
 def _rows_q(fit):
-    """q of the unplated fit in the row-wise layout: the per-row blocks of the covariance."""
+    """q of the unplated fit in the row-wise layout: each row's mean and covariance (the
+    site's q is one multivariate normal per row, its rows an event of the site)."""
     p = fit.posterior
-
-    def rows(d):
-        band = np.asarray(d.inner.precision_band)  # [i, k] = P[i, i + k], the flattened rows
-        n = band.shape[0]
-        prec = np.zeros((n, n))
-        for k in range(band.shape[1]):
-            idx = np.arange(n - k)
-            prec[idx, idx + k] = prec[idx + k, idx] = band[: n - k, k]
-        cov = np.linalg.inv(prec)
-        r = n // D
-        blocks = cov.reshape(r, D, r, D)[np.arange(r), :, np.arange(r), :]
-        return np.asarray(d.mean).reshape(r, D), blocks
-
-    return (*_gamma(p["tau"]), *rows(p["U"]), *rows(p["V"]))
+    return (*_gamma(p["tau"]), *_mvn(p["U"].base_dist), *_mvn(p["V"].base_dist))
 
 
 def test_unplated_factor_sites_give_the_same_steps():
     y, _ = _data(seed=4)
     a, b = _fits(unplated_factorisation, {"Y": y})
     assert [blk.name for blk in a.plan.blocks] == ["U", "V", "tau"], a.plan.describe()
+    assert [blk.batch_shape for blk in a.plan.blocks[:2]] == [(N,), (M,)]
+    assert a.posterior["U"].event_shape == (N, D)
     assert "loc:bilinear_gaussian" in a.plan.describe()
     _assert_steps(a, b, _rows_q, _mf_sweep(y, np.ones_like(y), tau_first=False))
 
