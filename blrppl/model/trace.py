@@ -32,10 +32,10 @@ from blrppl.graph.plan import SubsampledPlate
 from blrppl.runtime.program_store import compile_program, jit as store_jit, program_key
 from blrppl.graph.stable import Stabilise
 from blrppl.model.checks import (
-    NEEDS_CONCRETE,
     argument_checks,
     check_pytree,
     check_sample_site,
+    needs_concrete,
     param_record,
     raise_trace_error,
 )
@@ -239,7 +239,9 @@ def trace_program(model, args=(), kwargs=None, rng_key=None, init_strategy=None)
     try:
         try:
             return ModelTracer(model, spec, init_strategy, dyn, rng_key, meta)
-        except NEEDS_CONCRETE:
+        except Exception as exc:
+            if not needs_concrete(exc) or not dyn:
+                raise
             spec, dyn = DataSpec.split(args, kwargs, all_static=True)
             meta.clear()
             return ModelTracer(model, spec, init_strategy, dyn, rng_key, meta)
