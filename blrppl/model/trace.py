@@ -263,7 +263,7 @@ def _subsampled_concrete_error(exc, last) -> ModelTraceError:
     return ModelTraceError(
         f"the model needs concrete values inside the subsampled plate '{plate}' "
         f"({type(exc).__name__}: {str(exc).splitlines()[0]}): its minibatch is drawn while the fit runs, so "
-        "its values are not known when the model is compiled. Index the data with jax.numpy "
+        "its values are not known when the model is compiled (nor are a latent's). Index the data with jax.numpy "
         "(`jnp.asarray(y)[idx]`, not a NumPy array indexed by the plate's indices) and write masks "
         "with jnp.where (`jnp.where(y_batch > 0, log_prob, 0.0).sum()`, not `log_prob[y_batch > 0]`), "
         "or fit without subsample_size",
