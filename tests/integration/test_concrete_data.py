@@ -6,6 +6,8 @@ fitted on other data gets those data's posterior (through ``blr_fit`` and ``BLR`
 
 from __future__ import annotations
 
+import inspect
+
 import jax.numpy as jnp
 import numpy as np
 import numpyro
@@ -14,6 +16,7 @@ import pytest
 from jax import random
 
 from blrppl import BLR, BLRError, blr_fit
+from checks import run_in_new_process
 
 numpyro.enable_x64()
 
@@ -223,3 +226,47 @@ def test_groups_counted_from_the_data_with_a_subsampled_plate():
     result = fit(subsampled_index_model, (g, y), num_steps=300)
     mean, var = exact_group_means(g, y, 3, 0.0, 2.0, 1.0)
     assert np.all(np.abs(np.asarray(result.posterior["mu"].mean) - mean) < 0.25 * np.sqrt(var))
+
+
+FLOAT32 = r"""
+import json
+import jax, jax.numpy as jnp, numpy as np
+import numpyro, numpyro.distributions as dist
+from jax import random
+from blrppl import BLR, blr_fit
+PRIOR_MEAN, PRIOR_SD, SIGMA = 178.0, 20.0, 5.0
+MODELS
+assert not jax.config.jax_enable_x64
+
+sex, height = heights(0, 30)
+height = height.astype(np.float32)
+r = blr_fit(height_model, {"sex": sex, "height": height}, rng_key=random.PRNGKey(0), progress_bar=False)
+svi = BLR(height_model)
+state = svi.init(random.PRNGKey(0), sex, height)
+state, _ = svi.update(state, sex, height + np.float32(7.0))
+rng = np.random.default_rng(3)
+y = rng.poisson(2.5, 40) * (rng.random(40) > 0.35)
+z = blr_fit(zip_by_hand, {"y": y}, rng_key=random.PRNGKey(0), progress_bar=False)
+draws = z.sample(random.PRNGKey(1), 20_000)
+print("RESULT" + json.dumps({
+    "a": np.asarray(r.posterior["a"].mean).tolist(), "dtype": str(np.asarray(r.posterior["a"].mean).dtype),
+    "a_new_data": np.asarray(svi.get_params(state)["a_blr_mean"]).tolist(),
+    "zip": {n: [float(np.mean(draws[n])), float(np.std(draws[n]))] for n in ("p", "lam")},
+}))
+"""
+
+
+def test_float32(tmp_path):
+    """The same models without x64 (a new process): float32 results, the conjugate
+    posteriors to float32 precision (rtol 1e-4), the zero-inflated Poisson as in float64."""
+    models = "\n".join(inspect.getsource(f) for f in (height_model, heights, zip_by_hand))
+    out = run_in_new_process(FLOAT32.replace("MODELS", models), tmp_path)
+    sex, height = heights(0, 30)
+    assert out["dtype"] == "float32"
+    np.testing.assert_allclose(out["a"], exact_group_means(sex, height, 2, PRIOR_MEAN, PRIOR_SD, SIGMA)[0], rtol=1e-4)
+    new_mean = exact_group_means(sex, height + 7.0, 2, PRIOR_MEAN, PRIOR_SD, SIGMA)[0]
+    np.testing.assert_allclose(out["a_new_data"], new_mean, rtol=1e-4)
+    rng = np.random.default_rng(3)
+    y = rng.poisson(2.5, 40) * (rng.random(40) > 0.35)
+    for name, (mean, sd) in grid_posterior(y).items():
+        assert abs(out["zip"][name][0] - mean) < 0.05 * sd and abs(out["zip"][name][1] / sd - 1.0) < 0.05, name
