@@ -140,6 +140,7 @@ class BLR:
         else:
             self.guide = PlanGuide()
         self._prepared = None
+        self._setup_with = None
         self._checked: tuple = ()
         self._statistics = None
         self._updated_with: tuple = ()
@@ -167,6 +168,7 @@ class BLR:
         elif init_params:
             init_values = dict(init_params)
         checked = fit_options(num_steps=num_steps, **options)
+        self._setup_with = (rng_key, num_steps)
         with out_of_memory_as_error("compiling the fit"):
             self._prepared = prepare_fit(ModelProgram(self.model), args, kwargs, checked, rng_key, init_values=init_values)
         self._checked = _arrays_of(args, kwargs)
@@ -227,17 +229,20 @@ class BLR:
     def _arrays(self, prepared, args, kwargs) -> tuple:
         if prepared.data_spec.all_static:
             # the model needed concrete data: the compiled fit holds the data of init
+            if _is_traced((args, kwargs)):
+                raise BLRError(
+                    "this model uses its data as concrete values (len(set(x)), a boolean mask, int() or "
+                    "`if` on them), so its compiled fit holds them as constants and cannot take data traced "
+                    "by jax.jit, vmap or scan: call update outside the transformation, or compute those "
+                    "values outside the model and pass them as arguments"
+                )
             spec, _ = DataSpec.split(args, kwargs, all_static=True)
             same = spec.treedef == prepared.data_spec.treedef and all(
                 i == j and np.array_equal(np.asarray(a), np.asarray(b))
                 for (i, a), (j, b) in zip(spec.static, prepared.data_spec.static)
             )
             if not same:
-                raise BLRError(
-                    "this model uses its data as concrete values (e.g. np.asarray or Python "
-                    "control flow on them), so the compiled fit holds the data of BLR.init; call "
-                    "init again for new data"
-                )
+                self._prepare_for(args, kwargs)
             return ()
         spec, dyn = DataSpec.split(args, kwargs)
         compiled_for = split_run_data(prepared.dyn_data)[0]
@@ -252,6 +257,31 @@ class BLR:
         names = argument_names(args, kwargs)
         return tuple(as_compiled_dtype(a, b.dtype, n, "BLR.init") for a, b, n in zip(dyn, compiled_for, names))
 
+    def _prepare_for(self, args, kwargs) -> None:
+        """Compile (or fetch from the cache) the fit of a model that uses its data as concrete
+        values (``len(set(x))``, ``y[y > 0]``, ``int(x.max())``, ``if`` on a data value) for new
+        data: its compiled fit holds the data it was compiled for. The state of the previous
+        data carries over when the latents keep their shapes.
+
+        Raises:
+            BLRError: the new data change the latent sites' shapes (e.g. another number of
+                groups), so the state of the previous data cannot continue.
+        """
+        before, checked = self._require(), self._checked
+        rng_key, num_steps = self._setup_with
+        after = self._setup(rng_key, args, kwargs, None, num_steps)
+        shapes = [jax.tree.map(jnp.shape, p.state.nat) for p in (before, after)]
+        if jax.tree.structure(shapes[0]) != jax.tree.structure(shapes[1]) or shapes[0] != shapes[1]:
+            self._prepared, self._checked = before, checked
+            if self._autoguide is None:
+                self.guide.plan = before.plan
+            raise BLRError(
+                "this model uses its data as concrete values (len(set(x)), a boolean mask, int() or "
+                "`if` on them), and the new data change its latent sites' shapes, so the state of the "
+                "data before cannot continue: call init (or run without init_state) with the new data"
+            )
+        self._updated_with = (object(),)  # (the state's ELBO is of the data before)
+
     def _require(self):
         if self._prepared is None:
             raise BLRError("call BLR.init (or BLR.run) before update, evaluate or get_params")
@@ -265,8 +295,9 @@ class BLR:
         like any JAX function. ``forward_mode_differentiation`` is accepted for
         compatibility and ignored.
         """
-        prepared = self._require()
+        self._require()
         dyn = self._data(args, kwargs)
+        prepared = self._prepared  # (new concrete data: a fit compiled for them)
         data = self._run_data(prepared, dyn)
         one = jnp.asarray(1, jnp.int32)
         history = prepared.history()
@@ -289,9 +320,10 @@ class BLR:
 
     def evaluate(self, state: BLRState, *args, **kwargs) -> jax.Array:
         """The loss (negative ELBO) at ``state`` for these arguments."""
-        prepared = self._require()
-        data = self._run_data(prepared, self._data(args, kwargs))
-        return -prepared.bundle.elbo_fn(state.nat, data, state.rng_key)
+        self._require()
+        dyn = self._data(args, kwargs)
+        prepared = self._prepared
+        return -prepared.bundle.elbo_fn(state.nat, self._run_data(prepared, dyn), state.rng_key)
 
     def get_params(self, state: BLRState) -> dict:
         """The guide's parameters at ``state``."""
@@ -334,8 +366,9 @@ class BLR:
             args, kwargs = call_arguments(args, kwargs)
             prepared = self._setup(as_key(rng_key), args, kwargs, init_params, num_steps)
         else:
-            prepared = self._require()
-            prepared = dataclasses.replace(prepared, dyn_data=self._run_data(prepared, self._data(args, kwargs)))
+            self._require()
+            dyn = self._data(args, kwargs)
+            prepared = dataclasses.replace(self._prepared, dyn_data=self._run_data(self._prepared, dyn))
         if init_state is not None:
             # its ELBO may be of other data: recomputed for these before the first step
             init_state = init_state._replace(elbo=jnp.full_like(init_state.elbo, jnp.nan))

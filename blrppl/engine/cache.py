@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from blrppl import families as fam
+from blrppl.graph.data import STORED_STATIC_BYTES
 from blrppl.runtime.program_store import program_key
 from blrppl.rules import user_rules
 
@@ -34,19 +35,18 @@ _CACHE: "collections.OrderedDict" = collections.OrderedDict()
 CACHE_SIZE = 16
 
 
-def _program_parts(tracer, dyn, options, prior_spec) -> tuple | None:
+def _program_parts(tracer, dyn, options, prior_spec) -> tuple:
     """What a compiled fit depends on besides the model function: the fingerprint of its
     traced program (its code path and every value it closes over), the data's structure,
     static values and array shapes, the options, the previous fit's block layout (online
-    fits) and the float precision; None when the model needed concrete data (the compiled
-    fit then holds this data)."""
+    fits) and the float precision. A model that needs concrete data (``len(set(x))``,
+    ``y[y > 0]``, ``int(x.max())``, ``if`` on a data value) holds its data in its compiled
+    fit: they are static values, keyed by a digest of their bytes (new data, a new fit)."""
     spec = tracer.spec
-    if spec.all_static:
-        return None
     shapes = tuple((jnp.shape(x), jnp.result_type(x)) for x in dyn)
     return (
-        tracer.fingerprint, spec.treedef, spec.static, shapes, options.compiled(), prior_spec, jnp.result_type(float),
-        user_extensions(),
+        tracer.fingerprint, spec.treedef, spec.static_key(), shapes, options.compiled(), prior_spec,
+        jnp.result_type(float), user_extensions(),
     )
 
 
@@ -60,10 +60,7 @@ def cache_key(program, tracer, dyn, options, prior_spec):
     """Hashable key of the compiled-fit cache in memory (the model function, from its
     program's :attr:`~blrppl.model.program.ModelProgram.identity`, and
     :func:`_program_parts`), or None if something is unhashable (then nothing is cached)."""
-    parts = _program_parts(tracer, dyn, options, prior_spec)
-    if parts is None:
-        return None
-    key = (program.identity, *parts)
+    key = (program.identity, *_program_parts(tracer, dyn, options, prior_spec))
     try:
         hash(key)
     except TypeError:
@@ -85,10 +82,11 @@ def stored_fit_key(tracer, dyn, options, prior_spec, supports, plan) -> str | No
     """The key of a compiled fit's programs in the program store
     (:mod:`blrppl.runtime.program_store`): :func:`_program_parts`, the sites' static facts
     (names, distributions, event dims, plates, supports, ``infer``), the latents' support
-    values and the plan; None when the fit is not stored."""
-    parts = _program_parts(tracer, dyn, options, prior_spec)
-    if parts is None or user_extensions():
+    values and the plan; None when the fit is not stored (a user's rules or families, or a
+    model holding more than :data:`STORED_STATIC_BYTES` of concrete data)."""
+    if user_extensions() or tracer.spec.static_bytes() > STORED_STATIC_BYTES:
         return None  # (the store's key hashes blrppl's source, not a user's rules and families)
+    parts = _program_parts(tracer, dyn, options, prior_spec)
     return program_key(parts, tracer.meta.get("sites"), supports, plan.describe(), plan.structure_digest())
 
 

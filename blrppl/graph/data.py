@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from typing import Any, NamedTuple
 
 import jax
@@ -10,6 +11,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from blrppl.inputs import is_numeric_array
+
+
+#: a model holding more bytes of concrete data than this (one that needs concrete data: its
+#: data are constants of its programs) is not kept in the on-disk program store, which would
+#: fill with copies of one data set
+STORED_STATIC_BYTES = 4 * 2**20
 
 
 class RunData(NamedTuple):
@@ -58,6 +65,18 @@ class DataSpec:
                 static.append((i, leaf))
         return DataSpec(treedef, tuple(static), all_static), tuple(dynamic)
 
+    def static_key(self) -> tuple:
+        """The static leaves as a hashable key whose text is stable across processes: each
+        numeric array by its dtype, shape and a digest of its bytes (a model that needs
+        concrete data holds them in its compiled programs, which are keyed by their
+        values), every other leaf as it is."""
+        return tuple((i, array_digest(v) if is_numeric_array(v) else v) for i, v in self.static)
+
+    def static_bytes(self) -> int:
+        """The bytes of the static leaves' numeric arrays (what a model that needs concrete
+        data holds as constants)."""
+        return sum(int(np.asarray(v).nbytes) for _, v in self.static if is_numeric_array(v))
+
     def merge(self, dynamic):
         n = len(dynamic) + len(self.static)
         leaves = [None] * n
@@ -67,6 +86,12 @@ class DataSpec:
             leaves[i] = static[i] if i in static else next(it)
         args, kwargs = jax.tree.unflatten(self.treedef, leaves)
         return args, kwargs
+
+
+def array_digest(value) -> tuple:
+    """``("array", dtype, shape, digest of the bytes)`` of a concrete array."""
+    arr = np.ascontiguousarray(np.asarray(value))
+    return ("array", str(arr.dtype), arr.shape, hashlib.blake2b(arr.tobytes(), digest_size=16).hexdigest())
 
 
 def host_array(value, dtype=None):

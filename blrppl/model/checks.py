@@ -27,6 +27,7 @@ NEEDS_CONCRETE = (
     jax.errors.TracerArrayConversionError,
     jax.errors.TracerBoolConversionError,
     jax.errors.TracerIntegerConversionError,
+    jax.errors.NonConcreteBooleanIndexError,
 )
 
 
@@ -74,6 +75,16 @@ def _loose_latents_error(names: list, dist_name: str, pattern: str) -> Unsupport
     )
 
 
+def needs_concrete(exc: BaseException) -> bool:
+    """Whether ``exc`` is what a model raises when it computes Python values from traced
+    data: JAX's concretization errors (``int(x.max())``, ``if x.mean() > 0``,
+    ``np.asarray(x)``, a boolean mask ``y[y > 0]``), or the ``TypeError`` of hashing a
+    traced value (``len(set(x))``, a dict keyed by data values)."""
+    if isinstance(exc, NEEDS_CONCRETE):
+        return True
+    return isinstance(exc, TypeError) and "unhashable type" in str(exc) and "Tracer" in str(exc)
+
+
 def raise_trace_error(exc, name, args, kwargs):
     from blrppl.inputs import data_hint
 
@@ -102,7 +113,7 @@ def raise_trace_error(exc, name, args, kwargs):
             "jnp.zeros(n, dtype=int) for a discrete state (int64 under numpyro.enable_x64())",
             site=name,
         ) from exc
-    if isinstance(exc, NEEDS_CONCRETE):
+    if needs_concrete(exc):
         # (the data were already made concrete: the value comes from a sampled site)
         raise ModelTraceError(
             f"the model could not be run (it raised {where}): it turns a value computed from a sampled site or a "

@@ -26,17 +26,17 @@ from numpyro.infer.initialization import init_to_uniform
 from jax.extend import core as jex_core
 
 from blrppl.errors import ModelTraceError, UnsupportedFactorError, UnsupportedLatentError
-from blrppl.graph.data import DataSpec
+from blrppl.graph.data import STORED_STATIC_BYTES, DataSpec
 from blrppl.runtime.compile import compiler_options
 from blrppl.graph.plan import SubsampledPlate
 from blrppl.runtime.program_store import compile_program, jit as store_jit, program_key
 from blrppl.graph.stable import Stabilise
 from blrppl.model.checks import (
-    NEEDS_CONCRETE,
     LooseLatents,
     argument_checks,
     check_pytree,
     check_sample_site,
+    needs_concrete,
     param_record,
     raise_trace_error,
 )
@@ -145,14 +145,16 @@ class ModelTracer:
         if self._compiled is None:
             options = compiler_options(dyn)
             spec = self.spec
-            # (a model that needs concrete data holds them: its run is not stored)
+            # (a model that needs concrete data holds them: its run is keyed by their values,
+            # and not stored when they are large)
             # (its outputs are keyed by site name, which the program's fingerprint does not see)
             info = getattr(self._traced, "out_info", None)
             key = None
-            if info is not None and not spec.all_static:
+            if info is not None and spec.static_bytes() <= STORED_STATIC_BYTES:
                 outputs = jax.tree.structure(info)
                 key = program_key(
-                    "model run", self.fingerprint, outputs, self.meta.get("sites"), spec.treedef, spec.static, options
+                    "model run", self.fingerprint, outputs, self.meta.get("sites"), spec.treedef, spec.static_key(),
+                    options,
                 )
             traced = self._traced
             self._compiled = compile_program(key, lambda *_: traced.lower(), (dyn, rng_key), options)
@@ -240,14 +242,34 @@ def trace_program(model, args=(), kwargs=None, rng_key=None, init_strategy=None)
     try:
         try:
             return ModelTracer(model, spec, init_strategy, dyn, rng_key, meta)
-        except NEEDS_CONCRETE:
+        except Exception as exc:
+            if not needs_concrete(exc) or not dyn:
+                raise
             spec, dyn = DataSpec.split(args, kwargs, all_static=True)
             meta.clear()
             return ModelTracer(model, spec, init_strategy, dyn, rng_key, meta)
     except Exception as exc:  # any failure of the user's model
         last = meta.get("last")
+        if last is not None and last.subsampled and needs_concrete(exc):
+            raise _subsampled_concrete_error(exc, last) from exc
         raise_trace_error(exc, last.name if last is not None else None, args, kwargs)
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _subsampled_concrete_error(exc, last) -> ModelTraceError:
+    """The error of a model that needs concrete values of its minibatch (a boolean mask of
+    ``y[idx]``, a NumPy array indexed by the plate's indices): the minibatch is drawn as
+    the fit runs, so its values are not known when the model is traced."""
+    plate = last.subsampled[-1]
+    return ModelTraceError(
+        f"the model needs concrete values inside the subsampled plate '{plate}' "
+        f"({type(exc).__name__}: {str(exc).splitlines()[0]}): its minibatch is drawn while the fit runs, so "
+        "its values are not known when the model is compiled (nor are a latent's). Index the data with jax.numpy "
+        "(`jnp.asarray(y)[idx]`, not a NumPy array indexed by the plate's indices) and write masks "
+        "with jnp.where (`jnp.where(y_batch > 0, log_prob, 0.0).sum()`, not `log_prob[y_batch > 0]`), "
+        "or fit without subsample_size",
+        site=last.name,
+    )
 
 
 def trace_model(
@@ -561,12 +583,18 @@ def full_size_model(model, plates):
 
 
 class _LastSite(Messenger):
-    """Remembers the name of the last site the model reached."""
+    """Remembers the name of the last site the model reached, and the subsampled plates it
+    entered."""
 
     def __init__(self, fn=None):
         super().__init__(fn)
         self.name = None
+        self.subsampled: list = []
 
     def process_message(self, msg):
         if msg.get("name") is not None:
             self.name = msg["name"]
+        if msg.get("type") == "plate" and len(msg.get("args", ())) == 2:
+            size, subsample_size = msg["args"]
+            if subsample_size is not None and subsample_size != size:
+                self.subsampled.append(msg["name"])
