@@ -206,11 +206,13 @@ class BLR:
         prepared = self._require()
         args, kwargs = call_arguments(args, kwargs)
         dyn = self._arrays(prepared, args, kwargs)
+        prepared = self._prepared  # (new concrete data: a fit compiled for them)
         seen = _arrays_of(args, kwargs)
         if not _same_objects(seen, self._checked) and not _is_traced(dyn):
             bundle = prepared.bundle
-            if not _same_objects(tuple(dyn), DataSpec.split(args, kwargs)[1]):  # (converted: validated as such)
-                args, kwargs = DataSpec.split(args, kwargs)[0].merge(dyn)
+            spec, given = DataSpec.split(args, kwargs, all_static=prepared.data_spec.all_static)
+            if not _same_objects(tuple(dyn), given):  # (converted: validated as such)
+                args, kwargs = spec.merge(dyn)
             trace_model(self.model, args, kwargs, jax.random.key(0), tracer=bundle.tracer)
             self._checked = seen
         return dyn
