@@ -135,6 +135,7 @@ def main(argv=None) -> int:
         print("  max |mean err| / ref sd: " + ", ".join(
             f"{m} {a['max_mean_err_sd']:.3g}" for m, a in acc.items()), flush=True)
     rows, dense, sites, hand, chains, hmms, pcas, gmms, funnels, zoos = [], [], [], [], [], [], [], [], [], []
+    plate_free = []
     if do_scaling:
         print("scaling (BLR, logistic regression, D=10):", flush=True)
         sizes = [n for n in (1_000, 10_000, 100_000, 1_000_000) if n <= args.scaling_max]
@@ -146,6 +147,8 @@ def main(argv=None) -> int:
         print("compile time per site (AR(2) with one site per step, fresh processes):", flush=True)
         sizes = [int(x) for x in args.site_sizes.split(",") if x.strip()]
         sites = runner.site_scaling(sizes, log=lambda s: print(s, flush=True))
+        print("latent matrices without plates (PCA with and without plates, fresh processes):", flush=True)
+        plate_free = runner.plate_free_pca(log=lambda s: print(s, flush=True))
         print("a hand-written BLR loop against blr_fit (logistic regression, fresh processes):", flush=True)
         # (N = 200: the size of the small bench models, where compilation is most of any fit)
         hand = [runner.hand_logistic_comparison(n, log=lambda s: print(s, flush=True)) for n in (200, 5_000)]
@@ -179,7 +182,8 @@ def main(argv=None) -> int:
         + ("this run's NUTS" if args.no_reference else
            f"NUTS {runner.REF_CHAINS} chains × ({runner.REF_WARMUP} + {runner.REF_SAMPLES}) cached in {runner.cache_dir()}"),
     }
-    text = report.markdown(runs, rows, settings, plots, dense, sites, hand, chains, hmms, pcas, gmms, funnels, zoos)
+    text = report.markdown(runs, rows, settings, plots, dense, sites, hand, chains, hmms, pcas, gmms, funnels, zoos,
+                           plate_free_rows=plate_free)
     path = out / "benchmarks.md"
     path.write_text(text)
     print(f"wrote {path} ({time.perf_counter() - t0:.0f} s in all)", flush=True)
