@@ -113,7 +113,7 @@ def blr_fit(
             )
         with out_of_memory_as_error("the fit"):
             result = grid_fit(ModelProgram(model), args, kwargs, options, key, scales)
-        result.model_call = (model, args, kwargs)
+        result.model_call = (ModelProgram(model), args, kwargs)
         return result
     # (inline, not in a function of its own: warnings keep pointing at the caller's line)
     with out_of_memory_as_error("the fit"):
@@ -134,7 +134,7 @@ def blr_fit(
         index, result, held = best
         for w in held:
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
-        result.model_call = (model, args, kwargs)
+        result.model_call = (program, args, kwargs)
         result.deterministic_sites = prepared.bundle.tracer.meta.get("deterministic")
         if options.num_starts > 1:
             listed = ", ".join(f"{e:.6g}" for e in finals)

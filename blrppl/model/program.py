@@ -14,6 +14,7 @@ import traceback
 import jax
 import jax.numpy as jnp
 import jax.extend.core as jax_core
+import numpy as np
 import numpyro.distributions as dist
 from numpyro import handlers
 from numpyro.primitives import Messenger
@@ -114,6 +115,52 @@ class ModelProgram:
 
         return ModelProgram(conditioned)
 
+    def computed_sites(self, args, kwargs, key, draws: dict, params: dict, names, barren: list, lock=None) -> dict:
+        """The sites the model computes at each of ``draws`` (the fitted latents' values,
+        leading axis the draws; ``params`` the fitted ``numpyro.param`` values), run as
+        numpyro's ``Predictive`` runs it: the latents ``barren`` (integrated out of the fit)
+        drawn given the others, and the deterministic sites ``names`` (None: those of the
+        model's trace at the first draw).
+
+        The data are tried as given (as the user's own ``Predictive`` passes them: a model
+        may read them concretely, ``int(np.max(idx))``), then with NumPy arrays as JAX
+        arrays, as the fit passed them (``Predictive`` vmaps the model over the draws, and a
+        NumPy array indexed by a traced value fails). ``lock`` is held while the model runs
+        (numpyro's effect handlers keep one process-wide stack).
+
+        Raises:
+            Exception: whatever the model raises at the draws with both forms of the data.
+        """
+        import contextlib
+
+        from numpyro.infer import Predictive
+
+        converted = jax.tree.map(_as_jax, (args, kwargs))
+        calls = [(args, kwargs)]
+        if any(a is not b for a, b in zip(jax.tree.leaves((args, kwargs)), jax.tree.leaves(converted))):
+            calls.append(converted)
+        for i, (call_args, call_kwargs) in enumerate(calls):
+            try:
+                with lock or contextlib.nullcontext(), handlers.block():
+                    wanted = names
+                    if wanted is None:
+                        first = {name: x[0] for name, x in draws.items()}
+                        seeded = handlers.seed(handlers.substitute(self.model, data={**params, **first}), 0)
+                        trace = handlers.trace(seeded).get_trace(*call_args, **call_kwargs)
+                        wanted = [n for n, site in trace.items() if site["type"] == "deterministic"]
+                    wanted = list(barren) + [n for n in wanted if n not in draws and n not in barren]
+                    if not wanted:
+                        return {}
+                    predictive = Predictive(
+                        self.model, posterior_samples=draws, params=params, return_sites=wanted, batch_ndims=1
+                    )
+                    values = predictive(key, *call_args, **call_kwargs)
+                return {n: values[n] for n in wanted if n in values}
+            except Exception:  # (the model's own code: anything it raises)
+                if i + 1 == len(calls):
+                    raise
+        return {}
+
     def _run(self, full, args, kwargs, indices, names=None, tracing=False):
         count_model_run()
         model = handlers.substitute(Stabilise(self.model), data=full)
@@ -207,6 +254,13 @@ class ModelProgram:
                 exp_inputs[id(kept[position])] = (kept[position], z)
         entries = jax.tree.unflatten(out_tree, leaves)
         return {n: entries[n] for n in names}
+
+
+def _as_jax(x):
+    """A numeric NumPy array as a JAX array; anything else as it is."""
+    if isinstance(x, np.ndarray) and np.issubdtype(x.dtype, np.number):
+        return jnp.asarray(x)
+    return x
 
 
 def _weak(x) -> bool:

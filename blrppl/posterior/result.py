@@ -52,7 +52,8 @@ class BLRResult:
         compile_counts: :class:`CompileCounts` of this fit up to its first step: how often
             the model's Python code ran and how many XLA compilations there were (both
             small when the compiled fit came from the cache).
-        model_call: ``(model, args, kwargs)`` the fit ran on, from which :meth:`sample`
+        model_call: ``(program, args, kwargs)`` the fit ran on (the model's
+            :class:`blrppl.model.program.ModelProgram` and its data), from which :meth:`sample`
             computes the model's ``numpyro.deterministic`` sites (None: latents only).
         model_lock: the lock held while the model runs (numpyro's effect handlers keep one
             process-wide stack, so no fit may trace a model meanwhile): the engine's, given by
@@ -133,51 +134,20 @@ class BLRResult:
             return {}
         import warnings
 
-        import contextlib
-
-        from numpyro import handlers
-        from numpyro.infer import Predictive
-
-        model, args, kwargs = self.model_call
-        # the data as given (as the user's own Predictive would pass them: a model may read
-        # them concretely, e.g. ``int(np.max(idx))``), then NumPy data as JAX arrays, as the
-        # fit passed them (Predictive vmaps the model over the draws, and a NumPy array
-        # indexed by a traced value, a subsample's indices, fails)
-        converted = jax.tree.map(_as_jax, (args, kwargs))
-        calls = [(args, kwargs)]
-        if any(a is not b for a, b in zip(jax.tree.leaves((args, kwargs)), jax.tree.leaves(converted))):
-            calls.append(converted)
+        program, args, kwargs = self.model_call
         params = {b.name: point_value(b, self.nat[b.name]) for b in self.plan.blocks if b.param}
-        for i, (call_args, call_kwargs) in enumerate(calls):
-            try:
-                # (numpyro's effect handlers keep one process-wide stack: no fit traces meanwhile)
-                with self.model_lock or contextlib.nullcontext(), handlers.block():
-                    names = self.deterministic_sites if deterministic else ()
-                    if names is None:
-                        first = {name: x[0] for name, x in draws.items()}
-                        seeded = handlers.seed(handlers.substitute(model, data={**params, **first}), 0)
-                        trace = handlers.trace(seeded).get_trace(*call_args, **call_kwargs)
-                        names = [n for n, site in trace.items() if site["type"] == "deterministic"]
-                    names = barren + [n for n in names if n not in draws and n not in barren]
-                    if not names:
-                        return {}
-                    predictive = Predictive(
-                        model, posterior_samples=draws, params=params, return_sites=names, batch_ndims=1
-                    )
-                    values = predictive(key, *call_args, **call_kwargs)
-                break
-            except Exception as err:  # (the model's own code: anything it raises)
-                if i + 1 < len(calls):
-                    continue
-                warnings.warn(
-                    f"BLRResult.sample: the model could not be run at the draws to compute its deterministic "
-                    f"sites or draw the latents integrated out ({type(err).__name__}: {err}); only the fitted "
-                    "latent sites are returned",
-                    UserWarning,
-                    stacklevel=3,
-                )
-                return {}
-        return {n: values[n] for n in names if n in values}
+        names = self.deterministic_sites if deterministic else ()
+        try:
+            return program.computed_sites(args, kwargs, key, draws, params, names, barren, self.model_lock)
+        except Exception as err:  # (the model's own code: anything it raises)
+            warnings.warn(
+                f"BLRResult.sample: the model could not be run at the draws to compute its deterministic "
+                f"sites or draw the latents integrated out ({type(err).__name__}: {err}); only the fitted "
+                "latent sites are returned",
+                UserWarning,
+                stacklevel=3,
+            )
+            return {}
 
     def summary(
         self, prob: float = 0.9, num_samples: int = 4000, rng_key=None, print_table=True, exclude_deterministic=True
@@ -255,13 +225,6 @@ class BLRResult:
         posterior = {name: np.asarray(x)[None] for name, x in draws.items()}
         dims = {name: [f"{name}_dim_{i}" for i in range(x.ndim - 2)] for name, x in posterior.items()}
         return arviz.from_dict(posterior=posterior, dims=dims, posterior_attrs={"inference_library": "blrppl"})
-
-
-def _as_jax(x):
-    """A numeric NumPy array as a JAX array; anything else as it is."""
-    if isinstance(x, np.ndarray) and np.issubdtype(x.dtype, np.number):
-        return jnp.asarray(x)
-    return x
 
 
 def _draw_latents(plan, nat: dict, dists: dict, key, num_samples: int) -> dict:
