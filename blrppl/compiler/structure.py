@@ -45,7 +45,9 @@ def choose_structure(
     off, and the default merge).
     """
     blocks, factors, structure = dict(choice.blocks), choice.factors, options.structure
-    coupled, densified, dense = _plate_coupling(blocks, factors, options)
+    # (rows read off a plate-free site's prior, SiteRecord.row_axes: no plate declared them)
+    undeclared = {n for n, b in blocks.items() if b.plate_axes and n in inputs.records and not inputs.records[n].plates}
+    coupled, densified, dense = _plate_coupling(blocks, factors, options, undeclared)
     apart = _apart(factors, choice.on_support, structure)
 
     def joinable(n, b):
@@ -106,7 +108,7 @@ def choose_structure(
     return Structure(blocks, members, merge, arrow, densified, chains, coupled_discrete_groups(blocks, factors))
 
 
-def _plate_coupling(blocks: dict, factors: list, options: CompileOptions) -> tuple:
+def _plate_coupling(blocks: dict, factors: list, options: CompileOptions, undeclared=frozenset()) -> tuple:
     """``(coupled, densified, dense)``: the Gaussian blocks whose plate elements a factor
     mixes, those of them made dense, and the dense block of each.
 
@@ -114,12 +116,16 @@ def _plate_coupling(blocks: dict, factors: list, options: CompileOptions) -> tup
     a sum over the plate) couples them: the block is dense over all its scalars, exact,
     unless the user asked for its family or for mean-field, it is too large for the
     default, or it is a local block of a subsampled plate (then its elements are fitted
-    mean-field, iterated: see :func:`blrppl.compiler.conjugacy.conjugate_blocks`).
+    mean-field, iterated: see :func:`blrppl.compiler.conjugacy.conjugate_blocks`). A block
+    whose rows no plate declared (``undeclared``: read off its prior) is made dense at any
+    size unless mean-field is asked for: the model wrote one site, and its rows are apart
+    only where no factor mixes them.
     """
     coupled = [n for n in _plate_coupled(blocks, factors) if n not in options.families and blocks[n].local is None]
     densified = [
         n for n in coupled
-        if options.structure == "joint" or (options.structure is None and blocks[n].size <= JOINT_MAX_DIM)
+        if options.structure == "joint"
+        or (options.structure is None and (blocks[n].size <= JOINT_MAX_DIM or n in undeclared))
     ]
     dense = {n: dataclasses.replace(blocks[n], family=fam.GaussianDense(blocks[n].size), plate_axes=()) for n in coupled}
     return coupled, densified, dense
