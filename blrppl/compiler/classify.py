@@ -3,38 +3,25 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import numpy as np
 import numpyro.distributions as dist
 
 from blrppl import moments as mom
-from blrppl.estimators.quadrature import GRID_NODES
-from blrppl.estimators.registry import ESTIMATORS
+from blrppl.estimators.registry import FactorCandidate, choose_estimator
 from blrppl.model.functions import LINKS, projection_args
 from blrppl.model.classes import ArgumentClass, classify_form, constant_class, too_many_columns
 from blrppl.model.probes import gather_probe, pairing_probe, probe_argument, random_point, run_probes
 from blrppl.model.classes import needs_gather_test
 from blrppl.model.forms import inverse_link
 from blrppl.graph.plan import Factor
-from blrppl.model.records import SiteRecord
 from blrppl.compiler.blocks import blocks_by_site
 from blrppl.compiler.checks import check_aligned
 
 
 #: the most scalar projections per element a quadrature factor may have
 MAX_PROJECTIONS = 2
-#: a factor without closed form or projections whose continuous neighbours are Gaussian
-#: blocks of at most this many scalars in all (a chain's stationary start reading a level,
-#: a scale and a persistence) is integrated over them by a tensor Gauss–Hermite rule
-#: (:func:`blrppl.estimators.quadrature.grid_elementwise`) instead of Monte Carlo
-GRID_MAX_DIM = 4
-#: ... and when its nodes times its elements (each counted as its event's size squared: a
-#: multivariate density costs at least that) are at most this many a step (a plated
-#: likelihood of many elements, or a Gaussian process's of many points, stays Monte Carlo:
-#: 16 draws)
-GRID_MAX_EVALUATIONS = 1 << 21
 
 
 def classify_factors(
@@ -285,111 +272,26 @@ def _quadrature_probes(records, deps, blocks, fns, rng, nbrs, names, elementwise
     return candidates, probes
 
 
-def _grid_positions(blocks, cont, reads) -> dict:
-    """For each joint dense Gaussian block of ``cont`` (unplated) of which the factor reads
-    some members only (``reads``: the latent sites it reads), the block positions of the
-    scalars of those members: the grid rule integrates over their marginal (a capture-
-    recapture model's survival factor reads the survival probabilities of a joint block that
-    also holds the recapture probability: 20² nodes, not 10³)."""
-    from blrppl.families.gaussian import GaussianDense
-
-    if reads is None:
-        return {}
-    out = {}
-    for n in cont:
-        b = blocks[n]
-        if not b.members or b.batch_shape or not isinstance(b.family, GaussianDense):
-            continue
-        read = [pos for m, pos in zip(b.members, b.member_positions()) if m.name in reads]
-        if read and len(read) < len(b.members):
-            out[n] = tuple(int(i) for i in np.sort(np.concatenate(read)))
-    return out
-
-
-def _on_grid(blocks, cont, record: SiteRecord, positions=None) -> bool:
-    """Whether a factor's continuous neighbours ``cont`` are Gaussian blocks of at most
-    :data:`GRID_MAX_DIM` scalars in all (neither points nor minibatch-local; of a joint block,
-    the scalars the factor reads, ``positions``), and the cost of the rule's evaluations at
-    most :data:`GRID_MAX_EVALUATIONS`."""
-    if not cont or not all(blocks[n].family.gaussian and not blocks[n].point and blocks[n].local is None for n in cont):
-        return False
-    positions = positions or {}
-    d = sum(len(positions[n]) if n in positions else blocks[n].size for n in cont)
-    if d > GRID_MAX_DIM:
-        return False
-    shape = tuple(record.value_shape)
-    split = len(shape) - record.event_ndim
-    cost = math.prod(shape[:split]) * math.prod(shape[split:]) ** 2
-    return GRID_NODES[d] ** d * cost <= GRID_MAX_EVALUATIONS
-
-
 def _factors(
     records, rules, blocks, nbrs, classes, exact, candidates, quad_classes, quadrature, site_reads=None,
 ) -> list:
-    """The :class:`Factor` s from the argument classes and the quadrature projections
-    (``site_reads``: the latent sites each factor reads, where blocks hold several)."""
+    """The :class:`Factor` s, each with the estimator the registry chooses for it
+    (:func:`blrppl.estimators.registry.choose_estimator`) from its argument classes and its
+    quadrature projections (``site_reads``: the latent sites each factor reads, where blocks
+    hold several)."""
     factors, site_reads = [], site_reads or {}
     for name, r in records.items():
-        grid_positions = {}
         rule = rules[name]
         neighbours, discrete = nbrs[name]
-        cont = [n for n in neighbours if n not in discrete]
-        gauss = [n for n in neighbours if blocks[n].family.gaussian]
-        pairs = []
-        if exact[name]:
-            kinds, arg_blocks, full = [], [], set()
-            powers = []
-            for arg in ("value",) + rule.arg_names:
-                cls = classes[(name, arg)]
-                kinds.append((arg, cls.kind))
-                arg_blocks.append((arg, cls.blocks))
-                full.update(cls.full)
-                if cls.kind == mom.PowerGamma.kind:
-                    powers.append((arg, cls.power))
-                if cls.kind == mom.BilinearGaussian.kind:
-                    pairs.append((arg, cls.pairs))
-            columns = tuple((n, "full" if n in full else "gather") for n in gauss)
-            estimator, links = ESTIMATORS["exact"], ()
-        elif all(blocks[n].point for n in neighbours if n not in discrete):
-            # no closed form, but every continuous neighbour (if any) is a point block: log f at the
-            # points (enumerated over the discrete neighbours) is exact
-            estimator, links, columns, powers, rule = ESTIMATORS["delta"], (), (), [], None
-            kinds, arg_blocks = [("log_prob", "delta")], []
-        else:
-            links, kinds, arg_blocks, full, powers = [], [], [], set(), []
-            for k, item in enumerate(candidates.get(name, ()) if quadrature else ()):
-                index = item if item == "value" or item.startswith("shift:") else int(item.split(":")[1])
-                found = next(
-                    (
-                        link for link in LINKS
-                        if (name, index, link) in quad_classes
-                        and quad_classes[(name, index, link)].kind == mom.AffineGaussian.kind
-                    ),
-                    None,
-                )
-                if found is None:
-                    links = None
-                    break
-                cls = quad_classes[(name, index, found)]
-                links.append((f"eta{k}", index, found))
-                kinds.append((f"eta{k}", mom.AffineGaussian.kind))
-                arg_blocks.append((f"eta{k}", cls.blocks))
-                full.update(cls.full)
-            grid_positions = _grid_positions(blocks, cont, site_reads.get(name))
-            if links:
-                estimator = ESTIMATORS["quadrature"]
-                columns = tuple((n, "full" if n in full else "gather") for n in gauss)
-            elif quadrature and _on_grid(blocks, cont, r, grid_positions):
-                # (a few scalars in all: the rule over them is cheap, and deterministic)
-                estimator, links, columns = ESTIMATORS["quadrature"], (), ()
-                kinds, arg_blocks = [("log_prob", "quadrature")], []
-            else:
-                estimator, links, columns = ESTIMATORS["monte_carlo"], (), ()
-                kinds, arg_blocks = [("log_prob", "monte_carlo")], []
-            why = _why_not_exact(name, r, rule, classes)
-            rule = None
-        if not estimator.approximates:
-            why = ""
+        args = ("value",) + rule.arg_names if exact[name] else ()
+        candidate = FactorCandidate(
+            name=name, record=r, rule=rule, blocks=blocks, neighbours=tuple(neighbours), discrete=tuple(discrete),
+            classes={arg: classes[(name, arg)] for arg in args}, closed_form=bool(exact[name]),
+            projections=tuple(candidates.get(name, ())) if quadrature else (), projection_classes=quad_classes,
+            quadrature=bool(quadrature), site_reads=site_reads.get(name),
+        )
+        estimator, choice = choose_estimator(candidate)
+        why = _why_not_exact(name, r, rule, classes) if estimator.approximates else ""
         factors.append(
             Factor(
                 name=name,
@@ -398,16 +300,16 @@ def _factors(
                 neighbours=neighbours,
                 discrete=discrete,
                 estimator=estimator.name,
-                rule=rule,
-                arg_kinds=tuple(kinds),
-                arg_blocks=tuple(arg_blocks),
-                columns=columns,
+                rule=choice.rule,
+                arg_kinds=choice.arg_kinds,
+                arg_blocks=choice.arg_blocks,
+                columns=choice.columns,
                 reinterpreted_ndim=r.reinterpreted_ndim,
-                links=tuple(links),
-                powers=tuple(powers),
-                pairs=tuple(pairs),
+                links=choice.links,
+                powers=choice.powers,
+                pairs=choice.pairs,
                 why=why,
-                grid_positions=tuple(sorted(grid_positions.items())) if estimator.grid_rule and not links else (),
+                grid_positions=choice.grid_positions,
             )
         )
     return factors

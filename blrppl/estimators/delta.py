@@ -13,7 +13,7 @@ terms of params.
 
 from __future__ import annotations
 
-from blrppl.estimators.registry import Estimator, register_estimator
+from blrppl.estimators.registry import Estimator, EstimatorChoice, register_estimator
 from blrppl.moments.linearised import base_values
 
 #: log f at the point blocks' means m: L = log f(m_1, …, m_k), exact and deterministic
@@ -25,8 +25,19 @@ DELTA = register_estimator(
         elementwise=lambda fns, fs, blocks, views, dvals, data, wrappers, key, curvature: (
             *delta_elementwise(fns, fs, blocks, views, dvals, data), 0.0
         ),
+        serves=lambda candidate: _serves(candidate),
+        choice_order=10,
     )
 )
+
+
+def _serves(candidate) -> EstimatorChoice | None:
+    """A factor without a closed form whose continuous neighbours (if any) are all point
+    blocks: log f at the points (enumerated over its discrete neighbours) is exact."""
+    cont = [n for n in candidate.neighbours if n not in candidate.discrete]
+    if not all(candidate.blocks[n].point for n in cont):
+        return None
+    return EstimatorChoice(arg_kinds=(("log_prob", "delta"),))
 
 
 def delta_elementwise(fns, factors, blocks, views, discrete_values, data):

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from blrppl.estimators.registry import Estimator, register_estimator
+from blrppl import moments as mom
+from blrppl.estimators.registry import Estimator, EstimatorChoice, register_estimator
 from blrppl.model.records import reduce_wrapped, unwrap
 from blrppl.moments.linearised import group_moments
 
@@ -26,8 +27,35 @@ EXACT = register_estimator(
         elementwise=lambda fns, fs, blocks, views, dvals, data, wrappers, key, curvature: (
             _exact_elementwise(fns, fs, blocks, views, dvals, data, wrappers)
         ),
+        serves=lambda candidate: _serves(candidate),
+        choice_order=0,
     )
 )
+
+
+def _serves(candidate) -> EstimatorChoice | None:
+    """A factor whose rule has a closed form for the classes of all its arguments: their
+    kinds and blocks, the powers of Gamma blocks and the pairs of multiplied Gaussian
+    blocks they read, and whether each Gaussian neighbour is read through its full
+    covariance columns (an argument mixing its elements) or one element per element."""
+    if not candidate.closed_form:
+        return None
+    kinds, arg_blocks, full, powers, pairs = [], [], set(), [], []
+    for arg in ("value",) + candidate.rule.arg_names:
+        cls = candidate.classes[arg]
+        kinds.append((arg, cls.kind))
+        arg_blocks.append((arg, cls.blocks))
+        full.update(cls.full)
+        if cls.kind == mom.PowerGamma.kind:
+            powers.append((arg, cls.power))
+        if cls.kind == mom.BilinearGaussian.kind:
+            pairs.append((arg, cls.pairs))
+    gauss = [n for n in candidate.neighbours if candidate.blocks[n].family.gaussian]
+    columns = tuple((n, "full" if n in full else "gather") for n in gauss)
+    return EstimatorChoice(
+        rule=candidate.rule, arg_kinds=tuple(kinds), arg_blocks=tuple(arg_blocks), columns=columns,
+        powers=tuple(powers), pairs=tuple(pairs),
+    )
 
 
 def _exact_elementwise(fns, factors, blocks, views, discrete_values, data, wrappers) -> tuple:

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from blrppl.estimators.registry import Estimator, register_estimator
+from blrppl.estimators.registry import Estimator, EstimatorChoice, register_estimator
 from blrppl.graph.derivatives import hvp
 
 #: draws from q, L ≈ (1/S) Σ_s log f(x_s) with x_s = m + chol(Σ) ε_s and fresh ε_s per step
@@ -46,6 +46,9 @@ MONTE_CARLO = register_estimator(
         elementwise=lambda fns, fs, blocks, views, dvals, data, wrappers, key, curvature: monte_carlo_elementwise(
             fns, fs, blocks, views, dvals, data, key, curvature=curvature
         ),
+        # (any factor: the estimator of last resort)
+        serves=lambda candidate: EstimatorChoice(arg_kinds=(("log_prob", "monte_carlo"),)),
+        choice_order=100,
     )
 )
 

@@ -17,17 +17,19 @@ Khan & Lin (2017). Its gradient with respect to (m, Σ) gives the message.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from blrppl.estimators.monte_carlo import tensor_gauss_hermite
-from blrppl.estimators.registry import Estimator, register_estimator
+from blrppl.estimators.registry import Estimator, EstimatorChoice, register_estimator
+from blrppl.families.gaussian import GaussianDense
 from blrppl.model.functions import LINKS, distribution_leaves, shift_leaf
 from blrppl.moments.linearised import base_values, group_moments
 from blrppl.model.records import reduce_wrapped
-from blrppl.moments.kinds import covariance
+from blrppl.moments.kinds import AffineGaussian, covariance
 
 #: Gauss–Hermite quadrature over the factor's scalar projections η_n ~ N(m_n, C_n),
 #: L = Σ_n Σ_k w_k log p(y_n | g(m_n + chol(C_n) t_k)), or, for a few scalars of a joint
@@ -43,8 +45,92 @@ QUADRATURE = register_estimator(
         elementwise=lambda fns, fs, blocks, views, dvals, data, wrappers, key, curvature: (
             *quadrature_elementwise(fns, fs, blocks, views, dvals, data), 0.0
         ),
+        serves=lambda candidate: _serves(candidate),
+        choice_order=20,
     )
 )
+
+#: a factor without closed form or projections whose continuous neighbours are Gaussian
+#: blocks of at most this many scalars in all (a chain's stationary start reading a level,
+#: a scale and a persistence) is integrated over them by a tensor Gauss–Hermite rule
+#: (:func:`grid_elementwise`) instead of Monte Carlo
+GRID_MAX_DIM = 4
+#: ... and when its nodes times its elements (each counted as its event's size squared: a
+#: multivariate density costs at least that) are at most this many a step (a plated
+#: likelihood of many elements, or a Gaussian process's of many points, stays Monte Carlo:
+#: 16 draws)
+GRID_MAX_EVALUATIONS = 1 << 21
+
+
+def _serves(candidate) -> EstimatorChoice | None:
+    """A factor whose every scalar projection (a value, a shift, a leaf) is an affine
+    Gaussian under one of its inverse links (the rule over the projections), or whose
+    continuous neighbours are a few Gaussian scalars (the tensor rule over them)."""
+    if not candidate.quadrature:
+        return None
+    blocks, name = candidate.blocks, candidate.name
+    links, kinds, arg_blocks, full = [], [], [], set()
+    for k, item in enumerate(candidate.projections):
+        index = item if item == "value" or item.startswith("shift:") else int(item.split(":")[1])
+        classes = candidate.projection_classes
+        found = next(
+            (link for link in LINKS if (name, index, link) in classes and classes[(name, index, link)].kind == AffineGaussian.kind),
+            None,
+        )
+        if found is None:
+            links = None
+            break
+        cls = classes[(name, index, found)]
+        links.append((f"eta{k}", index, found))
+        kinds.append((f"eta{k}", AffineGaussian.kind))
+        arg_blocks.append((f"eta{k}", cls.blocks))
+        full.update(cls.full)
+    if links:
+        gauss = [n for n in candidate.neighbours if blocks[n].family.gaussian]
+        columns = tuple((n, "full" if n in full else "gather") for n in gauss)
+        return EstimatorChoice(arg_kinds=tuple(kinds), arg_blocks=tuple(arg_blocks), columns=columns, links=tuple(links))
+    cont = [n for n in candidate.neighbours if n not in candidate.discrete]
+    positions = grid_positions(blocks, cont, candidate.site_reads)
+    if on_grid(blocks, cont, candidate.record, positions):
+        # (a few scalars in all: the rule over them is cheap, and deterministic)
+        return EstimatorChoice(arg_kinds=(("log_prob", "quadrature"),), grid_positions=tuple(sorted(positions.items())))
+    return None
+
+
+def grid_positions(blocks, cont, reads) -> dict:
+    """For each joint dense Gaussian block of ``cont`` (unplated) of which the factor reads
+    some members only (``reads``: the latent sites it reads), the block positions of the
+    scalars of those members: the grid rule integrates over their marginal (a capture-
+    recapture model's survival factor reads the survival probabilities of a joint block that
+    also holds the recapture probability: 20² nodes, not 10³)."""
+    if reads is None:
+        return {}
+    out = {}
+    for n in cont:
+        b = blocks[n]
+        if not b.members or b.batch_shape or not isinstance(b.family, GaussianDense):
+            continue
+        read = [pos for m, pos in zip(b.members, b.member_positions()) if m.name in reads]
+        if read and len(read) < len(b.members):
+            out[n] = tuple(int(i) for i in np.sort(np.concatenate(read)))
+    return out
+
+
+def on_grid(blocks, cont, record, positions=None) -> bool:
+    """Whether a factor's continuous neighbours ``cont`` are Gaussian blocks of at most
+    :data:`GRID_MAX_DIM` scalars in all (neither points nor minibatch-local; of a joint block,
+    the scalars the factor reads, ``positions``), and the cost of the rule's evaluations at
+    most :data:`GRID_MAX_EVALUATIONS`."""
+    if not cont or not all(blocks[n].family.gaussian and not blocks[n].point and blocks[n].local is None for n in cont):
+        return False
+    positions = positions or {}
+    d = sum(len(positions[n]) if n in positions else blocks[n].size for n in cont)
+    if d > GRID_MAX_DIM:
+        return False
+    shape = tuple(record.value_shape)
+    split = len(shape) - record.event_ndim
+    cost = math.prod(shape[:split]) * math.prod(shape[split:]) ** 2
+    return GRID_NODES[d] ** d * cost <= GRID_MAX_EVALUATIONS
 
 #: nodes per dimension of the tensor rule, by number of projections
 NODES = {1: 20, 2: 12}

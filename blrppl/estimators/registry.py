@@ -11,6 +11,10 @@ own module and registers itself there:
 * ``monte_carlo`` (:data:`blrppl.estimators.monte_carlo.MONTE_CARLO`): draws from q;
 * ``delta`` (:data:`blrppl.estimators.delta.DELTA`): log f at the point blocks' means.
 
+Each says which factors it serves (:attr:`Estimator.serves`, asked in
+:attr:`Estimator.choice_order` by :func:`choose_estimator`): the compiler chooses a factor's
+estimator through them, never by name.
+
 Factors on discrete blocks are evaluated by each of them at every enumerated assignment
 (:mod:`blrppl.estimators.enumeration`).
 """
@@ -18,7 +22,60 @@ Factors on discrete blocks are evaluated by each of them at every enumerated ass
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Any, Callable, NamedTuple
+
+
+class FactorCandidate(NamedTuple):
+    """What the compiler knows of a factor when it chooses the factor's estimator: each
+    registered estimator's :attr:`Estimator.serves` reads it and says whether it serves the
+    factor, and how.
+
+    Attributes:
+        name: the factor's (site's) name.
+        record: its :class:`blrppl.model.records.SiteRecord`.
+        rule: its closed-form rule (None: no rule for the distribution, or a
+            ``numpyro.factor`` term).
+        blocks: block name → :class:`blrppl.graph.plan.Block`.
+        neighbours: the blocks it reads; ``discrete`` those of them that are discrete.
+        discrete: see ``neighbours``.
+        classes: argument name (``"value"`` and the rule's) → its
+            :class:`blrppl.model.classes.ArgumentClass`, where the rule applies.
+        closed_form: the rule has a closed form for every argument's class.
+        projections: the scalar projections a quadrature rule may integrate over (items
+            ``"value"``, ``"shift:<i>"`` or ``"leaf:<i>"``), each with its classes by link in
+            ``projection_classes``; empty when quadrature is off.
+        projection_classes: ``(name, item index, link)`` → class.
+        quadrature: whether quadrature estimators may serve it.
+        site_reads: the latent sites it reads, where blocks hold several (None: unknown).
+    """
+
+    name: str
+    record: Any
+    rule: Any
+    blocks: dict
+    neighbours: tuple
+    discrete: tuple
+    classes: dict
+    closed_form: bool
+    projections: tuple
+    projection_classes: dict
+    quadrature: bool
+    site_reads: Any = None
+
+
+class EstimatorChoice(NamedTuple):
+    """How an estimator serves a factor: the fields of its
+    :class:`blrppl.graph.plan.Factor` that the estimator sets (the rule, the arguments'
+    kinds and blocks, how each Gaussian neighbour's columns are read, and its own extras)."""
+
+    rule: Any = None
+    arg_kinds: tuple = ()
+    arg_blocks: tuple = ()
+    columns: tuple = ()
+    links: tuple = ()
+    powers: tuple = ()
+    pairs: tuple = ()
+    grid_positions: tuple = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +116,10 @@ class Estimator:
             (those of one group that carry this estimator) L per batch element given the discrete
             values, the site's scale, and a scalar to add to the objective (0.0 but for
             surrogate terms); ``wrappers`` maps a factor to its wrapped distribution and scale.
+        serves: ``serves(candidate) -> EstimatorChoice | None``: whether it serves a factor
+            (a :class:`FactorCandidate`), and how; None: the compiler never chooses it.
+        choice_order: the order in which the compiler asks the estimators that serve
+            factors (lowest first): the first that serves a factor is its estimator.
     """
 
     name: str
@@ -76,6 +137,8 @@ class Estimator:
     enumerated: bool = True
     order: int = 100
     elementwise: Callable | None = dataclasses.field(default=None, compare=False, repr=False)
+    serves: Callable | None = dataclasses.field(default=None, compare=False, repr=False)
+    choice_order: int = 100
 
     def describe(self) -> str:
         """The estimator's label in a plan table: its name."""
@@ -122,3 +185,20 @@ def estimator_of(factor) -> Estimator:
         return ESTIMATORS[name]
     except KeyError:
         raise KeyError(f"no estimator named {name!r} (registered: {', '.join(ESTIMATORS)})") from None
+
+
+def choose_estimator(candidate: FactorCandidate) -> tuple:
+    """The estimator of a factor: the first registered estimator, by
+    :attr:`Estimator.choice_order`, whose :attr:`Estimator.serves` serves it.
+
+    Returns:
+        ``(estimator, choice)``: the :class:`Estimator` and its :class:`EstimatorChoice`.
+
+    Raises:
+        LookupError: no registered estimator serves the factor.
+    """
+    for estimator in sorted((e for e in ESTIMATORS.values() if e.serves is not None), key=lambda e: e.choice_order):
+        choice = estimator.serves(candidate)
+        if choice is not None:
+            return estimator, choice
+    raise LookupError(f"no registered estimator serves the factor '{candidate.name}'")

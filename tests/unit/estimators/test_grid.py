@@ -127,14 +127,14 @@ def test_a_factor_reading_some_members_of_a_joint_block_integrates_over_them_onl
     import collections
 
     import blrppl.engine.cache as cache_module
-    import blrppl.compiler.classify as compile_module
+    import blrppl.estimators.quadrature as quadrature_module
 
     rng = np.random.default_rng(0)
     seen, caught = (rng.random(50) < 0.3).astype(float), (rng.random(50) < 0.8).astype(float)
     marginal = blr_fit(two_rates, (seen, caught), rng_key=random.PRNGKey(0), progress_bar=False)
     reads = {f.name: f.grid_positions for f in marginal.plan.factors if f.estimator == "quadrature"}
     assert reads["seen"] == (("(phi, rho)", (0,)),) and reads["caught"] == (("(phi, rho)", (1,)),), reads
-    monkeypatch.setattr(compile_module, "_grid_positions", lambda *_: {})
+    monkeypatch.setattr(quadrature_module, "grid_positions", lambda *_: {})
     monkeypatch.setattr(cache_module, "_CACHE", collections.OrderedDict())  # (compiled again)
     whole = blr_fit(two_rates, (seen, caught), rng_key=random.PRNGKey(0), progress_bar=False)
     assert all(not f.grid_positions for f in whole.plan.factors)

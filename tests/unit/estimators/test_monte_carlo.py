@@ -11,7 +11,7 @@ import numpyro.distributions as dist
 import pytest
 
 from blrppl import BLRError, blr_fit
-from blrppl.compiler.classify import GRID_MAX_DIM
+from blrppl.estimators.quadrature import GRID_MAX_DIM
 
 #: scalars of each model: past the grid's limit
 DIM = GRID_MAX_DIM + 1
