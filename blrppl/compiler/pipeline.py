@@ -4,6 +4,7 @@ compiler's passes."""
 from __future__ import annotations
 
 import collections
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -21,16 +22,19 @@ from blrppl.compiler.families import choose_families
 from blrppl.compiler.structure import choose_structure, fallback
 from blrppl.compiler.estimators import estimate
 from blrppl.compiler.finish import finish_plan
+from blrppl.compiler.online import online_plan
+from blrppl.compiler.conjugacy import conjugate_blocks
 
 
 def compile_model(
     program: ModelProgram, records, data_spec, data, families=None, rng_key=None, structure=None, point=(),
-    point_space="unconstrained", subsampled=(),
+    point_space="unconstrained", subsampled=(), prior_spec=None,
 ):
     """Build blocks, the factor graph and the plan of a traced model, pass by pass: the
     options checked, the sites' inputs, their dependencies (without the barren latents), the
     blocks' families, their structure and the factors' estimators (the structure chosen
-    again, with fewer choices, when its factors' estimators do not fit it), the plan.
+    again, with fewer choices, when its factors' estimators do not fit it), the plan, a
+    previous fit's posterior as the prior of the blocks it matches (online), conjugacy.
 
     Args:
         program: the model's :class:`blrppl.model.program.ModelProgram` (the compiler's only
@@ -52,6 +56,9 @@ def compile_model(
             shapes. Latents inside such a plate become *local* blocks (never merged into a
             joint block, updated first in each step); the model functions use the first M
             elements of each plate unless the data carry a minibatch.
+        prior_spec: a previous fit's description (:func:`blrppl.posterior.online.previous_spec`)
+            whose posterior replaces the prior of the blocks it matches
+            (:func:`blrppl.compiler.online.online_plan`); None: the model's prior.
 
     ``numpyro.param`` sites become point blocks (``param=True``) on the unconstrained space
     of their constraint, without a log|det J| term (a param is not random: its estimate is
@@ -80,7 +87,11 @@ def compile_model(
     while limits is not None:
         estimates = estimate(inputs, found, choice, choose_structure(inputs, choice, options, limits), options)
         limits = fallback(estimates, options, limits)
-    return finish_plan(inputs, found, estimates, options)
+    plan, fns, dyn_data, init_values, graph = finish_plan(inputs, found, estimates, options)
+    if prior_spec is not None:
+        plan, graph, _ = online_plan(plan, graph, records, prior_spec)
+    plan = dataclasses.replace(plan, conjugate=conjugate_blocks(plan))
+    return plan, fns, dyn_data, init_values, graph
 
 
 def site_inputs(program: ModelProgram, data_spec, data, records, options: CompileOptions, barren=None) -> SiteInputs:

@@ -28,7 +28,7 @@ from blrppl.estimators import bilinear, gram
 from blrppl.estimators.registry import estimator_of
 from blrppl.model.functions import table_key
 from blrppl.compiler.pipeline import compile_model
-from blrppl.compiler.conjugacy import conjugate_blocks
+from blrppl.compiler.online import online_blocks
 from blrppl.compiler.families import init_nat
 from blrppl.compiler.finish import rows_share_precision
 from blrppl.graph.data import RunData, host_array, split_run_data
@@ -39,7 +39,6 @@ from blrppl.graph.stack import stack_table
 from blrppl.model.trace import subsampled_plates
 from blrppl.posterior.diagnostics import make_log_weights
 from blrppl.posterior.export import posterior_builder
-from blrppl.posterior.online import online_plan
 
 
 #: default initial ρ of blocks with Monte Carlo messages (then decaying); other blocks start
@@ -273,8 +272,9 @@ def _step_work(plan, dense_work: int) -> int:
 
 
 def plan_model(program, records, data_spec, dyn_data, options, prior_spec, k_probe):
-    """The plan of a traced model (blocks, factors, estimators, conjugacy) and what
-    :func:`compile_model` builds with it."""
+    """The plan of a traced model (blocks, factors, estimators, the online prior, conjugacy),
+    what :func:`compile_model` builds with it, and the blocks whose prior is a previous fit's
+    posterior."""
     plan, fns, dyn_data, init_values, graph = compile_model(
         program,
         records,
@@ -286,12 +286,9 @@ def plan_model(program, records, data_spec, dyn_data, options, prior_spec, k_pro
         point=options.point,
         point_space=options.point_space,
         subsampled=subsampled_plates(records),
+        prior_spec=prior_spec,
     )
-    online = ()
-    if prior_spec is not None:
-        plan, graph, online = online_plan(plan, graph, records, prior_spec)
-    plan = dataclasses.replace(plan, conjugate=conjugate_blocks(plan))
-    return plan, fns, dyn_data, init_values, graph, online
+    return plan, fns, dyn_data, init_values, graph, online_blocks(plan)
 
 
 def compile_fit(program, records, data_spec, dyn_data, tracer, options, prior_spec, k_probe, supports=()):
