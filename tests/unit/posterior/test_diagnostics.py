@@ -368,9 +368,51 @@ def test_a_fit_whose_elbo_ran_away_warns_that_it_diverged(monkeypatch):
 
     with pytest.warns(UserWarning, match=r"diverged: its ELBO fell from -11 \(step 2\) to -3e\+05") as record:
         result = blr_fit(model, (np.array([0.3, -0.2, 1.1]),), rng_key=random.PRNGKey(0), progress_bar=False)
-    assert "diverged" in result.message
+    assert "diverged" in result.message and not result.converged
     assert any(w.filename == __file__ for w in record if "diverged" in str(w.message))
 
+
+
+def _normal_mean(y):
+    mu = numpyro.sample("mu", dist.Normal(0.0, 10.0))
+    with numpyro.plate("n", y.shape[0]):
+        numpyro.sample("y", dist.Normal(mu, 1.0), obs=y)
+
+
+def test_a_fit_whose_blocks_stopped_updating_is_not_converged(monkeypatch):
+    """A run that met its convergence test while its block found no valid update in most of
+    its last steps (its parameters kept, so the ELBO stood still): not converged, and the
+    message and a warning say what failed."""
+    from blrppl.engine import run as run_module
+
+    real = run_module.run_loop
+
+    def stalled(*args, **kwargs):
+        outcome = real(*args, **kwargs)
+        valid = np.ones(30, bool)
+        valid[-15:] = False
+        valid[-1] = True
+        return outcome._replace(elbo=np.full(30, -12.0), num_steps=30, valid=valid, invalid_steps=14)
+
+    monkeypatch.setattr(run_module, "run_loop", stalled)
+    with pytest.warns(UserWarning, match="in 14 of the last 20 steps a block found no valid update"):
+        result = blr_fit(_normal_mean, (np.array([0.3, -0.2, 1.1]),), rng_key=random.PRNGKey(0), progress_bar=False)
+    assert not result.converged
+    assert result.message.startswith("met the convergence test after 30 steps"), result.message
+    assert "not converged" in result.message
+
+
+def test_a_fit_with_an_infinite_khat_is_not_converged(monkeypatch):
+    """PSIS k̂ = ∞ (weights not finite at some draws of q, or too few carrying weight): the fit
+    is not converged and its message says why."""
+    from blrppl.engine import run as run_module
+
+    monkeypatch.setattr(run_module, "psis_khat", lambda log_weights: math.inf)
+    monkeypatch.setattr(run_module, "one_exact_block", lambda plan: False)  # (k̂ is drawn, not −∞ by rule)
+    with pytest.warns(UserWarning, match="PSIS k-hat is infinite"):
+        result = blr_fit(_normal_mean, (np.array([0.3, -0.2, 1.1]),), rng_key=random.PRNGKey(0), progress_bar=False)
+    assert not result.converged
+    assert "not converged: PSIS k-hat is infinite" in result.message
 
 def _walk_with_unknown_step(y):
     step = numpyro.sample("step", dist.HalfNormal(1.0))
