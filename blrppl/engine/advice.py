@@ -309,9 +309,32 @@ def poor_q_advice(plan, num_starts: int = 1) -> str:
             "every factor is closed-form, so q is the best of its factorisation into blocks (variational "
             "message passing), which holds no correlation between blocks"
             + (
-                ", and a mixture's posterior is multimodal under relabelling of its components"
-                if any(b.discrete and not b.chain for b in plan.blocks) else ""
+                # (not the relabelling of the components: k̂ is read at q's draws, which the
+                # posterior's relabelled copies do not reach; see relabelling_note)
+                ": a mixture's assignments are fitted apart from its components, so data whose component is "
+                "uncertain do not widen them (a component's sds may come out too small)"
+                if has_mixture(plan) else ""
             )
             + "; compare means of identified quantities with NUTS"
         )
     return advice
+
+
+def has_mixture(plan) -> bool:
+    """Whether the plan has discrete latents that are not a chain (a mixture's assignments)."""
+    return any(b.discrete and not b.chain for b in plan.blocks)
+
+
+def relabelling_note(plan) -> str | None:
+    """For a plan with a mixture's assignments, the note (an information, not a warning) that
+    its posterior has a copy for every relabelling of its components and q holds one: that
+    is no fault of q (PSIS k̂ is read at q's draws, where the other copies add nothing, and
+    identified quantities, such as the sorted component means, are the same in every copy).
+    None for other plans."""
+    if not has_mixture(plan):
+        return None
+    return (
+        "note: where a mixture's components have the same prior, its posterior has one copy for every "
+        "relabelling of them and q holds one; that alone is no poor fit (compare identified quantities, e.g. "
+        "the sorted component means)"
+    )

@@ -18,6 +18,7 @@ from blrppl.engine.advice import (
     improper_note,
     never_finite,
     poor_q_advice,
+    relabelling_note,
     stalled_note,
     stop_message,
 )
@@ -147,6 +148,9 @@ def finish(prepared: Prepared, outcome, nat: dict, num_steps: int, t1: float, t2
         warnings.warn("blr_fit: " + "; ".join(failed), UserWarning, stacklevel=4)
     if grid is not None:
         message += "; " + grid
+    relabelled = relabelling_note(plan)
+    if relabelled is not None:
+        message += "; " + relabelled
     if diagnostics.khat > KHAT_WARN and diagnostics.ess >= ESS_CLOSE:
         # (nearly equal weights: q's bulk is the posterior's; k̂ reads the tail of a ratio
         # that hardly varies, no warning)
