@@ -73,14 +73,16 @@ def _diagnose(prepared, outcome, nat) -> Diagnostics:
 
 
 def _infinite_khat_note(diagnostics) -> str | None:
-    """The note for an infinite PSIS k̂ (importance weights of q's draws that are not finite,
-    or too few carrying weight to fit their tail: q is far from the posterior, or a point
-    mass), which no converged fit has; else None."""
-    if diagnostics.khat != math.inf:
+    """The note for an infinite PSIS k̂ from importance weights that are not finite (the model's
+    log density is −∞ or NaN at some of q's draws: q puts mass where the model has none), which
+    no converged fit has; else None. (An infinite k̂ from finite weights too few of which carry
+    weight is the poor-q warning's: a float32 fit of Poisson counts of 10⁹, whose posterior sd
+    is below float32's resolution of its mean, has weights that are float32 rounding.)"""
+    if diagnostics.khat != math.inf or not math.isnan(diagnostics.ess):
         return None
     return (
-        "not converged: PSIS k-hat is infinite (the model's log density is not finite at some of q's draws, or "
-        "too few draws carry weight to fit their tail): q is far from the posterior or collapsed to a point"
+        "not converged: PSIS k-hat is infinite, the model's log density not being finite at some of q's draws "
+        "(q puts mass where the model has none, or its densities overflow there)"
     )
 
 

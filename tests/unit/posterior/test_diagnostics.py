@@ -412,11 +412,12 @@ def test_a_fit_whose_blocks_stopped_updating_is_not_converged(monkeypatch):
 
 
 def test_a_fit_with_an_infinite_khat_is_not_converged(monkeypatch):
-    """PSIS k̂ = ∞ (weights not finite at some draws of q, or too few carrying weight): the fit
-    is not converged and its message says why."""
+    """PSIS k̂ = ∞ from weights that are not finite at some draws of q (so is their ESS): the
+    fit is not converged and its message says why."""
     from blrppl.engine import run as run_module
 
     monkeypatch.setattr(run_module, "psis_khat", lambda log_weights: math.inf)
+    monkeypatch.setattr(run_module, "relative_ess", lambda log_weights: math.nan)
     monkeypatch.setattr(run_module, "one_exact_block", lambda plan: False)  # (k̂ is drawn, not −∞ by rule)
     with pytest.warns(UserWarning, match="PSIS k-hat is infinite"):
         result = blr_fit(_normal_mean, (np.array([0.3, -0.2, 1.1]),), rng_key=random.PRNGKey(0), progress_bar=False)
