@@ -11,7 +11,7 @@ import numpy as np
 
 from blrppl import families as fam
 from blrppl.engine.build import one_exact_block
-from blrppl.engine.loop import BAD_RATE, CONVERGED, NONFINITE, STATIONARY, STATIONARY_STEPS
+from blrppl.engine.loop import BAD_RATE, CONVERGED, NONFINITE, STATIONARY, STATIONARY_STEPS, diverged_from
 from blrppl.compiler.structure import MC_JOINT_MAX_DIM
 from blrppl.estimators.registry import estimator_of
 from blrppl.graph.plan import FactorRole
@@ -78,27 +78,45 @@ def stop_message(outcome, plan, window: int, tol: float, num_steps: int) -> str:
     return message
 
 
-#: a fit's last ELBO this many times its best's magnitude below the best: it diverged
-DIVERGED_FALL = 10.0
-
-
-def divergence_note(elbo) -> str | None:
-    """The note for a fit whose ELBO fell far below its best and stayed there (its last
-    value below best − :data:`DIVERGED_FALL` · max(|best|, 100)), else None. A Monte Carlo
-    step is taken whenever its ELBO is finite, so a fit can drift away step by step (a poor
-    start whose steps overshoot: −2·10⁸ at the first step, −2·10³⁸ at the 35th); the state
-    returned is the last step's."""
+def divergence_note(elbo, restored: int | None = None) -> str | None:
+    """The note for a fit whose ELBO fell far below its best and stayed there
+    (:func:`blrppl.engine.loop.diverged_from`), else None. A Monte Carlo step is taken
+    whenever its ELBO is finite, so a fit can drift away step by step (a poor start whose
+    steps overshoot: −2·10⁸ at the first step, −2·10³⁸ at the 35th). ``restored``: the step
+    whose state the run returned instead of its last (its best), None when q is the last
+    step's."""
     elbo = np.asarray(elbo, float)
-    finite = np.flatnonzero(np.isfinite(elbo))
-    if finite.size < 2 or not np.isfinite(elbo[-1]):
+    best = diverged_from(elbo)
+    if best is None:
         return None
-    best = int(finite[np.argmax(elbo[finite])])
-    if elbo[-1] >= elbo[best] - DIVERGED_FALL * max(abs(elbo[best]), 100.0):
-        return None
+    kept = (
+        f"the best state, step {restored}'s, is returned and the fit is not converged"
+        if restored is not None else "q is the last step's"
+    )
     return (
         f"the fit diverged: its ELBO fell from {elbo[best]:.3g} (step {best + 1}) to {elbo[-1]:.3g} (step "
-        f"{elbo.size}), and q is the last step's; try mc_curvature='reparam', a smaller learning_rate, or "
-        "another rng_key"
+        f"{elbo.size}), and {kept}; try mc_curvature='reparam', a smaller learning_rate, or another rng_key"
+    )
+
+
+#: a converged fit whose blocks found no valid update in more than this share of its last
+#: steps stalled rather than converged
+STALLED_SHARE = 0.5
+
+
+def stalled_note(outcome, window: int) -> str | None:
+    """The note for a fit that met its convergence test while its blocks kept failing to find
+    valid updates (in more than :data:`STALLED_SHARE` of its last ``window`` steps, or
+    :data:`~blrppl.engine.loop.STATIONARY_STEPS` for exact ELBOs): a block that keeps its
+    parameters leaves the ELBO still, which the test reads as convergence. None otherwise."""
+    valid = np.asarray(outcome.valid if outcome.valid is not None else (), bool)
+    last = valid[-(window or STATIONARY_STEPS):]
+    if not outcome.converged or not last.size or np.mean(~last) <= STALLED_SHARE:
+        return None
+    return (
+        f"not converged: in {int(np.sum(~last))} of the last {last.size} steps a block found no valid update "
+        "and kept its parameters, so the ELBO stood still without q improving (q may be stuck at a point mass "
+        "or at its start); try mc_curvature='reparam', a smaller learning_rate, num_starts=4 or other families="
     )
 
 
@@ -291,9 +309,32 @@ def poor_q_advice(plan, num_starts: int = 1) -> str:
             "every factor is closed-form, so q is the best of its factorisation into blocks (variational "
             "message passing), which holds no correlation between blocks"
             + (
-                ", and a mixture's posterior is multimodal under relabelling of its components"
-                if any(b.discrete and not b.chain for b in plan.blocks) else ""
+                # (not the relabelling of the components: k̂ is read at q's draws, which the
+                # posterior's relabelled copies do not reach; see relabelling_note)
+                ": a mixture's assignments are fitted apart from its components, so data whose component is "
+                "uncertain do not widen them (a component's sds may come out too small)"
+                if has_mixture(plan) else ""
             )
             + "; compare means of identified quantities with NUTS"
         )
     return advice
+
+
+def has_mixture(plan) -> bool:
+    """Whether the plan has discrete latents that are not a chain (a mixture's assignments)."""
+    return any(b.discrete and not b.chain for b in plan.blocks)
+
+
+def relabelling_note(plan) -> str | None:
+    """For a plan with a mixture's assignments, the note (an information, not a warning) that
+    its posterior has a copy for every relabelling of its components and q holds one: that
+    is no fault of q (PSIS k̂ is read at q's draws, where the other copies add nothing, and
+    identified quantities, such as the sorted component means, are the same in every copy).
+    None for other plans."""
+    if not has_mixture(plan):
+        return None
+    return (
+        "note: where a mixture's components have the same prior, its posterior has one copy for every "
+        "relabelling of them and q holds one; that alone is no poor fit (compare identified quantities, e.g. "
+        "the sorted component means)"
+    )

@@ -11,6 +11,10 @@ updates the progress bar. A run stops when
   damping falls below ``MIN_DAMPING`` the run ends with the last valid state, or
 * ``num_steps`` steps have run.
 
+A Monte Carlo step is taken whenever its ELBO is finite, so a fit can drift away step by step
+(a poor start whose steps overshoot); its chunks carry the best state by ELBO, and a run
+whose last ELBO fell far below the best (:func:`diverged_from`) returns that best state.
+
 The first step from a fresh start of a plan with non-conjugate blocks is a line search:
 from an arbitrary starting point a full step (a damped Newton step on the factors' expected
 log-densities) can overshoot far beyond the optimum of a log-density that is nearly linear
@@ -54,6 +58,22 @@ def empty_history(window: int):
 MIN_DAMPING = 2.0**-60
 #: the first step's line search probes ρ down to this
 SEARCH_FLOOR = 2.0**-20
+#: a fit's last ELBO this many times its best's magnitude below the best: it diverged
+DIVERGED_FALL = 10.0
+
+
+def diverged_from(elbo) -> int | None:
+    """The index of the best ELBO of a fit whose last ELBO fell far below it (below best −
+    :data:`DIVERGED_FALL` · max(|best|, 100)), else None (a last ELBO that is not finite is
+    the stop message's, not a divergence)."""
+    elbo = np.asarray(elbo, float)
+    finite = np.flatnonzero(np.isfinite(elbo))
+    if finite.size < 2 or not np.isfinite(elbo[-1]):
+        return None
+    best = int(finite[np.argmax(elbo[finite])])
+    if elbo[-1] >= elbo[best] - DIVERGED_FALL * max(abs(elbo[best]), 100.0):
+        return None
+    return best
 
 
 class LoopOutcome(NamedTuple):
@@ -67,6 +87,10 @@ class LoopOutcome(NamedTuple):
     improper: tuple = ()
     #: steps undone by backtracking
     rejected_steps: int = 0
+    #: per step run, whether every block found a valid update
+    valid: np.ndarray | None = None
+    #: the step (counted from 1) whose state a diverged run returns instead of its last
+    restored: int | None = None
 
 
 def drop_slack(elbo) -> float:
@@ -109,6 +133,11 @@ def make_chunk(
     block's view from step to step (formed once per chunk, then at the end of each step);
     the chunk returns the state without them.
 
+    The chunk also returns whether each of its steps was valid (every block found a valid
+    update) and, for Monte Carlo ELBOs (``window`` > 0, no minibatches), the best state it
+    reached, ``(ELBO, natural parameters, step within the chunk)`` (ELBO −∞ when it accepted
+    no step; None for other fits).
+
     A step in which some block found no valid update (it kept its parameters, so the ELBO
     may not move) never counts as converged, nor does a step after which the messages to a
     block in ``blocks`` (the names the step reports in ``info.proper``) were not a valid
@@ -124,6 +153,9 @@ def make_chunk(
         dtype = jnp.result_type(float)
         tol = jnp.asarray(tol, dtype)
         buf = jnp.full((chunk_size,), jnp.nan, dtype)
+        valid_buf = jnp.zeros((chunk_size,), bool)
+        track_best = bool(window) and not epoch
+        best0 = (jnp.full((), -jnp.inf, dtype), state.nat, jnp.full((), -1, jnp.int32)) if track_best else None
         limit = jnp.minimum(steps_left, chunk_size)
         proper0 = {n: jnp.array(True) for n in blocks}
         # the first step's line search: (probing, best ELBO so far, its damping)
@@ -146,11 +178,11 @@ def make_chunk(
         kernel_step = bind_step(step, data, rho)
 
         def cond(carry):
-            _, i, _, stop, _, _, _, _, _ = carry
+            _, i, _, stop, _, _, _, _, _, _, _ = carry
             return (i < limit) & (stop == CONTINUE)
 
         def body(carry):
-            st, i, buf, _, invalid, history, _, undone, search = carry
+            st, i, buf, _, invalid, history, _, undone, search, valid_buf, best = carry
             if rate_fn is not None:
                 rate = jnp.asarray(rate_fn(st.step))
                 bad_rate = ~(jnp.isfinite(rate) & (rate >= 0))
@@ -169,6 +201,8 @@ def make_chunk(
             accept = accept & ~bad_rate
             new = _accepted_or_rejected(st, new, accept, probe, ends, search[2])
             buf = buf.at[i].set(jnp.where(accept, info.elbo, st.elbo))
+            valid_buf = valid_buf.at[i].set(info.valid)
+            best = _best_state(best, accept & ~bad_rate, info.elbo, new.nat, i) if track_best else best
             stuck = ~accept & ~ends & (new.damping < MIN_DAMPING)
             converged_code = CONVERGED if window else jnp.where(stationary, STATIONARY, CONVERGED)
             stop = jnp.where(stuck, NONFINITE, jnp.where(conv & ~bad_rate, converged_code, CONTINUE))
@@ -178,15 +212,22 @@ def make_chunk(
             i = i + jnp.where(stuck | bad_rate | probe, 0, 1).astype(jnp.int32)
             last_proper = info.proper if info.proper is not None else {}
             undone = undone + jnp.where(accept | bad_rate | probe, 0, 1).astype(jnp.int32)
-            return new, i, buf, stop.astype(jnp.int32), invalid, history, last_proper, undone, search
+            return new, i, buf, stop.astype(jnp.int32), invalid, history, last_proper, undone, search, valid_buf, best
 
         zero = jnp.zeros((), jnp.int32)
-        init = (state, zero, buf, zero, zero, history, proper0, zero, search0)
-        state, n, buf, stop, invalid, history, proper, undone, _ = jax.lax.while_loop(cond, body, init)
+        init = (state, zero, buf, zero, zero, history, proper0, zero, search0, valid_buf, best0)
+        state, n, buf, stop, invalid, history, proper, undone, _, valid_buf, best = jax.lax.while_loop(cond, body, init)
         state = state._replace(views=None, entropies=None)
-        return state, buf, n, stop, invalid, history, proper, undone
+        return state, buf, n, stop, invalid, history, proper, undone, valid_buf, best
 
     return chunk
+
+
+def _best_state(best, accepted, elbo, nat, i):
+    """The best ``(ELBO, natural parameters, step in the chunk)`` so far, after a step ``i``
+    to ``nat`` with ``elbo``, ``accepted`` or not."""
+    better = accepted & (elbo > best[0])
+    return jax.tree.map(lambda a, b: jnp.where(better, b, a), best, (elbo.astype(best[0].dtype), nat, i))
 
 
 def _windowed_converged(history, count, tol, window: int, epoch: int):
@@ -262,27 +303,32 @@ def run_loop(
     chunk_fn, state: BLRState, data, rho, tol: float, num_steps: int, chunk_size: int, progress_bar: bool,
     window: int = 0,
 ):
-    """Run chunks until convergence (relative tolerance ``tol``), a stop, or ``num_steps``.
+    """Run chunks until convergence (relative tolerance ``tol``), a stop, or ``num_steps``; a
+    run whose ELBO diverged returns its best state (:func:`diverged_from`).
 
     Ctrl-C stops the run at the next chunk boundary with ``KeyboardInterrupt``
     (:func:`blrppl.engine.interrupt.deferred_interrupts`), even where Python would drop it.
     """
     history = empty_history(window)
     tol = host_array(tol, jnp.result_type(float))
-    elbos, total, stop, invalid, proper, rejected = [], 0, CONTINUE, 0, {}, 0
+    elbos, valid, total, stop, invalid, proper, rejected = [], [], 0, CONTINUE, 0, {}, 0
+    best = None  # (ELBO, natural parameters, step counted from 1) of Monte Carlo fits
     bar = _progress_bar(num_steps) if progress_bar else None
     try:
         with deferred_interrupts() as interrupt:
             while total < num_steps and stop == CONTINUE:
                 interrupt.check()
-                state, buf, n, stop_arr, inv, history, last_proper, rej = chunk_fn(
+                state, buf, n, stop_arr, inv, history, last_proper, rej, valid_buf, chunk_best = chunk_fn(
                     state, data, host_array(num_steps - total, np.int32), rho, history, tol
                 )
                 n = int(n)
                 rejected += int(rej)
                 if n:
                     proper = last_proper
+                if chunk_best is not None and float(chunk_best[0]) > (best[0] if best else -np.inf):
+                    best = (float(chunk_best[0]), chunk_best[1], total + int(chunk_best[2]) + 1)
                 elbos.append(np.asarray(buf)[:n])
+                valid.append(np.asarray(valid_buf)[:n])
                 total += n
                 stop = int(stop_arr)
                 invalid += int(inv)
@@ -297,7 +343,11 @@ def run_loop(
             bar.close()
     elbo = np.concatenate(elbos) if elbos else np.zeros((0,))
     improper = tuple(k for k, v in proper.items() if not bool(v))
-    return LoopOutcome(state, elbo, total, stop in (CONVERGED, STATIONARY), stop, invalid, improper, rejected)
+    outcome = LoopOutcome(
+        state, elbo, total, stop in (CONVERGED, STATIONARY), stop, invalid, improper, rejected,
+        np.concatenate(valid) if valid else np.zeros((0,), bool),
+    )
+    return restored_best(outcome, best)
 
 
 def _progress_bar(num_steps: int):
@@ -307,3 +357,15 @@ def _progress_bar(num_steps: int):
     except ImportError:  # pragma: no cover
         return None
     return tqdm(total=num_steps, desc="blr", leave=False)
+
+
+def restored_best(outcome: LoopOutcome, best) -> LoopOutcome:
+    """``outcome`` with the state of ``best`` ``(ELBO, natural parameters, step)`` when its
+    ELBO trace diverged (:func:`diverged_from`) and that best is as good as the trace's (a
+    diverged run is not converged); else ``outcome``."""
+    at = diverged_from(outcome.elbo)
+    if best is None or at is None or best[0] < outcome.elbo[at]:
+        return outcome
+    dtype = jnp.result_type(outcome.state.elbo)
+    state = outcome.state._replace(nat=best[1], elbo=host_array(best[0], dtype))
+    return outcome._replace(state=state, converged=False, restored=best[2])

@@ -1,6 +1,7 @@
 """Fresh starts again from a narrower q: a start from which no step keeps the ELBO finite
-(a quadrature's outer nodes overflowing at unit variances) is run again with its Gaussian
-blocks' precisions scaled up (:func:`narrowed`).
+(a quadrature's outer nodes overflowing at unit variances), or whose Monte Carlo ELBO diverged
+(a power law's messages overflowing at unit variances), is run again with its Gaussian blocks'
+precisions scaled up (:func:`narrowed`).
 """
 
 from __future__ import annotations

@@ -12,7 +12,16 @@ import warnings
 import jax
 import numpy as np
 
-from blrppl.engine.advice import divergence_note, improper_blocks, improper_note, never_finite, poor_q_advice, stop_message
+from blrppl.engine.advice import (
+    divergence_note,
+    improper_blocks,
+    improper_note,
+    never_finite,
+    poor_q_advice,
+    relabelling_note,
+    stalled_note,
+    stop_message,
+)
 from blrppl.engine.build import model_data, one_exact_block
 from blrppl.engine.cache import COMPILE_LOCK
 from blrppl.engine.loop import CONVERGED, NONFINITE, run_loop
@@ -63,13 +72,30 @@ def _diagnose(prepared, outcome, nat) -> Diagnostics:
     )
 
 
+def _infinite_khat_note(diagnostics) -> str | None:
+    """The note for an infinite PSIS k̂ from importance weights that are not finite (the model's
+    log density is −∞ or NaN at some of q's draws: q puts mass where the model has none), which
+    no converged fit has; else None. (An infinite k̂ from finite weights too few of which carry
+    weight is the poor-q warning's: a float32 fit of Poisson counts of 10⁹, whose posterior sd
+    is below float32's resolution of its mean, has weights that are float32 rounding.)"""
+    if diagnostics.khat != math.inf or not math.isnan(diagnostics.ess):
+        return None
+    return (
+        "not converged: PSIS k-hat is infinite, the model's log density not being finite at some of q's draws "
+        "(q puts mass where the model has none, or its densities overflow there)"
+    )
+
+
 def run(prepared: Prepared, state: BLRState, num_steps: int, progress_bar: bool) -> BLRResult:
     """Run the jitted loop from ``state`` and package the result.
 
     A fresh start from which no step size keeps the ELBO finite is started again with its
     Gaussian blocks narrowed (:func:`narrowed`): with unit variances on a log scale, a
     Weibull's (y/λ)^k overflows at the quadrature's outer nodes (k = 2e^4.5, λ = 2e^−4.5),
-    its expectation is infinite, and the fit stopped after 0 steps."""
+    its expectation is infinite, and the fit stopped after 0 steps. So is one whose Monte Carlo
+    ELBO diverged (:func:`blrppl.engine.loop.diverged_from`; the run returned its best state):
+    from unit variances on a log scale, a power law of populations up to 275,000 overflowed
+    its messages."""
     bundle = prepared.bundle
     t1 = time.perf_counter()
     outcome = run_loop(
@@ -78,7 +104,8 @@ def run(prepared: Prepared, state: BLRState, num_steps: int, progress_bar: bool)
     )
     first, fresh = outcome, int(state.step) == 0
     for _ in range(NARROWED_STARTS if fresh else 0):
-        if outcome.num_steps > 0 or outcome.stop != NONFINITE:
+        stuck = outcome.num_steps == 0 and outcome.stop == NONFINITE
+        if not stuck and outcome.restored is None:
             break
         state = narrowed(prepared.plan, state)
         outcome = run_loop(
@@ -112,12 +139,20 @@ def finish(prepared: Prepared, outcome, nat: dict, num_steps: int, t1: float, t2
         # (the result holds the last valid state, or no step's: without a warning only the
         # message says so)
         warnings.warn("blr_fit: " + message, UserWarning, stacklevel=4)
-    diverged = divergence_note(outcome.elbo)
+    diverged = divergence_note(outcome.elbo, outcome.restored)
     if diverged is not None:
         message += "; " + diverged
         warnings.warn("blr_fit: " + diverged, UserWarning, stacklevel=4)
+    failed = [note for note in (stalled_note(outcome, bundle.window), _infinite_khat_note(diagnostics)) if note]
+    if failed and outcome.converged:
+        message = message.replace("converged after", "met the convergence test after", 1)
+        message += "; " + "; ".join(failed)
+        warnings.warn("blr_fit: " + "; ".join(failed), UserWarning, stacklevel=4)
     if grid is not None:
         message += "; " + grid
+    relabelled = relabelling_note(plan)
+    if relabelled is not None:
+        message += "; " + relabelled
     if diagnostics.khat > KHAT_WARN and diagnostics.ess >= ESS_CLOSE:
         # (nearly equal weights: q's bulk is the posterior's; k̂ reads the tail of a ratio
         # that hardly varies, no warning)
@@ -148,7 +183,7 @@ def finish(prepared: Prepared, outcome, nat: dict, num_steps: int, t1: float, t2
         posterior=posterior,
         elbo=np.asarray(outcome.elbo),
         num_steps=outcome.num_steps,
-        converged=outcome.converged,
+        converged=outcome.converged and diverged is None and not failed,
         message=message,
         diagnostics=diagnostics,
         diagnostic_time=t3 - t2,

@@ -22,7 +22,6 @@ from numpyro import validation_enabled as numpyro_validation
 from numpyro.distributions import constraints
 from numpyro.distributions.transforms import biject_to
 from numpyro.primitives import Messenger
-from numpyro.infer.initialization import init_to_uniform
 from jax.extend import core as jex_core
 
 from blrppl.errors import ModelTraceError, UnsupportedFactorError, UnsupportedLatentError
@@ -40,6 +39,7 @@ from blrppl.model.checks import (
     param_record,
     raise_trace_error,
 )
+from blrppl.model.start import init_to_prior_mean
 from blrppl.model.records import (
     Plate,
     SiteRecord,
@@ -50,39 +50,6 @@ from blrppl.model.records import (
     unwrap,
     value_mask,
 )
-
-
-def init_to_prior_mean(site=None):
-    """numpyro init strategy: the prior mean where it is finite, else a uniform draw in
-    (−2, 2) on the unconstrained space. Never samples the prior (cheap to compile, works for
-    ``ImproperUniform``).
-
-    For a transformed distribution, the transform of its base distribution's mean (the
-    same for an affine transform): a ``LogNormal(0, 10)`` prior (NumPyro's GP example) has
-    mean e⁵⁰, five sds out on the log scale where its latent is fitted, and a fit started
-    there ended at kernel variances of e⁴⁸ (ELBO −600 against about −10 from e⁰)."""
-    if site is None:
-        return init_to_prior_mean
-    if site["type"] != "sample" or site["is_observed"] or site["fn"].support.is_discrete:
-        return None
-    fallback = init_to_uniform(site)
-    support = effective_support(site["fn"])
-    if support is not site["fn"].support:
-        # numpyro drew on the unconstrained space of the support it reports (e.g. real for a
-        # Beta pushed through an affine map): the same draw mapped into the narrower one
-        fallback = biject_to(support)(biject_to(site["fn"].support).inv(fallback))
-    base = unwrap(site["fn"])[0]
-    try:
-        if isinstance(base, dist.TransformedDistribution):
-            mean = base.base_dist.mean
-            for t in base.transforms:
-                mean = t(mean)
-        else:
-            mean = site["fn"].mean
-        mean = jnp.broadcast_to(1.0 * mean, jnp.shape(fallback))
-    except (NotImplementedError, ValueError, TypeError):
-        return fallback
-    return jnp.where(jnp.isfinite(mean), mean, fallback)
 
 
 #: how many times a model's Python code has run in this process (each trace, each re-run):

@@ -240,3 +240,51 @@ def test_the_first_step_from_a_fresh_start_is_a_line_search(gain, first_search, 
     assert float(buf[0]) == pytest.approx(elbo1)
     assert float(new.damping) == damping1
     assert int(new.step) == start_step + 1
+
+
+def _runaway_step(state, data, rho):
+    """A Monte Carlo-like step with ELBO −100 (x − 1)² − 50: the first step moves x from −9
+    to 4 (ELBO −950, the best), each later one triples the distance from 1, so the ELBO falls
+    without bound (no backtracking: Monte Carlo steps are taken whenever their ELBO is
+    finite)."""
+    from blrppl.engine.step import BLRInfo
+
+    x = 1.0 + 3.0 * (state.nat["x"] - 1.0) * jnp.where(state.step == 0, -0.1, 1.0)
+    elbo = -100.0 * (x - 1.0) ** 2 - 50.0
+    info = BLRInfo(elbo=elbo, valid=jnp.array(True), proper={})
+    return state._replace(nat={"x": x}, step=state.step + 1, elbo=elbo), info
+
+
+def test_a_diverged_monte_carlo_run_returns_its_best_state():
+    """The run's chunks carry the best state by ELBO: the run diverges (its last ELBO far
+    below its best) and returns the state of its best step, not converged, and the stop
+    note says that state is returned."""
+    from blrppl.engine.advice import divergence_note
+    from blrppl.engine.step import initial_state
+
+    window = 4
+    chunk = jax.jit(engine_loop.make_chunk(_runaway_step, 5, window))
+    state = initial_state({"x": jnp.asarray(-9.0)}, jax.random.key(0))._replace(damping=jnp.asarray(1.0))
+    outcome = engine_loop.run_loop(chunk, state, None, {}, 1e-8, 12, 5, False, window)
+    elbo = np.asarray(outcome.elbo)
+    best = int(np.argmax(elbo))
+    assert elbo[-1] < elbo[best] - 10 * max(abs(elbo[best]), 100.0)  # (it diverged)
+    assert outcome.restored == best + 1 and not outcome.converged
+    # the state of that step: x₀ = −9, x₁ = 1 + 3 · 10 · 0.1 = 4, then x ← 1 + 3 (x − 1)
+    x = [-9.0]
+    for t in range(best + 1):
+        x.append(1.0 + 3.0 * (x[-1] - 1.0) * (-0.1 if t == 0 else 1.0))
+    assert float(outcome.state.nat["x"]) == pytest.approx(x[-1])
+    assert float(outcome.state.elbo) == pytest.approx(elbo[best])
+    note = divergence_note(elbo, outcome.restored)
+    assert f"the best state, step {best + 1}'s, is returned" in note
+
+
+def test_a_run_that_did_not_diverge_keeps_its_last_state():
+    """A run that has not diverged (one step) returns its last state."""
+    from blrppl.engine.step import initial_state
+
+    chunk = jax.jit(engine_loop.make_chunk(_runaway_step, 5, 4))
+    state = initial_state({"x": jnp.asarray(-9.0)}, jax.random.key(0))._replace(damping=jnp.asarray(1.0))
+    outcome = engine_loop.run_loop(chunk, state, None, {}, 1e-8, 1, 5, False, 4)
+    assert outcome.restored is None and float(outcome.state.nat["x"]) == pytest.approx(4.0)
