@@ -11,6 +11,7 @@ import numpy as np
 from blrppl import families as fam
 from blrppl.errors import FamilyError, UnsupportedFactorError, UnsupportedLatentError
 from blrppl.graph.plan import FactorRole
+from blrppl.model import checks as model_checks
 from blrppl.model.records import SiteRecord
 from blrppl.compiler.stages import CompileOptions
 
@@ -59,6 +60,23 @@ def check_options(records, families, point, point_space, structure, subsampled, 
         raise FamilyError(f"point_space must be 'unconstrained' or 'constrained', not {point_space!r}")
     rng_key = jax.random.key(1) if rng_key is None else rng_key
     return CompileOptions(families, point, point_space, structure, tuple(subsampled), rng_key)
+
+
+def check_loose_blocks(structure, records) -> None:
+    """Refuse a structure that leaves more than :data:`blrppl.model.checks.MAX_LOOSE_BLOCKS`
+    latent sites of one structure outside any plate as blocks of their own (neither merged
+    into the joint block nor one chain): the sites of a Python loop over groups, which a
+    plate would hold as one site.
+
+    Raises:
+        UnsupportedLatentError: naming the group's first and last site and the plate that
+            would hold them.
+    """
+    held = set(structure.chains) | (set(structure.members) if structure.merge else set())
+    single = [n for n, b in structure.blocks.items() if n not in held and tuple(b.sites) == (n,)]
+    for (pattern, dist_type, _), names in model_checks.loose_latent_groups(records, single).items():
+        if len(names) > model_checks.MAX_LOOSE_BLOCKS:
+            raise model_checks.loose_latents_error(names, dist_type.__name__, pattern, model_checks.MAX_LOOSE_BLOCKS)
 
 
 def check_static_supports(records, deps) -> None:

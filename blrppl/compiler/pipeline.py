@@ -16,7 +16,7 @@ from blrppl.model.program import ModelProgram
 from blrppl.graph.derivatives import is_reverse_only_error
 from blrppl.rules import find_rule
 from blrppl.compiler.stages import CompileOptions, SiteInputs, StructureLimits
-from blrppl.compiler.checks import check_options
+from blrppl.compiler.checks import check_loose_blocks, check_options
 from blrppl.compiler.dependencies import barren_latents, find_dependencies
 from blrppl.compiler.families import choose_families
 from blrppl.compiler.structure import choose_structure, fallback
@@ -85,7 +85,9 @@ def compile_model(
     choice = choose_families(inputs, found, options)
     limits = StructureLimits()
     while limits is not None:
-        estimates = estimate(inputs, found, choice, choose_structure(inputs, choice, options, limits), options)
+        structure = choose_structure(inputs, choice, options, limits)
+        check_loose_blocks(structure, inputs.records)
+        estimates = estimate(inputs, found, choice, structure, options)
         limits = fallback(estimates, options, limits)
     plan, fns, dyn_data, init_values, graph = finish_plan(inputs, found, estimates, options)
     if prior_spec is not None:

@@ -32,10 +32,18 @@ NEEDS_CONCRETE = (
 
 
 #: latent sites of one structure outside any plate (a Python loop's, one per group or step)
-#: beyond which a model is refused as it runs: each becomes a block of its own, and the
-#: compile time and memory grow faster than their number (on 2 cores, 300 scalar sites
-#: fitted in about 40 s; 1,000 gave no result after 6 minutes at 2.7 GB)
-MAX_LOOSE_LATENTS = 400
+#: beyond which a model is refused as it runs, before it is traced further: 3,000 scalar
+#: sites of a hierarchical loop grew past 6 GB with no result. Fewer are refused by the
+#: structure pass when they stay blocks of their own (:data:`MAX_LOOSE_BLOCKS`); a chain
+#: written one site per step (x_t ~ Normal(x_{t-1}, 1)) is one banded block and fits
+#: (450 steps: 90 s on 2 busy cores)
+MAX_LOOSE_LATENTS = 2000
+#: ... and the latent sites of one structure outside any plate that the structure pass
+#: leaves as blocks of their own beyond which a model is refused (neither one joint block
+#: nor one chain: the step's and the compilation's size grow with each block; on 2 cores,
+#: 400 scalar sites of a hierarchical loop fitted jointly in 67 s at 1 GB, 500 left apart
+#: reached 7.8 GB with no result after 13 minutes)
+MAX_LOOSE_BLOCKS = 400
 
 
 class LooseLatents(Messenger):
@@ -60,13 +68,27 @@ class LooseLatents(Messenger):
         names = self.groups.setdefault(key, [])
         names.append(msg["name"])
         if len(names) > MAX_LOOSE_LATENTS:
-            raise _loose_latents_error(names, type(base).__name__, key[0])
+            raise loose_latents_error(names, type(base).__name__, key[0], MAX_LOOSE_LATENTS)
 
 
-def _loose_latents_error(names: list, dist_name: str, pattern: str) -> UnsupportedLatentError:
+def loose_latent_groups(records, names) -> dict:
+    """The latent sites among ``names`` outside any plate, grouped by structure (their names
+    up to digits, the distribution's type, the value's shape): key → site names."""
+    groups: dict = {}
+    for name in names:
+        r = records.get(name)
+        if r is None or r.observed or r.is_param or r.plates:
+            continue
+        key = (re.sub(r"[0-9]+", "#", name), r.dist_type, tuple(r.value_shape))
+        groups.setdefault(key, []).append(name)
+    return groups
+
+
+def loose_latents_error(names: list, dist_name: str, pattern: str, limit: int) -> UnsupportedLatentError:
+    """The error refusing more than ``limit`` latent sites of one structure outside any plate."""
     stem = re.sub(r"[^A-Za-z0-9_]", "", re.sub(r"_*#+_*", "", pattern)) or "z"
     return UnsupportedLatentError(
-        f"the model has more than {MAX_LOOSE_LATENTS} latent {dist_name} sites of one structure written one "
+        f"the model has more than {limit} latent {dist_name} sites of one structure written one "
         f"by one outside any plate ('{names[0]}', ..., '{names[-1]}', e.g. in a Python loop): blr_fit makes "
         "each a block of its own, and its compile time and memory grow faster than their number; declare "
         f"them as one site in a plate and index it where the loop read one site, e.g. `with "

@@ -1,8 +1,9 @@
 """Latent sites of one structure written one by one outside any plate (a Python loop over
 groups): past :data:`blrppl.model.checks.MAX_LOOSE_LATENTS` of them the model is refused
-as it runs, before the rest of it is traced, with an error naming the sites and the plate
-that would hold them; below it, and for sites in plates or of distinct structures, nothing
-is refused."""
+as it runs, before the rest of it is traced, and past :data:`MAX_LOOSE_BLOCKS` when the
+structure pass leaves them blocks of their own, each time with an error naming the sites
+and the plate that would hold them; a chain written one site per step (one banded or
+joint block), sites in plates and sites of distinct structures are not refused."""
 
 from __future__ import annotations
 
@@ -45,6 +46,26 @@ def test_a_loop_of_too_many_latent_sites_is_refused_as_the_model_runs(monkeypatc
     assert info.value.site == "theta_0"
     # stopped at the 21st group's latent: the other 179 groups were never traced
     assert max(reached) == 20
+
+
+def random_walk(y):
+    x = 0.0
+    for t in range(len(y)):
+        x = numpyro.sample(f"x_{t}", dist.Normal(x, 1.0))
+        numpyro.sample(f"y_{t}", dist.Normal(x, 0.5), obs=y[t])
+
+
+def test_loose_latents_left_as_blocks_of_their_own_are_refused_by_the_structure_pass(monkeypatch):
+    monkeypatch.setattr(checks, "MAX_LOOSE_BLOCKS", 10)
+    y = np.linspace(-1.0, 1.0, 30)
+    model = lambda y: groups_in_a_loop(y, [])  # noqa: E731
+    with pytest.raises(UnsupportedLatentError, match="more than 10 latent Normal sites") as info:
+        plan_of(model, {"y": y}, rng_key=random.PRNGKey(0), structure="mean-field")
+    assert "'theta_0'" in str(info.value) and "numpyro.plate" in str(info.value)
+    # merged into one joint block (the default at this size), or a chain: fitted
+    assert len(plan_of(model, {"y": y}, rng_key=random.PRNGKey(0)).blocks) <= 2
+    plan = plan_of(random_walk, {"y": y}, rng_key=random.PRNGKey(0))
+    assert len(plan.blocks) == 1 and len(plan.blocks[0].sites) == 30
 
 
 def mixed_structures(y):
