@@ -328,6 +328,14 @@ def test_bench_models_fit_with_blr(name):
 # ---------------------------------------------------------------------------- CLI
 
 
+def _close_jax_cache():
+    try:
+        from jax._src import compilation_cache
+    except ImportError:  # pragma: no cover - a JAX without the module: nothing to close
+        return
+    compilation_cache.reset_cache()
+
+
 def test_cli_writes_report_with_expected_columns(tmp_path, monkeypatch, request):
     # the CLI points the process at a fresh compilation cache of its own (removed at exit):
     # its directory and JAX's cache settings are put back after the test
@@ -341,6 +349,10 @@ def test_cli_writes_report_with_expected_columns(tmp_path, monkeypatch, request)
         "jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs", "jax_persistent_cache_min_entry_size_bytes"
     ):
         request.addfinalizer(functools.partial(jax.config.update, name, jax.config.values[name]))
+    # (JAX opens its persistent cache once per process and keeps it after the settings are
+    # put back: closed here, or later tests of this worker would read their programs from it,
+    # and the program store's tests would see no program to store)
+    request.addfinalizer(_close_jax_cache)
     out = tmp_path / "out"
     rc = cli.main([
         "--model", "beta_bernoulli", "--out", str(out), "--blr-steps", "5", "--svi-steps", "20",

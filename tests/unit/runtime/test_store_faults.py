@@ -5,6 +5,7 @@ the store, bit for bit, with at most one warning."""
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import os
 import pathlib
@@ -79,6 +80,29 @@ def counted(run) -> tuple[dict, dict, list]:
     return out, counts, [w for w in caught if issubclass(w.category, program_store.ProgramStoreWarning)]
 
 
+#: set in the process :func:`in_a_fresh_process` starts: the name of the test it runs
+SCENARIO_ENV = "BLRPPL_STORE_SCENARIO"
+
+
+def in_a_fresh_process(test):
+    """Run ``test`` in a new pytest process: what it counts (programs written to and read from
+    the store) depends on which programs this process compiled before, and a test worker that
+    ran other files first holds some already."""
+
+    @functools.wraps(test)
+    def run(*args, **kwargs):
+        if os.environ.get(SCENARIO_ENV) == test.__name__:
+            return test(*args, **kwargs)
+        env = {**os.environ, SCENARIO_ENV: test.__name__}
+        out = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"{__file__}::{test.__name__}"],
+            env=env, cwd=ROOT, capture_output=True, text=True, timeout=900,
+        )
+        assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+
+    return run
+
+
 def read_only(monkeypatch, root: pathlib.Path) -> None:
     """Make the store read-only: by its mode, and (for root, whom modes do not stop) by
     every write of the store's module under ``root`` failing as on a read-only file system."""
@@ -103,6 +127,7 @@ def read_only(monkeypatch, root: pathlib.Path) -> None:
     monkeypatch.setattr(program_store.tempfile, "NamedTemporaryFile", lambda *a, dir, **k: refuse(dir) or named(*a, dir=dir, **k))
 
 
+@in_a_fresh_process
 def test_a_read_only_store_serves_its_entries_and_a_truncated_one_is_compiled(store_root, reference, monkeypatch):
     first, counts, _ = counted(fit)
     assert first == reference and counts["stored"] >= 3
@@ -168,6 +193,7 @@ class _FullFile:
         self._file.close()
 
 
+@in_a_fresh_process
 def test_a_full_disk_leaves_no_partial_files_and_old_ones_are_pruned(store_root, reference, monkeypatch):
     store_root.mkdir(parents=True)
     stale = store_root / "tmpstale.tmp"  # (left by a write cut short long ago)
