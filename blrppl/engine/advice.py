@@ -208,6 +208,13 @@ def _funnel(plan):
     return None
 
 
+def grid_scales(plan) -> tuple:
+    """The scalar scale sites of the plan's funnel that a grid can integrate (what the poor-q
+    advice offers as ``families={...: "grid"}``), or ()."""
+    funnel = _funnel(plan)
+    return funnel[3] if funnel is not None else ()
+
+
 def poor_q_advice(plan, num_starts: int = 1) -> str:
     """What the poor-q warning advises for this plan: why q may be poor given its blocks and
     estimators, and what to try (the generic advice when nothing in the plan says more;
