@@ -27,9 +27,11 @@ weights' variance is finite: Vehtari et al. 2024), or a grid, whose bound is a q
 of fits with the scales fixed rather than draws of its product q. The first fit is kept
 unless a candidate ranks above it.
 
-The refinement is bounded: a candidate is started only while the time spent on the
-refinement, plus the first fit's time, stays within ``refine_budget`` (default
-:data:`blrppl.inputs.REFINE_BUDGET`, 5) times the first fit's time (a candidate is not cut once started).
+The refinement is bounded by ``refine_budget`` (default 5: :data:`blrppl.inputs.REFINE_BUDGET`,
+which says why) times the first fit's time T: a candidate is started only while the time the
+refinement has spent plus T (the next candidate's expected cost) is at most that budget, so
+its candidates take about the budget at most (one that runs longer than T is not cut). No
+candidate run (no remedy applies, or a budget below 1): the first fit, with no refinements.
 """
 
 from __future__ import annotations
@@ -194,6 +196,8 @@ def refine(fit: Callable, first, held: list, options, key, first_time: float, bu
         (_rank(entry._replace(bound=_lower_bound(result)), grid), -i, i)
         for i, (entry, result, _, grid) in enumerate(fitted) if result is not None
     ]
+    if len(fitted) == 1:
+        return first, held, []  # (no remedy applies, or the budget allowed none)
     best = max(scored)[2]  # (ties: the earlier fit, the first fit before any candidate)
     refinements = [entry._replace(kept=i == best) for i, (entry, *_rest) in enumerate(fitted)]
     _, result, caught, _ = fitted[best]
