@@ -20,7 +20,7 @@ from blrppl.posterior.diagnostics import Diagnostics
 
 def _result(khat, bound, ess=0.5, num_draws=1000):
     d = Diagnostics(khat=khat, num_draws=num_draws, elbo_rel_change=0.0, rejected_steps=0, elbo_noise=0.0, ess=ess, bound=bound)
-    return types.SimpleNamespace(diagnostics=d, plan=None, nat={})
+    return types.SimpleNamespace(diagnostics=d, plan=None, nat={}, converged=True)
 
 
 def _run(monkeypatch, first, outcomes, budget=5.0, seconds=0.0):
@@ -46,6 +46,14 @@ def test_a_good_first_fit_is_not_refined(monkeypatch):
     first = _result(0.3, -10.0, ess=0.9)
     result, held, refinements, calls = _run(monkeypatch, first, [_result(0.2, -5.0)])
     assert result is first and held == ["first"] and refinements == [] and calls == []
+
+
+def test_a_fit_that_did_not_converge_is_not_refined(monkeypatch):
+    """Stopped by num_steps=: more steps, not another fit, is its remedy."""
+    first = _result(0.9, -10.0, ess=0.1)
+    first.converged = False
+    result, held, refinements, calls = _run(monkeypatch, first, [_result(0.2, -5.0)])
+    assert result is first and refinements == [] and calls == []
 
 
 def test_a_reliable_candidate_beats_a_higher_unreliable_bound(monkeypatch):
