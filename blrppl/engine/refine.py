@@ -1,7 +1,7 @@
 """Refinement by default: a fit whose own diagnostics say q is poor tries the remedies its
 advice names and keeps the best candidate (``blr_fit(..., refine=True)``, the default).
 
-When the first fit's PSIS k̂ or importance ESS says q is poor (:meth:`Diagnostics.poor
+When the first fit converged and its PSIS k̂ or importance ESS says q is poor (:meth:`Diagnostics.poor
 <blrppl.posterior.diagnostics.Diagnostics.poor>`, the test behind the "q may be a poor
 approximation" warning), :func:`refine` fits candidates that each change one thing, in this
 order:
@@ -95,7 +95,7 @@ def candidates(first, options, key, grid_asked: bool) -> list:
     if scales and not grid_asked and not set(scales) & set(families):
         grid = {**families, **{s: "grid" for s in scales}}
         change = "families={" + ", ".join(f"'{s}': 'grid'" for s in scales) + "}"
-        out.append(Candidate(change, dataclasses.replace(options, families=tuple(sorted(grid.items()))), key))
+        out.append(Candidate(change, dataclasses.replace(options, families=tuple(sorted(grid.items())), num_starts=1), key))
     if options.structure is None and not grid_asked:
         dense = [b for b in plan.blocks if b.family.dense_event and not b.point]
         if len(dense) > 1:
@@ -171,7 +171,9 @@ def refine(fit: Callable, first, held: list, options, key, first_time: float, bu
         :class:`Refinement` of every fit compared (the first included; empty when the first
         fit's diagnostics were good and nothing was tried).
     """
-    if first.diagnostics is None or not first.diagnostics.poor():
+    if first.diagnostics is None or not first.diagnostics.poor() or not first.converged:
+        # (a fit stopped before converging, by num_steps= or a non-finite ELBO, is not yet its
+        # q's answer: its message says so, and more steps, not another fit, is what it needs)
         return first, held, []
     fitted = [(Refinement("as asked", first.diagnostics.khat, first.diagnostics.bound, first_time), first, held, False)]
     spent, limit = 0.0, budget * first_time
