@@ -103,7 +103,10 @@ def candidates(first, options, key, grid_asked: bool) -> list:
         elif any(len(b.sites) > 1 for b in dense):
             out.append(Candidate("structure='mean-field'", dataclasses.replace(options, structure="mean-field"), key))
     if options.num_starts == 1 and not grid_asked:
-        values = overdispersed_values(first.plan, first.nat, host_fold_in(key, 101))
+        try:
+            values = overdispersed_values(first.plan, first.nat, host_fold_in(key, 101))
+        except Exception:  # (a family that cannot be drawn so: that start is not offered)
+            values = {}
         if values:
             out.append(Candidate(f"an over-dispersed start (q's spread × {OVERDISPERSION:g})", options, key, values))
         out.extend(
