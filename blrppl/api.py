@@ -122,8 +122,8 @@ def blr_fit(
             site=scales[0],
         )
 
-    def fit(fit_opts, fit_key, init_values=None, start=0):
-        return _fit(program, args, kwargs, fit_opts, fit_key, prior, init_values, start)
+    def fit(fit_opts, fit_key, init_values=None, start=0, deadline=None):
+        return _fit(program, args, kwargs, fit_opts, fit_key, prior, init_values, start, deadline)
 
     with out_of_memory_as_error("the fit"):
         t0 = time.perf_counter()
@@ -154,14 +154,15 @@ def _with_tried(w, tried: str):
     return w
 
 
-def _fit(program, args, kwargs, options, key, prior, init_values=None, start=0):
+def _fit(program, args, kwargs, options, key, prior, init_values=None, start=0, deadline=None):
     """One fit as ``blr_fit`` runs it (scales on a grid, or the best of ``options.num_starts``
-    starts from ``start`` on), its warnings held: ``(result, held warnings)``."""
+    starts from ``start`` on), its warnings held: ``(result, held warnings)``; ``deadline``: a
+    grid's (:func:`blrppl.engine.grid.grid_fit`)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         scales = grid_sites(options.families_dict)
         if scales:
-            return grid_fit(program, args, kwargs, options, key, scales), caught
+            return grid_fit(program, args, kwargs, options, key, scales, deadline), caught
         best, finals = None, []
         for index in range(start, start + options.num_starts):
             start_key = key if index == start else host_fold_in(key, index)

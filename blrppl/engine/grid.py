@@ -170,10 +170,10 @@ class _Profile:
     started from another grid point's state, its precision fitted to a scale e⁻⁶, did not
     recover at larger scales in float32)."""
 
-    def __init__(self, prepared, args, kwargs, transforms, num_steps):
+    def __init__(self, prepared, args, kwargs, transforms, num_steps, deadline=None):
         self.prepared, self.args, self.kwargs = prepared, args, kwargs
         self.transforms, self.num_steps = transforms, num_steps
-        self.fits = 0
+        self.fits, self.deadline = 0, deadline
 
     def thetas(self, u):
         """The scales θ = T(u), as the conditioned model's ``_blr_grid``."""
@@ -193,6 +193,8 @@ class _Profile:
         """(ℓ(u), the fit's natural parameters); with ``weighted``, ℓ from the importance-
         weighted bound of the fit's q (see :meth:`weighted`) in place of its ELBO."""
 
+        if self.deadline is not None and time.perf_counter() > self.deadline:
+            raise OverBudget(f"stopped after {self.fits} fits of the grid: over the refinement's time budget")
         log_jac = self.log_jacobian(u)
         grid = self.thetas(u)
         bundle = self.prepared.bundle
@@ -259,9 +261,15 @@ def _newton(profile, u, scale):
     return u, cov
 
 
-def grid_fit(program, args, kwargs, options, key, sites):
+class OverBudget(Exception):
+    """A grid tried by the refinement (:mod:`blrppl.engine.refine`) ran past its deadline."""
+
+
+def grid_fit(program, args, kwargs, options, key, sites, deadline=None):
     """``blr_fit`` with ``sites`` integrated on a grid (see the module docstring): the model's
-    arguments, its checked :class:`blrppl.inputs.FitOptions` and key, the grid's sites.
+    arguments, its checked :class:`blrppl.inputs.FitOptions` and key, the grid's sites;
+    ``deadline`` (a ``time.perf_counter()`` value, for the refinement): :class:`OverBudget` is
+    raised at the first grid fit past it.
 
     (Its warnings are issued here, not in a helper: they point at the line that called
     ``blr_fit``.)"""
@@ -286,7 +294,9 @@ def grid_fit(program, args, kwargs, options, key, sites):
         listed = ", ".join(repr(s) for s in sites)
         result.message += f"; {listed} not integrated on a grid: the fit with them as latents reached no finite ELBO"
         return result
-    profile, mode, cov, weighted = _locate_mode(program, args, kwargs, options, key, sites, families, checked, base, outcome)
+    profile, mode, cov, weighted = _locate_mode(
+        program, args, kwargs, options, key, sites, families, checked, base, outcome, deadline
+    )
     d = len(sites)
     us, weights, values, edge, half = _evaluate_grid(profile, mode, cov, weighted, sites)
     spacing = GRID_STEP[d] * (half / HALF_WIDTH if d > 1 else 1.0)  # (in Laplace sds: see _grid_points)
@@ -344,7 +354,7 @@ def _prepare_as_latents(program, args, kwargs, options, key, sites, families):
         raise
 
 
-def _locate_mode(program, args, kwargs, options, key, sites, families, checked, base, outcome):
+def _locate_mode(program, args, kwargs, options, key, sites, families, checked, base, outcome, deadline=None):
     """``(profile, mode, cov, weighted)``: the profile ℓ of the model with the scales fixed
     (one compiled fit, run at every grid point), its mode and curvature located by Newton
     steps from the fit with the scales as latents (``outcome``), and whether ℓ reads the
@@ -361,7 +371,7 @@ def _locate_mode(program, args, kwargs, options, key, sites, families, checked, 
             "values (np.asarray or Python control flow on them), so each grid point would compile anew",
             site=sites[0],
         )
-    profile = _Profile(cond, args, kwargs, [t for _, t in checked], options.num_steps)
+    profile = _Profile(cond, args, kwargs, [t for _, t in checked], options.num_steps, deadline)
     mode, cov = _newton(profile, u0, np.maximum(2.0 * sd0, 1e-3))
     # the importance-weighted bound where q's weights are reliable at the mode (PSIS k̂ ≤
     # 0.7). Not where q(x | θ) is exact (the fit with the scales fixed has one conjugate

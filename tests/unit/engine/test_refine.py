@@ -12,6 +12,7 @@ import numpyro.distributions as dist
 import pytest
 from jax import random
 
+import reference_models as rm
 from blrppl import BLRError, blr_fit
 from blrppl.engine import refine as refine_mod
 from blrppl.inputs import fit_options
@@ -30,7 +31,7 @@ def _run(monkeypatch, first, outcomes, budget=5.0, seconds=0.0):
     monkeypatch.setattr(refine_mod, "candidates", lambda *a: cands)
     calls = []
 
-    def fit(options, key, init_values=None, start=0):
+    def fit(options, key, init_values=None, start=0, deadline=None):
         out = outcomes[len(calls)]
         calls.append(out)
         time.sleep(seconds)
@@ -122,3 +123,23 @@ def model(y=None):
 def test_refine_options_are_checked(options, words):
     with pytest.raises(BLRError, match=words):
         blr_fit(model, {"y": 0.5}, rng_key=random.PRNGKey(0), progress_bar=False, **options)
+
+
+def test_a_grid_past_its_deadline_stops():
+    """The refinement's grid stops at its budget's end (a grid of two scales over a 600-state
+    walk took 590 s against a first fit of 6 s): with a deadline already past, its first fit
+    with the scales fixed raises OverBudget, which the refinement reports."""
+    from blrppl.engine.grid import OverBudget, grid_fit
+    from blrppl.model.program import ModelProgram
+
+    def eight_schools(J, sigma, y=None):
+        mu = numpyro.sample("mu", dist.Normal(0.0, 5.0))
+        tau = numpyro.sample("tau", dist.HalfCauchy(5.0))
+        with numpyro.plate("J", J):
+            theta = numpyro.sample("theta", dist.Normal(mu, tau))
+            numpyro.sample("obs", dist.Normal(theta, sigma), obs=y)
+
+    J, sigma, y = rm.EIGHT_SCHOOLS
+    options = fit_options(families={"tau": "grid"}, progress_bar=False)
+    with pytest.raises(OverBudget, match="over the refinement's time budget"):
+        grid_fit(ModelProgram(eight_schools), (J, sigma, y), {}, options, random.key(0), ["tau"], deadline=0.0)
