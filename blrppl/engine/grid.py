@@ -64,6 +64,7 @@ from blrppl.graph.data import DataSpec
 from blrppl.runtime.compile import jit as _jit
 from blrppl.inputs import host_fold_in
 from blrppl.posterior.diagnostics import psis_khat
+from blrppl.posterior.export import TransformedPosterior
 
 #: the family name that asks for a site to be integrated on a grid
 GRID = "grid"
@@ -514,4 +515,6 @@ def _grid_marginal(u, weights, width: float, transform):
         dist.Categorical(probs=jnp.asarray(weights[keep] / weights[keep].sum(), dtype)),
         dist.Normal(jnp.asarray(u[keep], dtype), jnp.asarray(width, dtype)),
     )
-    return dist.TransformedDistribution(mixture, transform)
+    # (a TransformedPosterior: its mean and variance from draws, as every posterior on an
+    # unconstrained space reports them; numpyro's TransformedDistribution has none)
+    return TransformedPosterior(mixture, transform)
