@@ -7,6 +7,8 @@ import math
 import time
 import types
 
+import numpy as np
+
 import numpyro
 import numpyro.distributions as dist
 import pytest
@@ -143,3 +145,34 @@ def test_a_grid_past_its_deadline_stops():
     options = fit_options(families={"tau": "grid"}, progress_bar=False)
     with pytest.raises(OverBudget, match="over the refinement's time budget"):
         grid_fit(ModelProgram(eight_schools), (J, sigma, y), {}, options, random.key(0), ["tau"], deadline=0.0)
+
+
+def test_the_remedies_are_those_the_advice_names():
+    """A funnel's advice names a grid (no other structure holds it); a product of two blocks'
+    (a factor model) names none, so nothing is refitted; a plan with several dense blocks apart
+    gets the generic advice (another structure, more starts)."""
+    from blrppl.api import plan_of
+    from blrppl.engine.advice import named_remedies
+
+    J, sigma, y = rm.EIGHT_SCHOOLS
+    assert named_remedies(plan_of(rm.eight_schools_model, (J, sigma, y))) == (("tau",), False)
+
+    def factor(Y):
+        W = numpyro.sample("W", dist.Normal(0.0, 1.0).expand([Y.shape[1], 2]).to_event(2))
+        with numpyro.plate("rows", Y.shape[0]):
+            z = numpyro.sample("z", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
+            numpyro.sample("Y", dist.Normal(z @ W.T, 1.0).to_event(1), obs=Y)
+
+    Y = np.random.default_rng(0).normal(size=(30, 4))
+    assert named_remedies(plan_of(factor, (Y,))) == ((), False)
+
+    def two_regressions(x, y1, y2):
+        a = numpyro.sample("a", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
+        b = numpyro.sample("b", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
+        with numpyro.plate("n", len(x)):
+            numpyro.sample("y1", dist.Bernoulli(logits=a[0] + a[1] * x), obs=y1)
+            numpyro.sample("y2", dist.Bernoulli(logits=b[0] + b[1] * x), obs=y2)
+
+    x = np.linspace(-1.0, 1.0, 20)
+    plan = plan_of(two_regressions, (x, (x > 0).astype(float), (x < 0.5).astype(float)), structure="mean-field")
+    assert named_remedies(plan)[1]
