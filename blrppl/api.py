@@ -1,7 +1,7 @@
 """``blr_fit``: fit a NumPyro model by the Bayesian learning rule; ``blr_kernel``: the rule
 as a kernel a user's own loop steps."""
 
-import contextlib
+import time
 import warnings
 from typing import Callable
 
@@ -13,11 +13,14 @@ from blrppl.engine.cache import COMPILE_LOCK
 from blrppl.engine.grid import grid_sites, grid_fit
 from blrppl.engine.kernel import BLRKernel, fit_kernel
 from blrppl.engine.prepare import prepare
+from blrppl.engine.refine import refine as refine_fit, summary as refine_summary
 from blrppl.engine.run import run
 from blrppl.engine.state import BLRState
 from blrppl.errors import BLRError, out_of_memory_as_error
 from blrppl.model.program import ModelProgram
-from blrppl.inputs import as_key, fit_options, host_fold_in, host_split, model_arguments, refuse_transformation
+from blrppl.inputs import (
+    as_key, fit_options, host_fold_in, host_split, model_arguments, refine_options, refuse_transformation,
+)
 from blrppl.posterior.result import BLRResult
 
 
@@ -53,6 +56,8 @@ def blr_fit(
     point_space: str = "unconstrained",
     iterate_average: bool = True,
     num_starts: int = 1,
+    refine: bool = True,
+    refine_budget: float | None = None,
 ) -> BLRResult:
     """Fit the latent variables of a NumPyro model by the Bayesian learning rule.
 
@@ -78,6 +83,10 @@ def blr_fit(
         point_space: ``"unconstrained"`` (default) or ``"constrained"`` point estimates.
         iterate_average: under subsampling, report the tail average of the global latents.
         num_starts: fit from this many starting points and keep the best final ELBO.
+        refine: when the fit's diagnostics say q is poor, try the remedies its advice names
+            (scales on a grid, the other structure, an over-dispersed start, more starts) and
+            keep the best (``result.refinements`` lists them; :mod:`blrppl.engine.refine`).
+        refine_budget: the refinement's limit in multiples of the first fit's time (default 5).
 
     Returns:
         :class:`blrppl.BLRResult`.
@@ -102,44 +111,78 @@ def blr_fit(
         iterate_average=iterate_average,
         num_starts=num_starts,
     )
-    key = as_key(rng_key)
-    scales = grid_sites(options.families_dict)
-    if scales:
-        if prior is not None or options.num_starts > 1:
-            raise BLRError(
-                "families='grid' (scales integrated on a grid) works with one start and without prior=; "
-                f"got {'prior=' if prior is not None else f'num_starts={options.num_starts}'}",
-                site=scales[0],
-            )
-        with out_of_memory_as_error("the fit"):
-            result = grid_fit(ModelProgram(model), args, kwargs, options, key, scales)
-        result.model_call = (ModelProgram(model), args, kwargs)
-        return result
-    # (inline, not in a function of its own: warnings keep pointing at the caller's line)
+    refine, refine_budget = refine_options(refine, refine_budget)
+    key, program = as_key(rng_key), ModelProgram(model)
+    grid_asked = bool(grid_sites(options.families_dict))
+    if grid_asked and (prior is not None or options.num_starts > 1):
+        scales = grid_sites(options.families_dict)
+        raise BLRError(
+            "families='grid' (scales integrated on a grid) works with one start and without prior=; "
+            f"got {'prior=' if prior is not None else f'num_starts={options.num_starts}'}",
+            site=scales[0],
+        )
+
+    def fit(fit_opts, fit_key, init_values=None, start=0, deadline=None):
+        return _fit(program, args, kwargs, fit_opts, fit_key, prior, init_values, start, deadline)
+
     with out_of_memory_as_error("the fit"):
-        best, finals, program = None, [], ModelProgram(model)
-        for start in range(options.num_starts):
-            prepared = prepare(program, args, kwargs, options, key if start == 0 else host_fold_in(key, start), prior, start=start)
+        t0 = time.perf_counter()
+        result, held = fit(options, key)
+        refinements = []
+        if refine and prior is None:
+            result, held, refinements = refine_fit(
+                fit, result, held, options, key, time.perf_counter() - t0, refine_budget, grid_asked
+            )
+    result.refinements = refinements
+    if refinements:
+        tried = refine_summary(refinements)
+        result.message += "; " + tried
+        held = [_with_tried(w, tried) for w in held]
+    # (the fits' warnings, held while they ran, are given at the line that called blr_fit)
+    for w in held:
+        warnings.warn(w.message, stacklevel=2)
+    result.model_call = (program, args, kwargs)
+    return result
+
+
+def _with_tried(w, tried: str):
+    """A held warning, with what the refinement tried appended when it is the poor-q one."""
+    text = str(w.message)
+    if "q may be a poor approximation" not in text:
+        return w
+    w.message = type(w.message)(text + "; " + tried)
+    return w
+
+
+def _fit(program, args, kwargs, options, key, prior, init_values=None, start=0, deadline=None):
+    """One fit as ``blr_fit`` runs it (scales on a grid, or the best of ``options.num_starts``
+    starts from ``start`` on), its warnings held: ``(result, held warnings)``; ``deadline``: a
+    grid's (:func:`blrppl.engine.grid.grid_fit`)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        scales = grid_sites(options.families_dict)
+        if scales:
+            return grid_fit(program, args, kwargs, options, key, scales, deadline), caught
+        best, finals = None, []
+        for index in range(start, start + options.num_starts):
+            start_key = key if index == start else host_fold_in(key, index)
+            prepared = prepare(program, args, kwargs, options, start_key, prior, init_values=init_values, start=index)
             # with several starts, each start's warnings (a poor q, a stop) are held back and only
             # the kept start's reach the user
-            held = warnings.catch_warnings(record=True) if options.num_starts > 1 else contextlib.nullcontext()
-            with held as caught:
-                if caught is not None:
-                    warnings.simplefilter("always")
+            with warnings.catch_warnings(record=True) as start_caught:
+                warnings.simplefilter("always")
                 result = run(prepared, prepared.state, options.num_steps, options.progress_bar)
             final = float(result.elbo[-1]) if len(result.elbo) else -np.inf
             finals.append(final)
             if best is None or (np.isfinite(final) and not final <= finals[best[0]]):
-                best = (start, result, caught or ())
-        index, result, held = best
-        for w in held:
-            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
-        result.model_call = (program, args, kwargs)
+                best = (len(finals) - 1, result, start_caught)
+        index, result, start_held = best
+        caught.extend(start_held)
         result.deterministic_sites = prepared.bundle.tracer.meta.get("deterministic")
         if options.num_starts > 1:
             listed = ", ".join(f"{e:.6g}" for e in finals)
             result.message += f"; best of {options.num_starts} starts (start {index}; final ELBOs {listed})"
-        return result
+        return result, caught
 
 
 def blr_kernel(model: Callable, data=None, *, rng_key=None, prior: BLRResult | None = None, **options) -> tuple[BLRKernel, BLRState]:

@@ -296,6 +296,35 @@ def _names(x, name: str) -> tuple:
     return items
 
 
+#: ``blr_fit``'s default ``refine_budget``, in multiples of the first fit's time: the remedies
+#: the poor-q advice names are a grid (a few fits' worth of run time and one compilation), the
+#: other structure (one fit and its compilation) and a few starts (one run each, the compiled
+#: fit reused); five first fits let the main ones run, and bound a pipeline's cost at about six
+#: times that of its fits without refinement (:mod:`blrppl.engine.refine`)
+REFINE_BUDGET = 5.0
+
+
+def refine_options(refine, refine_budget) -> tuple:
+    """``blr_fit``'s ``refine`` (a bool) and ``refine_budget`` (a finite number ≥ 0, in
+    multiples of the first fit's time; None: the default), checked: ``(refine, budget)``.
+
+    Raises:
+        BLRError: either of the wrong type or out of range.
+    """
+    if not isinstance(refine, (bool, np.bool_)):
+        raise BLRError(f"refine must be True or False, not {type(refine).__name__} {refine!r}")
+    if refine_budget is None:
+        return bool(refine), REFINE_BUDGET
+    if isinstance(refine_budget, (bool, np.bool_)) or not isinstance(refine_budget, (numbers.Real, np.number)):
+        raise BLRError(
+            f"refine_budget must be a number (multiples of the first fit's time), not {type(refine_budget).__name__} "
+            f"{refine_budget!r}"
+        )
+    if not math.isfinite(float(refine_budget)) or float(refine_budget) < 0:
+        raise BLRError(f"refine_budget must be a finite number ≥ 0 (0: no refinement), not {refine_budget!r}")
+    return bool(refine), float(refine_budget)
+
+
 def check_learning_rate(learning_rate):
     """None, a float in (0, 1], or a callable of the step whose value at step 0 is a finite
     number ≥ 0 (ρ = 0 freezes; a callable is checked again at every step of the fit)."""

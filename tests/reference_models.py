@@ -105,6 +105,7 @@ DATA_SEEDS = {
     "student_t_volatility": 20240511,
     "gp_example": 20240512,
     "imputed_logistic": 20240513,
+    "eight_schools": None,  # a fixed published table (Rubin 1981)
 }
 
 
@@ -240,6 +241,22 @@ EIGHT_SCHOOLS = (
     np.array([15.0, 10.0, 16.0, 11.0, 9.0, 11.0, 10.0, 18.0]),
     np.array([28.0, 8.0, -3.0, 7.0, -1.0, 1.0, 18.0, 12.0]),
 )
+
+
+def eight_schools_noncentred_model(J, sigma, y=None):
+    """The same posterior over (mu, tau, theta) as :func:`eight_schools_model`, with theta =
+    mu + tau * theta_raw: what NUTS samples for the reference (the centred funnel diverges)."""
+    mu = numpyro.sample("mu", dist.Normal(0.0, 5.0))
+    tau = numpyro.sample("tau", dist.HalfCauchy(5.0))
+    with numpyro.plate("J", J):
+        theta_raw = numpyro.sample("theta_raw", dist.Normal(0.0, 1.0))
+        theta = numpyro.deterministic("theta", mu + tau * theta_raw)
+        numpyro.sample("obs", dist.Normal(theta, sigma), obs=y)
+
+
+def eight_schools_data():
+    J, sigma, y = EIGHT_SCHOOLS
+    return {"J": J, "sigma": sigma, "y": y}
 
 
 def glmm_admissions_model(dept, male, applications, admit=None):
@@ -573,6 +590,7 @@ MODELS = {
     "student_t_volatility": (student_t_volatility_model, student_t_volatility_data),
     "gp_example": (gp_example_model, gp_example_data),
     "imputed_logistic": (imputed_logistic_model, imputed_logistic_data),
+    "eight_schools": (eight_schools_model, eight_schools_data),
 }
 
 #: name → (model, data function) of models whose reference is not a NUTS run of the model
@@ -591,6 +609,7 @@ NUTS_MODELS = {
     "item_response": item_response_centred_model,
     "coupled_discrete": coupled_discrete_marginal_model,
     "imputed_logistic": imputed_logistic_nuts_model,
+    "eight_schools": eight_schools_noncentred_model,
 }
 
 #: the model the reference SVI run (AutoNormal) fits where it is not the model the tests fit

@@ -226,6 +226,38 @@ def _funnel(plan):
     return None
 
 
+def named_remedies(plan) -> tuple:
+    """``(grid scales, other remedies named)``: what :func:`poor_q_advice` offers for this plan,
+    for the refinement (:mod:`blrppl.engine.refine`). The scalar scale sites of a funnel that a
+    grid can integrate (``families={...: "grid"}``), or (); and whether the advice is the generic
+    one, which names another structure and more starts (False where it names a Monte Carlo
+    factor's spread, a product of blocks, a funnel or closed-form factors, whose remedy is no
+    other structure or start: a factor model's symmetries, a funnel no Gaussian q holds)."""
+    funnel = _funnel(plan)
+    if _spread_factor(plan) is not None or any(f.pairs for f in plan.factors):
+        return (), False
+    if funnel is not None:
+        return funnel[3], False
+    return (), not (plan.conjugate and all(conj for _, conj in plan.conjugate))
+
+
+def _spread_factor(plan):
+    """``(name, scalars)`` of a Monte Carlo factor reading more scalars in blocks fitted apart
+    than a dense joint block read by Monte Carlo may hold (see :func:`poor_q_advice`), or None."""
+    joinable = {
+        b.name: b.size for b in plan.blocks
+        if not b.discrete and not b.family.banded and not b.family.arrowhead
+    }
+    return next(
+        (
+            (f.name, total) for f in plan.factors if estimator_of(f).samples_jointly
+            for parts in [[joinable[n] for n in f.neighbours if n in joinable]]
+            for total in [sum(parts)] if len(parts) > 1 and total > MC_JOINT_MAX_DIM
+        ),
+        None,
+    )
+
+
 def poor_q_advice(plan, num_starts: int = 1) -> str:
     """What the poor-q warning advises for this plan: why q may be poor given its blocks and
     estimators, and what to try (the generic advice when nothing in the plan says more;
@@ -247,18 +279,7 @@ def poor_q_advice(plan, num_starts: int = 1) -> str:
     # regression: the ELBO fell for 60 steps, coefficients of the wrong sign). Only the
     # blocks a dense joint block could hold count: not enumerated ones, nor chains
     # (a capture–recapture model's 1,771 survival states next to 7 probabilities)
-    joinable = {
-        b.name: b.size for b in plan.blocks
-        if not b.discrete and not b.family.banded and not b.family.arrowhead
-    }
-    spread = next(
-        (
-            (f.name, total) for f in plan.factors if estimator_of(f).samples_jointly
-            for parts in [[joinable[n] for n in f.neighbours if n in joinable]]
-            for total in [sum(parts)] if len(parts) > 1 and total > MC_JOINT_MAX_DIM
-        ),
-        None,
-    )
+    spread = _spread_factor(plan)
     funnel = _funnel(plan)
     if spread is not None:
         advice = (

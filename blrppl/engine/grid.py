@@ -64,6 +64,7 @@ from blrppl.graph.data import DataSpec
 from blrppl.runtime.compile import jit as _jit
 from blrppl.inputs import host_fold_in
 from blrppl.posterior.diagnostics import psis_khat
+from blrppl.posterior.export import TransformedPosterior
 
 #: the family name that asks for a site to be integrated on a grid
 GRID = "grid"
@@ -170,10 +171,10 @@ class _Profile:
     started from another grid point's state, its precision fitted to a scale e⁻⁶, did not
     recover at larger scales in float32)."""
 
-    def __init__(self, prepared, args, kwargs, transforms, num_steps):
+    def __init__(self, prepared, args, kwargs, transforms, num_steps, deadline=None):
         self.prepared, self.args, self.kwargs = prepared, args, kwargs
         self.transforms, self.num_steps = transforms, num_steps
-        self.fits = 0
+        self.fits, self.deadline = 0, deadline
 
     def thetas(self, u):
         """The scales θ = T(u), as the conditioned model's ``_blr_grid``."""
@@ -193,6 +194,8 @@ class _Profile:
         """(ℓ(u), the fit's natural parameters); with ``weighted``, ℓ from the importance-
         weighted bound of the fit's q (see :meth:`weighted`) in place of its ELBO."""
 
+        if self.deadline is not None and time.perf_counter() > self.deadline:
+            raise OverBudget(f"stopped after {self.fits} fits of the grid: over the refinement's time budget")
         log_jac = self.log_jacobian(u)
         grid = self.thetas(u)
         bundle = self.prepared.bundle
@@ -259,9 +262,15 @@ def _newton(profile, u, scale):
     return u, cov
 
 
-def grid_fit(program, args, kwargs, options, key, sites):
+class OverBudget(Exception):
+    """A grid tried by the refinement (:mod:`blrppl.engine.refine`) ran past its deadline."""
+
+
+def grid_fit(program, args, kwargs, options, key, sites, deadline=None):
     """``blr_fit`` with ``sites`` integrated on a grid (see the module docstring): the model's
-    arguments, its checked :class:`blrppl.inputs.FitOptions` and key, the grid's sites.
+    arguments, its checked :class:`blrppl.inputs.FitOptions` and key, the grid's sites;
+    ``deadline`` (a ``time.perf_counter()`` value, for the refinement): :class:`OverBudget` is
+    raised at the first grid fit past it.
 
     (Its warnings are issued here, not in a helper: they point at the line that called
     ``blr_fit``.)"""
@@ -286,7 +295,9 @@ def grid_fit(program, args, kwargs, options, key, sites):
         listed = ", ".join(repr(s) for s in sites)
         result.message += f"; {listed} not integrated on a grid: the fit with them as latents reached no finite ELBO"
         return result
-    profile, mode, cov, weighted = _locate_mode(program, args, kwargs, options, key, sites, families, checked, base, outcome)
+    profile, mode, cov, weighted = _locate_mode(
+        program, args, kwargs, options, key, sites, families, checked, base, outcome, deadline
+    )
     d = len(sites)
     us, weights, values, edge, half = _evaluate_grid(profile, mode, cov, weighted, sites)
     spacing = GRID_STEP[d] * (half / HALF_WIDTH if d > 1 else 1.0)  # (in Laplace sds: see _grid_points)
@@ -310,9 +321,21 @@ def grid_fit(program, args, kwargs, options, key, sites):
         )
     t2 = time.perf_counter()
     result = finish(base, outcome, nat, options.num_steps, t1, t2, grid=note)
+    result.diagnostics = result.diagnostics._replace(bound=_grid_bound([v[0] for v in values], spacing, cov))
     for i, (site, (_, transform)) in enumerate(zip(sites, checked)):
         result.posterior[site] = _grid_marginal(us[:, i], weights, widths[i], transform)
     return result
+
+
+def _grid_bound(logp, spacing: float, cov) -> float:
+    """log ∫ exp ℓ(u) du by the grid's points (each the centre of a cell of volume
+    spacing^d · |det Λ^{1/2}| on u): the grid's estimate of log p(y), from its fits' bounds
+    (each ≤ log p(y, θ)), comparable with a fit's importance-weighted bound."""
+    logp = np.asarray(logp, float)
+    top = np.max(logp)
+    d = cov.shape[0]
+    log_cell = d * math.log(spacing) + 0.5 * float(np.linalg.slogdet(cov)[1])
+    return float(top + np.log(np.sum(np.exp(logp[np.isfinite(logp)] - top))) + log_cell)
 
 
 def _prepare_as_latents(program, args, kwargs, options, key, sites, families):
@@ -332,7 +355,7 @@ def _prepare_as_latents(program, args, kwargs, options, key, sites, families):
         raise
 
 
-def _locate_mode(program, args, kwargs, options, key, sites, families, checked, base, outcome):
+def _locate_mode(program, args, kwargs, options, key, sites, families, checked, base, outcome, deadline=None):
     """``(profile, mode, cov, weighted)``: the profile ℓ of the model with the scales fixed
     (one compiled fit, run at every grid point), its mode and curvature located by Newton
     steps from the fit with the scales as latents (``outcome``), and whether ℓ reads the
@@ -349,7 +372,7 @@ def _locate_mode(program, args, kwargs, options, key, sites, families, checked, 
             "values (np.asarray or Python control flow on them), so each grid point would compile anew",
             site=sites[0],
         )
-    profile = _Profile(cond, args, kwargs, [t for _, t in checked], options.num_steps)
+    profile = _Profile(cond, args, kwargs, [t for _, t in checked], options.num_steps, deadline)
     mode, cov = _newton(profile, u0, np.maximum(2.0 * sd0, 1e-3))
     # the importance-weighted bound where q's weights are reliable at the mode (PSIS k̂ ≤
     # 0.7). Not where q(x | θ) is exact (the fit with the scales fixed has one conjugate
@@ -492,4 +515,6 @@ def _grid_marginal(u, weights, width: float, transform):
         dist.Categorical(probs=jnp.asarray(weights[keep] / weights[keep].sum(), dtype)),
         dist.Normal(jnp.asarray(u[keep], dtype), jnp.asarray(width, dtype)),
     )
-    return dist.TransformedDistribution(mixture, transform)
+    # (a TransformedPosterior: its mean and variance from draws, as every posterior on an
+    # unconstrained space reports them; numpyro's TransformedDistribution has none)
+    return TransformedPosterior(mixture, transform)

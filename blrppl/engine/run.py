@@ -31,7 +31,7 @@ from blrppl.engine.state import BLRState
 from blrppl.engine.subsample import averaged_nat
 from blrppl.errors import is_out_of_memory, out_of_memory_detail
 from blrppl.inputs import host_fold_in
-from blrppl.posterior.diagnostics import ESS_CLOSE, ESS_POOR, KHAT_WARN, Diagnostics, psis_khat, relative_ess
+from blrppl.posterior.diagnostics import ESS_CLOSE, KHAT_WARN, Diagnostics, importance_bound, psis_khat, relative_ess
 from blrppl.posterior.result import BLRResult
 
 
@@ -53,7 +53,11 @@ def _diagnose(prepared, outcome, nat) -> Diagnostics:
     if outcome.stop == CONVERGED and len(plan.blocks) == 1 and one_exact_block(plan):
         # the model's only latent block is conjugate: its closed-form step is the exact
         # posterior, whose importance weights are all equal (k̂ = −∞) without drawing any
-        return Diagnostics(khat=-math.inf, num_draws=0, note="one conjugate block in closed form: no draws needed", **base)
+        # (and the bound is the ELBO, log p(y) itself)
+        return Diagnostics(
+            khat=-math.inf, num_draws=0, note="one conjugate block in closed form: no draws needed",
+            bound=float(elbo[-1]), **base,
+        )
     key = host_fold_in(outcome.state.rng_key, 7)
     try:
         log_weights = np.asarray(bundle.log_weights(nat, model_data(plan, prepared.dyn_data), key))
@@ -68,7 +72,8 @@ def _diagnose(prepared, outcome, nat) -> Diagnostics:
         warnings.warn(f"blr_fit: PSIS k-hat {note}; q's quality is unchecked", UserWarning, stacklevel=5)
         return Diagnostics(khat=math.nan, num_draws=0, note=note, **base)
     return Diagnostics(
-        khat=psis_khat(log_weights), num_draws=int(log_weights.size), ess=relative_ess(log_weights), **base
+        khat=psis_khat(log_weights), num_draws=int(log_weights.size), ess=relative_ess(log_weights),
+        bound=importance_bound(log_weights), **base
     )
 
 
@@ -161,7 +166,7 @@ def finish(prepared: Prepared, outcome, nat: dict, num_steps: int, t1: float, t2
             f"{100 * diagnostics.ess:.0f} % of its draws effective: q's tails differ from the posterior's, "
             "its bulk is close"
         )
-    elif diagnostics.khat > KHAT_WARN or diagnostics.ess < ESS_POOR:
+    elif diagnostics.poor():
         advice = poor_q_advice(plan, prepared.num_starts) if grid is None else (
             "the scales integrated on a grid have their marginals from it, but q draws them independently of "
             "the other latents (their dependence is not held); compare with NUTS"

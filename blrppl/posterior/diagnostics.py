@@ -84,6 +84,11 @@ class Diagnostics(NamedTuple):
         note: why k̂ was not computed, if it was not.
         ess: relative effective sample size of the importance weights, (Σ w)² / (S Σ w²) over
             the S draws (1 when they are all equal; NaN when not computed or not finite).
+        bound: the importance-weighted bound log (1/S) Σ_s w_s of those draws (Burda, Grosse &
+            Salakhutdinov 2016), an estimate from below of log p(y) that is tighter than the
+            ELBO; for scales integrated on a grid, the grid's quadrature of its fits' bounds,
+            log ∫ exp ℓ(u) du (:mod:`blrppl.engine.grid`). What refinement compares fits by
+            (NaN when not computed).
     """
 
     khat: float
@@ -93,12 +98,20 @@ class Diagnostics(NamedTuple):
     elbo_noise: float
     note: str = ""
     ess: float = math.nan
+    bound: float = math.nan
+
+    def poor(self) -> bool:
+        """Whether q is a poor approximation by these diagnostics (what the fit warns of and
+        refines): k̂ above :data:`KHAT_WARN` unless the weights hardly vary (relative ESS at
+        least :data:`ESS_CLOSE`), or a relative ESS below :data:`ESS_POOR`."""
+        return bool((self.khat > KHAT_WARN and not self.ess >= ESS_CLOSE) or self.ess < ESS_POOR)
 
     def describe(self) -> str:
         k = "not computed" if math.isnan(self.khat) else ("-inf (q is exact)" if self.khat == -math.inf else f"{self.khat:.3g}")
         lines = [
             f"PSIS k-hat: {k}" + (f" ({self.note})" if self.note else f" ({self.num_draws} draws of q)"),
             *([f"importance sampling relative ESS: {self.ess:.3g}"] if not math.isnan(self.ess) else []),
+            *([f"importance-weighted bound: {self.bound:.6g}"] if not math.isnan(self.bound) else []),
             f"last relative ELBO change: {self.elbo_rel_change:.3g}",
             f"rejected steps: {self.rejected_steps}",
         ]
@@ -157,6 +170,19 @@ def relative_ess(log_weights) -> float:
         return math.nan
     w = np.exp(lw - lw.max())
     return float(w.sum() ** 2 / (lw.size * np.sum(w**2)))
+
+
+def importance_bound(log_weights) -> float:
+    """log (1/S) Σ_s exp(log w_s) over the S draws: the importance-weighted bound (NaN when
+    there are none; −∞ when none is finite, the non-finite ones dropped)."""
+    lw = np.asarray(log_weights, dtype=float).ravel()
+    if not lw.size:
+        return math.nan
+    finite = lw[np.isfinite(lw)]
+    if not finite.size or np.any(lw == math.inf):
+        return math.inf if np.any(lw == math.inf) else -math.inf
+    top = finite.max()
+    return float(top + np.log(np.sum(np.exp(finite - top)) / lw.size))
 
 
 # -- the log weights ---------------------------------------------------------------------------

@@ -55,6 +55,11 @@ class BLRResult:
         model_call: ``(program, args, kwargs)`` the fit ran on (the model's
             :class:`blrppl.model.program.ModelProgram` and its data), from which :meth:`sample`
             computes the model's ``numpyro.deterministic`` sites (None: latents only).
+        refinements: when the first fit's diagnostics said q is poor and ``blr_fit`` refined it
+            (``refine=True``, the default), one ``Refinement`` per fit compared (``change``,
+            ``khat``, ``bound``, ``time``, ``kept``, ``note``; the first is the fit as asked);
+            empty when the diagnostics were good, no remedy applied, or ``refine=False``
+            (:mod:`blrppl.engine.refine`).
         model_lock: the lock held while the model runs (numpyro's effect handlers keep one
             process-wide stack, so no fit may trace a model meanwhile): the engine's, given by
             the fit (None: no lock).
@@ -79,6 +84,7 @@ class BLRResult:
     #: unknown, :meth:`sample` traces the model to find them)
     deterministic_sites: tuple | None = dataclasses.field(default=None, repr=False)
     model_lock: Any = dataclasses.field(default=None, repr=False, compare=False)
+    refinements: list = dataclasses.field(default_factory=list, repr=False)
 
     @property
     def params(self) -> dict:

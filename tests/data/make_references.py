@@ -72,6 +72,7 @@ NUTS_SEEDS = {
     "student_t_volatility": 113,
     "gp_example": 114,
     "imputed_logistic": 115,
+    "eight_schools": 116,
 }
 #: per-model overrides of the NUTS settings above
 NUTS_SETTINGS = {
@@ -89,6 +90,8 @@ NUTS_SETTINGS = {
     "student_t_volatility": {"num_samples": 25000},
     # the kernel variance mixes slowly (ESS ≈ 20 % of the draws)
     "gp_example": {"num_samples": 10000},
+    # (sampled non-centred, rm.eight_schools_noncentred_model: tau mixes at ESS ≈ 30 % of the draws)
+    "eight_schools": {"num_samples": 10000, "target_accept_prob": 0.95},
 }
 #: per model, sites whose posterior has no finite variance (their stored sd does not converge);
 #: for the models listed, the log moments of the positive sites are stored as well

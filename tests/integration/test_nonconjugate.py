@@ -45,10 +45,12 @@ def reference_cov(name: str):
 
 
 def fit(name: str):
-    """The blr_fit result of a reference model (fitted once per test session)."""
+    """The blr_fit result of a reference model (fitted once per test session): the fit's own
+    estimators against NUTS, so without the refinement (``refine=False``) that would replace a
+    poor q by another candidate (tests/integration/test_refine.py tests that)."""
     if name not in _FITS:
         model, data = rm.get(name)
-        _FITS[name] = blr_fit(model, data, rng_key=jax.random.key(0), progress_bar=False)
+        _FITS[name] = blr_fit(model, data, rng_key=jax.random.key(0), progress_bar=False, refine=False)
         assert_every_site_exports(_FITS[name], model, data)
     return _FITS[name]
 

@@ -745,7 +745,7 @@ def test_mixture_reaches_the_prior_ordered_optimum_from_every_key():
     m, v, alpha = cavi_from_prior(MIX_Y)
     assert np.all(np.diff(m) > 0)
     for seed in range(10):
-        result = fit(ordered_mixture, {"y": MIX_Y}, rng_key=random.PRNGKey(seed), tol=1e-12)
+        result = fit(ordered_mixture, {"y": MIX_Y}, rng_key=random.PRNGKey(seed), tol=1e-12, refine=False)
         assert result.converged, result.message
         q = result.posterior["locs"]
         np.testing.assert_allclose(q.mean, m, atol=1e-6, err_msg=f"key {seed}")
@@ -916,9 +916,10 @@ def test_a_link_with_a_custom_vjp_rule_fits_as_its_plain_form():
     y = np.random.default_rng(0).poisson(2.0, 30).astype(float)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # (the walk's scale is a funnel: the poor-q warning says so)
-        ruled = blr_fit(poisson_walk, (y,), rng_key=random.PRNGKey(0), progress_bar=False)
+        # (the first fits' steps: refine=False, which also spares the refinement's grid, 14 s each)
+        ruled = blr_fit(poisson_walk, (y,), rng_key=random.PRNGKey(0), progress_bar=False, refine=False)
         plain = blr_fit(lambda y: poisson_walk(y, lambda h: jnp.logaddexp(h, 0.0)), (y,), rng_key=random.PRNGKey(0),
-                        progress_bar=False)
+                        progress_bar=False, refine=False)
     assert ruled.num_steps == plain.num_steps
     for name in plain.params:
         np.testing.assert_allclose(ruled.params[name], plain.params[name], rtol=1e-10, atol=1e-12)

@@ -113,7 +113,7 @@ def test_a_bulk_too_narrow_warns_though_khat_is_below_its_threshold(monkeypatch)
     assert result.diagnostics.ess < ESS_POOR, result.diagnostics
     monkeypatch.setattr(run_module, "psis_khat", lambda log_weights: 0.58)
     with pytest.warns(UserWarning, match="draws effective") as record:
-        result = fit(eight_schools, SCHOOLS, rng_key=random.PRNGKey(0))
+        result = fit(eight_schools, SCHOOLS, rng_key=random.PRNGKey(0), refine=False)
     d = result.diagnostics
     assert d.khat <= KHAT_WARN and d.ess < ESS_POOR, d
     assert "of q's sds" in str(record[0].message)
@@ -175,7 +175,7 @@ def test_funnel_is_flagged():
         numpyro.sample("x", dist.Normal(0.0, jnp.exp(v / 2)).expand([9]).to_event(1))
 
     with pytest.warns(UserWarning, match="poor approximation"):
-        result = fit(funnel, None)
+        result = fit(funnel, None, refine=False)
     assert result.diagnostics.khat > KHAT_WARN and result.diagnostics.ess < ESS_CLOSE
     assert "k-hat" in result.message
 
@@ -189,7 +189,7 @@ def test_only_the_kept_start_warns():
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        result = fit(funnel, None, num_starts=3)
+        result = fit(funnel, None, num_starts=3, refine=False)  # (the starts' warnings, not the refinement's)
     poor = [str(w.message) for w in caught if "poor approximation" in str(w.message)]
     assert "best of 3 starts" in result.message
     assert len(poor) == 1, poor
@@ -209,7 +209,7 @@ def test_prior_only_multimodal_model_is_flagged():
     q cannot hold (k̂ ≈ 1.1–1.7 over diagnostic keys)."""
     model = rm.DIAGNOSTIC_MODELS["prior_mixture"][0]
     with pytest.warns(UserWarning, match="poor approximation"):
-        result = fit(model, None)
+        result = fit(model, None, refine=False)
     assert result.diagnostics.khat > KHAT_WARN
 
 

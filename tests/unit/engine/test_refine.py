@@ -1,0 +1,178 @@
+"""The refinement's choice and its bounds (:mod:`blrppl.engine.refine`), with stand-in fits:
+which candidate is kept, the time budget, a failing remedy, and the option checks."""
+
+from __future__ import annotations
+
+import math
+import time
+import types
+
+import numpy as np
+
+import numpyro
+import numpyro.distributions as dist
+import pytest
+from jax import random
+
+import reference_models as rm
+from blrppl import BLRError, blr_fit
+from blrppl.engine import refine as refine_mod
+from blrppl.inputs import fit_options
+from blrppl.posterior.diagnostics import Diagnostics
+
+
+def _result(khat, bound, ess=0.5, num_draws=1000):
+    d = Diagnostics(khat=khat, num_draws=num_draws, elbo_rel_change=0.0, rejected_steps=0, elbo_noise=0.0, ess=ess, bound=bound)
+    return types.SimpleNamespace(diagnostics=d, plan=None, nat={}, converged=True)
+
+
+def _run(monkeypatch, first, outcomes, budget=5.0, seconds=0.0):
+    """Refine ``first`` with candidates whose fits give ``outcomes`` (a result, or an exception
+    to raise), each taking ``seconds``."""
+    cands = [refine_mod.Candidate(f"c{i}", None, None) for i in range(len(outcomes))]
+    monkeypatch.setattr(refine_mod, "candidates", lambda *a: cands)
+    calls = []
+
+    def fit(options, key, init_values=None, start=0, deadline=None):
+        out = outcomes[len(calls)]
+        calls.append(out)
+        time.sleep(seconds)
+        if isinstance(out, Exception):
+            raise out
+        return out, [f"warning of c{len(calls) - 1}"]
+
+    result, held, refinements = refine_mod.refine(fit, first, ["first"], fit_options(), None, 1.0, budget, False)
+    return result, held, refinements, calls
+
+
+def test_a_good_first_fit_is_not_refined(monkeypatch):
+    first = _result(0.3, -10.0, ess=0.9)
+    result, held, refinements, calls = _run(monkeypatch, first, [_result(0.2, -5.0)])
+    assert result is first and held == ["first"] and refinements == [] and calls == []
+
+
+def test_a_fit_that_did_not_converge_is_not_refined(monkeypatch):
+    """Stopped by num_steps=: more steps, not another fit, is its remedy."""
+    first = _result(0.9, -10.0, ess=0.1)
+    first.converged = False
+    result, held, refinements, calls = _run(monkeypatch, first, [_result(0.2, -5.0)])
+    assert result is first and refinements == [] and calls == []
+
+
+def test_a_reliable_candidate_beats_a_higher_unreliable_bound(monkeypatch):
+    """k̂ > 0.7 makes a bound unreliable (a lucky draw can lift it): a candidate with k̂ 0.5 is
+    kept over one with k̂ 0.9 and a higher bound, and the first fit (ESS 0.1: poor) loses to
+    the reliable one with the higher bound."""
+    first = _result(0.6, -12.0, ess=0.1)
+    good, lucky = _result(0.5, -11.0), _result(0.9, -8.0)
+    result, held, refinements, _ = _run(monkeypatch, first, [lucky, good])
+    assert result is good and held == ["warning of c1"]
+    assert [r.kept for r in refinements] == [False, False, True]
+    assert [r.change for r in refinements] == ["as asked", "c0", "c1"]
+
+
+def test_the_first_fit_is_kept_when_no_candidate_ranks_above_it(monkeypatch):
+    first = _result(0.6, -12.0, ess=0.1)
+    worse = _result(0.6, -12.5)
+    result, _, refinements, _ = _run(monkeypatch, first, [worse])
+    assert result is first and refinements[0].kept and not refinements[1].kept
+
+
+def test_a_noisy_bound_is_discounted_by_its_standard_error(monkeypatch):
+    """A bound 0.05 above the first fit's, from weights of relative ESS 0.01 over 1000 draws
+    (standard error √(99/1000) ≈ 0.31), does not displace it."""
+    first = _result(0.6, -12.0, ess=0.3)
+    noisy = _result(0.6, -11.95, ess=0.01)
+    result, *_ = _run(monkeypatch, first, [noisy])
+    assert result is first
+
+
+def test_a_failing_remedy_is_reported_and_the_rest_still_run(monkeypatch):
+    first = _result(0.9, -12.0, ess=0.1)
+    good = _result(0.4, -11.0)
+    result, _, refinements, _ = _run(monkeypatch, first, [BLRError("not for this model"), good])
+    assert result is good
+    assert refinements[1].note.startswith("failed: BLRError") and math.isnan(refinements[1].bound)
+
+
+def test_the_budget_stops_starting_candidates(monkeypatch):
+    """A first fit of 1 s and a budget of 2 (2 s): a candidate starts while the time spent plus
+    one first fit's (the next one's expected cost) is within it: two of 0.6 s run (0 + 1 and
+    0.6 + 1 ≤ 2), the third does not (1.2 + 1 > 2). With a budget of 0 none runs and nothing
+    is reported."""
+    first = _result(0.9, -12.0, ess=0.1)
+    outcomes = [_result(0.9, -13.0) for _ in range(5)]
+    _, _, refinements, calls = _run(monkeypatch, first, outcomes, budget=2.0, seconds=0.6)
+    assert len(calls) == 2 and len(refinements) == 3
+    result, held, refinements, calls = _run(monkeypatch, first, outcomes, budget=0.0)
+    assert calls == [] and refinements == [] and result is first and held == ["first"]
+
+
+def model(y=None):
+    mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
+    numpyro.sample("y", dist.Normal(mu, 1.0), obs=y)
+
+
+@pytest.mark.parametrize(
+    "options, words",
+    [
+        ({"refine": "yes"}, "refine must be True or False"),
+        ({"refine_budget": -1.0}, "refine_budget must be a finite number ≥ 0"),
+        ({"refine_budget": float("inf")}, "refine_budget must be a finite number ≥ 0"),
+        ({"refine_budget": "5"}, "refine_budget must be a number"),
+    ],
+)
+def test_refine_options_are_checked(options, words):
+    with pytest.raises(BLRError, match=words):
+        blr_fit(model, {"y": 0.5}, rng_key=random.PRNGKey(0), progress_bar=False, **options)
+
+
+def test_a_grid_past_its_deadline_stops():
+    """The refinement's grid stops at its budget's end (a grid of two scales over a 600-state
+    walk took 590 s against a first fit of 6 s): with a deadline already past, its first fit
+    with the scales fixed raises OverBudget, which the refinement reports."""
+    from blrppl.engine.grid import OverBudget, grid_fit
+    from blrppl.model.program import ModelProgram
+
+    def eight_schools(J, sigma, y=None):
+        mu = numpyro.sample("mu", dist.Normal(0.0, 5.0))
+        tau = numpyro.sample("tau", dist.HalfCauchy(5.0))
+        with numpyro.plate("J", J):
+            theta = numpyro.sample("theta", dist.Normal(mu, tau))
+            numpyro.sample("obs", dist.Normal(theta, sigma), obs=y)
+
+    J, sigma, y = rm.EIGHT_SCHOOLS
+    options = fit_options(families={"tau": "grid"}, progress_bar=False)
+    with pytest.raises(OverBudget, match="over the refinement's time budget"):
+        grid_fit(ModelProgram(eight_schools), (J, sigma, y), {}, options, random.key(0), ["tau"], deadline=0.0)
+
+
+def test_the_remedies_are_those_the_advice_names():
+    """A funnel's advice names a grid (no other structure holds it); a product of two blocks'
+    (a factor model) names none, so nothing is refitted; a plan with several dense blocks apart
+    gets the generic advice (another structure, more starts)."""
+    from blrppl.api import plan_of
+    from blrppl.engine.advice import named_remedies
+
+    J, sigma, y = rm.EIGHT_SCHOOLS
+    assert named_remedies(plan_of(rm.eight_schools_model, (J, sigma, y))) == (("tau",), False)
+
+    def factor(Y):
+        W = numpyro.sample("W", dist.Normal(0.0, 1.0).expand([Y.shape[1], 2]).to_event(2))
+        with numpyro.plate("rows", Y.shape[0]):
+            z = numpyro.sample("z", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
+            numpyro.sample("Y", dist.Normal(z @ W.T, 1.0).to_event(1), obs=Y)
+
+    Y = np.random.default_rng(0).normal(size=(30, 4))
+    assert named_remedies(plan_of(factor, (Y,))) == ((), False)
+
+    def two_regressions(x, y1, y2):
+        a = numpyro.sample("a", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
+        b = numpyro.sample("b", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
+        with numpyro.plate("n", len(x)):
+            numpyro.sample("y1", dist.Bernoulli(logits=a[0] + a[1] * x), obs=y1)
+            numpyro.sample("y2", dist.Bernoulli(logits=b[0] + b[1] * x), obs=y2)
+
+    x = np.linspace(-1.0, 1.0, 20)
+    plan = plan_of(two_regressions, (x, (x > 0).astype(float), (x < 0.5).astype(float)), structure="mean-field")
+    assert named_remedies(plan)[1]
