@@ -94,7 +94,9 @@ def test_normal_whose_scale_is_another_latent():
         with numpyro.plate("n", len(r)):
             numpyro.sample("r", dist.Normal(s, 1.0), obs=r)
 
-    result = blr_fit(model, {"r": r_obs}, rng_key=random.PRNGKey(0), progress_bar=False)
+    # (the first fit's plan: refined, the fit keeps structure='mean-field', k-hat 0.67, whose
+    # factor on s is a closed form)
+    result = blr_fit(model, {"r": r_obs}, rng_key=random.PRNGKey(0), progress_bar=False, refine=False)
     assert result.converged, result.message
     estimators = {f.name: f.estimator for f in result.plan.factors}
     assert estimators["s"] == "quadrature"
