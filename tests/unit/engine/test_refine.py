@@ -134,17 +134,10 @@ def test_a_grid_past_its_deadline_stops():
     from blrppl.engine.grid import OverBudget, grid_fit
     from blrppl.model.program import ModelProgram
 
-    def eight_schools(J, sigma, y=None):
-        mu = numpyro.sample("mu", dist.Normal(0.0, 5.0))
-        tau = numpyro.sample("tau", dist.HalfCauchy(5.0))
-        with numpyro.plate("J", J):
-            theta = numpyro.sample("theta", dist.Normal(mu, tau))
-            numpyro.sample("obs", dist.Normal(theta, sigma), obs=y)
-
     J, sigma, y = rm.EIGHT_SCHOOLS
     options = fit_options(families={"tau": "grid"}, progress_bar=False)
     with pytest.raises(OverBudget, match="over the refinement's time budget"):
-        grid_fit(ModelProgram(eight_schools), (J, sigma, y), {}, options, random.key(0), ["tau"], deadline=0.0)
+        grid_fit(ModelProgram(rm.eight_schools_model), (J, sigma, y), {}, options, random.key(0), ["tau"], deadline=0.0)
 
 
 def test_the_remedies_are_those_the_advice_names():
