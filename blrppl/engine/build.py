@@ -87,6 +87,10 @@ class CompiledFit:
     #: (nat, model data, key) → importance log-weights of q (None: not computed for this plan)
     log_weights_fn: Callable | None = None
     _log_weights_compiled: Any = None
+    #: (nat, model data, key) → (log-weights, the drawn latents' values): the corrected
+    #: summaries' draws (:mod:`blrppl.posterior.importance`), compiled on first use
+    weighted_draws_fn: Callable | None = None
+    _weighted_draws_compiled: Any = None
     #: :func:`_dense_work` of the plan (the diagnostics' program compiles optimised from the
     #: same measure as the chunk)
     dense_work: int = 0
@@ -116,6 +120,14 @@ class CompiledFit:
         if self._log_weights_compiled is None:
             self.compile_log_weights(nat, dyn, key)
         return self._log_weights_compiled.result()(nat, dyn, key)
+
+    def weighted_draws(self, nat, dyn, key):
+        """q's draws and their importance log-weights: one call, compiled the first time a
+        result asks for importance-corrected summaries or draws."""
+        if self._weighted_draws_compiled is None:
+            self._weighted_draws_compiled = _jit(self.weighted_draws_fn)
+        with numpyro.validation_enabled(False):
+            return self._weighted_draws_compiled(nat, dyn, key)
 
     def statistics(self, dyn) -> dict:
         """The data statistics of the plan's ``gram_block`` factors: one compiled call (XLA's
@@ -377,11 +389,14 @@ def compile_fit(program, records, data_spec, dyn_data, tracer, options, prior_sp
         _COMPILER.submit,
     )
     log_weights_fn = None if plan.subsampled or online else make_log_weights(plan, fns, records, dyn_data)
+    weighted_draws_fn = None if log_weights_fn is None else make_log_weights(
+        plan, fns, records, dyn_data, with_values=True
+    )
     posterior_fn = posterior_builder(plan, records, _COMPILER.submit)
     bundle = CompiledFit(
         tracer, plan, graph, init_fn, None, posterior_fn, window,
         chunk_fn=chunk, step_fn=step, elbo_fn=_jit(elbo_fn), online=online, statistics_fn=statistics_fn,
-        log_weights_fn=log_weights_fn, tables_fn=tables_fn, stored_key=fit_key, dense_work=dense_work,
+        log_weights_fn=log_weights_fn, weighted_draws_fn=weighted_draws_fn, tables_fn=tables_fn, stored_key=fit_key, dense_work=dense_work,
     )
     if log_weights_fn is not None and not (len(plan.blocks) == 1 and exact_block is not None):
         # (a lone conjugate block needs no draws, see _diagnose)

@@ -5,6 +5,7 @@ message and its warnings (:func:`finish`).
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 import warnings
@@ -200,5 +201,19 @@ def finish(prepared: Prepared, outcome, nat: dict, num_steps: int, t1: float, t2
         state=outcome.state,
         compile_counts=prepared.compile_counts,
         model_lock=COMPILE_LOCK,
+        importance=_importance_source(prepared, nat, grid),
     )
     return result
+
+
+def _importance_source(prepared: Prepared, nat: dict, grid):
+    """``key → (log-weights, draws)`` of q against the model for the result's importance-
+    corrected summaries (:mod:`blrppl.posterior.importance`), or None where they do not apply:
+    no weights (subsampled plates, an online fit), enumerated discrete latents (summed out of
+    the weights, so their draws would not be reweighted with the rest), scales on a grid
+    (whose marginals are the grid's, not q's)."""
+    bundle, plan = prepared.bundle, prepared.plan
+    if bundle.weighted_draws_fn is None or grid is not None or any(b.discrete and not b.chain for b in plan.blocks):
+        return None
+    data = model_data(plan, prepared.dyn_data)
+    return functools.partial(bundle.weighted_draws, nat, data)

@@ -127,6 +127,12 @@ def _gpd_fit(x: np.ndarray) -> float:
     """Shape k of a generalised Pareto fitted to sorted positive exceedances ``x`` by the
     empirical-Bayes estimate of Zhang & Stephens (2009), with the weakly informative prior
     of Vehtari et al. (shrinking k towards 0.5 as if by 10 more observations)."""
+    return gpd_fit(x)[0]
+
+
+def gpd_fit(x: np.ndarray) -> tuple:
+    """``(k, σ)`` of the generalised Pareto of :func:`_gpd_fit` (k with the prior, σ = −k₀/b
+    from the estimate k₀ before it)."""
     n = x.size
     m = 30 + int(math.sqrt(n))
     prior = 3.0
@@ -140,7 +146,7 @@ def _gpd_fit(x: np.ndarray) -> float:
     weights = weights / weights.sum()
     b = np.sum(theta * weights)
     khat = np.mean(np.log1p(-b * x))
-    return float((n * khat + 10.0 * 0.5) / (n + 10.0))
+    return float((n * khat + 10.0 * 0.5) / (n + 10.0)), float(-khat / b)
 
 
 def psis_khat(log_weights) -> float:
@@ -244,7 +250,7 @@ def draws_at_once(work_per_draw: int, num: int) -> int:
     return batch
 
 
-def make_log_weights(plan, fns, records, data_shapes, batch: int = BATCH):
+def make_log_weights(plan, fns, records, data_shapes, batch: int = BATCH, with_values: bool = False):
     """``log_weights(nat, data, key) -> (num_draws,)`` (see the module docstring).
 
     Args:
@@ -253,6 +259,9 @@ def make_log_weights(plan, fns, records, data_shapes, batch: int = BATCH):
         records: site name → :class:`blrppl.model.records.SiteRecord`.
         data_shapes: the model's data (or their shapes): large data are evaluated
             :data:`BATCH` draws at a time, small data all draws at once.
+        with_values: return ``(log_weights, draws)`` instead, ``draws`` the drawn latent sites'
+            values (site → ``(num_draws, *shape)``, on their constrained space): what the
+            importance-corrected summaries weigh (:mod:`blrppl.posterior.importance`).
     """
     blocks = {b.name: b for b in plan.blocks}
     # (chains of discrete latents are drawn, with their exact log q, not summed out)
@@ -328,14 +337,17 @@ def make_log_weights(plan, fns, records, data_shapes, batch: int = BATCH):
 
     def one_draw(nat, data, key, fixed_values):
         keys = jax.random.split(key, max(len(drawn), 1))
-        values, log_q, log_det = dict(fixed_values), 0.0, 0.0
+        values, log_q, log_det, constrained = dict(fixed_values), 0.0, 0.0, {}
         for k, b in zip(keys, drawn):
             x = b.family.sample(nat[b.name], k)
             log_q = log_q + jnp.sum(b.family.log_prob(nat[b.name], x))
             vals, ld = site_values(b, x)
             values.update(vals)
             log_det = log_det + ld
-        return log_joint(values, data) + log_det - log_q
+            if with_values:
+                constrained.update(vals if b.chain else _constrained(b, vals))
+        log_w = log_joint(values, data) + log_det - log_q
+        return (log_w, constrained) if with_values else log_w
 
     data_size = sum(int(np.prod(np.shape(x))) for x in jax.tree.leaves(data_shapes))
     # (each data element is evaluated at every enumerated value of its group's discrete latents)
@@ -354,9 +366,20 @@ def make_log_weights(plan, fns, records, data_shapes, batch: int = BATCH):
         if at_once == num:
             return draw(keys)
         # large data: a few draws at a time (memory: that many model evaluations)
-        return jax.lax.map(draw, keys.reshape((num // at_once, at_once))).reshape(-1)
+        out = jax.lax.map(draw, keys.reshape((num // at_once, at_once)))
+        return jax.tree.map(lambda x: x.reshape((num,) + x.shape[2:]), out)
 
     return log_weights
+
+
+def _constrained(block, values: dict) -> dict:
+    """A non-chain block's site values on their constrained space (its members' bijections
+    applied to the values ``site_values`` gives on the block's space)."""
+    out = dict(values)
+    for m in block.members or (block,):
+        if m.transform is not None and m.name in out:
+            out[m.name] = m.transform(out[m.name])
+    return out
 
 
 def _scaled(log_prob, scale):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, NamedTuple
 
 import jax
@@ -85,6 +86,9 @@ class BLRResult:
     deterministic_sites: tuple | None = dataclasses.field(default=None, repr=False)
     model_lock: Any = dataclasses.field(default=None, repr=False, compare=False)
     refinements: list = dataclasses.field(default_factory=list, repr=False)
+    #: ``key → (log-weights, draws)``: weighted draws of q behind the importance-corrected
+    #: summaries and draws (:mod:`blrppl.posterior.importance`; None: not available)
+    importance: Any = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def params(self) -> dict:
@@ -104,8 +108,16 @@ class BLRResult:
 
         return PlanGuide(self.plan, self.params)
 
-    def sample(self, rng_key, num_samples: int) -> dict:
+    def sample(self, rng_key, num_samples: int, importance: bool = False) -> dict:
         """Draws from the posterior: site → array with a leading ``num_samples`` axis.
+
+        With ``importance=True`` the latents are drawn from q's draws reweighted towards the
+        posterior (Pareto-smoothed importance resampling, :mod:`blrppl.posterior.importance`):
+        closer to the posterior where q is not exact, but repeating values. Where the weights
+        are unreliable (their k̂ above 0.7) a warning says so and q's draws are returned; a
+        fit without weights (subsampled plates, ``prior=``, enumerated discrete latents, scales
+        on a grid) raises a :class:`blrppl.errors.BLRError`. The default is q's own draws, those
+        ``posterior``, ``guide`` and ``params`` describe (see the module named).
 
         Sites fitted together in a joint block are drawn jointly (their correlations kept).
         The latents the fit integrated out (``plan.barren``: no other site reads them, e.g.
@@ -117,9 +129,52 @@ class BLRResult:
         from blrppl.inputs import as_key
 
         key = as_key(rng_key)
-        draws = self._sample_latents(key, num_samples)
+        corrected = self._weighted(key, num_samples, asked=bool(importance), resampled=True) if importance else None
+        draws = corrected if corrected is not None else self._sample_latents(key, num_samples)
         draws.update(self._from_model(jax.random.fold_in(key, 1), draws, deterministic=True))
         return draws
+
+    def _weighted(self, key, num_samples: int, asked: bool, resampled: bool):
+        """Importance-corrected draws of the latents: with ``resampled``, ``num_samples`` of
+        them resampled by their smoothed weights; else ``(draws, smoothed log-weights, k̂)`` of
+        at least ``num_samples`` weighted draws. None where the weights are unreliable, all
+        equal (q is exact) or, unless ``asked``, not available (``asked``: a BLRError then, a
+        warning for unreliable weights)."""
+        import warnings
+
+        from blrppl.posterior import importance as imp
+
+        if self.importance is None:
+            if not asked:
+                return None
+            from blrppl.errors import BLRError
+
+            raise BLRError(
+                "importance-corrected draws are not available for this fit: it has no importance weights of q "
+                "(subsampled plates or prior=), or latents they do not reweigh (enumerated discrete latents, "
+                "scales integrated on a grid); use q's draws (importance=False)"
+            )
+        draws, log_w = imp.weighted_draws(
+            self.importance, jax.random.fold_in(key, 2), imp.OVERSAMPLE * num_samples if resampled else num_samples
+        )
+        log_w, khat = imp.psis_smooth(log_w)
+        if not -math.inf < khat <= imp.RELIABLE_KHAT:
+            if asked and khat > imp.RELIABLE_KHAT:
+                warnings.warn(
+                    f"BLRResult: the importance weights of q are unreliable (PSIS k-hat = {khat:.2f} > "
+                    f"{imp.RELIABLE_KHAT}): q's own draws are used, uncorrected",
+                    UserWarning,
+                    stacklevel=3,
+                )
+            return None
+        missing = [n for n in self.posterior if n not in draws]  # (point blocks: held at their estimates)
+        if missing:
+            extra = self._sample_latents(jax.random.fold_in(key, 3), log_w.size)
+            draws.update({n: np.asarray(extra[n]) for n in missing})
+        draws = {n: draws[n] for n in self.posterior}
+        if resampled:
+            return imp.resample(jax.random.fold_in(key, 4), draws, log_w, num_samples)
+        return draws, log_w, khat
 
     def _sample_latents(self, key, num_samples: int) -> dict:
         """Draws of the fitted latent sites (:meth:`sample` without the sites the model
@@ -156,30 +211,48 @@ class BLRResult:
             return {}
 
     def summary(
-        self, prob: float = 0.9, num_samples: int = 4000, rng_key=None, print_table=True, exclude_deterministic=True
+        self,
+        prob: float = 0.9,
+        num_samples: int = 4000,
+        rng_key=None,
+        print_table=True,
+        exclude_deterministic=True,
+        importance="auto",
     ) -> dict:
         """Mean, sd and central ``prob`` interval of every scalar of every site.
 
         Args:
             exclude_deterministic: leave out the model's ``numpyro.deterministic`` sites (as
                 numpyro's ``print_summary`` does by default).
+            importance: ``"auto"`` (the default): the estimates from ``num_samples`` draws of q
+                weighted by their Pareto-smoothed importance weights where those are reliable
+                (k̂ ≤ 0.7, not all equal: :mod:`blrppl.posterior.importance`), q's own draws
+                elsewhere; ``True``: the same, warning where the weights are unreliable (a
+                :class:`blrppl.errors.BLRError` where the fit has none); ``False``: q's draws.
+                The table printed says which.
 
         Returns:
             site → dict with ``mean``, ``sd``, ``median``, lower and upper quantiles.
         """
-        if exclude_deterministic:
-            from blrppl.inputs import as_key
+        from blrppl.inputs import as_key
+        from blrppl.posterior.importance import weighted_stats
 
-            key = as_key(rng_key)
-            draws = self._sample_latents(key, num_samples)
-            draws.update(self._from_model(jax.random.fold_in(key, 1), draws, deterministic=False))
+        if importance not in (True, False, "auto"):
+            from blrppl.errors import BLRError
+
+            raise BLRError(f"summary: importance must be 'auto', True or False, not {importance!r}")
+        key = as_key(rng_key)
+        weighted = self._weighted(key, num_samples, asked=importance is True, resampled=False) if importance else None
+        if weighted is not None:
+            draws, log_w, khat = weighted
         else:
-            draws = self.sample(rng_key, num_samples)
+            draws, log_w = self._sample_latents(key, num_samples), None
+        draws.update(self._from_model(jax.random.fold_in(key, 1), draws, deterministic=not exclude_deterministic))
         lo_q, hi_q = 50 * (1 - prob), 50 * (1 + prob)
         out = {}
         for name, x in draws.items():
             x = np.asarray(x, dtype=float)
-            out[name] = {
+            out[name] = weighted_stats(x, log_w, prob) if log_w is not None else {
                 "mean": x.mean(0),
                 "sd": x.std(0),
                 "median": np.median(x, 0),
@@ -188,6 +261,10 @@ class BLRResult:
             }
         if print_table:
             print(format_summary(out))
+            print(
+                f"importance-corrected: {len(log_w)} draws of q weighted towards the posterior (PSIS k-hat = {khat:.2f})"
+                if log_w is not None else "from q's draws"
+            )
             print(self.message)
             if self.diagnostics is not None:
                 print(self.diagnostics.describe())
