@@ -15,7 +15,10 @@ over the stored parameters, divergent transitions) are written to ``tests/data/<
 Where NUTS cannot run the model the tests fit (``rm.NUTS_MODELS``: a centred horseshoe diverges,
 discrete latents need funsor), it samples an equivalent model (non-centred, or with the discrete
 latents summed out by hand): the same posterior over the stored sites, stored under the names of
-the model the tests fit. ``prior_mixture`` has no NUTS run: its posterior is its prior, whose
+the model the tests fit. Where the posterior has symmetric modes between which the chains hop
+(``rm.RELABEL``: Dawid-Skene's relabelled classes), the chains start at ``rm.NUTS_INITS`` and
+every draw is mapped into one mode before the moments and diagnostics are taken.
+``prior_mixture`` has no NUTS run: its posterior is its prior, whose
 moments are written in closed form (``"exact": true``).
 
 For the models of ``SVI_REFERENCES`` the script also fits numpyro's SVI with an ``AutoNormal``
@@ -111,7 +114,8 @@ NUTS_SETTINGS.update(
 
 #: per model, sites whose posterior has no finite variance (their stored sd does not converge);
 #: for the models listed, the log moments of the positive sites are stored as well
-#: (``log_params``; the GP example's kernel parameters are fitted on the log scale)
+#: (``log_params``; the GP example's kernel parameters are fitted on the log scale; the
+#: baseball model's Pareto concentration keeps its prior's tail ∝ κ^-2.5)
 HEAVY_TAILED = {"horseshoe": ("lambdas",), "gp_example": (), "baseball_pooled": ("kappa",)}
 
 #: references with more parameters store no covariance matrix
