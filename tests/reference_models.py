@@ -66,6 +66,21 @@ reference JSON), so the references and the tests see the same numbers.
   (improper: NUTS cannot mix them), so the reference samples ``imputed_logistic_nuts_model``,
   where they have the prior of x (the same posterior over every other parameter); the tests
   read the globals and the missing entries only.
+Issue 51's models (their models, data and NUTS helpers in ``tests/example_models.py``):
+
+* ``baseball_pooled``, ``baseball_logit``: NumPyro's partially pooled baseball models
+  (examples/baseball.py: ``partially_pooled``, ``partially_pooled_with_logit``) on Efron &
+  Morris (1975)'s 18 players' hits in their first 45 at-bats (a fixed table). ``baseball_pooled``:
+  ``m`` ~ Uniform(0, 1), ``kappa`` ~ Pareto(1, 1.5), batting averages ``phi`` ~ Beta(m κ,
+  (1 − m) κ), hits ~ Binomial(45, phi); NUTS diverges on the centred Beta, so the reference
+  samples ``baseball_pooled_nuts_model`` (phi non-centred around its conditional posterior). As
+  κ → ∞ the likelihood tends to that of complete pooling, a positive constant, so κ's posterior
+  keeps the prior's tail ∝ κ^-2.5: its mean exists, its variance does not (its stored sd does
+  not converge, nor does its mean well); the reference stores log(kappa)'s moments
+  (``log_params``). ``baseball_logit``: ``loc`` ~ Normal(−1, 1), ``scale`` ~ HalfCauchy(1),
+  logits ``alpha`` ~ Normal(loc, scale) (centred), hits ~ Binomial(45, logits=alpha); sampled
+  non-centred (``baseball_logit_noncentred_model``).
+
 Models that ``test_references_are_float64_and_converged`` cannot check (``DIAGNOSTIC_MODELS``:
 their reference is not a NUTS run of the model itself):
 
@@ -78,6 +93,22 @@ their reference is not a NUTS run of the model itself):
   (y and z summed out by hand, the same posterior over p and q) and stores p and q only.
 * ``prior_mixture``: no data: z ~ Categorical([0.1, 0.2, 0.3, 0.4]), x ~ Normal([-6, -2, 2, 6][z], 1).
   The posterior is the prior; the reference stores the exact mean (2) and sd (√17) of ``x``.
+* ``dawid_skene`` (issue 51, ``tests/example_models.py``): NumPyro's Dawid-Skene annotation
+  model (examples/annotation.py, ``dawid_skene``) on Dawid & Skene (1979)'s table (45 patients, 4 classes, 5 clinicians at 7
+  positions): per annotator and class a Dirichlet(1) row ``beta`` of label probabilities, the
+  prevalence ``pi`` ~ Dirichlet(1), each item's class ``c`` ~ Categorical(pi) (enumerated,
+  plates at dims −2/−1 and ``Vindex`` as the example writes them). The reference samples
+  ``dawid_skene_marginal_model`` (c summed out by hand) from chains started where the
+  annotators are right (``NUTS_INITS``); the posterior is symmetric under the 24 relabellings
+  of the classes and the chains hop between them (classes 3 and 4, the rare ones, within a few
+  hundred draws), so every draw is relabelled into the region where the annotators are mostly
+  right before the moments are taken (``dawid_skene_relabel``, ``RELABEL``); a fit's draws
+  must be relabelled the same way to be compared.
+* ``change_point`` (issue 51, ``tests/example_models.py``): the coal-mining disasters (Jarrett
+  1979; 111 yearly counts from 1851, a fixed table) with a Poisson change point: ``early_rate``, ``late_rate`` ~ Exponential(1), the
+  first late year ``switchpoint`` ~ Categorical over the years with equal logits, enumerated.
+  The reference samples ``change_point_marginal_model`` (the switch year summed out by hand)
+  and stores the two rates.
 """
 
 from __future__ import annotations
@@ -617,6 +648,21 @@ NUTS_MODELS = {
 SVI_MODELS = {
     "coupled_discrete": coupled_discrete_marginal_model,
 }
+
+
+# issue 51's example models (tests/example_models.py), in the registries above
+from example_models import (  # noqa: E402
+    EXAMPLE_DIAGNOSTIC_MODELS,
+    EXAMPLE_MODELS,
+    EXAMPLE_NUTS_MODELS,
+    NUTS_INITS,
+    RELABEL,
+)
+
+DATA_SEEDS.update(dict.fromkeys(EXAMPLE_MODELS | EXAMPLE_DIAGNOSTIC_MODELS))  # fixed published tables
+MODELS.update(EXAMPLE_MODELS)
+DIAGNOSTIC_MODELS.update(EXAMPLE_DIAGNOSTIC_MODELS)
+NUTS_MODELS.update(EXAMPLE_NUTS_MODELS)
 
 
 def get(name):

@@ -15,7 +15,10 @@ over the stored parameters, divergent transitions) are written to ``tests/data/<
 Where NUTS cannot run the model the tests fit (``rm.NUTS_MODELS``: a centred horseshoe diverges,
 discrete latents need funsor), it samples an equivalent model (non-centred, or with the discrete
 latents summed out by hand): the same posterior over the stored sites, stored under the names of
-the model the tests fit. ``prior_mixture`` has no NUTS run: its posterior is its prior, whose
+the model the tests fit. Where the posterior has symmetric modes between which the chains hop
+(``rm.RELABEL``: Dawid-Skene's relabelled classes), the chains start at ``rm.NUTS_INITS`` and
+every draw is mapped into one mode before the moments and diagnostics are taken.
+``prior_mixture`` has no NUTS run: its posterior is its prior, whose
 moments are written in closed form (``"exact": true``).
 
 For the models of ``SVI_REFERENCES`` the script also fits numpyro's SVI with an ``AutoNormal``
@@ -46,6 +49,7 @@ from numpyro.distributions import constraints  # noqa: E402
 from numpyro.diagnostics import effective_sample_size, split_gelman_rubin  # noqa: E402
 from numpyro.infer import MCMC, NUTS, SVI, Trace_ELBO  # noqa: E402
 from numpyro.infer.autoguide import AutoNormal  # noqa: E402
+from numpyro.infer.initialization import init_to_value  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
@@ -93,10 +97,26 @@ NUTS_SETTINGS = {
     # (sampled non-centred, rm.eight_schools_noncentred_model: tau mixes at ESS ≈ 30 % of the draws)
     "eight_schools": {"num_samples": 10000, "target_accept_prob": 0.95},
 }
+# issue 51's example models (kept in one block for merging)
+NUTS_SEEDS.update({"baseball_pooled": 117, "baseball_logit": 118, "dawid_skene": 119, "change_point": 120})
+NUTS_SETTINGS.update(
+    {
+        # (sampled as rm.baseball_pooled_nuts_model, phi non-centred around its conditional)
+        "baseball_pooled": {},
+        # (sampled non-centred; the scale mixes at ESS ≈ 40 % of the draws)
+        "baseball_logit": {"num_samples": 10000},
+        # (the classes summed out by hand; the draws relabelled: rm.RELABEL; ESS ≈ 40 %)
+        "dawid_skene": {"num_samples": 10000},
+        # (the switch year summed out by hand)
+        "change_point": {},
+    }
+)
+
 #: per model, sites whose posterior has no finite variance (their stored sd does not converge);
 #: for the models listed, the log moments of the positive sites are stored as well
-#: (``log_params``; the GP example's kernel parameters are fitted on the log scale)
-HEAVY_TAILED = {"horseshoe": ("lambdas",), "gp_example": ()}
+#: (``log_params``; the GP example's kernel parameters are fitted on the log scale; the
+#: baseball model's Pareto concentration keeps its prior's tail ∝ κ^-2.5)
+HEAVY_TAILED = {"horseshoe": ("lambdas",), "gp_example": (), "baseball_pooled": ("kappa",)}
 
 #: references with more parameters store no covariance matrix
 MAX_COV_PARAMETERS = 100
@@ -159,8 +179,15 @@ def reference(name: str) -> dict:
     sampler = rm.NUTS_MODELS.get(name, model)
     settings = nuts_settings(name)
     t0 = time.perf_counter()
+    # (chains started in one of several symmetric modes: rm.NUTS_INITS)
+    init = {"init_strategy": init_to_value(values=rm.NUTS_INITS[name]())} if name in rm.NUTS_INITS else {}
     mcmc = MCMC(
-        NUTS(sampler, target_accept_prob=settings["target_accept_prob"], max_tree_depth=settings["max_tree_depth"]),
+        NUTS(
+            sampler,
+            target_accept_prob=settings["target_accept_prob"],
+            max_tree_depth=settings["max_tree_depth"],
+            **init,
+        ),
         num_warmup=settings["num_warmup"],
         num_samples=settings["num_samples"],
         num_chains=settings["num_chains"],
@@ -174,6 +201,8 @@ def reference(name: str) -> dict:
     missing = set(sites) - set(by_chain)
     assert not missing, f"{name}: the NUTS model lacks the sites {missing}"
     latent = {k: np.asarray(by_chain[k]) for k in sites}
+    if name in rm.RELABEL:  # symmetric modes: every draw mapped into one (rm.RELABEL)
+        latent = rm.RELABEL[name](latent)
     params, rhat, ess = {}, [], []
     for site, x in latent.items():  # x: (chains, draws, *shape)
         flat = x.reshape(x.shape[0], x.shape[1], -1)
@@ -205,12 +234,25 @@ def reference(name: str) -> dict:
     }
     if sampler is not model:
         out["nuts"]["sampled_model"] = sampler.__name__
+    if name in rm.RELABEL:
+        out["nuts"]["relabelled_by"] = rm.RELABEL[name].__name__
+    if init:
+        out["nuts"]["init"] = {k: np.asarray(v).tolist() for k, v in rm.NUTS_INITS[name]().items()}
     if name in HEAVY_TAILED:
         out["heavy_tailed"] = [k for k in names if k.split("[")[0] in HEAVY_TAILED[name]]
         tr = handlers.trace(handlers.seed(model, jax.random.key(0))).get_trace(**data)
-        positive = [s for s in sites if tr[s]["fn"].support is constraints.positive]
+        positive = [s for s in sites if _positive(tr[s]["fn"].support)]
         out["log_params"] = moments({s: np.log(latent[s]).reshape(-1, *latent[s].shape[2:]) for s in positive})
     return out
+
+
+def _positive(support) -> bool:
+    """Whether a support lies in (0, ∞): positive, or bounded below by a non-negative number
+    (a Pareto's)."""
+    if support is constraints.positive:
+        return True
+    bound = getattr(support, "lower_bound", None)
+    return isinstance(support, constraints.greater_than) and bound is not None and float(bound) >= 0.0
 
 
 def exact_reference(name: str) -> dict:
