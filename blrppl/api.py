@@ -86,7 +86,8 @@ def blr_fit(
         refine: when the fit's diagnostics say q is poor, try the remedies its advice names
             (scales on a grid, the other structure, an over-dispersed start, more starts) and
             keep the best (``result.refinements`` lists them; :mod:`blrppl.engine.refine`).
-        refine_budget: the refinement's limit in multiples of the first fit's time (default 5).
+        refine_budget: the refinement's limit in multiples of the first fit's time, counted as
+            at least 6 s (default 5; 0: no refinement).
 
     Returns:
         :class:`blrppl.BLRResult`.

@@ -96,16 +96,27 @@ def test_a_failing_remedy_is_reported_and_the_rest_still_run(monkeypatch):
 
 
 def test_the_budget_stops_starting_candidates(monkeypatch):
-    """A first fit of 1 s and a budget of 2 (2 s): a candidate starts while the time spent plus
-    one first fit's (the next one's expected cost) is within it: two of 0.6 s run (0 + 1 and
-    0.6 + 1 ≤ 2), the third does not (1.2 + 1 > 2). With a budget of 0 none runs and nothing
-    is reported."""
+    """A first fit of 1 s and a budget of 2 (2 s, no floor): a candidate starts while the time
+    spent plus one first fit's (the next one's expected cost) is within it: two of 0.6 s run
+    (0 + 1 and 0.6 + 1 ≤ 2), the third does not (1.2 + 1 > 2). With a budget of 0 none runs
+    and nothing is reported."""
+    monkeypatch.setattr(refine_mod, "MIN_UNIT", 0.0)
     first = _result(0.9, -12.0, ess=0.1)
     outcomes = [_result(0.9, -13.0) for _ in range(5)]
     _, _, refinements, calls = _run(monkeypatch, first, outcomes, budget=2.0, seconds=0.6)
     assert len(calls) == 2 and len(refinements) == 3
     result, held, refinements, calls = _run(monkeypatch, first, outcomes, budget=0.0)
     assert calls == [] and refinements == [] and result is first and held == ["first"]
+
+
+def test_a_fast_first_fit_counts_as_the_floor(monkeypatch):
+    """A first fit of 1 s counts as MIN_UNIT = 1.5 s: a budget of 2 is 3 s, and candidates of
+    0.6 s start at 0, 0.6, 1.2 and 1.8 s spent (each + 1 ≤ 3), not at 2.4 (2.4 + 1 > 3)."""
+    monkeypatch.setattr(refine_mod, "MIN_UNIT", 1.5)
+    first = _result(0.9, -12.0, ess=0.1)
+    outcomes = [_result(0.9, -13.0) for _ in range(6)]
+    _, _, refinements, calls = _run(monkeypatch, first, outcomes, budget=2.0, seconds=0.6)
+    assert len(calls) == 4 and len(refinements) == 5
 
 
 def model(y=None):
