@@ -107,6 +107,7 @@ def markdown(
                 f"{_f(r.second_process.get('compile'))} |"
             )
     lines += _first_fit_section(runs)
+    lines += _refinement_section(runs)
     if scaling_rows:
         lines += [
             "",
@@ -189,6 +190,41 @@ def _first_fit_section(runs) -> list:
             f"| {run.name} | {_f(fresh.get('total'))} | {_f(fresh.get('compile'))} | {_f(nuts_total)} | "
             f"{_f(fresh.get('total', float('nan')) / nuts_total)} | {fresh.get('model_runs', '-')} | "
             f"{_compilations(fresh)} | {_f(second.get('compile'))} / {_f(second.get('total'))} |"
+        )
+    return lines
+
+
+def _refinement_section(runs) -> list:
+    """Each model whose first fit the default refinement replaced or tried to: the first and the
+    kept fit's accuracy, k̂ and time beside NUTS's."""
+    rows = [(run, run.results["blr"]) for run in runs if "blr" in run.results and run.results["blr"].refinements]
+    if not rows:
+        return []
+    lines = [
+        "",
+        "## Refinement by default",
+        "",
+        "Models whose first fit's diagnostics said q is poor, so that `blr_fit` (default options) tried the "
+        "remedies its advice names and kept the best (`result.refinements`, `blrppl/engine/refine.py`): the "
+        "first fit alone (`refine=False`, compiled fit reused) against the kept one, each with its largest "
+        "mean error (reference sds), sd ratio range, PSIS k̂ and wall seconds, and NUTS's.",
+        "",
+        "| model | first: err (sd) | first: sd ratio | first: k̂ | first s | kept | kept: err (sd) | kept: sd ratio "
+        "| kept: k̂ | total s | NUTS err (sd) | NUTS s | tried |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for run, blr in rows:
+        first = blr.first_fit.get("accuracy") or dict.fromkeys(("max_mean_err_sd", "sd_ratio_min", "sd_ratio_max"))
+        kept_acc, nuts = run.accuracy.get("blr", {}), run.results.get("nuts")
+        kept = next((r for r in blr.refinements if r[4]), None)
+        nuts_ok = nuts is not None and not nuts.error
+        lines.append(
+            f"| {run.name} | {_f(first['max_mean_err_sd'])} | {_f(first['sd_ratio_min'])}–{_f(first['sd_ratio_max'])} | "
+            f"{_f(blr.first_fit.get('khat'), '{:.2f}')} | {_f(blr.first_fit.get('time'))} | "
+            f"{kept[0] if kept else '-'} | {_f(kept_acc.get('max_mean_err_sd'))} | "
+            f"{_f(kept_acc.get('sd_ratio_min'))}–{_f(kept_acc.get('sd_ratio_max'))} | {_f(blr.khat, '{:.2f}')} | "
+            f"{_f(blr.total_time)} | {_f(run.accuracy['nuts']['max_mean_err_sd'] if nuts_ok else None)} | "
+            f"{_f(nuts.total_time if nuts_ok else None)} | {len(blr.refinements) - 1} |"
         )
     return lines
 

@@ -108,6 +108,26 @@ def test_report_sections_for_first_fits_sites_and_the_hand_written_loop():
     assert "First fit in a fresh process" not in report.markdown([run])
 
 
+def test_refinement_section_puts_the_first_and_the_kept_fit_beside_nuts():
+    """A model whose refinement ran: the first fit alone, the kept candidate (what it changed),
+    their errors, sd ratios, k̂ and seconds, and NUTS's; a model without refinement has no row,
+    and no model with one: no section."""
+    run = _run(0.05, 2.0, 8.0)
+    run.accuracy["nuts"] = {"max_mean_err_sd": 0.02, "sd_ratio_min": 0.98, "sd_ratio_max": 1.01}
+    assert "Refinement by default" not in report.markdown([run])
+    blr = run.results["blr"]
+    blr.khat = 0.55
+    blr.refinements = [("as asked", 0.95, -50.0, 0.5, False, ""), ("families={'tau': 'grid'}", 0.55, -49.5, 1.5, True, "")]
+    blr.first_fit = {
+        "khat": 0.95, "time": 0.5,
+        "accuracy": {"max_mean_err_sd": 0.4, "sd_ratio_min": 0.3, "sd_ratio_max": 1.1},
+    }
+    text = report.markdown([run])
+    assert "## Refinement by default" in text
+    assert "| m | 0.4 | 0.3–1.1 | 0.95 | 0.5 | families={'tau': 'grid'} | 0.05 |" in text
+    assert "| 0.55 | 2 | 0.02 | 8 | 1 |" in text
+
+
 def test_pca_section_puts_blrppl_and_bayespy_side_by_side():
     to_test = {"wall": 2.5, "steps": 31, "elbo": -93.0}
     blr = {"per_step": 0.02, "elbo": -100.0, "full_wall": 3.0, "full_steps": 40, "full_elbo": -90.0, "to_test": to_test}
