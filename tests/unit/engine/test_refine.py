@@ -7,6 +7,7 @@ import math
 import time
 import types
 
+import jax.numpy as jnp
 import numpy as np
 
 import numpyro
@@ -180,3 +181,28 @@ def test_the_remedies_are_those_the_advice_names():
     x = np.linspace(-1.0, 1.0, 20)
     plan = plan_of(two_regressions, (x, (x > 0).astype(float), (x < 0.5).astype(float)), structure="mean-field")
     assert named_remedies(plan)[1]
+
+
+def volatility(returns):
+    """NumPyro's stochastic volatility example: σ scales the walk (a funnel), ν is the returns'."""
+    sigma = numpyro.sample("sigma", dist.Exponential(50.0))
+    s = numpyro.sample("s", dist.GaussianRandomWalk(scale=sigma, num_steps=returns.shape[0]))
+    nu = numpyro.sample("nu", dist.Exponential(0.1))
+    numpyro.sample("r", dist.StudentT(df=nu, loc=0.0, scale=jnp.exp(s)), obs=returns)
+
+
+def test_the_hyperparameters_grid_follows_the_funnels():
+    """The scalar latents fitted apart are σ and ν (not the walk): after the funnel's grid over σ
+    comes one over both; a grid the user asked, or a site whose family the user named, is not redone."""
+    from blrppl.api import plan_of
+
+    returns = np.random.default_rng(0).standard_t(6, size=50) * 0.01
+    plan = plan_of(volatility, (returns,))
+    assert refine_mod.hyperparameters(plan) == ("sigma", "nu")
+    first = types.SimpleNamespace(plan=plan, nat={})
+    changes = [c.change for c in refine_mod.candidates(first, fit_options(), random.PRNGKey(0), False)]
+    assert changes == ["families={'sigma': 'grid'}", "families={'sigma': 'grid', 'nu': 'grid'}"], changes
+    # a grid the user asked for is not redone, nor one over a site the user gave a family
+    assert refine_mod.candidates(first, fit_options(), random.PRNGKey(0), True) == []
+    named = fit_options(families={"nu": "gaussian"})
+    assert [c.change for c in refine_mod.candidates(first, named, random.PRNGKey(0), False)] == [changes[0]]
