@@ -71,8 +71,10 @@ reference JSON), so the references and the tests see the same numbers.
   covariate x; log rate = ``mu`` + ``a``[group] + ``b``[item] + (``beta`` + ``c``[group]) x with
   per-group intercepts ``a`` ~ Normal(0, ``s_group``), per-item intercepts ``b`` ~ Normal(0,
   ``s_item``) and per-group slopes ``c`` ~ Normal(0, ``s_slope``), each scale HalfNormal(1);
-  true mu = 0.5, beta = 0.3, scales 0.6, 0.4, 0.3. NUTS diverges on the centred funnels, so
-  the reference samples the same posterior non-centred (``crossed_glmm_noncentred_model``).
+  true mu = −0.5 (0.8 counts a row on average), beta = 0.3, scales 0.6, 0.4, 0.3. NUTS
+  diverges on the centred funnels, so the reference samples the same posterior non-centred
+  (``crossed_glmm_noncentred_model``).
+
 Models that ``test_references_are_float64_and_converged`` cannot check (``DIAGNOSTIC_MODELS``:
 their reference is not a NUTS run of the model itself):
 
@@ -630,7 +632,7 @@ def crossed_glmm_data(seed=DATA_SEEDS["crossed_glmm"]):
     x = rng.normal(size=group.size)
     x = (x - x.mean()) / x.std()
     a, b, c = 0.6 * rng.normal(size=groups), 0.4 * rng.normal(size=items), 0.3 * rng.normal(size=groups)
-    rate = np.exp(0.5 + a[group] + b[item] + (0.3 + c[group]) * x)
+    rate = np.exp(-0.5 + a[group] + b[item] + (0.3 + c[group]) * x)
     return {"group": group.astype(np.int32), "item": item.astype(np.int32), "x": x, "y": rng.poisson(rate).astype(float)}
 
 
