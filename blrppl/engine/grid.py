@@ -33,7 +33,9 @@ and w_k ∝ Δ_k exp ℓ(u_k):
   weight (Δ_k all equal);
 * three to :data:`MAX_SCALES`: a central composite design (INLA's past two dimensions: the
   centre, 2d axial points and a fractional factorial's corners; 15 points for d = 3, 45 for
-  d = 6), its weights those that integrate a Gaussian's second moments exactly.
+  d = 6), its weights those that integrate a Gaussian's second moments exactly; stretched on
+  each side of the mode by ℓ's spread there (read at 2d probes), and w_k tilted to hold the
+  scales' marginal means (the design's points miss a heavy side's far tail).
 
 The result reports, in the families of the fit with the scales as latents,
 
@@ -121,12 +123,8 @@ def grid_sites(families: dict) -> list:
 
 def _check_sites(sites, plan, records) -> list:
     """Each grid site's scalar Gaussian block in the plan with the sites as latents, and its
-    bijection to the site's support; a :class:`BLRError` naming the site otherwise."""
-    if len(sites) > MAX_SCALES:
-        raise BLRError(
-            f"families: {len(sites)} sites asked for 'grid' ({', '.join(sites)}); a grid holds at most "
-            f"{MAX_SCALES} scales (its fits grow as the square of their number): integrate the main ones"
-        )
+    bijection to the site's support; a :class:`BLRError` naming the site otherwise (their
+    number is checked first, by :func:`_check_count`)."""
     out = []
     for site in sites:
         record = records.get(site)
@@ -158,6 +156,15 @@ def _check_sites(sites, plan, records) -> list:
     return out
 
 
+def _check_count(sites) -> None:
+    """A :class:`BLRError` for more sites than a grid holds (before anything is compiled)."""
+    if len(sites) > MAX_SCALES:
+        raise BLRError(
+            f"families: {len(sites)} sites asked for 'grid' ({', '.join(sites)}); a grid holds at most "
+            f"{MAX_SCALES} scales (its fits grow as the square of their number): integrate the main ones"
+        )
+
+
 def _moment_match(family, weights, means):
     """λ of ``family`` whose mean parameters are Σ_k w_k μ_k (``means``: mean parameters, or
     sufficient statistics T(u_k) of points; None where a grid fit failed or was not read):
@@ -181,7 +188,8 @@ class Integration(NamedTuple):
 
     Attributes:
         us: (K, d) points on the unconstrained scale.
-        weights: (K,) normalised weights w_k ∝ Δ_k exp ℓ(u_k).
+        weights: (K,) normalised weights w_k ∝ Δ_k exp ℓ(u_k) (on a design, tilted to hold
+            the marginals' means).
         values: (ℓ(u_k), the fit's natural parameters or None) per point.
         log_volumes: (K,) log of each point's integration weight on u (log Δ_k + log |det R|).
         moments: each scale's (mean, variance) on u.
@@ -308,6 +316,7 @@ def grid_fit(program, args, kwargs, options, key, sites, deadline=None):
 
     (Its warnings are issued here, not in a helper: they point at the line that called
     ``blr_fit``.)"""
+    _check_count(sites)
     t1 = time.perf_counter()
     families = {s: f for s, f in options.families if f != GRID}
     base = _prepare_as_latents(program, args, kwargs, options, key, sites, families)
@@ -538,7 +547,7 @@ def _grid_note(sites, points, fits, weighted, drawn, unmatched) -> str:
     """The result message's note of the scales integrated on a grid."""
     d = len(sites)
     spread = ", ".join(f"'{s}' {m:.4g} ± {math.sqrt(max(v, 0.0)):.3g}" for s, (m, v) in zip(sites, points.moments))
-    kind = f" ({points.kind})" if points.kind else ""
+    kind = f", {points.kind}," if points.kind else ""
     note = (
         f"{', '.join(repr(s) for s in sites)} integrated on a grid of {len(points.us)} points{kind} ({fits} fits with "
         f"{'it' if d == 1 else 'them'} fixed, read by their {'importance-weighted bounds' if weighted else 'ELBOs'}; "
