@@ -66,6 +66,16 @@ reference JSON), so the references and the tests see the same numbers.
   (improper: NUTS cannot mix them), so the reference samples ``imputed_logistic_nuts_model``,
   where they have the prior of x (the same posterior over every other parameter); the tests
   read the globals and the missing entries only.
+
+* ``crossed_glmm``: a Poisson GLMM with three variance components (issue 51's grid over more
+  than two scales): counts of 12 groups × 15 items, 2 rows each (N = 360), a standardised
+  covariate x; log rate = ``mu`` + ``a``[group] + ``b``[item] + (``beta`` + ``c``[group]) x with
+  per-group intercepts ``a`` ~ Normal(0, ``s_group``), per-item intercepts ``b`` ~ Normal(0,
+  ``s_item``) and per-group slopes ``c`` ~ Normal(0, ``s_slope``), each scale HalfNormal(1);
+  true mu = −0.5 (0.8 counts a row on average), beta = 0.3, scales 0.6, 0.4, 0.3. NUTS
+  diverges on the centred funnels, so the reference samples the same posterior non-centred
+  (``crossed_glmm_noncentred_model``).
+
 Issue 51's models (their models, data and NUTS helpers in ``tests/example_models.py``):
 
 * ``baseball_pooled``, ``baseball_logit``: NumPyro's partially pooled baseball models
@@ -137,6 +147,7 @@ DATA_SEEDS = {
     "gp_example": 20240512,
     "imputed_logistic": 20240513,
     "eight_schools": None,  # a fixed published table (Rubin 1981)
+    "crossed_glmm": 20240551,
 }
 
 
@@ -605,6 +616,58 @@ def prior_mixture_data():
     return {}
 
 
+# ------------------------------------------------------------------ crossed_glmm (issue 51)
+
+#: (groups, items, rows per group × item) of ``crossed_glmm``
+CROSSED_GLMM_SIZES = (12, 15, 2)
+
+
+def crossed_glmm_model(group, item, x, y=None):
+    """A Poisson GLMM with three variance components, as a NumPyro user writes it: per-group
+    intercepts and slopes and per-item intercepts, each with its own HalfNormal scale."""
+    mu = numpyro.sample("mu", dist.Normal(0.0, 2.0))
+    beta = numpyro.sample("beta", dist.Normal(0.0, 2.0))
+    s_group = numpyro.sample("s_group", dist.HalfNormal(1.0))
+    s_item = numpyro.sample("s_item", dist.HalfNormal(1.0))
+    s_slope = numpyro.sample("s_slope", dist.HalfNormal(1.0))
+    with numpyro.plate("groups", CROSSED_GLMM_SIZES[0]):
+        a = numpyro.sample("a", dist.Normal(0.0, s_group))
+        c = numpyro.sample("c", dist.Normal(0.0, s_slope))
+    with numpyro.plate("items", CROSSED_GLMM_SIZES[1]):
+        b = numpyro.sample("b", dist.Normal(0.0, s_item))
+    with numpyro.plate("rows", x.shape[0]):
+        numpyro.sample("y", dist.Poisson(jnp.exp(mu + a[group] + b[item] + (beta + c[group]) * x)), obs=y)
+
+
+def crossed_glmm_noncentred_model(group, item, x, y=None):
+    """:func:`crossed_glmm_model` with the effects non-centred (a = s_group · a_raw, ...): the
+    same posterior over the stored sites, which NUTS samples without the funnels' divergences."""
+    mu = numpyro.sample("mu", dist.Normal(0.0, 2.0))
+    beta = numpyro.sample("beta", dist.Normal(0.0, 2.0))
+    s_group = numpyro.sample("s_group", dist.HalfNormal(1.0))
+    s_item = numpyro.sample("s_item", dist.HalfNormal(1.0))
+    s_slope = numpyro.sample("s_slope", dist.HalfNormal(1.0))
+    with numpyro.plate("groups", CROSSED_GLMM_SIZES[0]):
+        a = numpyro.deterministic("a", s_group * numpyro.sample("a_raw", dist.Normal(0.0, 1.0)))
+        c = numpyro.deterministic("c", s_slope * numpyro.sample("c_raw", dist.Normal(0.0, 1.0)))
+    with numpyro.plate("items", CROSSED_GLMM_SIZES[1]):
+        b = numpyro.deterministic("b", s_item * numpyro.sample("b_raw", dist.Normal(0.0, 1.0)))
+    with numpyro.plate("rows", x.shape[0]):
+        numpyro.sample("y", dist.Poisson(jnp.exp(mu + a[group] + b[item] + (beta + c[group]) * x)), obs=y)
+
+
+def crossed_glmm_data(seed=DATA_SEEDS["crossed_glmm"]):
+    rng = np.random.default_rng(seed)
+    groups, items, reps = CROSSED_GLMM_SIZES
+    group = np.repeat(np.arange(groups), items * reps)
+    item = np.tile(np.repeat(np.arange(items), reps), groups)
+    x = rng.normal(size=group.size)
+    x = (x - x.mean()) / x.std()
+    a, b, c = 0.6 * rng.normal(size=groups), 0.4 * rng.normal(size=items), 0.3 * rng.normal(size=groups)
+    rate = np.exp(-0.5 + a[group] + b[item] + (0.3 + c[group]) * x)
+    return {"group": group.astype(np.int32), "item": item.astype(np.int32), "x": x, "y": rng.poisson(rate).astype(float)}
+
+
 #: name → (model, data function)
 MODELS = {
     "logistic": (logistic_model, logistic_data),
@@ -622,6 +685,7 @@ MODELS = {
     "gp_example": (gp_example_model, gp_example_data),
     "imputed_logistic": (imputed_logistic_model, imputed_logistic_data),
     "eight_schools": (eight_schools_model, eight_schools_data),
+    "crossed_glmm": (crossed_glmm_model, crossed_glmm_data),
 }
 
 #: name → (model, data function) of models whose reference is not a NUTS run of the model
@@ -641,6 +705,7 @@ NUTS_MODELS = {
     "coupled_discrete": coupled_discrete_marginal_model,
     "imputed_logistic": imputed_logistic_nuts_model,
     "eight_schools": eight_schools_noncentred_model,
+    "crossed_glmm": crossed_glmm_noncentred_model,
 }
 
 #: the model the reference SVI run (AutoNormal) fits where it is not the model the tests fit

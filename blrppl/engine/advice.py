@@ -11,6 +11,7 @@ import numpy as np
 
 from blrppl import families as fam
 from blrppl.engine.build import one_exact_block
+from blrppl.engine.design import MAX_SCALES
 from blrppl.engine.loop import BAD_RATE, CONVERGED, NONFINITE, STATIONARY, STATIONARY_STEPS, diverged_from
 from blrppl.compiler.structure import MC_JOINT_MAX_DIM
 from blrppl.estimators.registry import estimator_of
@@ -216,14 +217,27 @@ def _funnel(plan):
             words[scale] = "concentration"
         names, count = scaled.get(scale, ((), 0))
         scaled[scale] = (names + sites, count + sum(sizes.get(s, 0) for s in sites))
-    for scale, (names, count) in scaled.items():
-        if count >= FUNNEL_MIN_LATENTS:
-            # (at most two scalar sites can be integrated on a grid: families={site: "grid"})
-            scalars = tuple(s for s in scale if sizes.get(s) == 1) if len(scale) <= 2 else ()
-            shown = ", ".join(f"'{s}'" for s in scale)
-            latents = f"'{names[0]}'" if len(names) == 1 else f"'{names[0]}' … '{names[-1]}'"
-            return shown, latents, count, scalars if len(scalars) == len(scale) else (), words.get(scale, "scale")
-    return None
+    funnels = [(scale, names, count) for scale, (names, count) in scaled.items() if count >= FUNNEL_MIN_LATENTS]
+    if not funnels:
+        return None
+    scale, names, count = funnels[0]
+    shown = ", ".join(f"'{s}'" for s in scale)
+    latents = f"'{names[0]}'" if len(names) == 1 else f"'{names[0]}' … '{names[-1]}'"
+    return shown, latents, count, _grid_scales([f[0] for f in funnels], sizes), words.get(scale, "scale")
+
+
+def _grid_scales(scales, sizes) -> tuple:
+    """The scalar sites a grid can integrate (``families={site: "grid"}``, at most
+    :data:`blrppl.engine.design.MAX_SCALES`) for the plan's funnels, ``scales`` each one's scale
+    sites, the funnel the advice names first: the scalar scales of every funnel together (a
+    GLMM's per-group and per-item spreads), else the named funnel's alone, else ()."""
+    scalar = [scale for scale in scales if all(sizes.get(s) == 1 for s in scale)]
+    together = tuple(dict.fromkeys(s for scale in scalar for s in scale))
+    if not scalar or scalar[0] != scales[0]:
+        return ()
+    if len(together) <= MAX_SCALES:
+        return together
+    return scales[0] if len(scales[0]) <= MAX_SCALES else ()
 
 
 def named_remedies(plan) -> tuple:
@@ -320,8 +334,11 @@ def poor_q_advice(plan, num_starts: int = 1) -> str:
                 "concentration and the latents it pools is a funnel (their spread shrinks as it grows), which no "
                 "Gaussian q holds: the sds of what sets the concentration may come out several times too small; "
             )
+        others = [n for n in scalars if f"'{n}'" not in scale.split(", ")]
+        what = f"the {word} with the other funnels' scales ({', '.join(others)})" if others else f"the {word}"
         advice += (
-            f"integrate the {word} on a grid of fits with it fixed, families={{{grid}}}, or compare it with NUTS"
+            f"integrate {what} on a grid of fits with {'them' if others else 'it'} fixed, families={{{grid}}}, or "
+            f"compare {'them' if others else 'it'} with NUTS"
             if grid else f"compare the {word} with NUTS"
         )
     elif plan.conjugate and all(conj for _, conj in plan.conjugate):

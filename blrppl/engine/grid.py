@@ -12,7 +12,7 @@ exactly), and the ELBO of that fit,
 is the log marginal posterior of θ up to a constant wherever q(x | θ) is exact, and its
 variational stand-in elsewhere: the integrated nested Laplace approximation's scheme (Rue,
 Martino & Chopin 2009, §3), with BLR fits in place of its Laplace approximations. On the
-unconstrained scale u = T⁻¹(θ) of the d ≤ 2 scales,
+unconstrained scale u = T⁻¹(θ) of the d ≤ :data:`MAX_SCALES` scales,
 
     log p(u | y) ≈ ℓ(u) = L(T(u)) + log |det T'(u)| + const.
 
@@ -24,15 +24,28 @@ KL(q ‖ p(x | y, θ)) varies with θ (a stochastic volatility's grows with its 
 and biased the shock size's mean down by 0.12 NUTS sd; with the bound 0.02).
 
 ℓ is located by Newton steps on central differences (from the fit with the scales as
-latents), then evaluated on the grid u_k = u* + V Λ^{1/2} z_k, z_k ∈ {−4, …, 4}^d in steps
-of :data:`GRID_STEP` (V Λ Vᵀ = −(∇²ℓ)⁻¹ at the mode u*), widened while the grid's edge
-carries weight; w_k ∝ exp ℓ(u_k). The result reports, in the families of the fit with the
-scales as latents,
+latents), then evaluated at the points u_k = u* + V Λ^{1/2} z_k (V Λ Vᵀ = −(∇²ℓ)⁻¹ at the mode
+u*) of :mod:`blrppl.engine.design`, with integration weights Δ_k (∫ g(z) dz ≈ Σ_k Δ_k g(z_k)),
+and w_k ∝ Δ_k exp ℓ(u_k):
 
-* each scale's block: the moment match of Σ_k w_k δ(u − u_k) (its mean and variance on u:
+* one or two scales: a product grid, z_k ∈ {−4, …, 4}^d in steps of 0.25 (one scale) or 0.8
+  (two: :data:`blrppl.engine.design.GRID_STEP`), widened while the grid's edge carries
+  weight (Δ_k all equal);
+* three to :data:`MAX_SCALES`: a central composite design (INLA's past two dimensions: the
+  centre, 2d axial points and a fractional factorial's corners; 15 points for d = 3, 45 for
+  d = 6), its weights those that integrate a Gaussian's second moments exactly; stretched on
+  each side of the mode by ℓ's spread there (read at 2d probes), and w_k tilted to hold the
+  scales' marginal means (the design's points miss a heavy side's far tail).
+
+The result reports, in the families of the fit with the scales as latents,
+
+* each scale's block: the moment match of its marginal below (its mean and variance on u:
   what ``result.params`` and ``result.guide`` hold), and ``result.posterior[site]`` (and
-  ``result.sample``) the grid itself, Σ_k w_k N(u_k, (spacing/8)²) mapped to the site's
-  support (a skewed posterior, as eight schools' spread, keeps its shape);
+  ``result.sample``) that marginal mapped to the site's support. On a product grid, the grid
+  itself, Σ_k w_k N(u_k, (spacing/8)²) (a skewed posterior, as eight schools' spread, keeps
+  its shape); on a central composite design, whose few points per axis give no shape, a split
+  normal on u with its mode at u* and a sd on each side read from the drop of ℓ at probes 3
+  Laplace sds out along each principal direction (:func:`blrppl.engine.design.marginal_split`);
 * every other block: the moment match of the mixture Σ_k w_k q_k of the fits at the grid
   points (the weighted average of their mean parameters, then λ = ∇A*(μ)); point and param
   blocks, and families without that map, the most probable grid point's fit.
@@ -48,6 +61,7 @@ import itertools
 import math
 import time
 import warnings
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -56,6 +70,19 @@ import numpyro.distributions as dist
 from numpyro.distributions.transforms import biject_to
 
 from blrppl.engine.build import model_data, one_exact_block
+from blrppl.engine.design import (
+    HALF_WIDTH,
+    MAX_SCALES,
+    ccd_design,
+    grid_points,
+    grid_spacing,
+    marginal_split,
+    probe_points,
+    split_normal_moments,
+    split_scales,
+    stretched,
+    tilted,
+)
 from blrppl.engine.loop import NONFINITE, run_loop
 from blrppl.engine.prepare import prepare
 from blrppl.engine.run import finish
@@ -65,18 +92,12 @@ from blrppl.runtime.compile import jit as _jit
 from blrppl.inputs import host_fold_in
 from blrppl.posterior.diagnostics import psis_khat
 from blrppl.posterior.export import TransformedPosterior
+from blrppl.posterior.split_normal import SplitNormal
 
 #: the family name that asks for a site to be integrated on a grid
 GRID = "grid"
 
-#: at most this many scales on one grid (the grid has ~(2·4/step + 1)^d points)
-MAX_SCALES = 2
-
-#: the grid's spacing in Laplace sds, by number of scales
-GRID_STEP = {1: 0.25, 2: 0.8}
-
-#: the grid's half-width in Laplace sds, and how often it may be widened (× 1.5 each time)
-HALF_WIDTH = 4.0
+#: how often the product grid (one or two scales) may be widened (× 1.5 each time)
 WIDENINGS = 3
 
 #: an edge point of the grid above this fraction of the largest weight widens the grid
@@ -102,12 +123,8 @@ def grid_sites(families: dict) -> list:
 
 def _check_sites(sites, plan, records) -> list:
     """Each grid site's scalar Gaussian block in the plan with the sites as latents, and its
-    bijection to the site's support; a :class:`BLRError` naming the site otherwise."""
-    if len(sites) > MAX_SCALES:
-        raise BLRError(
-            f"families: {len(sites)} sites asked for 'grid' ({', '.join(sites)}); a grid holds at most "
-            f"{MAX_SCALES} scales (its points grow as a power of their number): integrate the main ones"
-        )
+    bijection to the site's support; a :class:`BLRError` naming the site otherwise (their
+    number is checked first, by :func:`_check_count`)."""
     out = []
     for site in sites:
         record = records.get(site)
@@ -139,6 +156,15 @@ def _check_sites(sites, plan, records) -> list:
     return out
 
 
+def _check_count(sites) -> None:
+    """A :class:`BLRError` for more sites than a grid holds (before anything is compiled)."""
+    if len(sites) > MAX_SCALES:
+        raise BLRError(
+            f"families: {len(sites)} sites asked for 'grid' ({', '.join(sites)}); a grid holds at most "
+            f"{MAX_SCALES} scales (its fits grow as the square of their number): integrate the main ones"
+        )
+
+
 def _moment_match(family, weights, means):
     """λ of ``family`` whose mean parameters are Σ_k w_k μ_k (``means``: mean parameters, or
     sufficient statistics T(u_k) of points; None where a grid fit failed or was not read):
@@ -156,14 +182,30 @@ def _moment_match(family, weights, means):
     return _jit(family.nat_from_mean)(jax.tree.map(lambda x: jnp.asarray(x, dtype), total))
 
 
-def _grid_points(d: int, half_width: float) -> np.ndarray:
-    """The grid in Laplace sds: spacing :data:`GRID_STEP` over ±``half_width`` for one scale;
-    for two, as many points per axis as over ±:data:`HALF_WIDTH` (a widened 2-D grid is
-    coarser, not larger: its points grow as the square)."""
-    step = GRID_STEP[d] * (half_width / HALF_WIDTH if d > 1 else 1.0)
-    count = math.floor(half_width / step + 1e-9)
-    axis = np.arange(-count, count + 1) * step
-    return np.array(list(itertools.product(axis, repeat=d)), dtype=float)
+class Integration(NamedTuple):
+    """The scales' integration points and what they give (:func:`_product_grid`,
+    :func:`_central_composite`).
+
+    Attributes:
+        us: (K, d) points on the unconstrained scale.
+        weights: (K,) normalised weights w_k ∝ Δ_k exp ℓ(u_k) (on a design, tilted to hold
+            the marginals' means).
+        values: (ℓ(u_k), the fit's natural parameters or None) per point.
+        log_volumes: (K,) log of each point's integration weight on u (log Δ_k + log |det R|).
+        moments: each scale's (mean, variance) on u.
+        marginals: each scale's marginal on u (a numpyro distribution).
+        edge_heavy: a product grid whose edge still carries weight after its widenings.
+        kind: how the note names the points ("" for a product grid).
+    """
+
+    us: np.ndarray
+    weights: np.ndarray
+    values: list
+    log_volumes: np.ndarray
+    moments: list
+    marginals: list
+    edge_heavy: bool
+    kind: str
 
 
 class _Profile:
@@ -274,6 +316,7 @@ def grid_fit(program, args, kwargs, options, key, sites, deadline=None):
 
     (Its warnings are issued here, not in a helper: they point at the line that called
     ``blr_fit``.)"""
+    _check_count(sites)
     t1 = time.perf_counter()
     families = {s: f for s, f in options.families if f != GRID}
     base = _prepare_as_latents(program, args, kwargs, options, key, sites, families)
@@ -298,12 +341,11 @@ def grid_fit(program, args, kwargs, options, key, sites, deadline=None):
     profile, mode, cov, weighted = _locate_mode(
         program, args, kwargs, options, key, sites, families, checked, base, outcome, deadline
     )
-    d = len(sites)
-    us, weights, values, edge, half = _evaluate_grid(profile, mode, cov, weighted, sites)
-    spacing = GRID_STEP[d] * (half / HALF_WIDTH if d > 1 else 1.0)  # (in Laplace sds: see _grid_points)
-    widths = [spacing * math.sqrt(cov[i, i]) / 8 for i in range(d)]
+    integrate = _product_grid if len(sites) <= 2 else _central_composite
+    points = integrate(profile, mode, cov, weighted, sites)
+    weights = points.weights
     nat = dict(outcome.state.nat)
-    _match_scales(nat, checked, weights, us, widths)
+    _match_scales(nat, checked, points.moments)
     if 1.0 / np.sum(weights**2) < 3.0:
         warnings.warn(
             f"blr_fit: the grid of {', '.join(sites)} puts its weight on fewer than 3 of its points (the posterior "
@@ -312,30 +354,32 @@ def grid_fit(program, args, kwargs, options, key, sites, deadline=None):
             stacklevel=3,
         )
     cond_blocks = {b.name: b for b in profile.prepared.plan.blocks}
-    unmatched, drawn = _match_others(nat, base.plan, cond_blocks, checked, weights, [v[1] for v in values], key)
-    note = _grid_note(sites, us, weights, profile.fits, weighted, drawn, unmatched)
-    if np.max(weights[edge]) > EDGE_WEIGHT * np.max(weights):
+    unmatched, drawn = _match_others(nat, base.plan, cond_blocks, checked, weights, [v[1] for v in points.values], key)
+    note = _grid_note(sites, points, profile.fits, weighted, drawn, unmatched)
+    if points.edge_heavy:
         warnings.warn(
             f"blr_fit: the grid of {', '.join(sites)} still carries weight at its edge after widening it "
             f"{WIDENINGS} times: the posterior of the scales has heavy tails the grid cuts", UserWarning, stacklevel=3,
         )
     t2 = time.perf_counter()
     result = finish(base, outcome, nat, options.num_steps, t1, t2, grid=note)
-    result.diagnostics = result.diagnostics._replace(bound=_grid_bound([v[0] for v in values], spacing, cov))
-    for i, (site, (_, transform)) in enumerate(zip(sites, checked)):
-        result.posterior[site] = _grid_marginal(us[:, i], weights, widths[i], transform)
+    result.diagnostics = result.diagnostics._replace(bound=_grid_bound([v[0] for v in points.values], points.log_volumes))
+    for site, (_, transform), marginal in zip(sites, checked, points.marginals):
+        # (a TransformedPosterior: its mean and variance from draws, as every posterior on an
+        # unconstrained space reports them; numpyro's TransformedDistribution has none)
+        result.posterior[site] = TransformedPosterior(marginal, transform)
     return result
 
 
-def _grid_bound(logp, spacing: float, cov) -> float:
-    """log ∫ exp ℓ(u) du by the grid's points (each the centre of a cell of volume
-    spacing^d · |det Λ^{1/2}| on u): the grid's estimate of log p(y), from its fits' bounds
-    (each ≤ log p(y, θ)), comparable with a fit's importance-weighted bound."""
-    logp = np.asarray(logp, float)
-    top = np.max(logp)
-    d = cov.shape[0]
-    log_cell = d * math.log(spacing) + 0.5 * float(np.linalg.slogdet(cov)[1])
-    return float(top + np.log(np.sum(np.exp(logp[np.isfinite(logp)] - top))) + log_cell)
+def _grid_bound(logp, log_volumes) -> float:
+    """log ∫ exp ℓ(u) du ≈ log Σ_k Δ_k exp ℓ(u_k) (``log_volumes``: log Δ_k on u; a product
+    grid's point is the centre of a cell of volume spacing^d · |det Λ^{1/2}|): the grid's
+    estimate of log p(y), from its fits' bounds (each ≤ log p(y, θ)), comparable with a fit's
+    importance-weighted bound."""
+    terms = np.asarray(logp, float) + np.asarray(log_volumes, float)
+    terms = terms[np.isfinite(terms)]
+    top = np.max(terms)
+    return float(top + np.log(np.sum(np.exp(terms - top))))
 
 
 def _prepare_as_latents(program, args, kwargs, options, key, sites, families):
@@ -395,7 +439,7 @@ def _evaluate_grid(profile, mode, cov, weighted, sites):
     root = vals * np.sqrt(np.maximum(evals, 0.0))
     half = HALF_WIDTH
     for widening in range(WIDENINGS + 1):
-        zs = _grid_points(len(sites), half)
+        zs = grid_points(len(sites), half)
         us = mode + zs @ root.T
         values = [profile(u, weighted) for u in us]
         logp = np.array([v[0] for v in values])
@@ -409,15 +453,61 @@ def _evaluate_grid(profile, mode, cov, weighted, sites):
     return us, weights / weights.sum(), values, edge, half
 
 
-def _match_scales(nat, checked, weights, us, widths) -> None:
-    """Set each scale's block in ``nat`` to the moment match of the grid (its kernel,
-    N(u_k, width²), as the two points u_k ± width: a positive variance even when one point
-    holds all the weight)."""
-    for i, (block, _) in enumerate(checked):
+def _product_grid(profile, mode, cov, weighted, sites) -> Integration:
+    """The :class:`Integration` of one or two scales on a product grid (:func:`_evaluate_grid`):
+    each scale's marginal Σ_k w_k N(u_k, width²), width an eighth of the grid's spacing."""
+    us, weights, values, edge, half = _evaluate_grid(profile, mode, cov, weighted, sites)
+    d = len(sites)
+    spacing = grid_spacing(d, half)  # (in Laplace sds)
+    widths = [spacing * math.sqrt(cov[i, i]) / 8 for i in range(d)]
+    moments = []
+    for i in range(d):
+        mean = float(np.sum(weights * us[:, i]))
+        moments.append((mean, float(np.sum(weights * (us[:, i] - mean) ** 2)) + widths[i] ** 2))
+    marginals = [_grid_marginal(us[:, i], weights, widths[i]) for i in range(d)]
+    log_volume = d * math.log(spacing) + 0.5 * float(np.linalg.slogdet(cov)[1])
+    heavy = bool(np.max(weights[edge]) > EDGE_WEIGHT * np.max(weights))
+    return Integration(us, weights, values, np.full(len(us), log_volume), moments, marginals, heavy, "")
+
+
+def _central_composite(profile, mode, cov, weighted, sites) -> Integration:
+    """The :class:`Integration` of three or more scales on a central composite design
+    (:func:`blrppl.engine.design.ccd_design`) stretched on each side of the mode by ℓ's
+    spreads there (:func:`blrppl.engine.design.stretched`, read at 2d probes first):
+    w_k ∝ Δ_k exp ℓ(u_k), and each scale's marginal the split normal of
+    :func:`blrppl.engine.design.marginal_split`."""
+    d = len(sites)
+    evals, vecs = np.linalg.eigh(cov)
+    root = vecs * np.sqrt(np.maximum(evals, 0.0))
+    centre = profile(mode, weighted)
+    if not math.isfinite(centre[0]):
+        raise BLRError(f"the fit with {', '.join(sites)} fixed at their mode has no finite ELBO", site=sites[0])
+    spreads = split_scales(centre[0], [profile(u, weighted)[0] for u in mode + probe_points(d) @ root.T])
+    zs, log_delta = stretched(*ccd_design(d)[:2], spreads)
+    us = mode + zs @ root.T
+    values = [centre] + [profile(u, weighted) for u in us[1:]]  # (the centre, z = 0, first)
+    log_w = np.array([v[0] for v in values]) + log_delta
+    weights = np.exp(log_w - np.max(log_w))
+    sides = marginal_split(root, spreads)
+    moments = [split_normal_moments(float(mode[i]), *sides[i]) for i in range(d)]
+    weights = tilted(weights / weights.sum(), us, [m for m, _ in moments])
+    dtype = jnp.result_type(float)
+    marginals = [SplitNormal(jnp.asarray(mode[i], dtype), jnp.asarray(sides[i, 0], dtype), jnp.asarray(sides[i, 1], dtype))
+                 for i in range(d)]
+    log_volumes = log_delta + 0.5 * float(np.linalg.slogdet(cov)[1])
+    return Integration(us, weights / weights.sum(), values, log_volumes, moments, marginals, False,
+                       "a central composite design")
+
+
+def _match_scales(nat, checked, moments) -> None:
+    """Set each scale's block in ``nat`` to the Gaussian of its marginal's mean and variance
+    on u (``moments``), as the moment match of the two points mean ± sd."""
+    for (block, _), (mean, var) in zip(checked, moments):
         shape = jnp.shape(jax.tree.leaves(nat[block.name])[0])  # (the mean's: η₁ = S m)
-        points = [(w / 2, u[i] + sign * widths[i]) for w, u in zip(weights, us) for sign in (-1.0, 1.0)]
-        stats = [block.family.sufficient_stats(jnp.full(shape, x, jnp.result_type(float))) for _, x in points]
-        nat[block.name] = _moment_match(block.family, [w for w, _ in points], stats)
+        sd = math.sqrt(max(var, 0.0))
+        stats = [block.family.sufficient_stats(jnp.full(shape, mean + sign * sd, jnp.result_type(float)))
+                 for sign in (-1.0, 1.0)]
+        nat[block.name] = _moment_match(block.family, [0.5, 0.5], stats)
 
 
 def _match_others(nat, plan, cond_blocks, checked, weights, nats, key) -> tuple:
@@ -453,13 +543,13 @@ def _match_others(nat, plan, cond_blocks, checked, weights, nats, key) -> tuple:
     return unmatched, drawn
 
 
-def _grid_note(sites, us, weights, fits, weighted, drawn, unmatched) -> str:
+def _grid_note(sites, points, fits, weighted, drawn, unmatched) -> str:
     """The result message's note of the scales integrated on a grid."""
     d = len(sites)
-    moments = [(float(np.sum(weights * us[:, i])), float(np.sum(weights * us[:, i] ** 2))) for i in range(d)]
-    spread = ", ".join(f"'{s}' {m:.4g} ± {math.sqrt(max(m2 - m * m, 0.0)):.3g}" for s, (m, m2) in zip(sites, moments))
+    spread = ", ".join(f"'{s}' {m:.4g} ± {math.sqrt(max(v, 0.0)):.3g}" for s, (m, v) in zip(sites, points.moments))
+    kind = f", {points.kind}," if points.kind else ""
     note = (
-        f"{', '.join(repr(s) for s in sites)} integrated on a grid of {len(us)} points ({fits} fits with "
+        f"{', '.join(repr(s) for s in sites)} integrated on a grid of {len(points.us)} points{kind} ({fits} fits with "
         f"{'it' if d == 1 else 'them'} fixed, read by their {'importance-weighted bounds' if weighted else 'ELBOs'}; "
         f"on the unconstrained scale {spread})"
     )
@@ -504,17 +594,13 @@ def _drawn_stats(b, c, weights, nats, key) -> list:
     return [stats(n[c.name], key) if n is not None and k else None for k, n in zip(keep, nats)]
 
 
-def _grid_marginal(u, weights, width: float, transform):
-    """A scale's marginal posterior from the grid: Σ_k w_k N(u_k, width²) on the
-    unconstrained scale, mapped by ``transform`` (an eighth of the grid's spacing as the
-    kernel's sd: u's variance grows by 1/64 of a spacing², 0.1 % of a 1-D grid's sd², 1 % of
-    a 2-D one's)."""
+def _grid_marginal(u, weights, width: float):
+    """A scale's marginal posterior on the unconstrained scale from a product grid:
+    Σ_k w_k N(u_k, width²) (an eighth of the grid's spacing as the kernel's sd: u's variance
+    grows by 1/64 of a spacing², 0.1 % of a 1-D grid's sd², 1 % of a 2-D one's)."""
     keep = weights > 1e-12 * np.max(weights)
     dtype = jnp.result_type(float)
-    mixture = dist.MixtureSameFamily(
+    return dist.MixtureSameFamily(
         dist.Categorical(probs=jnp.asarray(weights[keep] / weights[keep].sum(), dtype)),
         dist.Normal(jnp.asarray(u[keep], dtype), jnp.asarray(width, dtype)),
     )
-    # (a TransformedPosterior: its mean and variance from draws, as every posterior on an
-    # unconstrained space reports them; numpyro's TransformedDistribution has none)
-    return TransformedPosterior(mixture, transform)

@@ -77,6 +77,7 @@ NUTS_SEEDS = {
     "gp_example": 114,
     "imputed_logistic": 115,
     "eight_schools": 116,
+    "crossed_glmm": 151,
 }
 #: per-model overrides of the NUTS settings above
 NUTS_SETTINGS = {
@@ -96,6 +97,8 @@ NUTS_SETTINGS = {
     "gp_example": {"num_samples": 10000},
     # (sampled non-centred, rm.eight_schools_noncentred_model: tau mixes at ESS ≈ 30 % of the draws)
     "eight_schools": {"num_samples": 10000, "target_accept_prob": 0.95},
+    # (sampled non-centred, rm.crossed_glmm_noncentred_model: the slopes' scale near 0 is a funnel)
+    "crossed_glmm": {"num_samples": 10000, "target_accept_prob": 0.95},
 }
 # issue 51's example models (kept in one block for merging)
 NUTS_SEEDS.update({"baseball_pooled": 117, "baseball_logit": 118, "dawid_skene": 119, "change_point": 120})

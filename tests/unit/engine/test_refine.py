@@ -206,3 +206,30 @@ def test_the_hyperparameters_grid_follows_the_funnels():
     assert refine_mod.candidates(first, fit_options(), random.PRNGKey(0), True) == []
     named = fit_options(families={"nu": "gaussian"})
     assert [c.change for c in refine_mod.candidates(first, named, random.PRNGKey(0), False)] == [changes[0]]
+
+
+def test_the_grid_asked_holds_every_funnels_scale_up_to_max_scales():
+    """A GLMM with three variance components has three funnels (per-group intercepts, per-item
+    intercepts, per-group slopes): the advice and the refinement ask one grid over all three
+    scales, not the first funnel's alone. Past ``MAX_SCALES`` (6) scales in all, the first
+    funnel's scale alone (seven groups of effects, each with its own scale)."""
+    from blrppl.api import plan_of
+    from blrppl.engine.advice import named_remedies, poor_q_advice
+    from blrppl.engine.design import MAX_SCALES
+
+    model, data = rm.get("crossed_glmm")
+    plan = plan_of(model, data)
+    assert named_remedies(plan) == (("s_group", "s_slope", "s_item"), False)
+    advice = poor_q_advice(plan)
+    assert "with the other funnels' scales (s_slope, s_item)" in advice, advice
+    assert "families={'s_group': 'grid', 's_slope': 'grid', 's_item': 'grid'}" in advice, advice
+
+    def many_components(y):
+        total = 0.0
+        for i in range(MAX_SCALES + 1):
+            scale = numpyro.sample(f"s{i}", dist.HalfNormal(1.0))
+            with numpyro.plate(f"g{i}", 8):
+                total = total + numpyro.sample(f"e{i}", dist.Normal(0.0, scale)).sum()
+        numpyro.sample("y", dist.Normal(total, 1.0), obs=y)
+
+    assert named_remedies(plan_of(many_components, (np.array(0.5),)))[0] == ("s0",)

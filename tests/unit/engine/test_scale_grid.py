@@ -176,7 +176,6 @@ def test_a_pooled_beta_on_a_grid_reports_the_mixture_of_its_conjugate_fits():
         ({"theta": "grid"}, {}, "only a continuous scalar latent.*'theta' has 8 scalar"),
         ({"obs": "grid"}, {}, "names 'obs', which is not a latent sample site"),
         ({"nope": "grid"}, {}, "names 'nope', which is not a latent sample site"),
-        ({"tau": "grid", "mu": "grid", "theta": "grid"}, {}, "at most 2 scales"),
         ({"tau": "grid"}, {"num_starts": 2}, "one start and without prior="),
         ({"tau": "grid"}, {"structure": "joint"}, "one block with 2 other site.*drop structure='joint'"),
     ],
@@ -184,6 +183,18 @@ def test_a_pooled_beta_on_a_grid_reports_the_mixture_of_its_conjugate_fits():
 def test_grid_requests_it_cannot_serve_are_clear_errors(families, kwargs, match):
     with pytest.raises(BLRError, match=match):
         blr_fit(eight_schools, (J, SIGMA, Y), families=families, progress_bar=False, **kwargs)
+
+
+def test_more_scales_than_a_grid_holds_is_a_clear_error():
+    """Past :data:`blrppl.engine.design.MAX_SCALES` (6) scales the grid refuses by name (its fits
+    grow as the square of their number)."""
+
+    def seven_scales(y):
+        scales = [numpyro.sample(f"s{i}", dist.HalfNormal(1.0)) for i in range(7)]
+        numpyro.sample("y", dist.Normal(0.0, sum(scales)), obs=y)
+
+    with pytest.raises(BLRError, match="7 sites asked for 'grid'.*at most 6 scales"):
+        blr_fit(seven_scales, (np.array([0.3, -1.2]),), families={f"s{i}": "grid" for i in range(7)}, progress_bar=False)
 
 
 def test_the_svi_drop_in_names_grid_as_blr_fit_only():
