@@ -123,8 +123,8 @@ def blr_fit(
             site=scales[0],
         )
 
-    def fit(fit_opts, fit_key, init_values=None, start=0, deadline=None):
-        return _fit(program, args, kwargs, fit_opts, fit_key, prior, init_values, start, deadline)
+    def fit(fit_opts, fit_key, init_values=None, start=0, deadline=None, design=None):
+        return _fit(program, args, kwargs, fit_opts, fit_key, prior, init_values, start, deadline, design)
 
     with out_of_memory_as_error("the fit"):
         t0 = time.perf_counter()
@@ -155,15 +155,15 @@ def _with_tried(w, tried: str):
     return w
 
 
-def _fit(program, args, kwargs, options, key, prior, init_values=None, start=0, deadline=None):
+def _fit(program, args, kwargs, options, key, prior, init_values=None, start=0, deadline=None, design=None):
     """One fit as ``blr_fit`` runs it (scales on a grid, or the best of ``options.num_starts``
-    starts from ``start`` on), its warnings held: ``(result, held warnings)``; ``deadline``: a
-    grid's (:func:`blrppl.engine.grid.grid_fit`)."""
+    starts from ``start`` on), its warnings held: ``(result, held warnings)``; ``deadline`` and
+    ``design``: a grid's (:func:`blrppl.engine.grid.grid_fit`)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         scales = grid_sites(options.families_dict)
         if scales:
-            return grid_fit(program, args, kwargs, options, key, scales, deadline), caught
+            return grid_fit(program, args, kwargs, options, key, scales, deadline, design), caught
         best, finals = None, []
         for index in range(start, start + options.num_starts):
             start_key = key if index == start else host_fold_in(key, index)

@@ -113,8 +113,8 @@ def grid_spacing(d: int, half_width: float) -> float:
 def corner_signs(d: int) -> np.ndarray:
     """The ±1 corners of the design's two-level factorial: all 2^d for d ≤ 4, else the half
     fraction whose last column is the product of the others (resolution d ≥ V)."""
-    if d < 3 or d > MAX_SCALES:
-        raise ValueError(f"a central composite design here serves 3 to {MAX_SCALES} scales, not {d}")
+    if d < 2 or d > MAX_SCALES:
+        raise ValueError(f"a central composite design here serves 2 to {MAX_SCALES} scales, not {d}")
     free = d if d <= 4 else d - 1
     signs = np.array(list(itertools.product((-1.0, 1.0), repeat=free)))
     if free < d:

@@ -15,7 +15,7 @@ import pytest
 from blrppl.engine import design
 from blrppl.engine.grid import _central_composite, _grid_bound
 
-SIZES = {3: 15, 4: 25, 5: 27, 6: 45}
+SIZES = {2: 9, 3: 15, 4: 25, 5: 27, 6: 45}
 
 
 def _phi(z):
@@ -24,9 +24,9 @@ def _phi(z):
     return np.exp(-0.5 * np.sum(z**2, axis=1)) / (2.0 * math.pi) ** (d / 2)
 
 
-@pytest.mark.parametrize("d", [3, 4, 5, 6])
+@pytest.mark.parametrize("d", [2, 3, 4, 5, 6])
 def test_the_design_integrates_a_gaussians_moments_to_second_order(d):
-    """INLA's design (Rue, Martino & Chopin 2009, §6.5): 1 + 2d + 2^{d−p} points (15, 25, 27, 45),
+    """INLA's design (Rue, Martino & Chopin 2009, §6.5): 1 + 2d + 2^{d−p} points (9, 15, 25, 27, 45),
     every one but the centre at radius f√d; Σ Δ φ = 1, Σ Δ z φ = 0, Σ Δ z zᵀ φ = I and every
     third moment 0, to rounding."""
     points, log_delta, axial = design.ccd_design(d)
@@ -42,7 +42,7 @@ def test_the_design_integrates_a_gaussians_moments_to_second_order(d):
     np.testing.assert_allclose(third, 0.0, atol=1e-13)
 
 
-@pytest.mark.parametrize("d", [3, 4, 5, 6])
+@pytest.mark.parametrize("d", [2, 3, 4, 5, 6])
 @pytest.mark.parametrize("f", [1.1, 1.5])
 def test_the_weights_are_the_solution_of_the_moment_conditions(d, f):
     """Derivation of Δ₀ (centre) and Δ₁ (every other point): the two unknowns solve the
@@ -69,7 +69,7 @@ def test_the_weights_are_the_solution_of_the_moment_conditions(d, f):
 def test_the_corner_columns_are_orthogonal_and_balanced():
     """The half fractions of d = 5, 6 (last column the product of the others) keep every pair of
     columns orthogonal and every column balanced: what the second moments need."""
-    for d in (3, 4, 5, 6):
+    for d in (2, 3, 4, 5, 6):
         signs = design.corner_signs(d)
         assert len({tuple(row) for row in signs}) == len(signs) == (2**d if d <= 4 else 2 ** (d - 1))
         np.testing.assert_array_equal(signs.T @ signs, len(signs) * np.eye(d))
@@ -77,8 +77,10 @@ def test_the_corner_columns_are_orthogonal_and_balanced():
 
 
 def test_a_design_outside_its_range_is_refused():
-    with pytest.raises(ValueError, match="3 to 6 scales"):
+    with pytest.raises(ValueError, match="2 to 6 scales"):
         design.corner_signs(7)
+    with pytest.raises(ValueError, match="2 to 6 scales"):
+        design.corner_signs(1)
     with pytest.raises(ValueError, match="above 1"):
         design.ccd_design(3, 1.0)
 
@@ -139,7 +141,7 @@ def test_a_side_that_does_not_fall_or_failed_is_clipped():
     np.testing.assert_allclose(spreads[2], 1.0, rtol=1e-12)
 
 
-@pytest.mark.parametrize("d", [3, 4, 5, 6])
+@pytest.mark.parametrize("d", [2, 3, 4, 5, 6])
 def test_the_stretched_design_integrates_a_product_of_split_normals(d):
     """ℓ(z) = −Σ_j z_j² / (2 (s_j^{sign z_j})²): in the design's own space the stretched
     integrand is φ(x) Π_j (ā_j + b_j sign x_j) (ā, b the half sum and half difference of the

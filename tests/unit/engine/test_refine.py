@@ -34,7 +34,7 @@ def _run(monkeypatch, first, outcomes, budget=5.0, seconds=0.0):
     monkeypatch.setattr(refine_mod, "candidates", lambda *a: cands)
     calls = []
 
-    def fit(options, key, init_values=None, start=0, deadline=None):
+    def fit(options, key, init_values=None, start=0, deadline=None, design=None):
         out = outcomes[len(calls)]
         calls.append(out)
         time.sleep(seconds)
@@ -192,8 +192,8 @@ def volatility(returns):
 
 
 def test_the_hyperparameters_grid_follows_the_funnels():
-    """The scalar latents fitted apart are σ and ν (not the walk): after the funnel's grid over σ
-    comes one over both; a grid the user asked, or a site whose family the user named, is not redone."""
+    """The constrained scalar latents are σ and ν (not the walk): a grid over both on the central
+    composite design comes before the funnel's product grid over σ; a grid the user asked, or a site whose family the user named, is not redone."""
     from blrppl.api import plan_of
 
     returns = np.random.default_rng(0).standard_t(6, size=50) * 0.01
@@ -201,11 +201,13 @@ def test_the_hyperparameters_grid_follows_the_funnels():
     assert refine_mod.hyperparameters(plan) == ("sigma", "nu")
     first = types.SimpleNamespace(plan=plan, nat={})
     changes = [c.change for c in refine_mod.candidates(first, fit_options(), random.PRNGKey(0), False)]
-    assert changes == ["families={'sigma': 'grid'}", "families={'sigma': 'grid', 'nu': 'grid'}"], changes
+    assert changes == [
+        "families={'sigma': 'grid', 'nu': 'grid'} on a central composite design", "families={'sigma': 'grid'}"
+    ], changes
     # a grid the user asked for is not redone, nor one over a site the user gave a family
     assert refine_mod.candidates(first, fit_options(), random.PRNGKey(0), True) == []
     named = fit_options(families={"nu": "gaussian"})
-    assert [c.change for c in refine_mod.candidates(first, named, random.PRNGKey(0), False)] == [changes[0]]
+    assert [c.change for c in refine_mod.candidates(first, named, random.PRNGKey(0), False)] == [changes[1]]
 
 
 def test_the_grid_asked_holds_every_funnels_scale_up_to_max_scales():
@@ -233,3 +235,26 @@ def test_the_grid_asked_holds_every_funnels_scale_up_to_max_scales():
         numpyro.sample("y", dist.Normal(total, 1.0), obs=y)
 
     assert named_remedies(plan_of(many_components, (np.array(0.5),)))[0] == ("s0",)
+
+
+def test_a_grid_within_a_fitted_grids_sites_is_not_tried(monkeypatch):
+    """After a grid over (σ, ν) fitted, the grid over σ alone is skipped (its scales are
+    integrated already); after one that failed, it is tried."""
+    first = _result(0.9, -12.0, ess=0.1)
+    cands = [
+        refine_mod.Candidate("both", None, None, grid_sites=("sigma", "nu")),
+        refine_mod.Candidate("sigma", None, None, grid_sites=("sigma",)),
+        refine_mod.Candidate("start", None, None),
+    ]
+    monkeypatch.setattr(refine_mod, "candidates", lambda *a: cands)
+    for outcome, tried in ((_result(0.5, -10.0), ["both", "start"]), (BLRError("no"), ["both", "sigma", "start"])):
+        calls = []
+
+        def fit(options, key, init_values=None, start=0, deadline=None, design=None, outcome=outcome):
+            calls.append(len(calls))
+            if calls == [0] and isinstance(outcome, Exception):
+                raise outcome
+            return (outcome if calls == [0] else _result(0.9, -13.0)), []
+
+        _, _, refinements = refine_mod.refine(fit, first, [], fit_options(), None, 1.0, 5.0, False)
+        assert [r.change for r in refinements[1:]] == tried
