@@ -77,7 +77,7 @@ import numpy as np
 MAX_SCALES = 6
 
 #: the product grid's spacing in Laplace sds, by number of scales (one or two)
-GRID_STEP = {1: 0.25, 2: 0.8}
+GRID_STEP = {1: 0.25, 2: 0.8, 3: 0.5}
 
 #: the product grid's half-width in Laplace sds
 HALF_WIDTH = 4.0

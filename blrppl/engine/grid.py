@@ -279,6 +279,27 @@ class _Profile:
         return float(top + np.log(np.mean(np.exp(log_w - top)))), float(psis_khat(log_w))
 
 
+class _DensityProfile(_Profile):
+    """ℓ(u) of a model every latent of which is on the grid: with the scales fixed nothing is
+    left to fit, and ℓ(u) = log p(y, T(u)) + log |det T'(u)| is the model's own log density
+    (a Gaussian process's kernel parameters: its latent function is marginalised in its
+    ``MultivariateNormal``)."""
+
+    def __init__(self, program, args, kwargs, transforms, deadline=None):
+        super().__init__(None, args, kwargs, transforms, 0, deadline)
+        self.log_density = program.log_density_fn(args, kwargs, "_blr_grid")
+
+    def __call__(self, u, weighted: bool = False):
+        if self.deadline is not None and time.perf_counter() > self.deadline:
+            raise OverBudget(f"stopped after {self.fits} points of the grid: over the refinement's time budget")
+        log_jac = self.log_jacobian(u)
+        self.fits += 1
+        value = float(self.log_density(self.thetas(u)))
+        if not (math.isfinite(value) and math.isfinite(log_jac)):
+            return -math.inf, None
+        return value + log_jac, {}
+
+
 def _newton(profile, u, scale):
     """The mode of ℓ and −(∇²ℓ)⁻¹ there, by Newton steps on central differences with steps
     of half the current Laplace sds (``scale`` at first)."""
@@ -350,7 +371,9 @@ def grid_fit(program, args, kwargs, options, key, sites, deadline=None, design=N
     profile, mode, cov, weighted = _locate_mode(
         program, args, kwargs, options, key, sites, families, checked, base, outcome, deadline
     )
-    integrate = _product_grid if len(sites) <= 2 and design != CCD else _central_composite
+    # (ℓ the model's own log density, one compiled call a point: a product grid up to three)
+    exact = isinstance(profile, _DensityProfile) and len(sites) <= 3
+    integrate = _product_grid if exact or len(sites) <= 2 and design != CCD else _central_composite
     points = integrate(profile, mode, cov, weighted, sites)
     weights = points.weights
     nat = dict(outcome.state.nat)
@@ -362,7 +385,7 @@ def grid_fit(program, args, kwargs, options, key, sites, deadline=None, design=N
             UserWarning,
             stacklevel=3,
         )
-    cond_blocks = {b.name: b for b in profile.prepared.plan.blocks}
+    cond_blocks = {b.name: b for b in profile.prepared.plan.blocks} if profile.prepared is not None else {}
     unmatched, drawn = _match_others(nat, base.plan, cond_blocks, checked, weights, [v[1] for v in points.values], key)
     note = _grid_note(sites, points, profile.fits, weighted, drawn, unmatched)
     if points.edge_heavy:
@@ -418,6 +441,11 @@ def _locate_mode(program, args, kwargs, options, key, sites, families, checked, 
     sd0 = np.array([math.sqrt(float(np.ravel(b.family.marginal_variance(v))[0])) for (b, _), v in zip(checked, views)])
     cond_options = dataclasses.replace(options, families=tuple(sorted(families.items())))
     cond_kwargs = {**kwargs, "_blr_grid": np.asarray([t(jnp.asarray(x)) for (_, t), x in zip(checked, u0)])}
+    if not any(b.name not in sites and not b.param for b in base.plan.blocks):
+        # (every latent on the grid: ℓ is the model's log density, no fit at the points)
+        profile = _DensityProfile(program.conditioned(sites), args, kwargs, [t for _, t in checked], deadline)
+        mode, cov = _newton(profile, u0, np.maximum(2.0 * sd0, 1e-3))
+        return profile, mode, cov, False
     cond = prepare(program.conditioned(sites), args, cond_kwargs, cond_options, key)
     if cond.data_spec.all_static:
         raise BLRError(

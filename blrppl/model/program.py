@@ -115,6 +115,16 @@ class ModelProgram:
 
         return ModelProgram(conditioned)
 
+    def log_density_fn(self, args, kwargs, name: str):
+        """``value → the model's log joint density`` (Σ log p over its sites, masks and scales
+        applied) with the keyword argument ``name`` set to ``value``, compiled once: for a model
+        none of whose sample sites is latent (every latent conditioned, as :meth:`conditioned`
+        makes them for a grid over all of them)."""
+        from numpyro.infer.util import log_density
+
+        args, kwargs = tuple(args), dict(kwargs)
+        return jax.jit(lambda value: log_density(self.model, args, {**kwargs, name: value}, {})[0])
+
     def computed_sites(self, args, kwargs, key, draws: dict, params: dict, names, barren: list, lock=None) -> dict:
         """The sites the model computes at each of ``draws`` (the fitted latents' values,
         leading axis the draws; ``params`` the fitted ``numpyro.param`` values), run as

@@ -254,3 +254,47 @@ def test_a_fit_that_cannot_start_returns_as_without_the_grid():
         result = blr_fit(eight_schools, (J, SIGMA, y), families={"tau": "grid"}, rng_key=random.PRNGKey(0),
                          progress_bar=False)
     assert "'tau' not integrated on a grid" in result.message, result.message
+
+
+def marginalised_scales(y, z):
+    """Three scales and nothing else latent (a Gaussian process's kernel parameters are such: its
+    latent function is marginalised in the likelihood): y ~ N(0, s1² + s2²), z ~ N(0, s2 s3)."""
+    s1 = numpyro.sample("s1", dist.LogNormal(0.0, 1.0))
+    s2 = numpyro.sample("s2", dist.LogNormal(0.0, 1.0))
+    s3 = numpyro.sample("s3", dist.LogNormal(-0.5, 0.7))
+    with numpyro.plate("n", y.shape[0]):
+        numpyro.sample("y", dist.Normal(0.0, (s1**2 + s2**2) ** 0.5), obs=y)
+        numpyro.sample("z", dist.Normal(0.0, s2 * s3), obs=z)
+
+
+def test_every_latent_on_the_grid_is_the_exact_posterior():
+    """With every latent on the grid nothing is left to fit: ℓ is the model's log density, and
+    a product grid of three scales gives their posterior means and sds (against a quadrature on
+    120³ points of the log scales) within 2 % of a posterior sd; before, the grid's
+    conditioned model had no latent and the fit raised."""
+    rng = np.random.default_rng(0)
+    y, z = rng.normal(0.0, 1.3, size=12), rng.normal(0.0, 0.8, size=12)
+    result = blr_fit(
+        marginalised_scales, (y, z), families={"s1": "grid", "s2": "grid", "s3": "grid"},
+        rng_key=random.PRNGKey(0), progress_bar=False,
+    )
+    u = np.linspace(-6.0, 4.0, 120)
+    u1, u2, u3 = np.meshgrid(u, u, u, indexing="ij")
+    s1, s2, s3 = np.exp(u1), np.exp(u2), np.exp(u3)
+    log_p = (
+        dist.LogNormal(0.0, 1.0).log_prob(s1) + dist.LogNormal(0.0, 1.0).log_prob(s2)
+        + dist.LogNormal(-0.5, 0.7).log_prob(s3)
+        + u1 + u2 + u3  # (densities on log space)
+        + dist.Normal(0.0, np.sqrt(s1**2 + s2**2)[..., None]).log_prob(y).sum(-1)
+        + dist.Normal(0.0, (s2 * s3)[..., None]).log_prob(z).sum(-1)
+    )
+    w = np.exp(np.asarray(log_p) - np.max(log_p))
+    w /= w.sum()
+    draws = result.sample(random.PRNGKey(1), 40_000)
+    for name, s in (("s1", s1), ("s2", s2), ("s3", s3)):
+        mean = float(np.sum(w * s))
+        sd = float(np.sqrt(np.sum(w * (s - mean) ** 2)))
+        # (40,000 draws: Monte Carlo error 0.005 sd on the mean, 0.4 % on the sd)
+        assert abs(float(np.mean(draws[name])) - mean) < 0.02 * sd, name
+        assert abs(float(np.std(draws[name])) / sd - 1.0) < 0.02, name
+    assert "on a grid" in result.message
