@@ -622,14 +622,20 @@ def prior_mixture_data():
 CROSSED_GLMM_SIZES = (12, 15, 2)
 
 
-def crossed_glmm_model(group, item, x, y=None):
-    """A Poisson GLMM with three variance components, as a NumPyro user writes it: per-group
-    intercepts and slopes and per-item intercepts, each with its own HalfNormal scale."""
+def _crossed_glmm_globals():
+    """The mean intercept and slope and the three scales of :func:`crossed_glmm_model`."""
     mu = numpyro.sample("mu", dist.Normal(0.0, 2.0))
     beta = numpyro.sample("beta", dist.Normal(0.0, 2.0))
     s_group = numpyro.sample("s_group", dist.HalfNormal(1.0))
     s_item = numpyro.sample("s_item", dist.HalfNormal(1.0))
     s_slope = numpyro.sample("s_slope", dist.HalfNormal(1.0))
+    return mu, beta, s_group, s_item, s_slope
+
+
+def crossed_glmm_model(group, item, x, y=None):
+    """A Poisson GLMM with three variance components, as a NumPyro user writes it: per-group
+    intercepts and slopes and per-item intercepts, each with its own HalfNormal scale."""
+    mu, beta, s_group, s_item, s_slope = _crossed_glmm_globals()
     with numpyro.plate("groups", CROSSED_GLMM_SIZES[0]):
         a = numpyro.sample("a", dist.Normal(0.0, s_group))
         c = numpyro.sample("c", dist.Normal(0.0, s_slope))
@@ -642,11 +648,7 @@ def crossed_glmm_model(group, item, x, y=None):
 def crossed_glmm_noncentred_model(group, item, x, y=None):
     """:func:`crossed_glmm_model` with the effects non-centred (a = s_group · a_raw, ...): the
     same posterior over the stored sites, which NUTS samples without the funnels' divergences."""
-    mu = numpyro.sample("mu", dist.Normal(0.0, 2.0))
-    beta = numpyro.sample("beta", dist.Normal(0.0, 2.0))
-    s_group = numpyro.sample("s_group", dist.HalfNormal(1.0))
-    s_item = numpyro.sample("s_item", dist.HalfNormal(1.0))
-    s_slope = numpyro.sample("s_slope", dist.HalfNormal(1.0))
+    mu, beta, s_group, s_item, s_slope = _crossed_glmm_globals()
     with numpyro.plate("groups", CROSSED_GLMM_SIZES[0]):
         a = numpyro.deterministic("a", s_group * numpyro.sample("a_raw", dist.Normal(0.0, 1.0)))
         c = numpyro.deterministic("c", s_slope * numpyro.sample("c_raw", dist.Normal(0.0, 1.0)))
