@@ -3,18 +3,21 @@ advice names and keeps the best candidate (``blr_fit(..., refine=True)``, the de
 
 The remedies are those :func:`blrppl.engine.advice.poor_q_advice` names for the plan
 (:func:`blrppl.engine.advice.named_remedies`): a grid where it names a funnel (a funnel's advice
-says no structure holds it), another structure and more starts where its advice is the generic
-one, and nothing where it says to compare with NUTS (a product of blocks, as in a factor model,
+says no structure holds it), a grid over the scalar sites the narrow-q check flags
+(:mod:`blrppl.posterior.narrow`: the widest, as many as :data:`blrppl.engine.grid.MAX_SCALES`)
+with another structure and more starts, another structure and more starts where its advice is
+the generic one, and nothing where it says to compare with NUTS (a product of blocks, as in a factor model,
 whose symmetries no start or structure removes: the other structure cost a factor model's online
 update 40 s against its first fit's 0.9 s; a Monte Carlo factor's spread; closed-form factors).
 
-When the first fit converged and its PSIS k̂ or importance ESS says q is poor (:meth:`Diagnostics.poor
+When the first fit converged and its PSIS k̂, importance ESS or narrow-q check says q is poor (:meth:`Diagnostics.poor
 <blrppl.posterior.diagnostics.Diagnostics.poor>`, the test behind the "q may be a poor
 approximation" warning), :func:`refine` fits candidates that each change one thing, in this
 order:
 
-* the funnel scales the advice names integrated on a grid (``families={"tau": "grid"}``,
-  :mod:`blrppl.engine.grid`): INLA's scheme, which turns centred eight schools exact;
+* the funnel scales and the narrow sites the advice names integrated on a grid
+  (``families={"tau": "grid"}``, :mod:`blrppl.engine.grid`): INLA's scheme, which turns
+  centred eight schools exact;
 * the other structure: ``structure="joint"`` when the plan fits several dense Gaussian
   blocks apart, ``"mean-field"`` when it fitted one joint block;
 * an over-dispersed start: the fit started from a draw of the first fit's q with its spread
@@ -53,7 +56,7 @@ import jax
 import numpy as np
 
 from blrppl.engine.advice import named_remedies
-from blrppl.engine.grid import OverBudget
+from blrppl.engine.grid import MAX_SCALES, OverBudget
 from blrppl.inputs import host_fold_in
 from blrppl.posterior.diagnostics import KHAT_WARN
 
@@ -100,8 +103,11 @@ def candidates(first, options, key, grid_asked: bool) -> list:
     docstring), in the order they are tried."""
     plan, out = first.plan, []
     families = options.families_dict
-    scales, generic = named_remedies(plan)
-    if scales and not grid_asked and not set(scales) & set(families):
+    scales, generic = named_remedies(plan, first.diagnostics.narrow)
+    # (the scales the user gave a family keep it; a grid holds at most MAX_SCALES, the widest
+    # narrow sites first)
+    scales = tuple(s for s in scales if s not in families)[:MAX_SCALES]
+    if scales and not grid_asked:
         grid = {**families, **{s: "grid" for s in scales}}
         change = "families={" + ", ".join(f"'{s}': 'grid'" for s in scales) + "}"
         out.append(Candidate(change, dataclasses.replace(options, families=tuple(sorted(grid.items())), num_starts=1), key))
