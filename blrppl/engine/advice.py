@@ -238,15 +238,17 @@ def named_remedies(plan, narrow=()) -> tuple:
     q (:attr:`Diagnostics.narrow <blrppl.posterior.diagnostics.Diagnostics.narrow>`, widest
     first): they are named for a grid too (after a funnel's scales; the refinement takes as many
     as a grid holds), with another structure and more starts, a Gaussian q whose spread is off
-    along a scalar being what those may mend (a plan whose advice is to compare with NUTS, a
-    product of blocks or a Monte Carlo factor's spread, gets the grid only)."""
+    along a scalar being what those may mend; not where the narrow sites are the funnel's own
+    scales (centred eight schools' τ: its remedy is the grid alone), nor where the advice is to
+    compare with NUTS (a product of blocks, a Monte Carlo factor's spread: the grid only)."""
     funnel = _funnel(plan)
     sites = tuple(w.site for w in narrow)
     if _spread_factor(plan) is not None or any(f.pairs for f in plan.factors):
         return sites, False
     scales = funnel[3] if funnel is not None else ()
-    if sites:
-        return tuple(dict.fromkeys(scales + sites)), True
+    others = tuple(s for s in sites if s not in scales)
+    if others:
+        return tuple(dict.fromkeys(scales + others)), True
     if funnel is not None:
         return scales, False
     return (), not (plan.conjugate and all(conj for _, conj in plan.conjugate))

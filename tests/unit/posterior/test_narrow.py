@@ -15,6 +15,7 @@ import numpyro.distributions as dist
 import pytest
 from jax import random
 
+import reference_models as rm
 from blrppl import blr_fit
 from blrppl.api import plan_of
 from blrppl.engine import refine as refine_mod
@@ -215,6 +216,11 @@ def test_the_advice_and_the_refinement_name_a_grid_over_the_widest_narrow_sites(
     narrow = (Width("s", 3.0, 0.1, 0.3), Width("b", 2.0, 0.1, 0.3), Width("a", 1.5, 0.1, 0.3))
     assert named_remedies(plan, narrow) == (("s", "b", "a"), True)
     assert named_remedies(plan) == ((), True)
+    # a funnel's scale flagged narrow: the grid alone, as for the funnel (no structure holds it)
+    J, sigma, y = rm.EIGHT_SCHOOLS
+    schools = plan_of(rm.eight_schools_model, (J, sigma, y))
+    assert named_remedies(schools, (Width("tau", 1.65, 0.15, 0.15),)) == (("tau",), False)
+    assert named_remedies(schools, (Width("mu", 1.5, 0.05, 0.5),)) == (("tau", "mu"), True)
     advice = poor_q_advice(plan, 1, narrow, grid_scales=MAX_SCALES)
     named = ", ".join(f"'{w.site}': 'grid'" for w in narrow[:MAX_SCALES])
     assert f"families={{{named}}}" in advice and "num_starts=4" in advice
