@@ -112,7 +112,7 @@ out["student_t_volatility"] = {"mean": np.asarray(s.mean).tolist(), "sd": np.sqr
 # stationary distribution (integrated on a grid): both quadratures in single precision
 from unit.estimators.test_grid import stationary_ar1, stationary_ar1_data
 r = blr_fit(stationary_ar1, {"y": stationary_ar1_data().astype(np.float32)}, rng_key=random.PRNGKey(0),
-            progress_bar=False)
+            progress_bar=False, refine=False)
 u = r.posterior["phi"].base_dist
 out["stationary_ar1"] = {"x": np.asarray(r.posterior["x"].mean).tolist(), "u": [float(u.mean), float(u.variance)],
                          "dtype": str(np.asarray(r.posterior["x"].mean).dtype), "converged": bool(r.converged),
@@ -251,7 +251,11 @@ def test_float32_bounded_persistence_and_grid_match_float64(float32_run):
     """The stationary AR(1) of tests/unit/estimators/test_grid.py (a persistence on (−1, 1) read through its
     moments, a start integrated on a grid) in float32 matches the same fit in float64: the
     states' means within 2e-3 (a hundredth of their sd; float32 stops at a relative ELBO
-    change of 1e-5), q(u) of the persistence within 1 %."""
+    change of 1e-5), q(u) of the persistence within 1 %. The first fits (``refine=False``):
+    both are poor (importance ESS 0.21-0.22), and which remedies the refinement tries depends
+    on Monte Carlo estimates near their thresholds (the narrow-q check read the persistence at
+    1.33 ± 0.06 in float32, flagged, and 1.31 ± 0.09 in float64, not), not on the precision's
+    numerics this test compares."""
     import jax
     from unit.estimators.test_grid import stationary_ar1, stationary_ar1_data
 
@@ -261,7 +265,9 @@ def test_float32_bounded_persistence_and_grid_match_float64(float32_run):
     r = out["stationary_ar1"]
     assert r["converged"], r["message"]
     assert r["dtype"] == "float32" and np.all(np.isfinite(r["elbo"]))
-    ref = blr_fit(stationary_ar1, {"y": stationary_ar1_data()}, rng_key=jax.random.key(0), progress_bar=False)
+    ref = blr_fit(
+        stationary_ar1, {"y": stationary_ar1_data()}, rng_key=jax.random.key(0), progress_bar=False, refine=False
+    )
     u = ref.posterior["phi"].base_dist
     np.testing.assert_allclose(r["x"], np.asarray(ref.posterior["x"].mean), atol=2e-3)
     np.testing.assert_allclose(r["u"], [float(u.mean), float(u.variance)], rtol=1e-2)
