@@ -15,8 +15,8 @@ block given u_j and replaces q's marginal of u_j by the defensive mixture (Heste
 
     g_j(d) = ½ N(d; 0, σ_j²) + ½ Cauchy(d; 0, :data:`WIDEN` σ_j),    d = u_j − m_j,
 
-whose Cauchy half reaches posteriors many times wider than q and whose Gaussian half keeps
-the weights near 1 where q is right. A draw of r_j is a draw x of q moved along q's
+whose Cauchy half (truncated at |d| ≤ :data:`TRUNCATE` σ_j) reaches posteriors many times
+wider than q and whose Gaussian half keeps the weights near 1 where q is right. A draw of r_j is a draw x of q moved along q's
 regression on u_j: x' = x + (d' − d) Σ_{·j} / σ_j² with d' ~ g_j (so x'_j = m_j + d', and
 the rest of the block, given it, is as under q); the other blocks are q's draws. Its log
 weight is
@@ -49,6 +49,13 @@ from blrppl.posterior.diagnostics import BATCH, MIN_DRAWS, draws_at_once
 
 #: the Cauchy half of the proposal has this many of q's sds as its scale
 WIDEN = 3.0
+#: the Cauchy half is truncated at this many of q's sds: the model is never evaluated further
+#: out, where its own computation may not end (an ODE solved by odeint at a decay rate e⁵⁰
+#: times q's: its adaptive steps never finished); a posterior 10× wider than q keeps 99.9 %
+#: of its variance within 4 of its sds
+TRUNCATE = 40.0
+#: the Cauchy's mass within ±TRUNCATE / WIDEN of its scales
+_CAUCHY_MASS = 2.0 / math.pi * math.atan(TRUNCATE / WIDEN)
 #: a site is narrow when its posterior sd, less NARROW_Z of the estimate's standard errors, is
 #: more than this many times q's (see :func:`flagged`)
 NARROW_RATIO = 1.2
@@ -163,15 +170,18 @@ def make_narrow_check(density, batch: int = BATCH):
         var = jnp.stack([c[3] for c in cols])[which]
         sd = jnp.sqrt(var)
         wide = jax.random.bernoulli(key_mix, 0.5)
-        d_new = sd * jnp.where(wide, WIDEN * jax.random.cauchy(key_d, dtype=var.dtype), jax.random.normal(key_d, dtype=var.dtype))
+        # (the Cauchy half truncated at TRUNCATE of q's sds, by its inverse CDF)
+        half = jax.random.uniform(key_d, dtype=var.dtype, minval=-0.5, maxval=0.5)
+        cauchy = WIDEN * jnp.tan(jnp.pi * half * _CAUCHY_MASS)
+        d_new = sd * jnp.where(wide, cauchy, jax.random.normal(key_d, dtype=var.dtype))
         keys = jax.random.split(key_q, max(len(drawn), 1))
         values, log_q, log_det = dict(fixed_values), 0.0, 0.0
         for i, (k, b) in enumerate(zip(keys, drawn)):
             x = b.family.sample(nat[b.name], k)
             mine = [j for j, s in enumerate(sites) if s.block == i]
-            if mine:
+            if mine:  # (moved along q's regression on the site, when the site is in this block)
                 flat = jnp.ravel(x)
-                here = jnp.stack([jnp.asarray(j) == which for j in mine])  # (the site is in this block)
+                here = jnp.stack([jnp.asarray(j) == which for j in mine])
                 cols_b = jnp.stack([cols[j][1] for j in mine])
                 idx = jnp.asarray([sites[j].index for j in mine])
                 pick = jnp.argmax(here)
@@ -184,7 +194,7 @@ def make_narrow_check(density, batch: int = BATCH):
             log_det = log_det + ld
         log_g = jnp.logaddexp(
             jax.scipy.stats.norm.logpdf(d_new, scale=sd),
-            jax.scipy.stats.cauchy.logpdf(d_new, scale=WIDEN * sd),
+            jax.scipy.stats.cauchy.logpdf(d_new, scale=WIDEN * sd) - math.log(_CAUCHY_MASS),
         ) + jnp.log(0.5)
         log_w = density.log_joint(values, data) + log_det - log_q + jax.scipy.stats.norm.logpdf(d_new, scale=sd) - log_g
         return log_w, d_new
@@ -207,8 +217,8 @@ def make_narrow_check(density, batch: int = BATCH):
 
 
 def widths(sites, log_w, d, sd) -> tuple:
-    """The :class:`Width` of each site from the check's draws (see the module docstring);
-    a site whose weights are not all finite gets NaN."""
+    """The :class:`Width` of each site from the check's draws (see the module docstring and
+    :func:`width_of`)."""
     out = []
     for s, lw, dev, scale in zip(sites, np.asarray(log_w, float), np.asarray(d, float), np.asarray(sd, float)):
         out.append(Width(s.site, *width_of(lw, dev, scale)))
