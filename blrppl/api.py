@@ -10,7 +10,7 @@ import numpyro
 
 from blrppl.engine.build import plan_model
 from blrppl.engine.cache import COMPILE_LOCK
-from blrppl.engine.grid import grid_sites, grid_fit
+from blrppl.engine.grid import MAX_SCALES, grid_sites, grid_fit
 from blrppl.engine.kernel import BLRKernel, fit_kernel
 from blrppl.engine.prepare import prepare
 from blrppl.engine.refine import refine as refine_fit, summary as refine_summary
@@ -172,7 +172,7 @@ def _fit(program, args, kwargs, options, key, prior, init_values=None, start=0, 
             # the kept start's reach the user
             with warnings.catch_warnings(record=True) as start_caught:
                 warnings.simplefilter("always")
-                result = run(prepared, prepared.state, options.num_steps, options.progress_bar)
+                result = run(prepared, prepared.state, options.num_steps, options.progress_bar, grid_scales=MAX_SCALES)
             final = float(result.elbo[-1]) if len(result.elbo) else -np.inf
             finals.append(final)
             if best is None or (np.isfinite(final) and not final <= finals[best[0]]):

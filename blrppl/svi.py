@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from blrppl.engine.grid import MAX_SCALES
 from blrppl.engine.prepare import prepare as prepare_fit
 from blrppl.engine.run import run as run_fit
 from blrppl.engine.state import BLRState
@@ -376,7 +377,7 @@ class BLR:
             init_state = init_state._replace(elbo=jnp.full_like(init_state.elbo, jnp.nan))
         state = prepared.state if init_state is None else init_state
         with out_of_memory_as_error("the fit"):
-            result = run_fit(prepared, state, num_steps, progress_bar)
+            result = run_fit(prepared, state, num_steps, progress_bar, grid_scales=MAX_SCALES)
         self.result = result
         params = self.get_params(result.state)
         if self._autoguide is None:

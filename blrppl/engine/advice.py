@@ -240,18 +240,31 @@ def _grid_scales(scales, sizes) -> tuple:
     return scales[0] if len(scales[0]) <= MAX_SCALES else ()
 
 
-def named_remedies(plan) -> tuple:
+def named_remedies(plan, narrow=()) -> tuple:
     """``(grid scales, other remedies named)``: what :func:`poor_q_advice` offers for this plan,
     for the refinement (:mod:`blrppl.engine.refine`). The scalar scale sites of a funnel that a
     grid can integrate (``families={...: "grid"}``), or (); and whether the advice is the generic
     one, which names another structure and more starts (False where it names a Monte Carlo
     factor's spread, a product of blocks, a funnel or closed-form factors, whose remedy is no
-    other structure or start: a factor model's symmetries, a funnel no Gaussian q holds)."""
+    other structure or start: a factor model's symmetries, a funnel no Gaussian q holds).
+
+    ``narrow``: the scalar sites along which the narrow-q check found the posterior wider than
+    q (:attr:`Diagnostics.narrow <blrppl.posterior.diagnostics.Diagnostics.narrow>`, widest
+    first): they are named for a grid too (after a funnel's scales; the refinement takes as many
+    as a grid holds), with another structure and more starts, a Gaussian q whose spread is off
+    along a scalar being what those may mend; not where the narrow sites are the funnel's own
+    scales (centred eight schools' τ: its remedy is the grid alone), nor where the advice is to
+    compare with NUTS (a product of blocks, a Monte Carlo factor's spread: the grid only)."""
     funnel = _funnel(plan)
+    sites = tuple(w.site for w in narrow)
     if _spread_factor(plan) is not None or any(f.pairs for f in plan.factors):
-        return (), False
+        return sites, False
+    scales = funnel[3] if funnel is not None else ()
+    others = tuple(s for s in sites if s not in scales)
+    if others:
+        return tuple(dict.fromkeys(scales + others)), True
     if funnel is not None:
-        return funnel[3], False
+        return scales, False
     return (), not (plan.conjugate and all(conj for _, conj in plan.conjugate))
 
 
@@ -272,10 +285,32 @@ def _spread_factor(plan):
     )
 
 
-def poor_q_advice(plan, num_starts: int = 1) -> str:
+def poor_q_advice(plan, num_starts: int = 1, narrow=(), grid_scales: int | None = None) -> str:
     """What the poor-q warning advises for this plan: why q may be poor given its blocks and
     estimators, and what to try (the generic advice when nothing in the plan says more;
-    ``num_starts``: the fit's, several starts are offered to a fit from one)."""
+    ``num_starts``: the fit's, several starts are offered to a fit from one). ``narrow``: the
+    narrow-q check's flagged sites (:func:`narrow_advice`), ``grid_scales`` the most a grid
+    holds (:data:`blrppl.engine.grid.MAX_SCALES`, passed by the caller; None: no limit)."""
+    advice = _plan_advice(plan, num_starts)
+    return advice if not narrow else narrow_advice(narrow, grid_scales) + "; otherwise " + advice
+
+
+def narrow_advice(narrow, grid_scales: int | None = None) -> str:
+    """The advice for scalar sites along which the posterior is wider than q (the narrow-q
+    check, :mod:`blrppl.posterior.narrow`): integrate the widest (as many as a grid holds,
+    ``grid_scales``) on a grid of fits with them fixed."""
+    named = tuple(narrow)[:grid_scales] if grid_scales is not None else tuple(narrow)
+    grid = ", ".join(f"'{w.site}': 'grid'" for w in named)
+    shown = ", ".join(f"'{w.site}'" for w in named)
+    return (
+        f"a Gaussian q is too narrow along {shown} (a hyperparameter whose posterior is skewed or heavy-tailed, "
+        f"or in a funnel): integrate {'it' if len(named) == 1 else 'them'} on a grid of fits with "
+        f"{'it' if len(named) == 1 else 'them'} fixed, families={{{grid}}}"
+    )
+
+
+def _plan_advice(plan, num_starts: int) -> str:
+    """:func:`poor_q_advice` from the plan alone."""
     # (structure='joint' merges the dense Gaussian blocks: a plan with one of them, e.g. one
     # fitted with structure='joint', has none left to join)
     apart = sum(1 for b in plan.blocks if b.family.dense_event and not b.point) > 1

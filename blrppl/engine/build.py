@@ -37,7 +37,8 @@ from blrppl.model.deps import output_dependencies
 from blrppl.runtime.program_store import compile_program, fit_program_key, jit as store_jit
 from blrppl.graph.stack import stack_table
 from blrppl.model.trace import subsampled_plates
-from blrppl.posterior.diagnostics import make_log_weights
+from blrppl.posterior.diagnostics import log_weights_of, model_density
+from blrppl.posterior.narrow import make_narrow_check
 from blrppl.posterior.export import posterior_builder
 
 
@@ -91,6 +92,11 @@ class CompiledFit:
     #: summaries' draws (:mod:`blrppl.posterior.importance`), compiled on first use
     weighted_draws_fn: Callable | None = None
     _weighted_draws_compiled: Any = None
+    #: (nat, model data, key) → the narrow-q check's draws (:mod:`blrppl.posterior.narrow`;
+    #: None: no scalar site to check), and the sites it reads
+    narrow_fn: Callable | None = None
+    narrow_sites: tuple = ()
+    _narrow_compiled: Any = None
     #: :func:`_dense_work` of the plan (the diagnostics' program compiles optimised from the
     #: same measure as the chunk)
     dense_work: int = 0
@@ -102,17 +108,18 @@ class CompiledFit:
         return fit_program_key(self.stored_key, name, options)
 
     def compile_log_weights(self, nat, dyn, key) -> None:
-        """Start compiling :meth:`log_weights` for arguments of these shapes (on a worker
-        thread: the fit runs meanwhile), or load it from the program store."""
-        options = _compiler_options(dyn, None, self.dense_work, once=True)
+        """Start compiling :meth:`log_weights` (and the narrow-q check's program) for
+        arguments of these shapes (on a worker thread: the fit runs meanwhile), or load them
+        from the program store."""
+        self._log_weights_compiled = self._compile_diagnostic("log_weights", self.log_weights_fn, (nat, dyn, key))
+        if self.narrow_fn is not None:
+            self._narrow_compiled = self._compile_diagnostic("narrow", self.narrow_fn, (nat, dyn, key))
+
+    def _compile_diagnostic(self, name: str, fn, args):
+        options = _compiler_options(args[1], None, self.dense_work, once=True)
         with numpyro.validation_enabled(False):
-            self._log_weights_compiled = compile_program(
-                self._stored("log_weights", options),
-                store_jit(self.log_weights_fn, "log_weights").lower,
-                (nat, dyn, key),
-                options,
-                _COMPILER.submit,
-                background=True,
+            return compile_program(
+                self._stored(name, options), store_jit(fn, name).lower, args, options, _COMPILER.submit, background=True
             )
 
     def log_weights(self, nat, dyn, key):
@@ -128,6 +135,15 @@ class CompiledFit:
             self._weighted_draws_compiled = _jit(self.weighted_draws_fn)
         with numpyro.validation_enabled(False):
             return self._weighted_draws_compiled(nat, dyn, key)
+
+    def narrow(self, nat, dyn, key):
+        """The narrow-q check's draws (:func:`blrppl.posterior.narrow.make_narrow_check`):
+        one compiled call; None when the plan has no scalar site to check."""
+        if self.narrow_fn is None:
+            return None
+        if self._narrow_compiled is None:
+            self._narrow_compiled = self._compile_diagnostic("narrow", self.narrow_fn, (nat, dyn, key))
+        return self._narrow_compiled.result()(nat, dyn, key)
 
     def statistics(self, dyn) -> dict:
         """The data statistics of the plan's ``gram_block`` factors: one compiled call (XLA's
@@ -388,15 +404,17 @@ def compile_fit(program, records, data_spec, dyn_data, tracer, options, prior_sp
         chunk_options,
         _COMPILER.submit,
     )
-    log_weights_fn = None if plan.subsampled or online else make_log_weights(plan, fns, records, dyn_data)
-    weighted_draws_fn = None if log_weights_fn is None else make_log_weights(
-        plan, fns, records, dyn_data, with_values=True
-    )
+    # (the diagnostics: PSIS k̂ and the narrow-q check read the model's density at draws of q)
+    density = None if plan.subsampled or online else model_density(plan, fns, records, dyn_data)
+    log_weights_fn = None if density is None else log_weights_of(density)
+    narrow_sites, narrow_fn = ((), None) if density is None else make_narrow_check(density)
+    weighted_draws_fn = None if density is None else log_weights_of(density, with_values=True)
     posterior_fn = posterior_builder(plan, records, _COMPILER.submit)
     bundle = CompiledFit(
         tracer, plan, graph, init_fn, None, posterior_fn, window,
         chunk_fn=chunk, step_fn=step, elbo_fn=_jit(elbo_fn), online=online, statistics_fn=statistics_fn,
-        log_weights_fn=log_weights_fn, weighted_draws_fn=weighted_draws_fn, tables_fn=tables_fn, stored_key=fit_key, dense_work=dense_work,
+        log_weights_fn=log_weights_fn, weighted_draws_fn=weighted_draws_fn, tables_fn=tables_fn, stored_key=fit_key,
+        dense_work=dense_work, narrow_fn=narrow_fn, narrow_sites=tuple(narrow_sites),
     )
     if log_weights_fn is not None and not (len(plan.blocks) == 1 and exact_block is not None):
         # (a lone conjugate block needs no draws, see _diagnose)

@@ -3,21 +3,24 @@ advice names and keeps the best candidate (``blr_fit(..., refine=True)``, the de
 
 The remedies are those :func:`blrppl.engine.advice.poor_q_advice` names for the plan
 (:func:`blrppl.engine.advice.named_remedies`): a grid where it names a funnel (a funnel's advice
-says no structure holds it), another structure and more starts where its advice is the generic
-one, and nothing where it says to compare with NUTS (a product of blocks, as in a factor model,
+says no structure holds it), a grid over the scalar sites the narrow-q check flags
+(:mod:`blrppl.posterior.narrow`: the widest, as many as :data:`blrppl.engine.grid.MAX_SCALES`)
+with another structure and more starts, another structure and more starts where its advice is
+the generic one, and nothing where it says to compare with NUTS (a product of blocks, as in a factor model,
 whose symmetries no start or structure removes: the other structure cost a factor model's online
 update 40 s against its first fit's 0.9 s; a Monte Carlo factor's spread; closed-form factors).
 
-When the first fit converged and its PSIS k̂ or importance ESS says q is poor (:meth:`Diagnostics.poor
+When the first fit converged and its PSIS k̂, importance ESS or narrow-q check says q is poor (:meth:`Diagnostics.poor
 <blrppl.posterior.diagnostics.Diagnostics.poor>`, the test behind the "q may be a poor
 approximation" warning), :func:`refine` fits candidates that each change one thing, in this
 order:
 
 * all the model's constrained scalar latents (its hyperparameters, :func:`hyperparameters`) on
-  one grid, a central composite design, where they are more than the funnel's scales and a grid
-  holds them;
-* the funnel scales the advice names integrated on a grid (``families={"tau": "grid"}``,
-  :mod:`blrppl.engine.grid`): INLA's scheme, which turns centred eight schools exact;
+  one grid, a central composite design, where they are more than the grid below names and a
+  grid holds them;
+* the funnel scales and the narrow sites the advice names integrated on a grid
+  (``families={"tau": "grid"}``, :mod:`blrppl.engine.grid`): INLA's scheme, which turns
+  centred eight schools exact;
 * the other structure: ``structure="joint"`` when the plan fits several dense Gaussian
   blocks apart, ``"mean-field"`` when it fitted one joint block;
 * an over-dispersed start: the fit started from a draw of the first fit's q with its spread
@@ -114,7 +117,10 @@ def candidates(first, options, key, grid_asked: bool) -> list:
     docstring), in the order they are tried."""
     plan, out = first.plan, []
     families = options.families_dict
-    scales, generic = named_remedies(plan)
+    scales, generic = named_remedies(plan, first.diagnostics.narrow)
+    # (the scales the user gave a family keep it; a grid holds at most MAX_SCALES, the widest
+    # narrow sites first)
+    scales = tuple(s for s in scales if s not in families)[:MAX_SCALES]
     hyper = hyperparameters(plan)
     grids = [scales] if scales else []
     if len(hyper) > 1 and set(hyper) > set(scales) and len(hyper) <= MAX_SCALES and (scales or generic):
@@ -131,7 +137,7 @@ def candidates(first, options, key, grid_asked: bool) -> list:
         design = CCD if sites is hyper else None
         fit_options = dataclasses.replace(options, families=tuple(sorted(grid.items())), num_starts=1)
         out.append(
-            Candidate(change + (" on a central composite design" if design else ""), fit_options, key, design=design,
+            Candidate(change + (" (the hyperparameters)" if design else ""), fit_options, key, design=design,
                       grid_sites=tuple(sites))
         )
     if options.structure is None and generic and not grid_asked:

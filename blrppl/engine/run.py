@@ -32,7 +32,10 @@ from blrppl.engine.state import BLRState
 from blrppl.engine.subsample import averaged_nat
 from blrppl.errors import is_out_of_memory, out_of_memory_detail
 from blrppl.inputs import host_fold_in
-from blrppl.posterior.diagnostics import ESS_CLOSE, KHAT_WARN, Diagnostics, importance_bound, psis_khat, relative_ess
+from blrppl.posterior.diagnostics import (
+    ESS_CLOSE, ESS_POOR, KHAT_WARN, Diagnostics, importance_bound, psis_khat, relative_ess,
+)
+from blrppl.posterior.narrow import flagged, widths
 from blrppl.posterior.result import BLRResult
 
 
@@ -72,10 +75,24 @@ def _diagnose(prepared, outcome, nat) -> Diagnostics:
         )
         warnings.warn(f"blr_fit: PSIS k-hat {note}; q's quality is unchecked", UserWarning, stacklevel=5)
         return Diagnostics(khat=math.nan, num_draws=0, note=note, **base)
+    found = _narrow_widths(prepared, nat, host_fold_in(outcome.state.rng_key, 8))
     return Diagnostics(
         khat=psis_khat(log_weights), num_draws=int(log_weights.size), ess=relative_ess(log_weights),
-        bound=importance_bound(log_weights), **base
+        bound=importance_bound(log_weights), widths=found, narrow=flagged(found), **base
     )
+
+
+def _narrow_widths(prepared, nat, key) -> tuple:
+    """The narrow-q check's :class:`blrppl.posterior.narrow.Width` of every scalar site it
+    reads (one compiled call), () when it reads none or the machine lacks the memory."""
+    bundle = prepared.bundle
+    try:
+        out = bundle.narrow(nat, model_data(prepared.plan, prepared.dyn_data), key)
+    except Exception as exc:
+        if not is_out_of_memory(exc):
+            raise
+        return ()
+    return () if out is None else widths(bundle.narrow_sites, *out)
 
 
 def _infinite_khat_note(diagnostics) -> str | None:
@@ -92,7 +109,7 @@ def _infinite_khat_note(diagnostics) -> str | None:
     )
 
 
-def run(prepared: Prepared, state: BLRState, num_steps: int, progress_bar: bool) -> BLRResult:
+def run(prepared: Prepared, state: BLRState, num_steps: int, progress_bar: bool, grid_scales: int | None = None) -> BLRResult:
     """Run the jitted loop from ``state`` and package the result.
 
     A fresh start from which no step size keeps the ELBO finite is started again with its
@@ -101,7 +118,8 @@ def run(prepared: Prepared, state: BLRState, num_steps: int, progress_bar: bool)
     its expectation is infinite, and the fit stopped after 0 steps. So is one whose Monte Carlo
     ELBO diverged (:func:`blrppl.engine.loop.diverged_from`; the run returned its best state):
     from unit variances on a log scale, a power law of populations up to 275,000 overflowed
-    its messages."""
+    its messages. ``grid_scales``: the most scales a grid holds, for the advice (see
+    :func:`finish`)."""
     bundle = prepared.bundle
     t1 = time.perf_counter()
     outcome = run_loop(
@@ -124,14 +142,20 @@ def run(prepared: Prepared, state: BLRState, num_steps: int, progress_bar: bool)
     t2 = time.perf_counter()
     plan = prepared.plan
     nat = averaged_nat(plan, outcome.state) if prepared.iterate_average and plan.subsampled else outcome.state.nat
-    return finish(prepared, outcome, nat, num_steps, t1, t2)
+    return finish(prepared, outcome, nat, num_steps, t1, t2, grid_scales=grid_scales)
 
 
-def finish(prepared: Prepared, outcome, nat: dict, num_steps: int, t1: float, t2: float, grid=None) -> BLRResult:
+def finish(
+    prepared: Prepared, outcome, nat: dict, num_steps: int, t1: float, t2: float, grid=None,
+    grid_scales: int | None = None,
+) -> BLRResult:
     """Package a run of the loop (``outcome``, reporting ``nat``): the posterior export, the
     diagnostics, the stop message and its warnings (at the line that called ``blr_fit`` or
     ``BLR.run``). ``grid``: the note of the scales integrated on a grid
-    (:mod:`blrppl.engine.grid`), whose marginals ``nat`` holds."""
+    (:mod:`blrppl.engine.grid`), whose marginals ``nat`` holds; ``grid_scales``: the most
+    scales a grid holds (:data:`blrppl.engine.grid.MAX_SCALES`, which this module cannot
+    import: the grid runs fits through it), so that the advice for sites the narrow-q check
+    flags names no more (None: every flagged site)."""
     bundle, plan = prepared.bundle, prepared.plan
     with COMPILE_LOCK:
         posterior = bundle.posterior_fn(nat)
@@ -167,22 +191,27 @@ def finish(prepared: Prepared, outcome, nat: dict, num_steps: int, t1: float, t2
             f"{100 * diagnostics.ess:.0f} % of its draws effective: q's tails differ from the posterior's, "
             "its bulk is close"
         )
-    elif diagnostics.poor():
-        advice = poor_q_advice(plan, prepared.num_starts) if grid is None else (
+    if diagnostics.poor():
+        advice = poor_q_advice(plan, prepared.num_starts, diagnostics.narrow, grid_scales) if grid is None else (
             "the scales integrated on a grid have their marginals from it, but q draws them independently of "
             "the other latents (their dependence is not held); compare with NUTS"
         )
-        if diagnostics.khat > KHAT_WARN:
-            why = f"PSIS k-hat = {diagnostics.khat:.2f} > {KHAT_WARN}"
-        else:
+        reasons = []
+        if diagnostics.khat > KHAT_WARN and not diagnostics.ess >= ESS_CLOSE:
+            reasons.append(f"PSIS k-hat = {diagnostics.khat:.2f} > {KHAT_WARN}")
+        elif diagnostics.ess < ESS_POOR:
             # (k̂ fits the tail of the weights only; their spread says how far q's bulk is:
             # see blrppl.posterior.diagnostics.ESS_POOR)
-            why = (
+            reasons.append(
                 f"importance sampling from q keeps only {100 * diagnostics.ess:.0f} % of its draws effective "
                 f"(PSIS k-hat = {diagnostics.khat:.2f}): q's bulk differs from the posterior's, where a mean may lie "
                 f"up to {math.sqrt(1.0 / diagnostics.ess - 1.0):.1f} of q's sds from q's, and sds may be too small"
             )
-        note = f"q may be a poor approximation of the posterior ({why}): {advice}"
+        if diagnostics.narrow:
+            # (q's draws do not reach where the posterior is wider than q: PSIS cannot see it,
+            # blrppl.posterior.narrow can)
+            reasons.append(diagnostics.narrow_note())
+        note = f"q may be a poor approximation of the posterior ({'; '.join(reasons)}): {advice}"
         message += "; " + note
         warnings.warn("blr_fit: " + note, UserWarning, stacklevel=4)
     result = BLRResult(

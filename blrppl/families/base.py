@@ -267,6 +267,13 @@ class Family:
         """Per-scalar variances of a Gaussian view (canonical layout, shape of the mean)."""
         raise NotImplementedError
 
+    def covariance_column(self, view: View, index: int) -> jax.Array | None:
+        """Cov[x, x_i] of a Gaussian view with no plate elements, ``x`` its mean flattened
+        (C order) and ``i`` = ``index``: the direction in which x moves, given x_i, under q
+        (E[x | x_i] = m + (x_i − m_i) Cov[x, x_i] / Var[x_i]). None where the view does not
+        hold that column (:mod:`blrppl.posterior.narrow` then leaves the scalar out)."""
+        return None
+
     def curvature_of_hessian(self, hessian: jax.Array, shape: tuple) -> jax.Array:
         """The family's curvature layout of the Hessian ``(n, n)`` of a function of the
         flattened mean (shape ``shape``): its per-plate-element blocks (dense) or its

@@ -179,6 +179,10 @@ class GaussianDense(Family):
     def marginal_variance(self, view: GaussianView) -> jax.Array:
         return jnp.diagonal(view.cov, axis1=-2, axis2=-1)
 
+    def covariance_column(self, view: GaussianView, index: int) -> jax.Array | None:
+        """Column ``index`` of Σ (None for a block of plate elements: several Σ)."""
+        return view.cov[:, index] if view.mean.ndim == 1 and view.cov.ndim == 2 else None
+
     def curvature_of_hessian(self, hessian: jax.Array, shape: tuple) -> jax.Array:
         dim = shape[-1]
         nb = math.prod(shape) // dim
@@ -425,6 +429,11 @@ class GaussianDiag(Family):
 
     def marginal_variance(self, view: DiagGaussianView) -> jax.Array:
         return view.var
+
+    def covariance_column(self, view: DiagGaussianView, index: int) -> jax.Array:
+        """v_i at position ``index`` of the flattened variances, zeros elsewhere."""
+        var = jnp.ravel(view.var)
+        return jnp.zeros_like(var).at[index].set(var[index])
 
     def curvature_of_hessian(self, hessian: jax.Array, shape: tuple) -> jax.Array:
         return jnp.diagonal(hessian).reshape(shape)

@@ -386,6 +386,16 @@ class GaussianArrowhead(Family):
     def marginal_variance(self, view: ArrowheadGaussianView) -> jax.Array:
         return self._merge(view.var, jnp.diagonal(view.glob, axis1=-2, axis2=-1))
 
+    def covariance_column(self, view: ArrowheadGaussianView, index: int) -> jax.Array | None:
+        """Column ``index`` of Σ for a global position (Σ_LG and Σ_GG hold it); None for a
+        local one (the view holds no covariance between two locals) or a block of plate
+        elements."""
+        where = np.flatnonzero(self.global_index == index)
+        if not where.size or view.mean.ndim != 1:
+            return None
+        g = int(where[0])
+        return self._merge(view.cross[:, g], view.glob[:, g])
+
     # -- sampling and export -----------------------------------------------------------------
     def sample(
         self, nat: ArrowheadGaussianNat, rng_key: jax.Array, sample_shape: tuple[int, ...] = ()

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -89,6 +89,11 @@ class Diagnostics(NamedTuple):
             ELBO; for scales integrated on a grid, the grid's quadrature of its fits' bounds,
             log ∫ exp ℓ(u) du (:mod:`blrppl.engine.grid`). What refinement compares fits by
             (NaN when not computed).
+        widths: the narrow-q check of every scalar site it read
+            (:class:`blrppl.posterior.narrow.Width`: the posterior's sd over q's, on the
+            site's unconstrained space), empty when it read none.
+        narrow: the entries of ``widths`` where the posterior is wider than q beyond the
+            check's error (:meth:`blrppl.posterior.narrow.Width.narrow`), widest first.
     """
 
     khat: float
@@ -99,12 +104,25 @@ class Diagnostics(NamedTuple):
     note: str = ""
     ess: float = math.nan
     bound: float = math.nan
+    widths: tuple = ()
+    narrow: tuple = ()
 
     def poor(self) -> bool:
         """Whether q is a poor approximation by these diagnostics (what the fit warns of and
         refines): k̂ above :data:`KHAT_WARN` unless the weights hardly vary (relative ESS at
-        least :data:`ESS_CLOSE`), or a relative ESS below :data:`ESS_POOR`."""
-        return bool((self.khat > KHAT_WARN and not self.ess >= ESS_CLOSE) or self.ess < ESS_POOR)
+        least :data:`ESS_CLOSE`), a relative ESS below :data:`ESS_POOR`, or a scalar site
+        along which the posterior is wider than q (``narrow``)."""
+        return bool((self.khat > KHAT_WARN and not self.ess >= ESS_CLOSE) or self.ess < ESS_POOR or self.narrow)
+
+    def narrow_note(self) -> str:
+        """The narrow-q check's finding in words ('' when it flagged no site)."""
+        if not self.narrow:
+            return ""
+        listed = ", ".join(f"'{w.site}' {w.ratio:.2g}× (± {w.se:.1g})" for w in self.narrow)
+        return (
+            f"the posterior is wider than q along {listed} (its sd over q's on the unconstrained scale, "
+            "by importance sampling from q widened along each scalar site)"
+        )
 
     def describe(self) -> str:
         k = "not computed" if math.isnan(self.khat) else ("-inf (q is exact)" if self.khat == -math.inf else f"{self.khat:.3g}")
@@ -112,6 +130,11 @@ class Diagnostics(NamedTuple):
             f"PSIS k-hat: {k}" + (f" ({self.note})" if self.note else f" ({self.num_draws} draws of q)"),
             *([f"importance sampling relative ESS: {self.ess:.3g}"] if not math.isnan(self.ess) else []),
             *([f"importance-weighted bound: {self.bound:.6g}"] if not math.isnan(self.bound) else []),
+            *(
+                ["posterior sd over q's: " + ", ".join(f"{w.site} {w.ratio:.3g}" for w in self.widths)]
+                if self.widths else []
+            ),
+            *([f"narrow q: {self.narrow_note()}"] if self.narrow else []),
             f"last relative ELBO change: {self.elbo_rel_change:.3g}",
             f"rejected steps: {self.rejected_steps}",
         ]
@@ -250,19 +273,33 @@ def draws_at_once(work_per_draw: int, num: int) -> int:
     return batch
 
 
-def make_log_weights(plan, fns, records, data_shapes, batch: int = BATCH, with_values: bool = False):
-    """``log_weights(nat, data, key) -> (num_draws,)`` (see the module docstring).
+class Density(NamedTuple):
+    """The model's density at draws of q, as the diagnostics evaluate it (:func:`model_density`).
 
-    Args:
-        plan: the compiled plan (no subsampled plates).
-        fns: the model functions of the plan.
-        records: site name → :class:`blrppl.model.records.SiteRecord`.
-        data_shapes: the model's data (or their shapes): large data are evaluated
-            :data:`BATCH` draws at a time, small data all draws at once.
-        with_values: return ``(log_weights, draws)`` instead, ``draws`` the drawn latent sites'
-            values (site → ``(num_draws, *shape)``, on their constrained space): what the
-            importance-corrected summaries weigh (:mod:`blrppl.posterior.importance`).
+    Attributes:
+        drawn: the blocks drawn from q (continuous non-point blocks and chains).
+        point_values: ``nat`` → {site: value} of the point blocks at their estimates.
+        site_values: ``(block, draw)`` → ({site: value in block space}, log|det J|).
+        log_joint: ``(values, data)`` → log p(values, y), enumerated latents summed out.
+        num: draws of q for k̂ (:func:`num_draws`).
+        at_once: how many of them are evaluated at once (a divisor of ``num``).
+        data_size: the data's elements, each evaluated ``enumerated`` times.
+        enumerated: the enumerated values an element is evaluated at (1 without).
     """
+
+    drawn: list
+    point_values: Callable
+    site_values: Callable
+    log_joint: Callable
+    num: int
+    at_once: int
+    data_size: int
+    enumerated: int
+
+
+def model_density(plan, fns, records, data_shapes, batch: int = BATCH) -> Density:
+    """The model's log density and q's blocks as the importance weights read them (see the
+    module docstring and :func:`make_log_weights`)."""
     blocks = {b.name: b for b in plan.blocks}
     # (chains of discrete latents are drawn, with their exact log q, not summed out)
     drawn = [b for b in plan.blocks if (b.chain or not b.discrete) and not b.point]
@@ -281,24 +318,11 @@ def make_log_weights(plan, fns, records, data_shapes, batch: int = BATCH, with_v
             for s in blocks[d].sites:  # a discrete latent's own prior is enumerated with it
                 site_discrete.setdefault(s, set()).add(d)
 
-    def site_values(b, x):
-        """Block draw (canonical layout) → {site: value in block space} (the model functions
-        apply each site's bijection), and log|det J| of those bijections."""
-        if b.chain:
-            return b.chain_site_values(b.family.flat(x)), 0.0
-        parts = b.split(x) if b.members else {b.name: b.to_site(x)}
-        log_det = 0.0
-        for m in b.members or (b,):
-            if m.transform is not None:
-                u = parts[m.name]
-                log_det = log_det + jnp.sum(m.transform.log_abs_det_jacobian(u, m.transform(u)))
-        return parts, log_det
-
     def point_values(nat):
         out = {}
         for b in fixed:
             mean = b.family.view(nat[b.name]).mean
-            out.update(site_values(b, mean)[0])
+            out.update(_site_values(b, mean)[0])
         return out
 
     def log_joint(values, data):
@@ -335,20 +359,6 @@ def make_log_weights(plan, fns, records, data_shapes, batch: int = BATCH, with_v
             total = total + jnp.sum(logsumexp(per_combo, axis=0))
         return total
 
-    def one_draw(nat, data, key, fixed_values):
-        keys = jax.random.split(key, max(len(drawn), 1))
-        values, log_q, log_det, constrained = dict(fixed_values), 0.0, 0.0, {}
-        for k, b in zip(keys, drawn):
-            x = b.family.sample(nat[b.name], k)
-            log_q = log_q + jnp.sum(b.family.log_prob(nat[b.name], x))
-            vals, ld = site_values(b, x)
-            values.update(vals)
-            log_det = log_det + ld
-            if with_values:
-                constrained.update(vals if b.chain else _constrained(b, vals))
-        log_w = log_joint(values, data) + log_det - log_q
-        return (log_w, constrained) if with_values else log_w
-
     data_size = sum(int(np.prod(np.shape(x))) for x in jax.tree.leaves(data_shapes))
     # (each data element is evaluated at every enumerated value of its group's discrete latents)
     enumerated = sum(math.prod(len(blocks[d].support_values) for d in group) for group in groups) or 1
@@ -358,9 +368,59 @@ def make_log_weights(plan, fns, records, data_shapes, batch: int = BATCH, with_v
     at_once = draws_at_once(max(data_size, 1) * enumerated, num)
     if at_once < num:
         at_once = max(d for d in range(1, min(batch, at_once) + 1) if num % d == 0)
+    return Density(drawn, point_values, _site_values, log_joint, num, at_once, data_size, enumerated)
+
+
+def _site_values(b, x):
+    """Block draw (canonical layout) → {site: value in block space} (the model functions
+    apply each site's bijection), and log|det J| of those bijections."""
+    if b.chain:
+        return b.chain_site_values(b.family.flat(x)), 0.0
+    parts = b.split(x) if b.members else {b.name: b.to_site(x)}
+    log_det = 0.0
+    for m in b.members or (b,):
+        if m.transform is not None:
+            u = parts[m.name]
+            log_det = log_det + jnp.sum(m.transform.log_abs_det_jacobian(u, m.transform(u)))
+    return parts, log_det
+
+
+def make_log_weights(plan, fns, records, data_shapes, batch: int = BATCH):
+    """``log_weights(nat, data, key) -> (num_draws,)`` (see the module docstring).
+
+    Args:
+        plan: the compiled plan (no subsampled plates).
+        fns: the model functions of the plan.
+        records: site name → :class:`blrppl.model.records.SiteRecord`.
+        data_shapes: the model's data (or their shapes): large data are evaluated
+            :data:`BATCH` draws at a time, small data all draws at once.
+    """
+    return log_weights_of(model_density(plan, fns, records, data_shapes, batch))
+
+
+def log_weights_of(density: Density, with_values: bool = False):
+    """:func:`make_log_weights` from the model's :class:`Density`; with ``with_values``,
+    ``(log_weights, draws)``, ``draws`` the drawn latent sites' values (site → ``(num_draws,
+    *shape)``, on their constrained space): what the importance-corrected summaries weigh
+    (:mod:`blrppl.posterior.importance`)."""
+    drawn, num, at_once = density.drawn, density.num, density.at_once
+
+    def one_draw(nat, data, key, fixed_values):
+        keys = jax.random.split(key, max(len(drawn), 1))
+        values, log_q, log_det, constrained = dict(fixed_values), 0.0, 0.0, {}
+        for k, b in zip(keys, drawn):
+            x = b.family.sample(nat[b.name], k)
+            log_q = log_q + jnp.sum(b.family.log_prob(nat[b.name], x))
+            vals, ld = _site_values(b, x)
+            values.update(vals)
+            log_det = log_det + ld
+            if with_values:
+                constrained.update(vals if b.chain else _constrained(b, vals))
+        log_w = density.log_joint(values, data) + log_det - log_q
+        return (log_w, constrained) if with_values else log_w
 
     def log_weights(nat, data, key):
-        fixed_values = point_values(nat)
+        fixed_values = density.point_values(nat)
         keys = jax.random.split(key, num)
         draw = jax.vmap(lambda k: one_draw(nat, data, k, fixed_values))
         if at_once == num:
@@ -374,7 +434,7 @@ def make_log_weights(plan, fns, records, data_shapes, batch: int = BATCH, with_v
 
 def _constrained(block, values: dict) -> dict:
     """A non-chain block's site values on their constrained space (its members' bijections
-    applied to the values ``site_values`` gives on the block's space)."""
+    applied to the values ``_site_values`` gives on the block's space)."""
     out = dict(values)
     for m in block.members or (block,):
         if m.transform is not None and m.name in out:

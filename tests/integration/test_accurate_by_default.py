@@ -164,5 +164,5 @@ def test_stochastic_volatility_is_accurate_by_default():
     assert result.converged, result.message
     _assert_bar("student_t_volatility", result)
     (kept,) = [r for r in result.refinements if r.kept]
-    assert kept.change == "families={'sigma': 'grid', 'nu': 'grid'} on a central composite design", result.refinements
+    assert kept.change == "families={'sigma': 'grid', 'nu': 'grid'} (the hyperparameters)", result.refinements
     assert "families={'sigma': 'grid'}" not in [r.change for r in result.refinements]

@@ -112,7 +112,7 @@ out["student_t_volatility"] = {"mean": np.asarray(s.mean).tolist(), "sd": np.sqr
 # stationary distribution (integrated on a grid): both quadratures in single precision
 from unit.estimators.test_grid import stationary_ar1, stationary_ar1_data
 r = blr_fit(stationary_ar1, {"y": stationary_ar1_data().astype(np.float32)}, rng_key=random.PRNGKey(0),
-            progress_bar=False)
+            progress_bar=False, refine=False)
 u = r.posterior["phi"].base_dist
 out["stationary_ar1"] = {"x": np.asarray(r.posterior["x"].mean).tolist(), "u": [float(u.mean), float(u.variance)],
                          "dtype": str(np.asarray(r.posterior["x"].mean).dtype), "converged": bool(r.converged),
@@ -134,6 +134,28 @@ r = blr_fit(rm.eight_schools_model, rm.EIGHT_SCHOOLS, families={"tau": "grid"}, 
 tau = np.asarray(r.sample(random.PRNGKey(1), 200_000)["tau"], dtype=np.float64)
 out["schools_grid"] = {"tau": [float(tau.mean()), float(tau.std())], "theta": np.asarray(r.posterior["theta"].mean).tolist(),
                        "dtype": str(np.asarray(r.posterior["theta"].mean).dtype)}
+
+# the narrow-q check in single precision: a hand-built q a tenth as wide as the exact posterior
+# (N(z / 1.25, 0.2) for each site) along x, read by the fit's compiled check
+def two_means(z1, z2):
+    x = numpyro.sample("x", dist.Normal(0.0, 1.0))
+    y = numpyro.sample("y", dist.Normal(0.0, 1.0))
+    numpyro.sample("z1", dist.Normal(x, 0.5), obs=z1)
+    numpyro.sample("z2", dist.Normal(y, 0.5), obs=z2)
+
+from blrppl.engine.build import model_data
+from blrppl.engine.prepare import prepare
+from blrppl.families.gaussian import GaussianView
+from blrppl.inputs import fit_options
+from blrppl.model.program import ModelProgram
+from blrppl.posterior.narrow import widths
+z = (np.float32(0.8), np.float32(-0.4))
+p = prepare(ModelProgram(two_means), z, {}, fit_options(structure="joint"), random.PRNGKey(0))
+(b,) = p.plan.blocks
+q = GaussianView(jnp.asarray(z) / 1.25, jnp.diag(jnp.asarray([0.01, 1.0], jnp.float32) * 0.2))
+found = widths(p.bundle.narrow_sites, *p.bundle.narrow({b.name: b.family.nat_from_view(q)},
+                                                       model_data(p.plan, p.dyn_data), random.PRNGKey(1)))
+out["narrow"] = {w.site: [w.ratio, w.se, w.narrow()] for w in found}
 print("RESULT" + json.dumps(out))
 """
 
@@ -229,7 +251,11 @@ def test_float32_bounded_persistence_and_grid_match_float64(float32_run):
     """The stationary AR(1) of tests/unit/estimators/test_grid.py (a persistence on (−1, 1) read through its
     moments, a start integrated on a grid) in float32 matches the same fit in float64: the
     states' means within 2e-3 (a hundredth of their sd; float32 stops at a relative ELBO
-    change of 1e-5), q(u) of the persistence within 1 %."""
+    change of 1e-5), q(u) of the persistence within 1 %. The first fits (``refine=False``):
+    both are poor (importance ESS 0.21-0.22), and which remedies the refinement tries depends
+    on Monte Carlo estimates near their thresholds (the narrow-q check read the persistence at
+    1.33 ± 0.06 in float32, flagged, and 1.31 ± 0.09 in float64, not), not on the precision's
+    numerics this test compares."""
     import jax
     from unit.estimators.test_grid import stationary_ar1, stationary_ar1_data
 
@@ -239,7 +265,9 @@ def test_float32_bounded_persistence_and_grid_match_float64(float32_run):
     r = out["stationary_ar1"]
     assert r["converged"], r["message"]
     assert r["dtype"] == "float32" and np.all(np.isfinite(r["elbo"]))
-    ref = blr_fit(stationary_ar1, {"y": stationary_ar1_data()}, rng_key=jax.random.key(0), progress_bar=False)
+    ref = blr_fit(
+        stationary_ar1, {"y": stationary_ar1_data()}, rng_key=jax.random.key(0), progress_bar=False, refine=False
+    )
     u = ref.posterior["phi"].base_dist
     np.testing.assert_allclose(r["x"], np.asarray(ref.posterior["x"].mean), atol=2e-3)
     np.testing.assert_allclose(r["u"], [float(u.mean), float(u.variance)], rtol=1e-2)
@@ -274,3 +302,14 @@ def test_float32_eight_schools_spread_on_a_grid(float32_run):
     assert out["dtype"] == "float32"
     assert abs(out["tau"][0] - m) < 0.02 * m and abs(out["tau"][1] - sd) < 0.02 * sd, (out["tau"], m, sd)
     np.testing.assert_allclose(out["theta"], theta, rtol=1e-2)
+
+
+def test_float32_narrow_q_check_sees_a_q_a_tenth_as_wide(float32_run):
+    """The narrow-q check in single precision: on a hand-built q whose sd along x is a tenth of
+    the exact posterior's, x is flagged with a ratio within 15 % of 10 and y is read as 1
+    (within 10 %) and not flagged (tests/unit/posterior/test_narrow.py has the float64 case)."""
+    found = float32_run[0]["narrow"]
+    assert set(found) == {"x", "y"}
+    (rx, _, nx), (ry, _, ny) = found["x"], found["y"]
+    assert abs(rx / 10.0 - 1.0) < 0.15 and nx, found
+    assert abs(ry - 1.0) < 0.1 and not ny, found

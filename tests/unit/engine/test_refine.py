@@ -199,10 +199,10 @@ def test_the_hyperparameters_grid_follows_the_funnels():
     returns = np.random.default_rng(0).standard_t(6, size=50) * 0.01
     plan = plan_of(volatility, (returns,))
     assert refine_mod.hyperparameters(plan) == ("sigma", "nu")
-    first = types.SimpleNamespace(plan=plan, nat={})
+    first = types.SimpleNamespace(plan=plan, nat={}, diagnostics=_result(0.9, -1.0).diagnostics)
     changes = [c.change for c in refine_mod.candidates(first, fit_options(), random.PRNGKey(0), False)]
     assert changes == [
-        "families={'sigma': 'grid', 'nu': 'grid'} on a central composite design", "families={'sigma': 'grid'}"
+        "families={'sigma': 'grid', 'nu': 'grid'} (the hyperparameters)", "families={'sigma': 'grid'}"
     ], changes
     # a grid the user asked for is not redone, nor one over a site the user gave a family
     assert refine_mod.candidates(first, fit_options(), random.PRNGKey(0), True) == []
