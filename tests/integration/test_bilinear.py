@@ -5,7 +5,10 @@ each block given the other: its expectation needs only their first and second mo
 (E[(a b)²] = E[a²] E[b²] for independent blocks), and each block's update is a conjugate
 coordinate step. The blocks stay apart (mean-field between them), the factorisation of
 classic VMP. The reference is the textbook coordinate-ascent VB for the model (Bishop 2006,
-§10.1; Winn & Bishop 2005), written here in numpy: the fit must be its fixed point.
+§10.1; Winn & Bishop 2005), written here in numpy: the fit must be its fixed point. The
+fits are the first fit (``refine=False``): where its diagnostics find q poor, the refinement by
+default may keep another candidate (a grid over an AR model's constrained persistence and
+scale), which is not the VB fixed point these tests check.
 """
 
 from __future__ import annotations
@@ -81,7 +84,7 @@ def q_of(fit):
 @pytest.fixture(scope="module")
 def rank_one_fit():
     data = rank_one_data()
-    fit = blr_fit(rank_one_model, data, rng_key=random.PRNGKey(0), tol=1e-30, num_steps=2000, progress_bar=False)
+    fit = blr_fit(rank_one_model, data, rng_key=random.PRNGKey(0), tol=1e-30, num_steps=2000, progress_bar=False, refine=False)
     return data, fit
 
 
@@ -144,7 +147,7 @@ def test_masked_dense_product_matches_the_index_form(rank_one_fit):
         with rows, cols:
             numpyro.sample("y", dist.Normal(mu + a * b, tau**-0.5).mask(seen), obs=y)
 
-    other = blr_fit(masked, {"y": y, "seen": seen}, rng_key=random.PRNGKey(0), tol=1e-30, num_steps=2000, progress_bar=False)
+    other = blr_fit(masked, {"y": y, "seen": seen}, rng_key=random.PRNGKey(0), tol=1e-30, num_steps=2000, progress_bar=False, refine=False)
     q, p = q_of(fit), q_of(other)
     sign = np.sign(np.dot(np.ravel(p[2]), q[2]))
     for k, (x, y_) in enumerate(zip(q, p)):
@@ -214,7 +217,7 @@ def test_ar2_with_latent_coefficients_is_the_cavi_fixed_point():
     and the fit the fixed point of the textbook updates to 1e-8 (before, the sum was opaque:
     one dense block fitted by Monte Carlo, far from the posterior)."""
     y = ar2_data()
-    fit = blr_fit(ar2_latent_model, {"y": y}, rng_key=random.PRNGKey(0), tol=1e-30, num_steps=3000, progress_bar=False)
+    fit = blr_fit(ar2_latent_model, {"y": y}, rng_key=random.PRNGKey(0), tol=1e-30, num_steps=3000, progress_bar=False, refine=False)
     plan = fit.plan.describe()
     assert all(f.estimator == "exact" for f in fit.plan.factors), plan
     assert fit.plan.block("x").family.banded and fit.plan.block("x").family.bandwidth == 2, plan
@@ -294,7 +297,7 @@ def test_persistence_on_a_bounded_support_is_the_vb_fixed_point():
     for t in range(PERSIST_T):
         x[t] = 0.7 * (x[t - 1] if t else 0.0) + PERSIST_STEP * rng.normal()
     y = x + PERSIST_NOISE * rng.normal(size=PERSIST_T)
-    fit = blr_fit(ar1_bounded_model, {"y": y}, rng_key=random.PRNGKey(0), tol=1e-30, num_steps=3000, progress_bar=False)
+    fit = blr_fit(ar1_bounded_model, {"y": y}, rng_key=random.PRNGKey(0), tol=1e-30, num_steps=3000, progress_bar=False, refine=False)
     plan = fit.plan.describe()
     assert fit.plan.block("phi").value_moments and fit.plan.block("x").family.banded, plan
     assert all(f.estimator == "exact" for f in fit.plan.factors if f.name in ("x", "y")), plan
@@ -371,7 +374,7 @@ def test_bounded_coefficient_vector_is_the_vb_fixed_point():
     coefficients, at the fixed point of the coordinate updates above (before, one dense block
     of everything fitted by Monte Carlo, its noise scale collapsed)."""
     y = ar2_data()
-    fit = blr_fit(ar2_bounded_model, {"y": y}, rng_key=random.PRNGKey(0), tol=1e-30, num_steps=3000, progress_bar=False)
+    fit = blr_fit(ar2_bounded_model, {"y": y}, rng_key=random.PRNGKey(0), tol=1e-30, num_steps=3000, progress_bar=False, refine=False)
     plan = fit.plan.describe()
     assert fit.plan.block("coef").value_moments and fit.plan.block("x").family.bandwidth == 2, plan
     assert all(f.estimator in ("exact", "quadrature") for f in fit.plan.factors), plan
@@ -408,7 +411,7 @@ def test_a_scalar_coefficient_times_a_carried_state_is_the_cavi_fixed_point():
     I + E[a²] (lags) − E[a] (off-diagonals) + 4 I, mean from the observations; q(a) with
     precision 1 + Σ E[z_{t−1}²] and mean Σ E[z_t z_{t−1}] / precision (1e-7)."""
     ys = np.random.default_rng(0).normal(size=15)
-    fit = blr_fit(ar1_scan_model, (ys,), rng_key=random.PRNGKey(0), tol=1e-30, num_steps=500, progress_bar=False)
+    fit = blr_fit(ar1_scan_model, (ys,), rng_key=random.PRNGKey(0), tol=1e-30, num_steps=500, progress_bar=False, refine=False)
     t = len(ys)
     ma, va = 0.0, 1.0
     for _ in range(500):
