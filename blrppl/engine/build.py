@@ -108,12 +108,11 @@ class CompiledFit:
         return fit_program_key(self.stored_key, name, options)
 
     def compile_log_weights(self, nat, dyn, key) -> None:
-        """Start compiling :meth:`log_weights` (and the narrow-q check's program) for
-        arguments of these shapes (on a worker thread: the fit runs meanwhile), or load them
-        from the program store."""
+        """Start compiling :meth:`log_weights` for arguments of these shapes (on a worker
+        thread: the fit runs meanwhile), or load it from the program store. (The narrow-q
+        check's program compiles when a fit first needs it: most fits' weights show it is not
+        needed, :func:`blrppl.engine.run._diagnose`.)"""
         self._log_weights_compiled = self._compile_diagnostic("log_weights", self.log_weights_fn, (nat, dyn, key))
-        if self.narrow_fn is not None:
-            self._narrow_compiled = self._compile_diagnostic("narrow", self.narrow_fn, (nat, dyn, key))
 
     def _compile_diagnostic(self, name: str, fn, args):
         options = _compiler_options(args[1], None, self.dense_work, once=True)

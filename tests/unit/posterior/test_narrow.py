@@ -178,10 +178,14 @@ def _logistic_data():
 )
 def test_accurate_fits_are_not_flagged(model, data, sites):
     """A conjugate model fitted by VMP and a logistic regression: their scalar sites' posterior
-    sds are q's (within 10 %), nothing is flagged, and the fit is left alone."""
+    sds are q's (within 10 %), nothing is flagged, and the fit is left alone. Where the
+    importance weights' relative ESS is at least ESS_CLOSE (0.95) the check is not run (such
+    weights bound χ²(p‖q) below what a posterior 1.2× wider than q needs): no widths."""
+    from blrppl.posterior.diagnostics import ESS_CLOSE
+
     result = blr_fit(model, data, rng_key=random.PRNGKey(0), progress_bar=False)
     d = result.diagnostics
-    assert {w.site for w in d.widths} == sites
+    assert {w.site for w in d.widths} == (set() if d.ess >= ESS_CLOSE else sites), (d.ess, d.widths)
     assert all(abs(w.ratio - 1.0) < 0.1 for w in d.widths), d.widths
     assert d.narrow == () and not d.poor() and result.refinements == []
 
