@@ -15,8 +15,13 @@ Public names:
 * :func:`enable_compilation_cache` — turn on JAX's persistent compilation cache (never
   done on import: importing blrppl changes nothing in JAX's configuration, ``$XLA_FLAGS``
   or JAX's lowering rules; docs/runtime.md).
+* :mod:`blrppl.optim` — Bayesian deep learning without a NumPyro model: the IVON optimiser,
+  optax-shaped (docs/deep-learning.md). Loaded on first use, ``blrppl.optim`` or
+  ``import blrppl.optim``: ``import blrppl`` does not import optax.
 * the :class:`BLRError` hierarchy.
 """
+
+import importlib
 
 from blrppl import families
 from blrppl.api import blr_fit, blr_kernel
@@ -67,8 +72,16 @@ __all__ = [
     "blr_kernel",
     "enable_compilation_cache",
     "families",
+    "optim",
     "register_family",
     "register_rule",
     "unregister_family",
     "unregister_rule",
 ]
+
+
+def __getattr__(name):
+    """``blrppl.optim`` on first use (PEP 562): it imports optax, which the rest of blrppl does not need."""
+    if name == "optim":
+        return importlib.import_module("blrppl.optim")
+    raise AttributeError(f"module 'blrppl' has no attribute {name!r}")

@@ -1,0 +1,136 @@
+"""The settings of the IVON optimiser, checked where the user passes them.
+
+Every setting is checked when :func:`blrppl.optim.ivon` is called, not at the first step:
+a bad one raises :class:`OptimizerSettingError` naming the setting and the range it must
+lie in. The settings the posterior's weight samples need (the effective sample size, the
+weight decay, the number of samples per step) travel in the optimiser's state as
+:class:`PosteriorSettings`, a pytree without leaves: a jitted step sees them as static.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from blrppl.errors import BLRError
+
+#: the weight decay δ when neither ``weight_decay`` nor ``prior_precision`` is given
+DEFAULT_WEIGHT_DECAY = 1e-4
+
+
+class OptimizerSettingError(BLRError):
+    """A setting of :func:`blrppl.optim.ivon` is out of range or of the wrong type, or the
+    optimiser's functions got arguments that do not fit each other (a gradient of another
+    shape than its parameter, a state that holds no IVON state)."""
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class PosteriorSettings:
+    """What the Gaussian posterior q(θ) = N(m, diag(σ²)) is made of besides its mean and its
+    Hessian estimate: σ² = 1 / (ess · (h + weight_decay)).
+
+    Attributes:
+        ess: the effective sample size λ (the number of training examples, for a loss that
+            is the mean over them).
+        weight_decay: δ, the prior precision divided by ``ess``.
+        mc_samples: weight samples drawn per step.
+    """
+
+    ess: float
+    weight_decay: float
+    mc_samples: int
+
+
+def _real(value, name: str) -> float:
+    """A finite real number from a Python, NumPy or 0-d JAX scalar."""
+    if isinstance(value, (bool, np.bool_, str)) or callable(value):
+        raise OptimizerSettingError(f"ivon's {name} must be a number, not {type(value).__name__} {value!r}")
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise OptimizerSettingError(
+            f"ivon's {name} must be a number, not {type(value).__name__} {value!r}"
+        ) from None
+    if not math.isfinite(number):
+        raise OptimizerSettingError(f"ivon's {name} must be finite, not {number}")
+    return number
+
+
+def positive(value, name: str) -> float:
+    """``value`` as a float, checked finite and > 0."""
+    number = _real(value, name)
+    if number <= 0.0:
+        raise OptimizerSettingError(f"ivon's {name} must be > 0, not {number}")
+    return number
+
+
+def non_negative(value, name: str) -> float:
+    """``value`` as a float, checked finite and ≥ 0."""
+    number = _real(value, name)
+    if number < 0.0:
+        raise OptimizerSettingError(f"ivon's {name} must be ≥ 0, not {number}")
+    return number
+
+
+def unit_interval(value, name: str) -> float:
+    """``value`` as a float, checked in [0, 1)."""
+    number = _real(value, name)
+    if not 0.0 <= number < 1.0:
+        raise OptimizerSettingError(f"ivon's {name} must be in [0, 1), not {number}")
+    return number
+
+
+def sample_count(value, name: str) -> int:
+    """``value`` as an int, checked ≥ 1 (``name`` as the message writes it: "ivon's mc_samples")."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (numbers.Integral, np.integer)):
+        raise OptimizerSettingError(f"{name} must be an int ≥ 1, not {type(value).__name__} {value!r}")
+    if int(value) < 1:
+        raise OptimizerSettingError(f"{name} must be an int ≥ 1, not {int(value)}")
+    return int(value)
+
+
+def clip_radius(value) -> float:
+    """The clip radius ξ: a number > 0, ``inf`` (no clipping) allowed."""
+    if isinstance(value, (int, float, np.number)) and not isinstance(value, (bool, np.bool_)):
+        if float(value) == math.inf:
+            return math.inf
+    return positive(value, "clip_radius")
+
+
+def learning_rate(value):
+    """A learning rate: a number ≥ 0, or a schedule (a callable of the step count, as optax's
+    schedules) whose value at step 0 is a finite number ≥ 0."""
+    if callable(value):
+        try:
+            first = float(jnp.asarray(value(jnp.zeros((), jnp.int32))))
+        except Exception as exc:  # the user's schedule
+            raise OptimizerSettingError(
+                f"ivon's learning_rate(count) must return a number for an int count; at count 0 it raised "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+        if not (math.isfinite(first) and first >= 0.0):
+            raise OptimizerSettingError(f"ivon's learning_rate(count) must be a finite number ≥ 0; at 0 it is {first}")
+        return value
+    if isinstance(value, jax.core.Tracer):  # (optax.inject_hyperparams passes it traced)
+        return value
+    return non_negative(value, "learning_rate")
+
+
+def weight_decay(value, prior_precision, ess: float) -> float:
+    """The weight decay δ from ``weight_decay`` or ``prior_precision`` (δ = prior precision /
+    ess), at most one of them given; neither: :data:`DEFAULT_WEIGHT_DECAY`."""
+    if value is not None and prior_precision is not None:
+        raise OptimizerSettingError(
+            "ivon takes weight_decay or prior_precision, not both: weight_decay is prior_precision / ess"
+        )
+    if prior_precision is not None:
+        return non_negative(prior_precision, "prior_precision") / ess
+    if value is None:
+        return DEFAULT_WEIGHT_DECAY
+    return non_negative(value, "weight_decay")
