@@ -29,7 +29,6 @@ class OptimizerSettingError(BLRError):
     shape than its parameter, a state that holds no IVON state)."""
 
 
-@jax.tree_util.register_static
 @dataclasses.dataclass(frozen=True)
 class PosteriorSettings:
     """What the Gaussian posterior q(θ) = N(m, diag(σ²)) is made of besides its mean and its
@@ -45,6 +44,11 @@ class PosteriorSettings:
     ess: float
     weight_decay: float
     mc_samples: int
+
+
+# a pytree without leaves, itself its static data (jax.tree_util.register_static, spelled out
+# for the jax versions before it)
+jax.tree_util.register_pytree_node(PosteriorSettings, lambda s: ((), s), lambda s, _: s)
 
 
 def _real(value, name: str) -> float:
