@@ -190,7 +190,8 @@ def _step(rule: _Rule, grads, state: IVONState, params, noise):
 
 def _paths(tree) -> list:
     """``(name, leaf)`` of each leaf of ``tree``, the name as jax writes a key path."""
-    return [(jax.tree_util.keystr(path) or "(the parameters)", leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(tree)]
+    leaves = jax.tree_util.tree_leaves_with_path(tree)
+    return [(jax.tree_util.keystr(path) or "(the parameters)", leaf) for path, leaf in leaves]
 
 
 def _check_parameters(params) -> None:

@@ -119,7 +119,9 @@ def learning_rate(value):
                 f"{type(exc).__name__}: {exc}"
             ) from exc
         if not (math.isfinite(first) and first >= 0.0):
-            raise OptimizerSettingError(f"ivon's learning_rate(count) must be a finite number ≥ 0; at 0 it is {first}")
+            raise OptimizerSettingError(
+                f"ivon's learning_rate(count) must be a finite number ≥ 0; at count 0 it is {first}"
+            )
         return value
     if isinstance(value, jax.core.Tracer):  # (optax.inject_hyperparams passes it traced)
         return value
