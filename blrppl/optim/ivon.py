@@ -30,6 +30,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from blrppl.optim import settings as checks
@@ -125,7 +126,7 @@ def ivon(
         weight_decay=checks.weight_decay(weight_decay, prior_precision, ess),
         mc_samples=checks.sample_count(mc_samples, "ivon's mc_samples"),
     )
-    if not isinstance(rescale_lr, bool):
+    if not isinstance(rescale_lr, (bool, np.bool_)):
         raise OptimizerSettingError(f"ivon's rescale_lr must be True or False, not {rescale_lr!r}")
     rule = _Rule(
         learning_rate=checks.learning_rate(learning_rate),
@@ -133,7 +134,7 @@ def ivon(
         beta1=checks.unit_interval(beta1, "beta1"),
         beta2=checks.unit_interval(beta2, "beta2"),
         clip_radius=checks.clip_radius(clip_radius),
-        rescale_lr=rescale_lr,
+        rescale_lr=bool(rescale_lr),
     )
 
     def init(params):
@@ -180,7 +181,7 @@ def _step(rule: _Rule, grads, state: IVONState, params, noise):
     def step(g, h, m):
         debias = 1.0 - rule.beta1 ** count.astype(g.dtype)  # (1 − β₁ᵗ)
         direction = (g / debias + delta * m) / (h + delta)
-        if rule.clip_radius != math.inf:
+        if isinstance(rule.clip_radius, jax.core.Tracer) or rule.clip_radius != math.inf:
             direction = jnp.clip(direction, -rule.clip_radius, rule.clip_radius)
         return (-alpha * direction).astype(m.dtype)
 

@@ -51,8 +51,29 @@ class PosteriorSettings:
 jax.tree_util.register_pytree_node(PosteriorSettings, lambda s: ((), s), lambda s, _: s)
 
 
+#: the settings that may be traced values (optax.inject_hyperparams passes its numbers so
+#: into a jitted update; they are not checked then, having been checked at ``init``): those
+#: the update reads as numbers, not the static settings of the state
+TRACEABLE = ("learning_rate", "hess_init", "beta1", "beta2", "clip_radius")
+
+
+def _concrete(value, name: str) -> None:
+    """Refuse a traced static setting (ess, weight decay, samples per step)."""
+    if isinstance(value, jax.core.Tracer):
+        raise OptimizerSettingError(
+            f"ivon's {name} must be a concrete number, not a traced value (it is static: the posterior's "
+            f"samples are drawn with it); with optax.inject_hyperparams, list '{name}' in its static_args"
+        )
+
+
+def traced(value, name: str) -> bool:
+    """Whether ``value`` is a traced value of a setting that may be one (left unchecked)."""
+    return name in TRACEABLE and isinstance(value, jax.core.Tracer)
+
+
 def _real(value, name: str) -> float:
     """A finite real number from a Python, NumPy or 0-d JAX scalar."""
+    _concrete(value, name)
     if isinstance(value, (bool, np.bool_, str)) or callable(value):
         raise OptimizerSettingError(f"ivon's {name} must be a number, not {type(value).__name__} {value!r}")
     try:
@@ -66,8 +87,10 @@ def _real(value, name: str) -> float:
     return number
 
 
-def positive(value, name: str) -> float:
-    """``value`` as a float, checked finite and > 0."""
+def positive(value, name: str):
+    """``value`` as a float, checked finite and > 0 (a traced :data:`TRACEABLE` one as it is)."""
+    if traced(value, name):
+        return value
     number = _real(value, name)
     if number <= 0.0:
         raise OptimizerSettingError(f"ivon's {name} must be > 0, not {number}")
@@ -82,8 +105,10 @@ def non_negative(value, name: str) -> float:
     return number
 
 
-def unit_interval(value, name: str) -> float:
-    """``value`` as a float, checked in [0, 1)."""
+def unit_interval(value, name: str):
+    """``value`` as a float, checked in [0, 1) (a traced :data:`TRACEABLE` one as it is)."""
+    if traced(value, name):
+        return value
     number = _real(value, name)
     if not 0.0 <= number < 1.0:
         raise OptimizerSettingError(f"ivon's {name} must be in [0, 1), not {number}")
@@ -92,6 +117,9 @@ def unit_interval(value, name: str) -> float:
 
 def sample_count(value, name: str) -> int:
     """``value`` as an int, checked ≥ 1 (``name`` as the message writes it: "ivon's mc_samples")."""
+    _concrete(value, name.removeprefix("ivon's "))
+    if isinstance(value, (np.ndarray, jax.Array)) and value.shape == () and jnp.issubdtype(value.dtype, jnp.integer):
+        value = int(value)  # (optax.inject_hyperparams passes its numbers as arrays)
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (numbers.Integral, np.integer)):
         raise OptimizerSettingError(f"{name} must be an int ≥ 1, not {type(value).__name__} {value!r}")
     if int(value) < 1:
@@ -101,8 +129,10 @@ def sample_count(value, name: str) -> int:
 
 def clip_radius(value) -> float:
     """The clip radius ξ: a number > 0, ``inf`` (no clipping) allowed."""
-    if isinstance(value, (int, float, np.number)) and not isinstance(value, (bool, np.bool_)):
-        if float(value) == math.inf:
+    if traced(value, "clip_radius"):
+        return value
+    if isinstance(value, (int, float, np.number, np.ndarray, jax.Array)) and not isinstance(value, (bool, np.bool_)):
+        if jnp.shape(value) == () and float(value) == math.inf:
             return math.inf
     return positive(value, "clip_radius")
 
@@ -123,7 +153,7 @@ def learning_rate(value):
                 f"ivon's learning_rate(count) must be a finite number ≥ 0; at count 0 it is {first}"
             )
         return value
-    if isinstance(value, jax.core.Tracer):  # (optax.inject_hyperparams passes it traced)
+    if traced(value, "learning_rate"):
         return value
     return non_negative(value, "learning_rate")
 

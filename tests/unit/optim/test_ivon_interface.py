@@ -155,3 +155,27 @@ def test_bad_arguments_raise_naming_what_to_pass():
         optim.sample_parameters(state, params, "seed")
     # nothing the user passed was changed
     assert np.all(np.asarray(params["w"]) == 0.0)
+
+
+def test_inject_hyperparams_schedules_the_learning_rate():
+    """optax.inject_hyperparams passes IVON's numbers as arrays into a jitted update: the
+    learning rate (and β's, h₀, ξ) may be traced, the static ess and samples per step are
+    named as static_args; without that the error says so."""
+    x, y = data()
+    params = mlp_params()
+    plain = optim.ivon(learning_rate=0.05, ess=64.0)
+    injected = optax.inject_hyperparams(optim.ivon, static_args=("ess", "mc_samples"))(learning_rate=0.05, ess=64.0)
+    state, inj_state = plain.init(params), injected.init(params)
+    theta, noise = optim.sample_parameters(inj_state, params, random.PRNGKey(6))
+    grads = jax.grad(loss)(theta, x, y)
+    want, _ = plain.update(grads, state, params, noise=noise)
+    got, inj_state = jax.jit(injected.update)(grads, inj_state, params, noise=noise)
+    for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4)  # (β₂ as a float32 array)
+    inj_state.hyperparams["learning_rate"] = jnp.zeros((), jnp.float32)
+    frozen, _ = jax.jit(injected.update)(grads, inj_state, params, noise=noise)
+    assert all(bool(jnp.all(u == 0)) for u in jax.tree.leaves(frozen))
+
+    traced_ess = optax.inject_hyperparams(optim.ivon, static_args=("mc_samples",))(learning_rate=0.05, ess=64.0)
+    with pytest.raises(optim.OptimizerSettingError, match="list 'ess' in its static_args"):
+        jax.jit(traced_ess.update)(grads, traced_ess.init(params), params, noise=noise)
