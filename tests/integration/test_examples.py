@@ -134,3 +134,17 @@ def test_ivon_mlp_example():
     ess, delta, h0 = settings["ess"], settings["weight_decay"], settings["hess_init"]
     assert np.all(np.isfinite(sd)) and sd.max() < 1 / np.sqrt(ess * delta)
     assert abs(np.median(sd) / (1 / np.sqrt(ess * (h0 + delta))) - 1) > 0.1
+
+
+def test_deep_learning_docs_example():
+    """The example of docs/deep-learning.md runs as written and fits its data."""
+    page = (EXAMPLES.parent / "docs" / "deep-learning.md").read_text()
+    code = page.split("```python\n", 1)[1].split("```", 1)[0]
+    names = {}
+    exec(compile(code, "docs/deep-learning.md", "exec"), names)
+    x, mean, sd = (np.asarray(names[k]) for k in ("x", "mean", "sd"))
+    # 256 points with noise sd 0.1 on sin(x): the model average is within 0.15 of the curve
+    # (rms; about the noise's sd), and its spread is that of a function known to within a few
+    # hundredths (between 0 and the noise's sd)
+    assert np.sqrt(np.mean((mean - np.sin(x[:, 0])) ** 2)) < 0.15
+    assert np.all(sd > 0) and np.all(sd < 0.1)
