@@ -12,7 +12,8 @@ import numpy as np
 
 from blrppl import families as fam
 from blrppl.graph import markov
-from blrppl.graph.plan import Block
+from blrppl.compiler.reads import group_positions
+from blrppl.graph.plan import Block, FactorRole
 
 
 def site_transforms(blocks) -> dict:
@@ -108,17 +109,18 @@ def _discrete_groups(blocks: dict, factors) -> list:
     return [tuple(n for n in blocks if n in g) for g in groups.values()]
 
 
-def discrete_chains(blocks: dict, factors, fns, data, rng: np.random.Generator) -> tuple:
+def discrete_chains(blocks: dict, factors, fns, data, program) -> tuple:
     """Blocks with every group of discrete latents read along a chain replaced by one
     :class:`blrppl.families.CategoricalChain` block, and factor → ``((block, Reads),)``.
 
-    A group is probed (:mod:`blrppl.graph.markov`) when it has more than one position. If
-    every factor element reads its aligned positions, the enumeration's own assumption
+    Which positions of a group each factor element reads is read off the model's program
+    (:func:`blrppl.compiler.reads.group_positions`, for groups of more than one position).
+    If every factor element reads its aligned positions, the enumeration's own assumption
     holds: the group stays as it is, unless it is several sites (one per step of a loop)
     whose joint categorical would be too large and whose factors each read two consecutive
-    ones (then it is a chain). Otherwise each element's positions are decoded: pairs with one
-    stride make a chain; single positions read out of alignment (a gather by an index
-    array) make independent states read through the same map.
+    ones (then it is a chain). Otherwise pairs with one stride make a chain; single
+    positions read out of alignment (a gather by an index array) make independent states
+    read through the same map.
 
     Raises:
         UnsupportedFactorError: a factor reads the group in a pattern no first-order chain
@@ -126,6 +128,7 @@ def discrete_chains(blocks: dict, factors, fns, data, rng: np.random.Generator) 
     """
     reads_of: dict = {}
     out = dict(blocks)
+    groups = []
     for group in _discrete_groups(blocks, factors):
         parts = [blocks[n] for n in group]
         if any(b.members for b in parts):
@@ -134,28 +137,38 @@ def discrete_chains(blocks: dict, factors, fns, data, rng: np.random.Generator) 
             # (subsampled plates: their factors' plates are checked instead)
             _warn_if_local_chain(group, parts, factors, fns, data)
             continue
+        if sum(b.size for b in parts) > 1:
+            groups.append(group)
+    positions = group_positions(program, blocks, groups) if groups else {}
+    for group in groups:
+        parts = [blocks[n] for n in group]
         size = sum(b.size for b in parts)
-        if size <= 1:
-            continue
-        probe = markov.Probe(group, blocks, factors, fns, data, rng)
-        if markov.is_aligned(probe):
+        touching = [f for f in factors if f.role == FactorRole.SITE and set(f.discrete) & set(group)]
+        found = {}
+        for f in touching:
+            r = positions[group].get(f.name)
+            found[f.name] = markov.position_reads(r) if r is not None else markov.Reads(
+                np.full(_factor_batch(fns, f, data), -1, np.int64), np.full(_factor_batch(fns, f, data), -1, np.int64)
+            )
+            if found[f.name] is None:
+                raise markov.unsupported(f, group, touching)
+        if all(markov.is_aligned(parts, f, found[f.name]) for f in touching):
             states = math.prod(len(b.support_values) for b in parts)
             if len(group) == 1 or states <= MAX_JOINT_STATES or len({b.value_shape for b in parts}) != 1:
                 continue
-            reads = markov.aligned_chain_reads(parts, probe.touching, lambda f: _factor_batch(fns, f, data))
+            reads = markov.aligned_chain_reads(parts, touching, lambda f: _factor_batch(fns, f, data))
             layout = markov.chain_layout(reads, size) if reads else None
             if layout is None:
                 continue
         else:
             if len({b.support_values for b in parts}) != 1:
-                f = next(f for f in probe.touching)
-                raise markov.unsupported(f, group, probe.touching)
-            reads = markov.probe_reads(probe)
+                raise markov.unsupported(touching[0], group, touching)
+            reads = found
             layout = markov.chain_layout(reads, size)
             if layout is None:
                 if any(np.any(r.hi >= 0) for r in reads.values()):
-                    f = next(f for f in probe.touching if np.any(reads[f.name].hi >= 0))
-                    raise markov.unsupported(f, group, probe.touching)
+                    f = next(f for f in touching if np.any(reads[f.name].hi >= 0))
+                    raise markov.unsupported(f, group, touching)
                 layout = markov.ChainLayout(1, size)
         k = len(parts[0].support_values)
         family = fam.CategoricalChain(layout.length, k)
@@ -167,7 +180,7 @@ def discrete_chains(blocks: dict, factors, fns, data, rng: np.random.Generator) 
             name = f"({group[0]}, …, {group[-1]})" if len(group) > 3 else "(" + ", ".join(group) + ")"
             chain = Block(name, family, family.name, (size,), (), parts[0].support_values, members=tuple(parts))
         out = _replace_members(out, group, chain)
-        for f in probe.touching:
+        for f in touching:
             reads_of[f.name] = reads_of.get(f.name, ()) + ((chain.name, reads[f.name]),)
     return out, reads_of
 

@@ -4,20 +4,18 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
-import numpy as np
 import numpyro.distributions as dist
 
 from blrppl import moments as mom
 from blrppl.estimators.registry import FactorCandidate, choose_estimator
-from blrppl.model.functions import LINKS, projection_args
+from blrppl.model.functions import LINKS
 from blrppl.model.classes import ArgumentClass, classify_form, constant_class, too_many_columns
-from blrppl.model.probes import gather_probe, pairing_probe, probe_argument, random_point, run_probes
-from blrppl.model.classes import needs_gather_test
+from blrppl.model.classes import OPAQUE, needs_gather_test
 from blrppl.model.forms import inverse_link
 from blrppl.graph.plan import Factor
 from blrppl.compiler.blocks import blocks_by_site
 from blrppl.compiler.checks import check_aligned
+from blrppl.compiler.reads import ElementReads, coupled_blocks, mixed_blocks, whole_matrices
 
 
 #: the most scalar projections per element a quadrature factor may have
@@ -25,42 +23,43 @@ MAX_PROJECTIONS = 2
 
 
 def classify_factors(
-    records, rules, deps, blocks, fns, data, rng_key, *, quadrature=True, cache=None, guess=None, elementwise=None,
-    forms=None, provisional=False, site_reads=None,
+    records, rules, deps, blocks, *, forms, program, quadrature=True, cache=None, elementwise=None,
+    provisional=False, site_reads=None,
 ):
-    """Classify every factor's arguments and choose its estimator.
+    """Classify every factor's arguments and choose its estimator, from the model's program
+    alone: each argument's form (:mod:`blrppl.model.forms`) and which elements of its blocks
+    it reads (:mod:`blrppl.compiler.reads`).
 
     Args:
-        records, rules, deps, blocks, fns, data: the model, its blocks and its data.
-        rng_key: key of the probe points.
-        quadrature: probe the quadrature projections of the factors without a closed form
+        records, rules, deps, blocks: the model's sites, their rules, what each argument
+            depends on, and the blocks.
+        forms: site → item → form (:mod:`blrppl.model.forms`).
+        program: the traced program the forms were read from
+            (:attr:`blrppl.compiler.stages.Dependencies.program`): which elements of its
+            blocks each argument reads decides what the forms leave to the plates.
+        quadrature: find the quadrature projections of the factors without a closed form
             (``False`` while the family policy iterates: only exactness is needed there, and
             such factors get a provisional ``"monte_carlo"`` estimator).
         cache: ``(key function, dict)``: argument classes found earlier, under the key the
-            function gives a (factor, argument); a cached argument is not probed again.
-        guess: factor → whether it was exact before (e.g. before a joint merge): the
-            quadrature probes of the others run in the same compiled call as the argument
-            probes; any factor the guess got wrong is probed in a second call.
+            function gives a (factor, argument); a cached argument is not classified again.
         elementwise: site → the items that may be quadrature projections (see
             :func:`blrppl.compiler.dependencies._dependencies`).
-        forms: site → item → form (:mod:`blrppl.model.forms`): an argument whose form
-            decides its class is not probed (:func:`blrppl.model.classes.classify_form`), and
-            the form names what makes the others opaque.
         provisional: the blocks may still change (the family policy iterates, chains are
             not found yet): an argument mixing the elements of a large plated block stays
             affine (:func:`blrppl.model.classes.too_many_columns` decides on the final blocks).
+        site_reads: the latent sites each factor reads, where blocks hold several.
     """
     elementwise = elementwise or {}
-    rng = np.random.default_rng(np.asarray(jax.random.key_data(rng_key)).ravel())
     key_of, known = cache if cache is not None else (None, {})
     site_blocks = blocks_by_site(blocks)
-    probes, nbrs, keys, decided, reasons = {}, {}, {}, {}, {}
+    nbrs, classes, found = {}, {}, {}
+    reads = ElementReads(program, blocks)
     for name, r in records.items():
         rule = rules[name]
         neighbours = tuple(n for n in blocks if any(n in d for d in deps[name].values()))
         discrete = tuple(n for n in neighbours if blocks[n].discrete)
         for d in discrete:
-            # (elsewhere the chain probe finds what each element reads: blrppl.graph.markov)
+            # (a chain's reads are found by blrppl.graph.markov)
             if blocks[d].local is not None:
                 for site in blocks[d].sites:
                     check_aligned(r, records[site], name)
@@ -68,54 +67,19 @@ def classify_factors(
         if rule is None:
             continue
         for arg in ("value",) + rule.arg_names:
-            keys[(name, arg)] = key_of(name, arg) if key_of is not None else None
-            if keys[(name, arg)] in known:
+            key = key_of(name, arg) if key_of is not None else None
+            if key is not None and key in known:
+                classes[(name, arg)] = known[key]
                 continue
-            constant = constant_class(deps[name][arg], blocks)
-            if constant is not None:
-                decided[(name, arg)] = constant
-                if forms is not None:
-                    reasons[(name, arg)] = ""
-                continue
-            if forms is not None:
-                cls, reasons[(name, arg)] = classify_form(
-                    forms[name][arg], deps[name][arg], blocks, site_blocks, value_moments=True
-                )
-                if cls is not None and not cls.gather:
-                    decided[(name, arg)] = cls
-                    continue
-
-            def fn(values, data, arg=arg, name=name, rule=rule):
-                return fns.factor_args(name, rule.arg_names, values, data)[arg]
-
-            if forms is not None and cls is not None:
-                probes[(name, arg)] = gather_probe(fn, cls, blocks, rng)
-            else:
-                probes[(name, arg)] = probe_argument(fn, deps[name][arg], blocks, rng)
-    candidates, quad_probes = {}, {}
-    if quadrature and guess is not None:
-        not_exact = {n for n in records if not guess.get(n, False)}
-        candidates, quad_probes = _quadrature_probes(
-            records, deps, blocks, fns, rng, nbrs, not_exact, elementwise, forms, site_blocks
-        )
-    quad_probes, quad_decided = _split_decided(quad_probes)
-    found = run_probes({**probes, **{("quadrature",) + k: p for k, p in quad_probes.items()}}, data)
-    found = {
-        # an opaque argument's form names what makes it so
-        k: dataclasses.replace(c, reason=reasons[k]) if c.opaque and reasons.get(k) else c
-        for k, c in found.items()
-    }
-    found.update(decided)
-    classes = {k: (known[keys[k]] if k not in found else found[k]) for k in keys}
+            cls = argument_class(forms[name][arg], deps[name][arg], blocks, site_blocks, reads, name, arg, True)
+            classes[(name, arg)] = found[key] = cls
     if key_of is not None:
-        known.update({keys[k]: found[k] for k in list(probes) + list(decided)})
-    classes = _paired(records, rules, classes, blocks, fns, nbrs, data, rng)
+        known.update({k: c for k, c in found.items() if k is not None})
+    classes = _paired(records, rules, classes, blocks, reads)
     classes = _independent_scales(records, rules, classes)
     classes = _own_uniform_priors(records, rules, classes, site_blocks)
     if not provisional:
         classes = {k: too_many_columns(c, blocks) if c.kind in _GAUSSIAN_KINDS else c for k, c in classes.items()}
-    quad_classes = {k[1:]: v for k, v in found.items() if len(k) == 4}  # ("quadrature", name, index, link)
-    quad_classes.update(quad_decided)
 
     exact = {}
     for name in records:
@@ -125,18 +89,36 @@ def classify_factors(
             continue
         kinds = {arg: classes[(name, arg)].kind for arg in ("value",) + rule.arg_names}
         exact[name] = rule.supports(kinds)
+    candidates, quad_classes = {}, {}
     if quadrature:
-        probed = {n for n in records if not guess.get(n, False)} if guess is not None else set()
-        missing = {n for n in records if not exact[n]} - probed
-        more, more_probes = _quadrature_probes(
-            records, deps, blocks, fns, rng, nbrs, missing, elementwise, forms, site_blocks
+        missing = {n for n in records if not exact[n]}
+        candidates, quad_classes = _quadrature_projections(
+            records, deps, blocks, nbrs, missing, elementwise, forms, site_blocks, reads
         )
-        more_probes, more_decided = _split_decided(more_probes)
-        quad_classes.update(more_decided)
-        if more_probes:
-            quad_classes.update(run_probes(more_probes, data))
-        candidates.update(more)
     return _factors(records, rules, blocks, nbrs, classes, exact, candidates, quad_classes, quadrature, site_reads)
+
+
+def argument_class(form, deps, blocks, site_blocks, reads, name, item, value_moments=True) -> ArgumentClass:
+    """One argument's class: from its dependencies alone (constants, point blocks), else from
+    its form and, where the form leaves the plates open, its element reads.
+
+    Args:
+        form: the item's form (:mod:`blrppl.model.forms`).
+        deps: the blocks it depends on.
+        blocks, site_blocks: the blocks, and each site's (block name, own block).
+        reads: the program's :class:`blrppl.compiler.reads.ElementReads`.
+        name, item: the site and its item (``"value"``, an argument, ``"leaf:i"``).
+        value_moments: see :func:`blrppl.model.classes.classify_form`.
+    """
+    constant = constant_class(deps, blocks)
+    if constant is not None:
+        return constant
+    cls, reason = classify_form(
+        form, deps, blocks, site_blocks, value_moments=value_moments, mixed=reads.mixed(name, item, deps)
+    )
+    if cls.gather:
+        cls = _confirm_gather(cls, reads.of(name, item), blocks)
+    return dataclasses.replace(cls, reason=reason) if cls.opaque and reason and not cls.reason else cls
 
 
 _GAUSSIAN_KINDS = (mom.AffineGaussian.kind, mom.ExpGaussian.kind)
@@ -179,11 +161,11 @@ def _independent_scales(records, rules, classes) -> dict:
     return out
 
 
-def _paired(records, rules, classes, blocks, fns, nbrs, data, rng) -> dict:
+def _paired(records, rules, classes, blocks, reads) -> dict:
     """``classes`` with the plated Gaussian blocks that a factor's arguments read at
     different elements (each argument "gather") added to those arguments' ``full`` blocks:
-    the factor couples those elements (:func:`blrppl.model.probes.pairing_probe`)."""
-    probes, shared_of = {}, {}
+    the factor couples those elements (:func:`blrppl.compiler.reads.coupled_blocks`)."""
+    out = dict(classes)
     for name in records:
         rule = rules[name]
         if rule is None or rule.event_ndim:
@@ -200,36 +182,39 @@ def _paired(records, rules, classes, blocks, fns, nbrs, data, rng) -> dict:
         shared = {n: args for n, args in shared.items() if len(args) > 1}
         if not shared:
             continue
-
-        def fn(values, data, name=name, rule=rule):
-            return fns.factor_args(name, rule.arg_names, values, data)
-
-        point = {m: random_point(blocks[m], rng) for m in nbrs[name][0]}
-        probes[("pairing", name)] = pairing_probe(fn, shared, point, blocks, rng)
-        shared_of[name] = shared
-    if not probes:
-        return classes
-    out = dict(classes)
-    for (_, name), coupled in run_probes(probes, data).items():
+        coupled = coupled_blocks({a: reads.of(name, a) for a in ("value",) + rule.arg_names}, shared, blocks)
         for n in coupled:
-            for arg in shared_of[name][n]:
+            for arg in shared[n]:
                 cls = out[(name, arg)]
                 out[(name, arg)] = dataclasses.replace(cls, full=tuple(sorted(set(cls.full) | {n})))
     return out
 
 
-def _split_decided(probes: dict) -> tuple:
-    """``(probes to run, classes the forms decided)`` of a dict holding both."""
-    decided = {k: p for k, p in probes.items() if isinstance(p, ArgumentClass)}
-    return {k: p for k, p in probes.items() if k not in decided}, decided
+def _confirm_gather(cls: ArgumentClass, reads: dict, blocks: dict) -> ArgumentClass:
+    """A class the forms decided up to the plates (:attr:`ArgumentClass.gather`), settled by
+    the argument's element reads: a matrix-valued block must be read in whole matrices; a
+    multiplied block (``pairs``) whose elements mix makes the argument opaque; any other mixed
+    block is read through its full covariance columns (``full``)."""
+    whole = {n for n in cls.gather if blocks[n].family.whole_events}
+    broken = sorted(n for n in whole if not whole_matrices(reads, blocks[n]))
+    if broken:
+        family = blocks[broken[0]].family.name.capitalize()
+        reason = f"reads parts of the {family} matrices of '{broken[0]}', or mixes them (not whole matrices)"
+        return ArgumentClass(OPAQUE, cls.blocks, reason=reason)
+    mixed = [n for n in mixed_blocks(reads, blocks, [n for n in cls.gather if n not in whole], True)]
+    multiplied = {n for pair in cls.pairs for n in pair}
+    bad = [n for n in mixed if n in multiplied]
+    if bad:
+        reason = f"a contraction of products of latents over the plate elements of '{bad[0]}'"
+        return ArgumentClass(OPAQUE, cls.blocks, reason=reason)
+    return dataclasses.replace(cls, gather=(), full=tuple(sorted(set(cls.full) | set(mixed))))
 
 
-def _quadrature_probes(records, deps, blocks, fns, rng, nbrs, names, elementwise, forms=None, site_blocks=None) -> tuple:
+def _quadrature_projections(records, deps, blocks, nbrs, names, elementwise, forms, site_blocks, reads) -> tuple:
     """Quadrature candidates among ``names`` (no closed form, continuous neighbours all
-    Gaussian, a few distribution leaves or the value depending on them) and the probes of
-    each candidate projection under each link (:class:`ArgumentClass` es in place of the
-    probes where the item's form decides the class)."""
-    candidates, probes = {}, {}
+    Gaussian, a few distribution leaves or the value depending on them), and the class of
+    each candidate projection under each link."""
+    candidates, classes = {}, {}
     for name, r in records.items():
         neighbours, discrete = nbrs[name]
         cont = [n for n in neighbours if not blocks[n].discrete]
@@ -254,22 +239,11 @@ def _quadrature_probes(records, deps, blocks, fns, rng, nbrs, names, elementwise
         for item in items:
             index = item if item == "value" or item.startswith("shift:") else int(item.split(":")[1])
             for link in LINKS if not item.startswith("shift:") else ("identity",):
-                constant = constant_class(deps[name][item], blocks)
-                if constant is not None:
-                    probes[(name, index, link)] = constant
-                    continue
-                if forms is not None:
-                    cls, _ = classify_form(inverse_link(forms[name][item], link), deps[name][item], blocks, site_blocks)
-                    if cls is not None:
-                        probes[(name, index, link)] = cls
-                        continue
-                extract = projection_args((("eta", index, link),))
-
-                def fn(values, data, name=name, extract=extract):
-                    return fns.args_of({name: extract}, values, data)[name]["eta"]
-
-                probes[(name, index, link)] = probe_argument(fn, deps[name][item], blocks, rng)
-    return candidates, probes
+                form = inverse_link(forms[name][item], link)
+                classes[(name, index, link)] = argument_class(
+                    form, deps[name][item], blocks, site_blocks, reads, name, item, False
+                )
+    return candidates, classes
 
 
 def _factors(

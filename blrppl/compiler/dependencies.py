@@ -6,36 +6,28 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import numpyro.distributions as dist
-from numpyro.distributions import biject_to
 
-from blrppl.errors import UnsupportedFactorError
 from blrppl.model.functions import distribution_leaves, log_prob_reads
-from blrppl.runtime.compile import compiler_options
-from blrppl.graph.derivatives import reverse_only
-from blrppl.runtime.program_store import compile_program, jit as store_jit, program_key
 from blrppl.model.deps import output_forms
+from blrppl.model.records import unwrap
 from blrppl.model.forms import Const, Power
-from blrppl.model.trace import program_fingerprint
 from blrppl.compiler.stages import CompileOptions, Dependencies, SiteInputs
 from blrppl.compiler.checks import check_static_supports
 
 
 def find_dependencies(inputs: SiteInputs, options: CompileOptions) -> Dependencies:
     """The dependencies, forms and element-wise items of every site, read off the model's
-    program (:func:`_dependencies`), with the supports checked static and, for programs the
-    analysis follows with more than data flow, the dependencies checked numerically.
+    program (:func:`_dependencies`; a ``scan``'s carries followed to their fixed point), with
+    the supports checked static.
 
     Raises:
-        UnsupportedLatentError, UnsupportedFactorError: see :func:`blrppl.compiler.checks._check_static_supports`
-            and :func:`_audit_dependencies`.
+        UnsupportedLatentError: see :func:`blrppl.compiler.checks.check_static_supports`.
     """
-    deps, forms, elementwise, primitives = _dependencies(
+    deps, forms, elementwise, _, program = _dependencies(
         inputs.functions, inputs.data, inputs.records, inputs.rules, inputs.site_init
     )
     check_static_supports(inputs.records, deps)
-    if primitives & AUDITED_PRIMITIVES:
-        _audit_dependencies(inputs.functions, inputs.data, inputs.records, deps, inputs.site_init, options.rng_key)
-    return Dependencies(deps, forms, elementwise)
+    return Dependencies(deps, forms, elementwise, program)
 
 
 def _dependencies(functions, data, records, rules, site_init) -> tuple:
@@ -57,6 +49,11 @@ def _dependencies(functions, data, records, rules, site_init) -> tuple:
             args = fns.rule_args(site, rule.arg_names) if rule is not None else {}
             args["log_prob"] = site["fn"].log_prob(site["value"])
             args["value"] = jnp.asarray(site["value"])
+            base, _, _ = unwrap(site["fn"])
+            if base is not site["fn"]:
+                # (its elements: each term of the unwrapped density, the program's reading
+                # only, not a dependency of the site: see ELEMENTS)
+                args[ELEMENTS] = base.log_prob(site["value"])
             if not records[name].is_factor:
                 # the parameters of a latent's support (its bijection is fixed at compile time)
                 # or of observed data's (which must not bound a latent)
@@ -84,99 +81,17 @@ def _dependencies(functions, data, records, rules, site_init) -> tuple:
         n: Const() if n in latent and latent[n].support.is_discrete else Power(n, 1.0)
         for n in site_init
     }
-    found, forms, primitives = output_forms(all_args, site_init, input_forms, data)
-    return found, forms, elementwise, primitives
+    found, forms, primitives, program = output_forms(all_args, site_init, input_forms, data)
+    for items in (*found.values(), *forms.values()):
+        items.pop(ELEMENTS, None)
+    return found, forms, elementwise, primitives, program
 
 
-#: primitives whose bodies the dependency analysis follows with more than data flow (a
-#: ``scan``'s carries, to a fixed point): a program using them has its dependencies checked
-#: numerically (the others are followed exactly, or conservatively: every output depends on
-#: every input)
-AUDITED_PRIMITIVES = frozenset({"scan"})
-
-
-def _audit_dependencies(functions, data, records, deps, site_init, rng_key) -> None:
-    """The dependencies read off the model's program, checked numerically: the derivative of
-    every site's log-density along a random direction of every continuous latent, at a
-    random point near the starting point (one compiled call). A latent a log-density
-    depends on that the structural analysis missed would otherwise be left at its prior,
-    silently.
-
-    Raises:
-        UnsupportedFactorError: a site's log-density depends on a latent its dependencies
-            do not list (naming both: a construct the analysis does not follow).
-    """
-    latent = [r for r in records.values() if not r.observed and not r.support.is_discrete]
-    if not latent:
-        return
-    rng = np.random.default_rng(np.asarray(jax.random.key_data(rng_key)).ravel())
-    # the random point is built inside the one compiled call (op by op, every operation of
-    # the bijections would compile a program of its own)
-    noise = {r.name: 0.1 * rng.normal(size=np.shape(r.unconstrained_init if r.unconstrained_init is not None
-                                                    else biject_to(r.support).inv(jnp.asarray(site_init[r.name]))))
-             for r in latent}
-    tangents = {r.name: rng.normal(size=np.shape(site_init[r.name])) for r in latent}
-    fns = functions(site_init)
-    names = tuple(n for n in records if n in deps)
-
-    def log_probs(values, data):
-        out = fns.log_probs(names, values, data)
-        return {n: jnp.sum(lp if sc is None else sc * lp) for n, (lp, sc) in out.items()}
-
-    # one batched JVP: direction k moves latent k only
-    order = [r.name for r in latent]
-    stacked = {
-        n: np.stack([tangents[n] if m == n else np.zeros_like(tangents[n]) for m in order]) for n in order
-    }
-
-    def random_point():
-        fill = {}
-        for r in latent:
-            t = biject_to(r.support)
-            fill[r.name] = t(t.inv(jnp.asarray(site_init[r.name])) + noise[r.name])
-        return fill
-
-    def derivatives(data):
-        fill = random_point()
-
-        def along(t):
-            return jax.jvp(lambda x: log_probs(x, data), (fill,), (t,))
-
-        return jax.vmap(along)(stacked)
-
-    def reverse_derivatives(data):
-        # (the same slopes from reverse mode, one pass per site: a function with a custom
-        # reverse-mode rule only, jax.custom_vjp, has no forward mode)
-        values, pullback = jax.vjp(lambda x: log_probs(x, data), random_point())
-        grads = jax.vmap(lambda c: pullback(c)[0])(
-            {n: jnp.eye(len(names), dtype=jnp.result_type(v))[i] for i, (n, v) in enumerate(values.items())}
-        )
-        slopes = {
-            n: jnp.stack([jnp.vdot(grads[m][i], jnp.asarray(tangents[m], grads[m].dtype)) for m in order])
-            for i, n in enumerate(values)
-        }
-        return {n: jnp.broadcast_to(v, (len(order),)) for n, v in values.items()}, slopes
-
-    # (a program of its own, stored like the fit's: keyed by its traced program, whose
-    # fingerprint holds the random point and directions, and its outputs' site names)
-    traced = store_jit(reverse_derivatives if reverse_only() else derivatives, "audit").trace(data)
-    options = compiler_options(data)
-    key = program_key("audit", program_fingerprint(traced.jaxpr), jax.tree.structure(traced.out_info), options)
-    values, slopes = compile_program(key, lambda *_: traced.lower(), (data,), options)(data)
-    values, slopes = jax.tree.map(np.asarray, (values, slopes))  # (indexed on the host)
-    for k, latent_name in enumerate(order):
-        for site in names:
-            slope, value = float(slopes[site][k]), float(values[site][k])
-            if not (np.isfinite(slope) and np.isfinite(value)):
-                continue
-            listed = set().union(*deps[site].values()) if deps[site] else set()
-            if latent_name not in listed and latent_name != site and abs(slope) > 1e-8 * (1.0 + abs(value)):
-                raise UnsupportedFactorError(
-                    f"the log-density of this site depends on the latent '{latent_name}' (its derivative "
-                    f"along it is {slope:.3g}) but the analysis of the model's program found no "
-                    "such dependence: a construct blr_fit does not follow; please report the model",
-                    site=site,
-                )
+#: the item of the traced program holding a site's unwrapped log-density, one term per
+#: element of its distribution (the ``Independent`` axes not summed, masks not applied): what
+#: each element reads (:func:`blrppl.compiler.reads.block_reads`); kept out of the
+#: dependencies and forms
+ELEMENTS = "elements"
 
 
 #: distributions whose density depends on value and ``loc`` only through value − loc

@@ -27,8 +27,8 @@ def estimate(
         and not choice.chain_reads
     ):
         factors = classify_factors(
-            inputs.records, inputs.rules, found.deps, blocks, fns, inputs.data, options.rng_key, cache=choice.cache,
-            elementwise=found.elementwise, forms=found.forms,
+            inputs.records, inputs.rules, found.deps, blocks, cache=choice.cache, elementwise=found.elementwise,
+            forms=found.forms, program=found.program,
         )
     else:
         blocks, fns, init_values, factors = _merged(inputs, found, choice, structure, options)
@@ -47,8 +47,7 @@ def estimate(
 
 def _merged(inputs: SiteInputs, found: Dependencies, choice: FamilyChoice, structure: Structure, options) -> tuple:
     """``(blocks, fns, init_values, factors)`` with the blocks ``structure`` merges merged and
-    the factors classified on them (the quadrature probes of the factors that were not exact
-    before run with the argument probes)."""
+    the factors classified on them."""
     blocks = structure.blocks
     for group in structure.coupled_discrete:
         blocks = merge_discrete(blocks, group)
@@ -66,10 +65,9 @@ def _merged(inputs: SiteInputs, found: Dependencies, choice: FamilyChoice, struc
         name: {arg: frozenset(site_block[x] for x in d) for arg, d in args.items()}
         for name, args in found.deps.items()
     }
-    guess = {f.name: estimator_of(f).closed_form for f in choice.factors}
     factors = classify_factors(
-        inputs.records, inputs.rules, deps, blocks, fns, inputs.data, options.rng_key, guess=guess,
-        elementwise=found.elementwise, forms=found.forms, site_reads=site_reads,
+        inputs.records, inputs.rules, deps, blocks, elementwise=found.elementwise, forms=found.forms,
+        program=found.program, site_reads=site_reads,
     )
     return blocks, fns, init_values, factors
 

@@ -40,8 +40,8 @@ def choose_families(inputs: SiteInputs, found: Dependencies, options: CompileOpt
     moved: set = set()
     on_support: set = set()
     # an argument's class depends on the blocks it depends on: while the policy iterates,
-    # those are known again unless one of them was moved (quadrature probes wait for the
-    # final blocks)
+    # those are known again unless one of them was moved (quadrature projections wait for
+    # the final blocks)
     cache = (
         lambda name, arg: (name, arg, tuple(sorted((n, n in moved, n in on_support) for n in deps[name][arg]))), {}
     )
@@ -54,15 +54,15 @@ def choose_families(inputs: SiteInputs, found: Dependencies, options: CompileOpt
         init_values = block_init_values(blocks, inputs.site_init, inputs.unconstrained)
         fns = inputs.functions(site_fill(blocks, inputs.site_init, inputs.unconstrained), site_transforms(blocks))
         factors = classify_factors(
-            inputs.records, inputs.rules, deps, blocks, fns, inputs.data, options.rng_key, quadrature=False,
-            cache=cache, forms=found.forms, provisional=True,
+            inputs.records, inputs.rules, deps, blocks, quadrature=False, cache=cache, forms=found.forms,
+            program=found.program, provisional=True,
         )
         to_move = _to_move(factors, blocks, options.families)
         if not to_move - moved:
             break
         moved |= to_move
     # discrete latents read along a chain (a hidden Markov model) become one chain block
-    blocks, chain_reads = discrete_chains(blocks, factors, fns, inputs.data, np.random.default_rng(0))
+    blocks, chain_reads = discrete_chains(blocks, factors, fns, inputs.data, found.program)
     return FamilyChoice(blocks, factors, fns, init_values, on_support, cache, chain_reads)
 
 

@@ -15,7 +15,6 @@ from blrppl import families as fam
 from blrppl.estimators import bilinear, gram
 from blrppl.estimators.registry import estimator_of
 from blrppl.model.functions import factor_arguments
-from blrppl.model.probes import random_point
 from blrppl.graph import chain_table
 from blrppl.runtime.compile import compile_lowered, compiler_options, jit
 from blrppl.runtime.program_store import compile_program, jit as store_jit, program_key
@@ -75,9 +74,7 @@ def _full_batch(inputs: SiteInputs, found: Dependencies, blocks: dict, factors: 
     broadcast enumerated labels or chain tables marked, and the tied blocks (made
     :class:`blrppl.families.GaussianTied` in ``blocks``, in place)."""
     data = inputs.data
-    factors, stacks, tables = stack_factors(
-        factors, inputs.records, found.forms, blocks, fns, data, np.random.default_rng(0)
-    )
+    factors, stacks, tables = stack_factors(factors, inputs.records, found.forms, blocks, fns, data)
     if stacks:
         fns = fns.with_stacks(stacks, data, tables)
     factors = [dataclasses.replace(f, gram_block=gram.eligible(f, blocks, fns, data) or "") for f in factors]
@@ -189,7 +186,7 @@ def _broadcast_enumerated(factors, blocks: dict, fns, data, rng: np.random.Gener
     if not candidates:
         return set()
     point = {
-        n: random_point(blocks[n], rng) for f in candidates for n in f.neighbours if n not in f.discrete
+        n: blocks[n].generic_value(rng) for f in candidates for n in f.neighbours if n not in f.discrete
     }
     combos = {}
     for f in candidates:

@@ -43,7 +43,8 @@ def compile_model(
         data_spec, data: the model's data (static part and array leaves).
         families: optional dict site → family name overriding the default
             (:func:`blrppl.compiler.families.choose_families`).
-        rng_key: key for the probes.
+        rng_key: accepted for the callers that pass one; the compilation draws nothing (every
+            structure is read off the model's program).
         structure: ``"joint"``, ``"mean-field"`` or None (the default policy,
             :func:`blrppl.compiler.structure.choose_structure`).
         point: sites fitted by the delta method (Gaussian on the unconstrained space seen
@@ -85,7 +86,7 @@ def compile_model(
     choice = choose_families(inputs, found, options)
     limits = StructureLimits()
     while limits is not None:
-        structure = choose_structure(inputs, choice, options, limits)
+        structure = choose_structure(inputs, choice, options, limits, found.program)
         check_loose_blocks(structure, inputs.records)
         estimates = estimate(inputs, found, choice, structure, options)
         limits = fallback(estimates, options, limits)

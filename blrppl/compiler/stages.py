@@ -14,7 +14,7 @@ class CompileOptions(NamedTuple):
         point_space: ``"unconstrained"`` or ``"constrained"`` (see ``compile_model``).
         structure: ``"joint"``, ``"mean-field"`` or None (the default policy).
         subsampled: the model's subsampled plates.
-        rng_key: key of the probes.
+        rng_key: unused by the passes (the compilation draws nothing).
     """
 
     families: dict
@@ -60,11 +60,15 @@ class Dependencies(NamedTuple):
         deps: site → argument → the latent sites it depends on.
         forms: site → item → its form (:mod:`blrppl.model.forms`).
         elementwise: site → the items that may be quadrature projections.
+        program: the traced program they were read from (site values and data → every
+            site's items, :class:`blrppl.model.deps.TracedProgram`): which elements of the
+            blocks each item reads (:mod:`blrppl.compiler.reads`).
     """
 
     deps: dict
     forms: dict
     elementwise: dict
+    program: Any = None
 
 
 class FamilyChoice(NamedTuple):

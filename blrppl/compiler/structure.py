@@ -10,9 +10,10 @@ from blrppl import families as fam
 from blrppl import moments as mom
 from blrppl.estimators.registry import estimator_of
 from blrppl.graph.band import arrowhead_locals, chain_bandwidth
+from blrppl.compiler.reads import block_reads
 from blrppl.compiler.stages import CompileOptions, Estimates, FamilyChoice, SiteInputs, Structure, StructureLimits
 from blrppl.compiler.blocks import (
-    banded_block, coupled_discrete_groups, merge_gaussians, site_fill, site_transforms, time_major,
+    banded_block, coupled_discrete_groups, merge_gaussians, time_major,
 )
 
 #: by default, the dense Gaussian blocks are merged into one joint dense Gaussian when
@@ -30,7 +31,7 @@ BANDED_MIN_DIM = 32
 
 
 def choose_structure(
-    inputs: SiteInputs, choice: FamilyChoice, options: CompileOptions, limits: StructureLimits
+    inputs: SiteInputs, choice: FamilyChoice, options: CompileOptions, limits: StructureLimits, program,
 ) -> Structure:
     """The blocks' structure: which dense Gaussian blocks are merged into one joint block,
     which are chains (banded), which joint block is an arrowhead, which plated blocks are
@@ -41,8 +42,9 @@ def choose_structure(
     :data:`JOINT_MAX_DIM`, except chains (banded) and the scales on log space that a
     would-be chain's factors read (:func:`_scales_of`); ``"joint"`` merges every dense
     Gaussian block (except points), ``"mean-field"`` keeps one block per site. A chain or an
-    arrowhead is found by trial compilations of the merged block (``limits`` turns each
-    off, and the default merge).
+    arrowhead is found from what each factor element reads of the merged block, read off
+    the model's ``program`` (:func:`blrppl.compiler.reads.block_reads`; ``limits`` turns
+    each off, and the default merge).
     """
     blocks, factors, structure = dict(choice.blocks), choice.factors, options.structure
     # (rows read off a plate-free site's prior, SiteRecord.row_axes: no plate declared them)
@@ -81,7 +83,7 @@ def choose_structure(
     )
     chains = {}
     if structure is None and limits.banded:
-        found = _joint_chain(inputs, blocks, dense, factors, joinable, linked)
+        found = _joint_chain(blocks, dense, factors, joinable, linked, program)
         if found is not None:
             blocks, joint, chains[joint] = found
             merge, densified = False, []
@@ -92,14 +94,14 @@ def choose_structure(
             and b.size >= BANDED_MIN_DIM and linked(n) and (structure is None or b.family.dense_event)
         ]
         skip = set(members) if merge else set()
-        chains = _separate_chains(inputs, blocks, dense, factors, choice.fns, [n for n in candidates if n not in skip])
+        chains = _separate_chains(blocks, dense, factors, program, [n for n in candidates if n not in skip])
     densified = [n for n in densified if n not in chains]
     if merge:
         members = [n for n in members if n not in chains]
         merge = len(members) > 1
     arrow = ()
     if structure is None and limits.arrowhead and not chains and not merge:
-        found = _arrowhead_trial(inputs, blocks, dense, factors, joinable)
+        found = _arrowhead_trial(blocks, dense, factors, joinable, program)
         if found is not None:
             arrow, members = found
             blocks, merge, densified = {**blocks, **dense}, True, []
@@ -158,7 +160,7 @@ def _apart(factors: list, on_support: set, structure: str | None) -> set:
     return apart
 
 
-def _joint_chain(inputs: SiteInputs, blocks: dict, dense: dict, factors: list, joinable, linked) -> tuple | None:
+def _joint_chain(blocks: dict, dense: dict, factors: list, joinable, linked, program) -> tuple | None:
     """``(blocks, joint, chain)`` when every joinable dense Gaussian together is a chain (a
     random walk, an AR(p), a state-space model with its initial state), with a banded
     precision; else None.
@@ -179,29 +181,26 @@ def _joint_chain(inputs: SiteInputs, blocks: dict, dense: dict, factors: list, j
             break
         trial = merge_gaussians({**blocks, **dense}, order, interleaved)
         joint = next(n for n, b in trial.items() if b.members and not b.discrete)
-        trial_fns = inputs.functions(
-            site_fill(trial, inputs.site_init, inputs.unconstrained), site_transforms(trial), {joint: trial[joint]}
-        )
         site_block = {m: joint for m in trial[joint].sites}
         chain = chain_bandwidth(
-            joint, trial, factors, trial_fns, inputs.data, np.random.default_rng(0), site_block,
-            provisional=True,
+            joint, trial, factors, lambda fs, trial=trial, joint=joint: block_reads(program, trial, joint, fs),
+            site_block, provisional=True,
         )
         if chain is not None and 3 * (2 * chain.bandwidth + 1) <= trial[joint].size:
             return {**trial, joint: banded_block(trial[joint], chain.bandwidth)}, joint, chain
     return None
 
 
-def _separate_chains(inputs: SiteInputs, blocks: dict, dense: dict, factors: list, fns, candidates: list) -> dict:
+def _separate_chains(blocks: dict, dense: dict, factors: list, program, candidates: list) -> dict:
     """Block → chain for each of ``candidates`` that is a chain on its own (under
     "mean-field" too, for a site whose block is dense: a scan's stacked steps; its posterior
     precision has the chain's band, so the banded block is the same q, fitted in O(n)); each
     such block of ``blocks`` is made banded in place."""
     chains = {}
     for n in candidates:
+        trial = {**blocks, n: dense.get(n, blocks[n])}
         chain = chain_bandwidth(
-            n, {**blocks, n: dense.get(n, blocks[n])}, factors, fns, inputs.data, np.random.default_rng(0),
-            provisional=True,
+            n, trial, factors, lambda fs, trial=trial, n=n: block_reads(program, trial, n, fs), provisional=True
         )
         if chain is not None and 3 * (2 * chain.bandwidth + 1) <= blocks[n].size:
             chains[n] = chain
@@ -209,14 +208,14 @@ def _separate_chains(inputs: SiteInputs, blocks: dict, dense: dict, factors: lis
     return chains
 
 
-def _arrowhead_trial(inputs: SiteInputs, blocks: dict, dense: dict, factors: list, joinable) -> tuple | None:
+def _arrowhead_trial(blocks: dict, dense: dict, factors: list, joinable, program) -> tuple | None:
     """``(dense spans, members)`` of an arrowhead joint block, or None.
 
     Beyond the dense limit, an arrowhead: members of which each factor element reads at most
     one scalar (per-student effects) get a diagonal precision, the others (per-question
     effects, a global mean) a dense one and the coupling between the two (item-response and
     hierarchical models). Locals are plate elements: a member without a plate is read whole,
-    e.g. a regression's coefficient vector, and no probe is compiled for such models.
+    e.g. a regression's coefficient vector.
     """
     every = [n for n, b in {**blocks, **dense}.items() if joinable(n, b)]
     total = sum(blocks[n].size for n in every)
@@ -224,15 +223,13 @@ def _arrowhead_trial(inputs: SiteInputs, blocks: dict, dense: dict, factors: lis
         return None
     trial = merge_gaussians({**blocks, **dense}, every)
     joint = next(n for n, b in trial.items() if b.members and not b.discrete)
-    trial_fns = inputs.functions(
-        site_fill(trial, inputs.site_init, inputs.unconstrained), site_transforms(trial), {joint: trial[joint]}
-    )
     offsets = np.cumsum([0] + [m.size for m in trial[joint].members])
     spans = {m.name: (int(lo), int(hi)) for m, lo, hi in zip(trial[joint].members, offsets[:-1], offsets[1:])}
     site_block = {m: joint for m in trial[joint].sites}
     plated = {m: span for m, span in spans.items() if blocks[m].batch_shape}
-    rng = np.random.default_rng(0)
-    local = arrowhead_locals(joint, trial, factors, trial_fns, inputs.data, rng, plated, site_block)
+    local = arrowhead_locals(
+        joint, trial, factors, lambda fs, parts: block_reads(program, trial, joint, fs, parts), plated, site_block
+    )
     if local and total - sum(spans[m][1] - spans[m][0] for m in local) <= JOINT_MAX_DIM:
         return tuple(spans[m] for m in every if m not in local), every
     return None

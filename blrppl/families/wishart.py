@@ -115,7 +115,7 @@ class Wishart(Family):
     native: ClassVar[bool] = True
     argument_kind: ClassVar[str] = "wishart"
     #: an argument that is the block itself must read whole matrices in place: E[log|Λ|] is
-    #: not an expectation of Λ's entries (checked by :func:`blrppl.model.probes.gather_probe`)
+    #: not an expectation of Λ's entries (read off the program: :func:`blrppl.compiler.reads.whole_matrices`)
     whole_events: ClassVar[bool] = True
 
     @classmethod

@@ -158,7 +158,6 @@ def tabled(factors, blocks, fns, data, rng: np.random.Generator) -> dict:
     continuous neighbours, in one compiled program. A model that cannot run with the runs'
     states, or whose arguments do not carry the elements, keeps the K² runs."""
     from blrppl.model.functions import factor_arguments
-    from blrppl.model.probes import random_point
     from blrppl.runtime.compile import compiler_options
     from blrppl.runtime.program_store import compile_program, jit as store_jit, program_key
     from blrppl.model.trace import program_fingerprint
@@ -166,7 +165,7 @@ def tabled(factors, blocks, fns, data, rng: np.random.Generator) -> dict:
     found = candidates(factors, blocks, fns)
     if not found:
         return {}
-    point = {n: random_point(blocks[n], rng) for f, _ in found.values() for n in f.neighbours if n not in f.discrete}
+    point = {n: blocks[n].generic_value(rng) for f, _ in found.values() for n in f.neighbours if n not in f.discrete}
     failed = set()
 
     def check(data, point):

@@ -15,8 +15,8 @@ with the number of sites; see :func:`stack_table`). The stacked site's distribut
 the members' leaves on a new leading batch axis, so every estimator sees one vectorised
 site, and the compiled step's size no longer depends on the number of members.
 
-A group is stacked only when :func:`stack_factors` finds, at a random second point, that
-c + J s reproduces every member's leaves (the forms said they are affine; this checks it).
+The forms (:mod:`blrppl.model.forms`, read off the model's program) say which leaves are
+affine in s; for those, c + J s is every member's leaves exactly.
 """
 
 from __future__ import annotations
@@ -223,7 +223,7 @@ def _read_sites(f, forms: dict) -> set:
     return out
 
 
-def stack_factors(factors, records: dict, forms: dict, blocks: dict, fns, data, rng: np.random.Generator):
+def stack_factors(factors, records: dict, forms: dict, blocks: dict, fns, data):
     """Replace groups of at least :data:`MIN_MEMBERS` factors of one structure by stacked
     factors (see the module docstring).
 
@@ -233,8 +233,7 @@ def stack_factors(factors, records: dict, forms: dict, blocks: dict, fns, data, 
         forms: site → item → form (:mod:`blrppl.model.forms`).
         blocks: block name → :class:`blrppl.graph.plan.Block`.
         fns: the plan's model functions.
-        data: the model's data leaves (the compile-time data; the check point).
-        rng: draws the check point.
+        data: the model's data leaves (the compile-time data).
 
     Returns:
         ``(factors, stacks, tables)``: the factors with each group replaced by its stacked
@@ -269,8 +268,6 @@ def stack_factors(factors, records: dict, forms: dict, blocks: dict, fns, data, 
         if len(names) * largest * stack.size > MAX_TABLE:
             continue
         table = stack_table(stack, fns, data)
-        if not _reproduces(stack, table, fns, data, full, rng):
-            continue
         stacks[stack.name] = stack
         tables[stack.name] = table
         first = members[0]
@@ -281,19 +278,3 @@ def stack_factors(factors, records: dict, forms: dict, blocks: dict, fns, data, 
     return [f for f in out if f is not None], stacks, tables
 
 
-def _reproduces(stack: Stack, table: StackTable, fns, data, full: dict, rng: np.random.Generator) -> bool:
-    """Whether c + J s (``table``) gives every member's leaves at a random point s."""
-    s0 = np.asarray(flat_sites(stack, full))
-    s1 = jnp.asarray(s0 + rng.normal(size=s0.shape) * (0.5 + 0.5 * np.abs(s0)), s0.dtype)
-    point = _site_dict(stack, full, s1)
-    entries = fns.program.sites(stack.members, point, data, fns.plate_indices, fns.data_spec)
-    want = _member_items(stack, entries)
-    got = stack.site(table, point)
-    _, got_leaves, _ = distribution_leaves(got)
-    # rounding of c + J s against the model's own arithmetic, relative to the items' size
-    rtol, atol = (1e-7, 1e-9) if s0.dtype == np.float64 else (1e-2, 1e-4)
-    for a, b in zip(list(got_leaves) + [got["value"]], want):
-        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-        if a.shape != b.shape or not np.allclose(a, b, rtol=rtol, atol=atol * (1.0 + np.max(np.abs(b), initial=0.0))):
-            return False
-    return True

@@ -7,8 +7,10 @@
 * :mod:`blrppl.model.forms` and :mod:`blrppl.model.deps` read the forms of the arguments
   and the latents they depend on off that program; :mod:`blrppl.model.scan_map` evaluates
   its scans as maps over their steps;
-* :mod:`blrppl.model.classes` names the class of each argument, from its form or from the
-  numerical probes of :mod:`blrppl.model.probes`.
+* :mod:`blrppl.model.elements` reads which elements of each latent every element of an
+  output reads off that program (an abstract interpretation over element ids);
+* :mod:`blrppl.model.classes` names the class of each argument from its form (and, where the
+  form leaves the plates open, its element reads).
 
 Import the submodules themselves: this package imports none of them.
 """

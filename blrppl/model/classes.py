@@ -3,22 +3,20 @@
 An argument (or a site's value) of a factor is a function of the neighbouring blocks. Its
 class (:class:`ArgumentClass`) names the moment object the rules get for it (a ``kind`` of
 :mod:`blrppl.moments.kinds`), or :data:`OPAQUE`. :func:`classify_form` reads the class off
-the argument's form (:mod:`blrppl.model.forms`) where the form decides it; the numerical
-probes of :mod:`blrppl.model.probes` decide the rest:
+the argument's form (:mod:`blrppl.model.forms`), and off what its elements read
+(:mod:`blrppl.compiler.reads`) where the form leaves the plates open:
 
 * ``const``           — depends on no continuous block, or only on point (delta-method)
   blocks, which the factors see at their mean;
-* ``affine_gaussian`` — affine in Gaussian blocks (second directional derivative exactly
-  zero, as forward-over-forward autodiff gives for linear maps such as ``X @ w + b`` or
-  ``a[group]``);
+* ``affine_gaussian`` — affine in Gaussian blocks (``X @ w + b``, ``a[group]``);
 * ``power_gamma``     — c·τ^a in one Gamma block τ (``log`` of it is affine in ``log τ``),
   e.g. ``1 / jnp.sqrt(tau)``;
 * ``beta`` / ``dirichlet`` — the block itself, possibly indexed;
-* ``opaque``          — anything else.
+* ``opaque``          — anything else, with the reason.
 
 Arguments that touch a plated block must use one plate element per output element
 ("gather" structure) for the elementwise moments to be exact (:func:`needs_gather_test`
-says when the probes test it). Dense Gaussian blocks whose elements mix (e.g. a sum over a
+says when the question arises). Dense Gaussian blocks whose elements mix (e.g. a sum over a
 plate) use one column per scalar of the block instead.
 """
 
@@ -52,7 +50,7 @@ def element_size(block: Block) -> int:
 
 def needs_gather_test(block: Block, elementwise: bool) -> bool:
     """Whether an argument reading ``block`` may mix its elements: more than one element
-    (each scalar when ``elementwise``, else each plate element) for a probe to tell apart."""
+    (each scalar when ``elementwise``, else each plate element) for the question to arise."""
     return math.prod(block.value_shape if elementwise else block.batch_shape) > 1
 
 
@@ -75,7 +73,7 @@ class ArgumentClass:
             holds (:class:`blrppl.moments.kinds.BilinearGaussian`).
         gather: plated blocks whose plate elements the argument must not mix for the class
             to hold (a contraction ``X @ C.T`` over the event axis of each row): a decision
-            of the forms that a probe confirms (:func:`blrppl.model.probes.gather_probe`).
+            of the forms that the element reads settle (:func:`blrppl.compiler.classify._confirm_gather`).
     """
 
     kind: str
@@ -117,12 +115,53 @@ def constant_class(deps, blocks: dict) -> ArgumentClass | None:
     return ArgumentClass("const", ()) if all(blocks[n].point for n in cont) else None
 
 
-def classify_form(form, deps, blocks: dict, site_blocks: dict, value_moments: bool = False) -> tuple:
-    """The class of an argument read off its form (:mod:`blrppl.model.forms`), without probes.
+def _power_class(form, atoms: dict, spaces: dict, cont: tuple, decided, reason: str) -> tuple:
+    """``(class or None, reason)`` of c · x^a in one latent x (a :class:`blrppl.model.forms.Power`):
+    its family's argument kind (a power of a Gamma, the Beta/Dirichlet/Wishart latent itself),
+    or a log-normal for a Gaussian on log space; None with the reason otherwise."""
+    ((_, own),) = atoms.values()
+    (space,) = spaces.values()
+    family = own.family
+    if family.argument_kind is not None and family.any_power:
+        return decided(family.argument_kind, power=block_power(family, form.power))
+    if family.argument_kind is not None and form.power == 1.0:
+        if family.whole_events:
+            # whole matrices in place, each times a constant (β Λ of a Normal–Wishart prior):
+            # the element reads confirm it (the forms carry no axes)
+            return ArgumentClass(family.argument_kind, cont, gather=cont), ""
+        if form.unit:
+            return decided(family.argument_kind)
+        # c times the latent, c read from data (not the latent itself unless c is 1)
+        reason = f"a constant times the {family.name.capitalize()} latent '{next(iter(atoms))}'"
+    if space == "exp":
+        return decided(mom.ExpGaussian.kind)  # c · exp(a u): log-normal
+    if space in ("sigmoid", "other"):
+        where = {"sigmoid": "logit space", "other": "a transformed space"}[space]
+        reason = f"{fm.why_not_exact(form)}, whose Gaussian is on {where}"
+    return None, reason
 
-    A form that is affine, a power of a Gamma latent or a Beta/Dirichlet latent itself gives
-    that class; any other form gives ``"opaque"`` with the reason the form names (safe: an
-    opaque argument is only fitted by quadrature or Monte Carlo instead of a closed form).
+
+def _with_points(form, deps, blocks: dict, site_blocks: dict, value_moments: bool, mixed) -> tuple:
+    """:func:`classify_form` of an argument that reads point blocks beside others. Point
+    blocks are Gaussians whose factors see them at their mean: such an argument has a closed
+    form only when it is affine in all of its blocks."""
+    cont = tuple(n for n in deps if not blocks[n].discrete)
+    cls, reason = classify_form(
+        form, deps, {n: dataclasses.replace(b, point=False) for n, b in blocks.items()}, site_blocks,
+        value_moments, mixed,
+    )
+    if cls is None or cls.kind in (mom.AffineGaussian.kind, OPAQUE):
+        return cls, reason
+    reason = "not affine in its Gaussian blocks, one of them fitted as a point"
+    return ArgumentClass(OPAQUE, cont, reason=reason), reason
+
+
+def classify_form(
+    form, deps, blocks: dict, site_blocks: dict, value_moments: bool = False, mixed=None
+) -> tuple:
+    """The class of an argument read off its form (:mod:`blrppl.model.forms`): affine, a power
+    of a Gamma latent, a Beta/Dirichlet latent itself...; else ``"opaque"`` with the reason
+    the form names (safe: fitted by quadrature or Monte Carlo instead of a closed form).
 
     Args:
         form: the argument's form, in terms of the latent sites.
@@ -134,21 +173,25 @@ def classify_form(form, deps, blocks: dict, site_blocks: dict, value_moments: bo
             :attr:`Block.value_moments` (on their own) as Gaussians on their site's space, as
             closed-form rules see them through :func:`support_view` (not for quadrature
             projections, which integrate the block's own Gaussian).
+        mixed: ``gaussian_kind → blocks`` of which some element reads several granules
+            (:func:`blrppl.compiler.reads.mixed_blocks`); None: the form's ``mixes`` decides.
 
     Returns:
-        ``(class, reason)``: the :class:`ArgumentClass`, or ``None`` when only the probes can
-        tell (arguments that also read point blocks, that mix the elements of a plated
-        block, or a Beta/Dirichlet latent times a constant that may be 1); and the reason an
-        argument is opaque (``""`` otherwise).
+        ``(class, reason)``: the :class:`ArgumentClass` (``None`` only without ``mixed``, for
+        an argument that mixes the elements of a plated block); and the reason an argument is
+        opaque (``""`` otherwise).
     """
     cont = tuple(n for n in deps if not blocks[n].discrete)
-    if not cont or any(blocks[n].point for n in cont):
-        return None, ""
+    if not cont or all(blocks[n].point for n in cont):
+        return ArgumentClass("const", ()), ""
+    if any(blocks[n].point for n in cont):
+        return _with_points(form, deps, blocks, site_blocks, value_moments, mixed)
     if isinstance(form, fm.Opaque):
         return ArgumentClass("opaque", cont, reason=form.reason), form.reason
     atoms = {s: site_blocks[s] for s in fm.sites_of(form) if s in site_blocks}
     if isinstance(form, fm.Const) or {n for n, _ in atoms.values()} != set(cont):
-        return None, ""
+        reason = "reads its latents in a way the program's forms do not follow"
+        return ArgumentClass(OPAQUE, cont, reason=reason), reason
     # (only first powers and products: the moments E[φ], Var[φ] say nothing of exp(φ))
     on_support = value_moments and (
         fm.first_powers(form) or isinstance(form, fm.Affine) or fm.as_bilinear(form) is not None
@@ -160,6 +203,8 @@ def classify_form(form, deps, blocks: dict, site_blocks: dict, value_moments: bo
 
     def gathered(elementwise: bool):
         """No mixing, or no block that the gather test applies to."""
+        if mixed is not None:
+            return not mixed(not elementwise)
         if not fm.mixes(form):
             return True
         return not any(needs_gather_test(blocks[n], elementwise or not blocks[n].family.dense_event) for n in cont)
@@ -167,7 +212,15 @@ def classify_form(form, deps, blocks: dict, site_blocks: dict, value_moments: bo
     def decided(kind, **kw):
         # (Gaussian kinds read mixed elements through their covariance columns)
         elementwise = kind not in (mom.AffineGaussian.kind, mom.ExpGaussian.kind)
-        return (ArgumentClass(kind, cont, **kw), "") if gathered(elementwise) else (None, "")
+        if gathered(elementwise):
+            return ArgumentClass(kind, cont, **kw), ""
+        if mixed is None:
+            return None, ""
+        spread = mixed(not elementwise)
+        if kind == mom.AffineGaussian.kind:
+            return ArgumentClass(kind, cont, full=spread, **kw), ""
+        why = f"mixes the elements of '{spread[0]}'"
+        return ArgumentClass(OPAQUE, cont, reason=why), why
 
     reason = fm.why_not_exact(form)
     # (first powers of Gaussian sites: ``A * x_prev`` of a scan's carry over time steps)
@@ -199,7 +252,7 @@ def classify_form(form, deps, blocks: dict, site_blocks: dict, value_moments: bo
         elif bil.mixes and left and right:
             # a contraction (X @ C.T): exact when each element reads one plate element of
             # each block, whose covariance within the element (the contracted event axis)
-            # the block holds; the forms carry no axes, so a probe checks the plates
+            # the block holds; the forms carry no axes: the element reads check the plates
             flat = sorted(n for n in left | right if not blocks[n].family.dense_event)
             if flat:
                 reason = (
@@ -218,22 +271,8 @@ def classify_form(form, deps, blocks: dict, site_blocks: dict, value_moments: bo
     elif isinstance(form, fm.Logit) and set(spaces.values()) == {"sigmoid"}:
         return decided("affine_gaussian")  # logit of sigmoid(u)
     elif isinstance(form, fm.Power):
-        ((_, own),) = atoms.values()
-        (space,) = spaces.values()
-        family = own.family
-        if family.argument_kind is not None and family.any_power:
-            return decided(family.argument_kind, power=block_power(family, form.power))
-        if family.argument_kind is not None and form.power == 1.0:
-            if family.whole_events:
-                # whole matrices in place, each times a constant (β Λ of a Normal–Wishart
-                # prior): a probe confirms it (the forms carry no axes)
-                return ArgumentClass(family.argument_kind, cont, gather=cont), ""
-            if form.unit:
-                return decided(family.argument_kind)
-            return None, reason  # c times the latent: the probes tell whether c is 1
-        if space == "exp":
-            return decided(mom.ExpGaussian.kind)  # c · exp(a u): log-normal
-        if space in ("exp", "sigmoid", "other"):
-            where = {"exp": "log space", "sigmoid": "logit space", "other": "a transformed space"}[space]
-            reason = f"{fm.why_not_exact(form)}, whose Gaussian is on {where}"
+        found, why = _power_class(form, atoms, spaces, cont, decided, reason)
+        if found is not None:
+            return found, why
+        reason = why
     return ArgumentClass("opaque", cont, reason=reason), reason

@@ -10,7 +10,7 @@ higher-order primitives are treated conservatively (every output depends on ever
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 from jax.extend import core as jex_core
@@ -72,6 +72,24 @@ def _sub_jaxpr(eqn):
     return None
 
 
+class TracedProgram(NamedTuple):
+    """A function's jaxpr as the analyses read it.
+
+    Attributes:
+        jaxpr: the closed jaxpr of ``fn(inputs, *extra)``.
+        names: per flat input, the ``inputs`` entry it belongs to (None for ``extra`` leaves).
+        extra: the ``extra`` leaves (data), in the jaxpr's input order.
+        treedef: the structure of ``fn``'s output.
+        cache: what the analyses derive from it once (a dict).
+    """
+
+    jaxpr: Any
+    names: list
+    extra: list
+    treedef: Any
+    cache: dict
+
+
 def output_forms(fn: Callable, inputs: dict, input_forms: dict, *extra) -> tuple:
     """The dependencies and the forms (:mod:`blrppl.model.forms`) of every leaf of
     ``fn(inputs, *extra)``, from one jaxpr, and the primitives the program uses.
@@ -82,15 +100,17 @@ def output_forms(fn: Callable, inputs: dict, input_forms: dict, *extra) -> tuple
             arguments are constants).
 
     Returns:
-        ``(dependencies, forms, primitives)``: two pytrees with the structure of ``fn``'s
-        output (frozensets of names; forms) and a set of primitive names.
+        ``(dependencies, forms, primitives, program)``: two pytrees with the structure of
+        ``fn``'s output (frozensets of names; forms), a set of primitive names, and the
+        :class:`TracedProgram` they were read from (for :mod:`blrppl.model.elements`).
     """
     closed, treedef, names = _trace(fn, inputs, extra)
     primitives: set = set()
     out_deps = _jaxpr_deps(closed.jaxpr, [frozenset([n]) if n else frozenset() for n in names], primitives)
     in_forms = [input_forms[n] if n else Const() for n in names]
     out_forms, _ = jaxpr_forms(closed.jaxpr, in_forms, closed.consts)
-    return jax.tree.unflatten(treedef, out_deps), jax.tree.unflatten(treedef, out_forms), primitives
+    program = TracedProgram(closed, names, jax.tree.leaves(extra), treedef, {})
+    return jax.tree.unflatten(treedef, out_deps), jax.tree.unflatten(treedef, out_forms), primitives, program
 
 
 def _trace(fn, inputs: dict, extra: tuple) -> tuple:

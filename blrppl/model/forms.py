@@ -26,9 +26,9 @@ latent site values (the jaxpr :mod:`blrppl.model.deps` reads) assigns each varia
 
 Forms are in terms of *site* values. :func:`blrppl.model.classes.classify_form` turns a form
 into the argument class of :mod:`blrppl.model.classes` once the blocks are known (a site fitted by a Gaussian on
-log space reads ``LogPower`` as affine and ``Power`` as the exp of an affine form), or into
-``None`` when only the numerical probes can tell (the gather structure of a mixing argument
-of a plated block, arguments that also read point blocks).
+log space reads ``LogPower`` as affine and ``Power`` as the exp of an affine form); where a
+form mixes the elements of a plated block, which elements each element reads is read off the
+same program by :mod:`blrppl.model.elements`.
 
 Control flow: ``pjit`` and custom-derivative calls are followed into their bodies, ``cond``
 joins its branches, ``scan`` and ``while`` iterate their bodies on the carries to a fixed

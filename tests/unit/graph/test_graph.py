@@ -424,37 +424,18 @@ def _scale_model(X, y=None):
         numpyro.sample("y", dist.Normal(X @ beta, sigma), obs=y)
 
 
-def _probe_spy(monkeypatch):
-    """The probe keys of every compiled probe call of ``compile_model``."""
-    import blrppl.compiler.classify as gc
-
-    calls = []
-    real = gc.run_probes
-
-    def spy(probes, data):  # the calls that compile something
-        active = sorted(k for k, p in probes.items() if p.compute is not None)
-        if active:
-            calls.append(active)
-        return real(probes, data)
-
-    monkeypatch.setattr(gc, "run_probes", spy)
-    return calls
-
-
 @pytest.mark.parametrize("structure", ["mean-field", None])
-def test_compile_reads_argument_classes_without_probes(monkeypatch, structure):
+def test_compile_reads_argument_classes_without_probes(structure):
     """σ starts as a Gamma block and moves to a log-normal one (HalfCauchy has no closed
     form for its prior); every argument's class and every quadrature projection is read off its form in
     the model's jaxpr: nothing is probed numerically."""
     from blrppl.compiler.pipeline import compile_model
 
-    calls = _probe_spy(monkeypatch)
     rng = np.random.default_rng(0)
     X = rng.normal(size=(40, 3))
     data = {"X": X, "y": X @ np.array([1.0, -1.0, 0.5]) + 0.3 * rng.normal(size=40)}
     records, spec, dyn, _ = trace_model(_scale_model, (), data, jax.random.key(0))
     plan = compile_model(ModelProgram(_scale_model), records, spec, dyn, rng_key=jax.random.key(1), structure=structure)[0]
-    assert calls == []
     if structure == "mean-field":
         assert {b.kind for b in plan.blocks} == {"gaussian"} and len(plan.blocks) == 2
     else:
@@ -466,21 +447,26 @@ def test_compile_reads_argument_classes_without_probes(monkeypatch, structure):
     }
 
 
-def test_probes_tell_the_gather_structure_forms_leave_open(monkeypatch):
-    """A sum over a mean-field block's elements: affine (read off the form), but whether it
-    mixes the block's elements beyond one column per element is for the probes."""
+@pytest.mark.parametrize(
+    "read, columns",
+    [(lambda a: jnp.sum(a), "full"), (lambda a: a[jnp.array([2, 0, 2])], "gather"), (lambda a: a[1:] - a[:-1], "full")],
+    ids=["sum", "indexed", "differences"],
+)
+def test_element_reads_tell_the_plates_forms_leave_open(read, columns):
+    """Affine arguments of a mean-field block (read off their forms): whether an element
+    mixes the block's elements (a sum, differences of neighbours) or reads one element each
+    (indexing by data) is read off the program's element ids."""
     from blrppl.compiler.pipeline import compile_model
 
     def model(y):
         a = numpyro.sample("a", dist.Normal(0.0, 1.0).expand([3]).to_event(1))
-        numpyro.sample("y", dist.Normal(jnp.sum(a), 1.0), obs=y)
+        numpyro.sample("y", dist.Normal(read(a), 1.0), obs=y)
 
-    calls = _probe_spy(monkeypatch)
-    records, spec, dyn, _ = trace_model(model, (), {"y": np.array(0.5)}, jax.random.key(0))
+    y_obs = np.zeros(np.shape(read(jnp.zeros(3))))
+    records, spec, dyn, _ = trace_model(model, (), {"y": y_obs}, jax.random.key(0))
     plan = compile_model(ModelProgram(model), records, spec, dyn, rng_key=jax.random.key(1), families={"a": "gaussian-diag"})[0]
-    assert calls == [[("y", "loc")]]
     y = next(f for f in plan.factors if f.name == "y")
-    assert y.estimator == "exact" and dict(y.columns)["a"] == "full"
+    assert y.estimator == "exact" and dict(y.columns)["a"] == columns
 
 
 def test_compiler_options_skip_options_this_jaxlib_lacks(monkeypatch):

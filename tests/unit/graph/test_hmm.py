@@ -740,20 +740,20 @@ def test_enumerated_states_run_in_chunks_alike(monkeypatch):
         np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-12)
 
 
-def test_an_aligned_mixture_probes_only_its_random_sets(monkeypatch):
-    """A mixture's labels are read aligned (``y[i]`` reads ``z[i]``): the probe evaluates its
-    random sets in a program of their own width, not padded to the width of the bit probes a
-    chain needs (which cost a 2,000-point mixture's compile 2 s)."""
+def test_an_aligned_mixture_is_read_aligned_from_its_program(monkeypatch):
+    """A mixture's labels are read aligned (``y[i]`` reads ``z[i]``, and z's own prior reads
+    each label alone): the program's element reads say so, and z stays a categorical block
+    enumerated element by element (no chain)."""
     from blrppl.graph import markov
     from blrppl.model.trace import trace_model
     from blrppl.compiler.pipeline import compile_model
 
-    probes = []
+    verdicts = []
     aligned = markov.is_aligned
 
-    def recording(probe):
-        probes.append(probe)
-        return aligned(probe)
+    def recording(members, factor, reads):
+        verdicts.append((factor.name, aligned(members, factor, reads), reads.lo.copy(), reads.hi.copy()))
+        return verdicts[-1][1]
 
     monkeypatch.setattr(markov, "is_aligned", recording)
     y = np.random.default_rng(5).normal(size=300)
@@ -764,9 +764,13 @@ def test_an_aligned_mixture_probes_only_its_random_sets(monkeypatch):
             numpyro.sample("y", dist.Normal(jnp.asarray(LOCS)[z], 1.0), obs=y)
 
     records, spec, dyn, _ = trace_model(mixture, (jnp.asarray(y),), {}, random.PRNGKey(0))
-    compile_model(ModelProgram(mixture), records, spec, dyn, rng_key=random.PRNGKey(1))
-    (probe,) = probes
-    assert probe.width > markov._CHECKS and set(probe._compiled) == {markov._CHECKS}
+    plan = compile_model(ModelProgram(mixture), records, spec, dyn, rng_key=random.PRNGKey(1))[0]
+    assert sorted(v[0] for v in verdicts) == ["y", "z"] and all(v[1] for v in verdicts)
+    for _, _, lo, hi in verdicts:
+        np.testing.assert_array_equal(lo, np.arange(300))
+        assert np.all(hi == -1)
+    (z,) = [b for b in plan.blocks if b.name == "z"]
+    assert not z.chain
 
 
 @pytest.mark.parametrize(

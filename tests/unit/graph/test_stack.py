@@ -165,13 +165,6 @@ def data_sites(model, data):
     return [n for n, s in trace.items() if s["type"] == "sample" and s["is_observed"]]
 
 
-def test_a_group_whose_table_does_not_reproduce_its_sites_is_not_stacked(monkeypatch):
-    """The check at a random point can fail: told that every form is affine, a² is caught."""
-    monkeypatch.setattr(stack, "_is_affine", lambda form: True)
-    plan = plan_of(squared_loc, {"y": Y})
-    assert not stacked_rows(plan)
-
-
 def test_stacked_fit_matches_two_kinds_exactly():
     """Normal sites with a conjugate mean and Poisson sites with a conjugate Gamma rate, one
     of each per step: the stacked plan gives the closed-form posteriors."""

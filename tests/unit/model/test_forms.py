@@ -87,7 +87,7 @@ TABLE = [
 
 @pytest.mark.parametrize("name, fn, expected", TABLE, ids=[t[0] for t in TABLE])
 def test_form_of_expression(name, fn, expected):
-    _, forms, _ = output_forms(lambda x, d: {"out": fn(x, d)}, SITES, INPUT_FORMS, (X, G))
+    _, forms, _, _ = output_forms(lambda x, d: {"out": fn(x, d)}, SITES, INPUT_FORMS, (X, G))
     assert forms["out"] == expected
 
 
@@ -98,7 +98,7 @@ def test_product_of_two_first_powers_is_bilinear():
 
 
 def test_dependencies_come_from_the_same_jaxpr():
-    deps, forms, primitives = output_forms(
+    deps, forms, primitives, _ = output_forms(
         lambda x, d: {"loc": d[0] @ x["w"], "scale": 1.0 / jnp.sqrt(x["tau"])}, SITES, INPUT_FORMS, (X, G)
     )
     assert deps == {"loc": S({"w"}), "scale": S({"tau"})}

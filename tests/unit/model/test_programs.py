@@ -58,20 +58,6 @@ def test_latent_through_a_scan_carry(model):
     np.testing.assert_allclose([q.mean, q.variance], [mean, var], rtol=1e-8)
 
 
-def test_dependency_audit_catches_a_missed_latent(monkeypatch):
-    """With the carry fixed point disabled (one pass through the body, as before), the
-    numeric audit finds the latent the analysis missed instead of fitting its prior."""
-    import blrppl.model.deps as deps
-
-    monkeypatch.setattr(deps, "_scan_deps", lambda eqn, body, ins, seen=None: deps._jaxpr_deps(body, ins, seen))
-
-    def fresh_model(y):  # not compiled before (the compiled-fit cache would skip the analysis)
-        numpyro_scan_model(y)
-
-    with pytest.raises(UnsupportedFactorError, match=r"site 'y'.*'a'"):
-        blr_fit(fresh_model, {"y": Y}, progress_bar=False)
-
-
 def grid_posterior(log_density, grids):
     """Means and sds of each coordinate of a posterior on a dense grid."""
     mesh = np.meshgrid(*grids, indexing="ij")
