@@ -30,10 +30,14 @@ when ρ_j less :data:`NARROW_Z` standard errors exceeds :data:`NARROW_RATIO`: th
 posterior of u_j is wider than q's by more than q's own error allows.
 
 Cost: :func:`draws_per_site` draws per site (k̂'s draws, fewer when there are many sites or
-large data, at most :data:`MAX_SITES` sites), one compiled call next to k̂'s, compiled beside
-the fit's loop as k̂'s is. Measured (first fits, ``refine=False``): NumPyro's GP example 0.1 →
-0.3 s of diagnostics in a fit of 5-10 s; a logistic regression, random intercepts, a
-Student-t regression 0.02 → 0.15-0.5 s (its compilation, on fits of 1-4 s).
+large data, at most :data:`MAX_SITES` sites), one compiled call next to k̂'s, compiled when a
+fit first needs it. Measured (first fits, ``refine=False``): NumPyro's GP example 0.1 → 0.3 s
+of diagnostics in a fit of 5-10 s; a logistic regression, random intercepts, a Student-t
+regression 0.02 → 0.15-0.5 s (its compilation, on fits of 1-4 s: random intercepts' first
+fit 19 % slower). Most fits do not need it: where q's own importance weights have a finite
+variance (k̂ ≤ :data:`KHAT_SCREEN`) and q is otherwise good, the same estimate from q's own
+draws, read in k̂'s program (:func:`site_reader`, :func:`screen`), decides when it puts every
+site clearly below the threshold, and the check's program is neither compiled nor run.
 """
 
 from __future__ import annotations
@@ -61,6 +65,9 @@ _CAUCHY_MASS = 2.0 / math.pi * math.atan(TRUNCATE / WIDEN)
 NARROW_RATIO = 1.2
 #: standard errors of the estimated ratio subtracted before comparing it with NARROW_RATIO
 NARROW_Z = 2.0
+#: k̂ of q's importance weights up to which :func:`screen` reads the sites' widths off q's own
+#: draws (weights of finite variance, Vehtari et al. 2024), without the check's widened draws
+KHAT_SCREEN = 0.5
 #: the scalar sites checked (the first in the plan's order)
 MAX_SITES = 16
 #: the draws of all sites together are at most this many times k̂'s
@@ -154,15 +161,7 @@ def make_narrow_check(density, batch: int = BATCH):
         at_once = max(d for d in range(1, min(batch, at_once) + 1) if total % d == 0)
 
     def columns(nat):
-        """Per site: its block's mean (flat), Σ_{·j}, m_j and σ_j²."""
-        out = []
-        for s in sites:
-            b = drawn[s.block]
-            view = b.family.view(nat[b.name])
-            col = b.family.covariance_column(view, s.index)
-            mean = jnp.ravel(view.mean)
-            out.append((mean, col, mean[s.index], col[s.index]))
-        return out
+        return _columns(sites, drawn, nat)
 
     def one_draw(nat, data, key, fixed_values, cols, which):
         """One draw of r_j for site ``which`` (traced index): (log w, d')."""
@@ -214,6 +213,60 @@ def make_narrow_check(density, batch: int = BATCH):
         return log_w.reshape(len(sites), per_site), d.reshape(len(sites), per_site), sd
 
     return sites, check
+
+
+def _columns(sites, drawn, nat) -> list:
+    """Per site: its block's mean (flat), Σ_{·j}, m_j and σ_j²."""
+    out = []
+    for s in sites:
+        b = drawn[s.block]
+        view = b.family.view(nat[b.name])
+        col = b.family.covariance_column(view, s.index)
+        mean = jnp.ravel(view.mean)
+        out.append((mean, col, mean[s.index], col[s.index]))
+    return out
+
+
+def site_reader(sites, drawn) -> tuple:
+    """``(at_draw, of_q)`` for :func:`blrppl.posterior.diagnostics.log_weights_of`:
+    ``at_draw(nat, xs)``, the deviation u_j − m_j of each site at one draw of q (``xs``: the
+    draw of each block of ``drawn``), ``(sites,)``; ``of_q(nat)``, q's sd of each site. With
+    k̂'s weights they give :func:`screen`'s estimates, in k̂'s own program (no model evaluation
+    of their own)."""
+
+    def at_draw(nat, xs):
+        means = {}
+        out = []
+        for s in sites:
+            b = drawn[s.block]
+            if s.block not in means:
+                means[s.block] = jnp.ravel(b.family.view(nat[b.name]).mean)
+            out.append(jnp.ravel(xs[s.block])[s.index] - means[s.block][s.index])
+        return jnp.stack(out)
+
+    def of_q(nat):
+        return jnp.sqrt(jnp.stack([c[3] for c in _columns(sites, drawn, nat)]))
+
+    return at_draw, of_q
+
+
+def screen(sites, log_w, at_draws, sd) -> tuple | None:
+    """The :class:`Width` of each site estimated from q's own draws and importance weights
+    (k̂'s: ``log_w`` ``(S,)``, ``at_draws`` ``(S, sites)`` from :func:`site_reader`), or None
+    when they leave room for a narrow site, so that the check's own draws must decide.
+
+    Where the posterior is Gaussian along u_j and r times wider than q, the weights at q's
+    draws grow as exp(c d²) with c = (1 − 1/r²) / 2σ_j²: Pareto-tailed with k = 1 − 1/r², of
+    finite variance (k ≤ ½) for r ≤ √2, and so are the weighted moments of d. The caller
+    reads these estimates only where k̂ ≤ :data:`KHAT_SCREEN`; they decide when every site's
+    ratio plus :data:`NARROW_Z` standard errors is at most :data:`NARROW_RATIO` (no site can
+    be flagged by a check whose estimate is within its error of them). The widened draws are
+    needed only where q's cannot see: heavier tails (k̂ above ½), or a ratio near or above
+    the threshold."""
+    found = widths(sites, np.broadcast_to(np.asarray(log_w, float), np.shape(at_draws)[::-1]), np.transpose(at_draws), sd)
+    if all(w.ratio + NARROW_Z * w.se <= NARROW_RATIO for w in found):  # (NaN: not decided)
+        return found
+    return None
 
 
 def widths(sites, log_w, d, sd) -> tuple:
