@@ -268,7 +268,9 @@ def screen(sites, log_w, at_draws, sd) -> tuple | None:
     site's ratio plus :data:`NARROW_Z` standard errors is at most :data:`NARROW_RATIO`. The
     widened draws are needed only where q's cannot see: heavy tails, or a ratio near or
     above the threshold."""
-    found = widths(sites, np.broadcast_to(np.asarray(log_w, float), np.shape(at_draws)[::-1]), np.transpose(at_draws), sd)
+    # (on the host: a jax array's transpose would compile a program of its own, 0.1 s)
+    at_draws = np.asarray(at_draws, float).T
+    found = widths(sites, np.broadcast_to(np.asarray(log_w, float), at_draws.shape), at_draws, np.asarray(sd, float))
     if all(w.ratio + NARROW_Z * w.se <= NARROW_RATIO for w in found):  # (NaN: not decided)
         return found
     return None
