@@ -394,8 +394,29 @@ def _plan_advice(plan, num_starts: int) -> str:
 
 
 def has_mixture(plan) -> bool:
-    """Whether the plan has discrete latents that are not a chain (a mixture's assignments)."""
-    return any(b.discrete and not b.chain for b in plan.blocks)
+    """Whether the plan has a mixture's labels: a discrete latent, not a chain, of K ≥ 2 values
+    that index several components, read off the plan as a factor enumerating it that reads a
+    continuous latent with an axis of K elements (a mixture's ``locs[z]``, its weights in
+    ``Categorical(w)``, Dawid–Skene's ``pi[c]``): relabelling its values together with the
+    components leaves the model as it was. A discrete latent whose values index no such axis
+    is no label: the change point's year ``s``, enumerated over its 111 values, selects
+    between two scalar rates (``jnp.where(years < s, early, late)``), and no relabelling of
+    the years maps the model onto itself.
+    (Components written as separate scalar sites are not seen; a latent with an axis of K
+    elements read beside an unrelated label of K values is taken for components.)"""
+    blocks = {b.name: b for b in plan.blocks}
+    for f in plan.factors:
+        labels = [blocks[d] for d in f.discrete if d in blocks and not blocks[d].chain]
+        sizes = {len(m.support_values) for b in labels for m in (b.members or (b,)) if m.support_values}
+        sizes.discard(1)
+        if sizes and any(
+            k in (m.site_shape or m.value_shape)
+            for n in f.neighbours if n in blocks and not blocks[n].discrete
+            for m in (blocks[n].members or (blocks[n],))
+            for k in sizes
+        ):
+            return True
+    return False
 
 
 def relabelling_note(plan) -> str | None:

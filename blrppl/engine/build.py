@@ -38,7 +38,7 @@ from blrppl.runtime.program_store import compile_program, fit_program_key, jit a
 from blrppl.graph.stack import stack_table
 from blrppl.model.trace import subsampled_plates
 from blrppl.posterior.diagnostics import log_weights_of, model_density
-from blrppl.posterior.narrow import make_narrow_check
+from blrppl.posterior.narrow import make_narrow_check, site_reader
 from blrppl.posterior.export import posterior_builder
 
 
@@ -123,9 +123,17 @@ class CompiledFit:
 
     def log_weights(self, nat, dyn, key):
         """The importance log-weights of q (:mod:`blrppl.posterior.diagnostics`): one compiled call."""
+        return self.log_weights_read(nat, dyn, key)[0]
+
+    def log_weights_read(self, nat, dyn, key) -> tuple:
+        """``(log_weights, at_draws, sd)``: the importance log-weights of q and, from the same
+        compiled call, the narrow-q check's sites read at their draws and q's sds of them
+        (:func:`blrppl.posterior.narrow.site_reader`; None and None when the plan has no
+        such site)."""
         if self._log_weights_compiled is None:
             self.compile_log_weights(nat, dyn, key)
-        return self._log_weights_compiled.result()(nat, dyn, key)
+        out = self._log_weights_compiled.result()(nat, dyn, key)
+        return out if self.narrow_sites else (out, None, None)
 
     def weighted_draws(self, nat, dyn, key):
         """q's draws and their importance log-weights: one call, compiled the first time a
@@ -405,8 +413,11 @@ def compile_fit(program, records, data_spec, dyn_data, tracer, options, prior_sp
     )
     # (the diagnostics: PSIS k̂ and the narrow-q check read the model's density at draws of q)
     density = None if plan.subsampled or online else model_density(plan, fns, records, dyn_data)
-    log_weights_fn = None if density is None else log_weights_of(density)
     narrow_sites, narrow_fn = ((), None) if density is None else make_narrow_check(density)
+    # (k̂'s program also reads the narrow-q check's sites at its draws: their widths from q's
+    # own weights, which spare most fits the check's program, blrppl.posterior.narrow.screen)
+    reader = site_reader(narrow_sites, density.drawn) if narrow_sites else None
+    log_weights_fn = None if density is None else log_weights_of(density, reader=reader)
     weighted_draws_fn = None if density is None else log_weights_of(density, with_values=True)
     posterior_fn = posterior_builder(plan, records, _COMPILER.submit)
     bundle = CompiledFit(

@@ -91,7 +91,9 @@ class Diagnostics(NamedTuple):
             (NaN when not computed).
         widths: the narrow-q check of every scalar site it read
             (:class:`blrppl.posterior.narrow.Width`: the posterior's sd over q's, on the
-            site's unconstrained space), empty when it read none.
+            site's unconstrained space; from q's own draws and weights where those decide,
+            :func:`blrppl.posterior.narrow.screen`), empty when it read none (and when the
+            weights' relative ESS is at least :data:`ESS_CLOSE`).
         narrow: the entries of ``widths`` where the posterior is wider than q beyond the
             check's error (:meth:`blrppl.posterior.narrow.Width.narrow`), widest first.
     """
@@ -398,18 +400,27 @@ def make_log_weights(plan, fns, records, data_shapes, batch: int = BATCH):
     return log_weights_of(model_density(plan, fns, records, data_shapes, batch))
 
 
-def log_weights_of(density: Density, with_values: bool = False):
+def log_weights_of(density: Density, with_values: bool = False, reader=None):
     """:func:`make_log_weights` from the model's :class:`Density`; with ``with_values``,
     ``(log_weights, draws)``, ``draws`` the drawn latent sites' values (site → ``(num_draws,
     *shape)``, on their constrained space): what the importance-corrected summaries weigh
-    (:mod:`blrppl.posterior.importance`)."""
+    (:mod:`blrppl.posterior.importance`).
+
+    Args:
+        reader: a pair ``(at_draw, of_q)`` of functions read in the same program: then
+            ``(log_weights, at_draws, of_q(nat))``, ``at_draws`` the stacked
+            ``at_draw(nat, xs)`` of every draw, ``xs`` the draw of each block of
+            ``density.drawn`` (the narrow-q check's screen,
+            :func:`blrppl.posterior.narrow.site_reader`, reads its sites there).
+    """
     drawn, num, at_once = density.drawn, density.num, density.at_once
 
     def one_draw(nat, data, key, fixed_values):
         keys = jax.random.split(key, max(len(drawn), 1))
-        values, log_q, log_det, constrained = dict(fixed_values), 0.0, 0.0, {}
+        values, log_q, log_det, constrained, xs = dict(fixed_values), 0.0, 0.0, {}, []
         for k, b in zip(keys, drawn):
             x = b.family.sample(nat[b.name], k)
+            xs.append(x)
             log_q = log_q + jnp.sum(b.family.log_prob(nat[b.name], x))
             vals, ld = _site_values(b, x)
             values.update(vals)
@@ -417,6 +428,8 @@ def log_weights_of(density: Density, with_values: bool = False):
             if with_values:
                 constrained.update(vals if b.chain else _constrained(b, vals))
         log_w = density.log_joint(values, data) + log_det - log_q
+        if reader is not None:
+            return log_w, reader[0](nat, xs)
         return (log_w, constrained) if with_values else log_w
 
     def log_weights(nat, data, key):
@@ -424,10 +437,11 @@ def log_weights_of(density: Density, with_values: bool = False):
         keys = jax.random.split(key, num)
         draw = jax.vmap(lambda k: one_draw(nat, data, k, fixed_values))
         if at_once == num:
-            return draw(keys)
-        # large data: a few draws at a time (memory: that many model evaluations)
-        out = jax.lax.map(draw, keys.reshape((num // at_once, at_once)))
-        return jax.tree.map(lambda x: x.reshape((num,) + x.shape[2:]), out)
+            out = draw(keys)
+        else:  # large data: a few draws at a time (memory: that many model evaluations)
+            out = jax.lax.map(draw, keys.reshape((num // at_once, at_once)))
+            out = jax.tree.map(lambda x: x.reshape((num,) + x.shape[2:]), out)
+        return out if reader is None else (*out, reader[1](nat))
 
     return log_weights
 

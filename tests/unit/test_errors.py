@@ -527,7 +527,7 @@ def test_out_of_memory_in_the_psis_check_returns_the_fit_with_a_warning(out_of_m
         with numpyro.plate("n", y.shape[0]):
             numpyro.sample("y", dist.StudentT(4.0, 0.0, s), obs=y)
 
-    monkeypatch.setattr(build_module.CompiledFit, "log_weights", _raise(out_of_memory))
+    monkeypatch.setattr(build_module.CompiledFit, "log_weights_read", _raise(out_of_memory))
     with pytest.warns(UserWarning, match="PSIS k-hat not computed: the model's log density at q's draws needs more") as caught:
         result = fit(model, (Y,))
     # (pointing at the user's call, as blr_fit's other warnings do)
