@@ -62,7 +62,7 @@ def _through_transform(transform, ids: np.ndarray, site_shape):
     bijection (stick-breaking mixes them, ``exp`` does not)."""
     if transform is None:
         return ids.reshape(site_shape)
-    closed = jax.make_jaxpr(transform)(jnp.zeros(ids.shape))
+    closed = jax.make_jaxpr(transform)(jax.ShapeDtypeStruct(ids.shape, jnp.result_type(float)))
     (out,) = el.element_reads(closed.jaxpr, closed.consts, [{0: ids}], [None])
     if 0 not in out:
         return np.full(site_shape, el.NONE, dtype=np.int64)

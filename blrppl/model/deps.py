@@ -32,7 +32,8 @@ def _jaxpr_deps(jaxpr, in_deps: Sequence[frozenset], seen: set | None = None) ->
 
     for eqn in jaxpr.eqns:
         ins = [read(v) for v in eqn.invars]
-        sub = _sub_jaxpr(eqn)
+        sub = sub_jaxpr(eqn)
+        sub = sub[0] if sub is not None else None
         if seen is not None:
             seen.add(eqn.primitive.name)
         if eqn.primitive.name == "scan" and sub is not None and len(sub.invars) == len(ins):
@@ -61,14 +62,16 @@ def _scan_deps(eqn, body, ins, seen=None) -> list:
         carry = grown
 
 
-def _sub_jaxpr(eqn):
+def sub_jaxpr(eqn):
+    """``(jaxpr, consts)`` of a call-like equation's body (``pjit``, custom derivatives, a
+    ``scan``'s body), or None."""
     for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
         sub = eqn.params.get(key)
         if sub is None:
             continue
         inner = getattr(sub, "jaxpr", sub)
         if hasattr(inner, "eqns"):
-            return inner
+            return inner, tuple(getattr(sub, "consts", ()))
     return None
 
 

@@ -46,6 +46,9 @@ import jax
 import numpy as np
 from jax.extend import core as jex_core
 
+from blrppl.model import host_eval
+from blrppl.model.deps import sub_jaxpr
+
 #: ``lo``/``hi`` of an element that reads no granule of the key
 NONE = -1
 #: ``count`` of an element reading three granules or more (within ``[lo, hi]``)
@@ -214,17 +217,6 @@ def _bind(eqn, values: list) -> list:
     return list(out) if eqn.primitive.multiple_results else [out]
 
 
-def _sub_jaxpr(eqn):
-    for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
-        sub = eqn.params.get(key)
-        if sub is None:
-            continue
-        inner = getattr(sub, "jaxpr", sub)
-        if hasattr(inner, "eqns"):
-            return inner, tuple(getattr(sub, "consts", ()))
-    return None
-
-
 def _count(jaxpr) -> int:
     """Equations of a jaxpr, its sub-programs included."""
     total = 0
@@ -268,7 +260,7 @@ class _Interpreter:
             return self.cond(eqn, ins, shapes)
         if name in _MATRIX:
             return self.matrix(eqn, ins, shapes)
-        sub = _sub_jaxpr(eqn) if name != "while" else None
+        sub = sub_jaxpr(eqn) if name != "while" else None
         if sub is not None and len(sub[0].invars) == len(ins):
             return self.run(sub[0], ins, sub[1])
         try:
@@ -287,7 +279,8 @@ class _Interpreter:
             def get():
                 if "out" not in cache:
                     try:
-                        cache["out"] = _bind(eqn, [v.value() for v in ins])
+                        values = [v.value() for v in ins]
+                        cache["out"] = host_eval.evaluate(eqn, values) or _bind(eqn, values)
                     except _Unknown:
                         raise
                     except Exception as e:  # noqa: BLE001 - an input the host cannot evaluate
@@ -299,7 +292,7 @@ class _Interpreter:
         return [_Value(s, compute=compute(i) if all(v.known for v in ins) else None) for i, s in enumerate(shapes)]
 
     def scan(self, eqn, ins, shapes) -> list:
-        body, consts = _sub_jaxpr(eqn)
+        body, consts = sub_jaxpr(eqn)
         p = eqn.params
         length, nc, nk = p["length"], p["num_consts"], p["num_carry"]
         if length * max(_count(body), 1) > MAX_UNROLLED:
@@ -477,12 +470,7 @@ def _bound_layout(operands: int):
         rest = [v.value() for v in ins[operands:]] if operands < len(ins) else []
 
         def channel(c, ids):
-            params = dict(eqn.params)
-            if "fill_value" in params:
-                params["fill_value"] = NONE if c < 2 else 0
-            sub = eqn.replace(params=params) if hasattr(eqn, "replace") else eqn
-            out = _bind(sub, [np.asarray(i[..., c], dtype=np.int32) for i in ids] + list(rest))
-            return np.asarray(out[0], dtype=np.int64)
+            return _moved(eqn, [i[..., c] for i in ids], rest, NONE if c < 2 else 0)
 
         return _each_key(ins[:operands], lambda ids: np.stack([channel(c, ids) for c in range(3)], -1))
 
@@ -535,14 +523,31 @@ def _any_several(ids: np.ndarray, axes) -> np.ndarray:
 def _select_channels(eqn, ids: np.ndarray, indices: list) -> np.ndarray:
     """The primitive ``eqn`` (a gather or a dynamic slice) applied to each channel of ``ids``
     at the given index values."""
-    out = []
-    for c in range(3):
-        params = dict(eqn.params)
-        if "fill_value" in params:
-            params["fill_value"] = NONE if c < 2 else 0
-        sub = eqn.replace(params=params) if hasattr(eqn, "replace") else eqn
-        out.append(np.asarray(_bind(sub, [np.asarray(ids[..., c], dtype=np.int32)] + list(indices))[0], np.int64))
-    return np.stack(out, -1)
+    return np.stack([_moved(eqn, [ids[..., c]], list(indices), NONE if c < 2 else 0) for c in range(3)], -1)
+
+
+def _moved(eqn, operands: list, rest: list, fill: int) -> np.ndarray:
+    """A gather, dynamic slice or dynamic update of the id arrays ``operands`` at the index
+    values ``rest`` (``fill`` where a window falls outside): on the host where
+    :mod:`blrppl.model.host_eval` follows the primitive, else by the primitive itself."""
+    name = eqn.primitive.name
+    out = None
+    if name == "gather":
+        out = host_eval.gather(operands[0], np.asarray(rest[0]), eqn, fill=fill)
+    elif name == "dynamic_slice":
+        out = host_eval.dynamic_slice(operands[0], rest, eqn.params["slice_sizes"])
+    elif name == "dynamic_update_slice":
+        target, update = np.array(operands[0]), operands[1]
+        starts = [int(np.clip(int(np.asarray(s)), 0, d - n)) for s, d, n in zip(rest, target.shape, update.shape)]
+        target[tuple(slice(s, s + n) for s, n in zip(starts, update.shape))] = update
+        out = target
+    if out is not None:
+        return np.asarray(out, dtype=np.int64)
+    params = dict(eqn.params)
+    if "fill_value" in params:
+        params["fill_value"] = fill
+    sub = eqn.replace(params=params) if hasattr(eqn, "replace") else eqn
+    return np.asarray(_bind(sub, [np.asarray(i, dtype=np.int32) for i in operands] + list(rest))[0], np.int64)
 
 
 def _pad(eqn, ins, shape):

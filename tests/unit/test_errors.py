@@ -26,7 +26,6 @@ from blrppl.errors import (
 )
 from blrppl.engine import build as build_module
 from blrppl.engine import run as run_module
-from blrppl.graph import markov
 
 
 def fit(model, data, **kw):
@@ -534,24 +533,6 @@ def test_out_of_memory_in_the_psis_check_returns_the_fit_with_a_warning(out_of_m
     assert {w.filename for w in caught} == {__file__}
     assert np.isnan(result.diagnostics.khat) and "memory" in result.diagnostics.note
     assert np.isfinite(result.posterior["s"].mean)
-
-
-def test_out_of_memory_while_probing_what_each_element_reads_names_the_site(out_of_memory, monkeypatch):
-    """A distribution whose log density builds large arrays per element (numpyro's
-    SineBivariateVonMises sums a 10⁴-term series for each) ran out of memory in the probe of
-    which enumerated values each element reads: XLA's error reached the user."""
-
-    def mixture(x):
-        w = numpyro.sample("w", dist.Dirichlet(jnp.ones(2)))
-        with numpyro.plate("components", 2):
-            loc = numpyro.sample("loc", dist.Normal(0.0, 3.0))
-        with numpyro.plate("data", x.shape[0]):
-            z = numpyro.sample("z", dist.Categorical(w))
-            numpyro.sample("x", dist.Normal(loc[z], 1.0), obs=x)
-
-    monkeypatch.setattr(markov, "compile_lowered", lambda lowered, options: _raise(out_of_memory))
-    with pytest.raises(ResourceError, match="site 'x'|of 'x' at .* discrete latents 'z'"):
-        fit(mixture, (np.array([-2.0, -1.5, 1.8, 2.2]),))
 
 
 def test_out_of_memory_in_blr_run_is_a_resource_error(out_of_memory, monkeypatch):
