@@ -392,13 +392,15 @@ def _primitive_ids(eqn, name, ins, shape) -> dict | None:
         return _each_key(ins[1:], lambda cases: np.choose(np.broadcast_to(which, full),
                                                           [np.broadcast_to(c, full) for c in cases]))
     if name in _ELEMENTWISE:
-        def elementwise(ids):
-            out = _none(shape)
-            for i in ids:
-                out = union(out, i)
-            return np.broadcast_to(out, tuple(shape) + (3,)).copy()
-
-        return _each_key(ins, elementwise)
+        out = {}
+        for k in set().union(*(v.ids for v in ins)):
+            # (only the operands reading the key: most operations have one)
+            present = [v.ids[k] for v in ins if k in v.ids]
+            ids = present[0]
+            for other in present[1:]:
+                ids = union(ids, other)
+            out[k] = np.broadcast_to(ids, tuple(shape) + (3,))
+        return out
     if name in _REDUCTIONS:
         return _each_key(ins[:1], lambda ids: reduce_union(ids[0], p["axes"]))
     if name in _CUMULATIVE:
@@ -437,12 +439,17 @@ def _dot_general(ins, p, shape) -> dict:
             return reduced.reshape(lead + (1,) * len(rfree) + (3,))
         return reduced.reshape(lead[:nb] + (1,) * len(lfree) + lead[nb:] + (3,))
 
-    def both(ids):
-        left = side(ids[0], lc, lb, lfree, True)
-        right = side(ids[1], rc, rb, rfree, False)
-        return np.broadcast_to(union(left, right), tuple(shape) + (3,)).copy()
-
-    return _each_key(ins[:2], both)
+    out = {}
+    for k in set(ins[0].ids) | set(ins[1].ids):
+        # (only the operands reading the key: a design matrix of data reads none)
+        sides = []
+        if k in ins[0].ids:
+            sides.append(side(ins[0].ids[k], lc, lb, lfree, True))
+        if k in ins[1].ids:
+            sides.append(side(ins[1].ids[k], rc, rb, rfree, False))
+        ids = sides[0] if len(sides) == 1 else union(*sides)
+        out[k] = np.broadcast_to(ids, tuple(shape) + (3,))
+    return out
 
 
 def _numpy_layout(fn):
