@@ -74,6 +74,12 @@ class ResourceError(BLRError):
     data too large for one step."""
 
 
+class OptimizerSettingError(BLRError):
+    """A setting of :func:`blrppl.optim.ivon` is out of range or of the wrong type, or the
+    optimiser's functions got arguments that do not fit each other (a gradient of another
+    shape than its parameter, a state that holds no IVON state)."""
+
+
 class TransformationError(BLRError):
     """A fit was called under a JAX transformation (``jax.jit``, ``jax.vmap``, ``jax.grad``,
     ``lax.scan``, ...): a fit traces and compiles the model itself, on concrete data."""

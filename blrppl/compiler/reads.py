@@ -4,15 +4,19 @@
 A block's scalars are grouped into *granules* two ways: each scalar its own (key
 ``(block, SCALAR)``), and, for a dense Gaussian block with plate axes, each plate element one
 (key ``(block, PLATE)``: the scalars whose covariance the block holds together). An
-argument's reads of a key say, element by element, which granule it reads (one, none, or
-several: :data:`blrppl.model.elements.MANY`). From them:
+argument's reads of a key say, element by element, which granules it reads
+(:class:`blrppl.model.elements.Reads`: none, one, a pair, several). From them:
 
 * :func:`mixed_blocks` — the blocks an argument mixes (an element reading several granules):
   read through their covariance columns (Gaussian kinds), or not in closed form;
 * :func:`whole_matrices` — whether a matrix-valued block is read whole, in place or
   transposed, one matrix per output matrix;
 * :func:`coupled_blocks` — the blocks two arguments of one factor read at different elements
-  (``value = x[1:]`` with ``loc = x[:-1]``).
+  (``value = x[1:]`` with ``loc = x[:-1]``);
+* :func:`group_positions` — which positions of a group of discrete latents each element of a
+  factor reads (a hidden Markov chain's pairs: :mod:`blrppl.graph.markov`);
+* :func:`block_reads` — which positions of one block each element of each factor reads (a
+  chain's bandwidth, an arrowhead's local parts: :mod:`blrppl.graph.band`).
 
 A joint block's granules run over its members' scalars (:meth:`Block.member_positions`); a
 member on an unconstrained space reaches its site through its bijection, whose own program

@@ -17,16 +17,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from blrppl.errors import BLRError
+from blrppl.errors import OptimizerSettingError
 
 #: the weight decay δ when neither ``weight_decay`` nor ``prior_precision`` is given
 DEFAULT_WEIGHT_DECAY = 1e-4
-
-
-class OptimizerSettingError(BLRError):
-    """A setting of :func:`blrppl.optim.ivon` is out of range or of the wrong type, or the
-    optimiser's functions got arguments that do not fit each other (a gradient of another
-    shape than its parameter, a state that holds no IVON state)."""
 
 
 @dataclasses.dataclass(frozen=True)
