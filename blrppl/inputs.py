@@ -325,23 +325,30 @@ def refine_options(refine, refine_budget) -> tuple:
     return bool(refine), float(refine_budget)
 
 
+def check_schedule(schedule, call: str, error: type = BLRError):
+    """A step-size schedule (a callable of an int count) whose value at count 0 is a finite
+    number ≥ 0, else ``error`` saying so; ``call`` is how the message writes the call
+    (``"learning_rate(step)"``)."""
+    try:
+        first = float(jnp.asarray(schedule(jnp.zeros((), jnp.int32))))
+    except Exception as exc:  # the user's schedule
+        count = call[call.index("(") + 1 : -1]
+        raise error(
+            f"{call} must return a number for an int {count}; at {count} 0 it raised {type(exc).__name__}: {exc}"
+        ) from exc
+    if not (math.isfinite(first) and first >= 0.0):
+        count = call[call.index("(") + 1 : -1]
+        raise error(f"{call} must be a finite number ≥ 0; at {count} 0 it is {first}")
+    return schedule
+
+
 def check_learning_rate(learning_rate):
     """None, a float in (0, 1], or a callable of the step whose value at step 0 is a finite
     number ≥ 0 (ρ = 0 freezes; a callable is checked again at every step of the fit)."""
     if learning_rate is None:
         return None
     if callable(learning_rate):
-        try:
-            first = learning_rate(jnp.zeros((), jnp.int32))
-            first = float(jnp.asarray(first))
-        except Exception as exc:  # the user's schedule
-            raise BLRError(
-                f"learning_rate(step) must return a number for an int step; at step 0 it raised "
-                f"{type(exc).__name__}: {exc}"
-            ) from exc
-        if not (math.isfinite(first) and first >= 0.0):
-            raise BLRError(f"learning_rate(step) must be a finite number ≥ 0; at step 0 it is {first}")
-        return learning_rate
+        return check_schedule(learning_rate, "learning_rate(step)")
     rate = _real(learning_rate, "learning_rate")
     if not 0.0 < rate <= 1.0:
         raise BLRError(f"learning_rate must be in (0, 1], not {rate}")

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from blrppl.errors import OptimizerSettingError
+from blrppl.inputs import check_schedule
 
 #: the weight decay δ when neither ``weight_decay`` nor ``prior_precision`` is given
 DEFAULT_WEIGHT_DECAY = 1e-4
@@ -135,18 +136,7 @@ def learning_rate(value):
     """A learning rate: a number ≥ 0, or a schedule (a callable of the step count, as optax's
     schedules) whose value at step 0 is a finite number ≥ 0."""
     if callable(value):
-        try:
-            first = float(jnp.asarray(value(jnp.zeros((), jnp.int32))))
-        except Exception as exc:  # the user's schedule
-            raise OptimizerSettingError(
-                f"ivon's learning_rate(count) must return a number for an int count; at count 0 it raised "
-                f"{type(exc).__name__}: {exc}"
-            ) from exc
-        if not (math.isfinite(first) and first >= 0.0):
-            raise OptimizerSettingError(
-                f"ivon's learning_rate(count) must be a finite number ≥ 0; at count 0 it is {first}"
-            )
-        return value
+        return check_schedule(value, "ivon's learning_rate(count)", OptimizerSettingError)
     if traced(value, "learning_rate"):
         return value
     return non_negative(value, "learning_rate")
