@@ -3,8 +3,10 @@
 Public names:
 
 * :func:`blr_fit` — fit a model; returns a :class:`BLRResult`.
-* :func:`blr_kernel` — the rule as a kernel (:class:`BLRKernel`: ``init``, ``step``) a
-  user's own ``jax.lax.scan`` steps, with its :class:`BLRState` and :class:`BLRInfo`.
+* :func:`blr_kernel` — the rule as a kernel (:class:`BLRKernel`: ``init``, ``step``, and
+  the ``plan`` and :class:`KernelData` they were built from) a user's own ``jax.lax.scan``
+  steps, with its :class:`BLRState` and :class:`BLRInfo`; the pure start
+  ``blrppl.engine.kernel.init(plan, data, key)``.
 * :class:`BLRResult` — posteriors per site, draws, summary, ELBO trace, plan, and a
   guide with its params for ``Predictive``.
 * :class:`BLR` — a drop-in for ``numpyro.infer.SVI`` (``init``/``update``/``run``/
@@ -25,7 +27,7 @@ import importlib
 
 from blrppl import families
 from blrppl.api import blr_fit, blr_kernel
-from blrppl.engine.kernel import BLRKernel
+from blrppl.engine.kernel import BLRKernel, KernelData
 from blrppl.engine.state import BLRInfo, BLRState
 from blrppl.errors import (
     BLRError,
@@ -59,6 +61,7 @@ __all__ = [
     "BLRState",
     "FamilyError",
     "InitValueError",
+    "KernelData",
     "MissingDependencyError",
     "ModelTraceError",
     "ObservedDataError",

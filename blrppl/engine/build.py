@@ -21,7 +21,7 @@ import numpyro
 from blrppl import families as fam
 from blrppl.engine.cache import stored_fit_key
 from blrppl.engine.loop import history_size, make_chunk
-from blrppl.engine.state import initial_state
+from blrppl.engine.state import initial_state, start_nat
 from blrppl.engine.step import make_step, with_views
 from blrppl.engine.subsample import svi_rate
 from blrppl.estimators import bilinear, gram
@@ -29,9 +29,8 @@ from blrppl.estimators.registry import estimator_of
 from blrppl.model.functions import table_key
 from blrppl.compiler.pipeline import compile_model
 from blrppl.compiler.online import online_blocks
-from blrppl.compiler.families import init_nat
 from blrppl.compiler.finish import rows_share_precision
-from blrppl.graph.data import RunData, host_array, split_run_data
+from blrppl.graph.data import RunData, split_run_data
 from blrppl.runtime.compile import SMALL_DATA, compiler_options as _compiler_options, jit as _jit
 from blrppl.model.deps import output_dependencies
 from blrppl.runtime.program_store import compile_program, fit_program_key, jit as store_jit
@@ -339,11 +338,9 @@ def compile_fit(program, records, data_spec, dyn_data, tracer, options, prior_sp
     # the programs run at every step evaluate the model's scans as maps (the plan is made)
     fns = fns.vectorised()
 
-    def init_fn(values, probs):
-        # on the host for concrete values (numpy, then placed on the device): no XLA program
-        # before the first step but the trace run's and the chunk's
-        nat = {n: init_nat(b, values[n], probs.get(n)) for n, b in blocks.items()}
-        return jax.tree.map(host_array, nat)
+    # on the host for concrete values (numpy, then placed on the device): no XLA program
+    # before the first step but the trace run's and the chunk's
+    init_fn = functools.partial(start_nat, plan)
 
     sampled = [f for f in plan.factors if estimator_of(f).decaying_steps]
     decay = {n for f in sampled for n in f.neighbours} if default_rate else set()

@@ -1,5 +1,8 @@
 """Preparing a fit: trace the model, fetch its compiled fit from the cache or compile it,
-and build its first state (starting values, step sizes, enumerated latents' start).
+read what its start needs off the trace (:class:`blrppl.engine.kernel.KernelData`: starting
+values, an online fit's previous posterior, the run data), build its first state with the
+kernel's pure ``init`` (:mod:`blrppl.engine.kernel`), then, for enumerated latents, the
+fit's E-step start above it (:mod:`blrppl.engine.start`), and the step sizes.
 
 :func:`blrppl.api.blr_fit` and :class:`blrppl.svi.BLR` both fit through :func:`prepare`
 and :func:`blrppl.engine.run.run`.
@@ -20,8 +23,9 @@ from blrppl.engine import build, cache
 from blrppl.engine import start as start_mod
 from blrppl.engine.build import CHUNK_SIZE, MONTE_CARLO_RHO, CompiledFit, Compiling
 from blrppl.engine.cache import COMPILE_LOCK, cache_key, data_digest, support_signature
+from blrppl.engine.kernel import KernelData, start as kernel_start
 from blrppl.engine.loop import empty_history
-from blrppl.engine.state import BLRState, initial_state
+from blrppl.engine.state import BLRState, start_nat
 from blrppl.errors import BLRError, InitValueError
 from blrppl.estimators.registry import estimator_of
 from blrppl.compiler.blocks import block_init_values as _block_init_values
@@ -53,6 +57,10 @@ class Prepared:
     iterate_average: bool = True
     compile_counts: CompileCounts | None = None
     num_starts: int = 1
+    #: what the kernel's ``init`` read to build ``state`` (before an E-step start)
+    kernel_data: KernelData | None = None
+    #: the key ``state`` was built from (``init``'s)
+    rng_key: Any = None
 
     def history(self):
         """An empty ring buffer of recent ELBOs for the convergence tests."""
@@ -80,26 +88,21 @@ def _prepare_locked(program, args, kwargs, options, rng_key, prior, init_values,
     """:func:`prepare` while holding :data:`COMPILE_LOCK`."""
     t0 = time.perf_counter()
     runs0, compilations0, background0 = model_runs(), xla_compilations(), background_compilations()
-    k_trace, k_probe, k_host, k_loop = host_split(rng_key, 4)
-    rng = np.random.default_rng(np.asarray(jax.random.key_data(k_host)).ravel())
+    # (the key's other two parts are init's: blrppl.engine.kernel.init splits it alike)
+    k_trace, k_probe, _, _ = host_split(rng_key, 4)
     prior_spec = None if prior is None else previous_spec(prior)
     bundle, key, records, data_spec, dyn_data, init_records = _fetch_or_compile(
         program, args, kwargs, options, k_trace, k_probe, prior_spec
     )
     plan = bundle.plan
-    block_values = _start_values(plan, init_records, init_values, rng)
-    probs0 = {
-        b.name: rng.dirichlet(np.ones(len(b.support_values)), size=b.full.value_shape)
-        for b in plan.blocks
-        if b.discrete
-    }
-    nat0 = bundle.init_fn(block_values, probs0)
+    block_values, given = _start_values(plan, init_records, init_values)
     prior_nat = {}
     if bundle.online:  # the previous posterior is run-time data, and the starting point
-        prior_nat = previous_nat(prior, bundle.online, nat0)
-        nat0 = {**nat0, **prior_nat}
+        prior_nat = previous_nat(prior, bundle.online, _online_layout(plan, bundle.online, block_values))
     dyn_data = bundle.run_data(dyn_data, prior_nat)
-    state = initial_state(nat0, k_loop, plan)
+    data = KernelData(block_values, given, prior_nat or None, dyn_data)
+    # the first state is the kernel's (one code path); the E-step start below is the fit's
+    state, rng = kernel_start(plan, data, rng_key)
     rho = _initial_rho(plan, options.learning_rate)
     if isinstance(bundle.chunk, Compiling):
         try:
@@ -108,14 +111,14 @@ def _prepare_locked(program, args, kwargs, options, rng_key, prior, init_values,
             cache.forget(key)  # a compilation that failed is not kept: the next fit retries
             raise
     if any(b.discrete for b in plan.blocks) and not plan.subsampled:
-        state = _discrete_start(bundle, plan, init_records, state, dyn_data, start, rng, block_values, options.tol)
+        state = _discrete_start(bundle, plan, init_records, state, dyn_data, start, rng, options.tol)
     jax.block_until_ready(state)
     counts = CompileCounts(
         model_runs() - runs0, xla_compilations() - compilations0, background_compilations() - background0
     )
     return Prepared(
         bundle, plan, records, data_spec, dyn_data, state, rho, options.tol, CHUNK_SIZE, t0, options.iterate_average,
-        counts, options.num_starts,
+        counts, options.num_starts, data, rng_key,
     )
 
 
@@ -186,10 +189,11 @@ def _compile_checked(program, records, data_spec, dyn_data, tracer, options, pri
             raise reverse_only_error(program, data_spec, dyn_data, records) from None
 
 
-def _start_values(plan, init_records, init_values, rng) -> dict:
-    """Block → its starting value (unconstrained): the model's initial values, or the user's
-    ``init_values`` (checked), with the blocks a product multiplies moved off the symmetric
-    saddle."""
+def _start_values(plan, init_records, init_values) -> tuple[dict, frozenset]:
+    """``(block → its starting value (unconstrained), the blocks the user's values start)``:
+    the model's initial values, or the user's ``init_values`` (checked). (The blocks a
+    product multiplies are moved off the symmetric saddle by the kernel's ``init``,
+    :func:`blrppl.engine.kernel.product_blocks`.)"""
     site_values = {n: np.asarray(init_records[n].init_value) for b in plan.blocks for n in b.sites}
     unconstrained = {
         n: init_records[n].unconstrained_init
@@ -203,15 +207,19 @@ def _start_values(plan, init_records, init_values, rng) -> dict:
             raise BLRError(f"init value given for '{name}', which is not a latent site", site=name)
         site_values[name] = _checked_init_value(init_records[name], value)
     block_values = _block_init_values({b.name: b.full for b in plan.blocks}, site_values, unconstrained)
-    # blocks multiplied by others (``w * x``) start off the symmetric saddle where all their
-    # means are zero (a fixed point of the coordinate steps), as the discrete blocks start
-    # from random responsibilities; a value the user gave is kept
     given = set(init_values or {})
-    for n in sorted({n for f in plan.factors for _, pairs in f.pairs for pair in pairs for n in pair}):
-        if not set(plan.block(n).sites) & given:
-            x = np.asarray(block_values[n])
-            block_values[n] = x + rng.normal(size=x.shape).astype(x.dtype)
-    return block_values
+    return block_values, frozenset(b.name for b in plan.blocks if set(b.sites) & given)
+
+
+def _online_layout(plan, online, block_values) -> dict:
+    """The layout of the online blocks' first natural parameters (what the previous
+    posterior is checked against, :func:`blrppl.posterior.online.previous_nat`)."""
+    probs = {
+        n: np.full(tuple(plan.block(n).full.value_shape) + (len(plan.block(n).support_values),), 1.0)
+        for n in online
+        if plan.block(n).discrete
+    }
+    return start_nat(plan, block_values, probs, online)
 
 
 def _initial_rho(plan, learning_rate) -> dict:
@@ -269,7 +277,7 @@ def _some(values) -> str:
     return shown + (", ..." if flat.size > 3 else "")
 
 
-def _discrete_start(bundle, plan, records, state, data, start, rng, block_values, tol):
+def _discrete_start(bundle, plan, records, state, data, start, rng, tol):
     """The starting state of a fit with enumerated latents (see :mod:`blrppl.engine.start`):
     start 0 takes an E-step under the prior means unless it leaves two values of a
     discrete block tied; other starts, and tied ones, start from k-means++ responsibilities."""
@@ -280,5 +288,4 @@ def _discrete_start(bundle, plan, records, state, data, start, rng, block_values
         if not any(start_mod.tied(p) for p in probs.values()):
             return after
     seeded = start_mod.seeded_probs(plan, records, rng)
-    nat = bundle.init_fn(block_values, seeded)
-    return state._replace(nat={**state.nat, **{n: nat[n] for n in seeded}})
+    return state._replace(nat={**state.nat, **start_nat(plan, {}, seeded, seeded)})

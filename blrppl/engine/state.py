@@ -1,5 +1,6 @@
 """The state a fit carries from step to step (:class:`BLRState`), what each step reports
-(:class:`BLRInfo`), and the state a run starts from (:func:`initial_state`)."""
+(:class:`BLRInfo`), and the state a run starts from (:func:`start_nat`, :func:`initial_state`;
+the kernel's ``init`` composes them, :mod:`blrppl.engine.kernel`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from blrppl.compiler.families import init_nat
 from blrppl.engine.subsample import initial_minibatch_state
 from blrppl.graph.data import host_array
 
@@ -72,3 +74,21 @@ def initial_state(nat, rng_key, plan=None) -> BLRState:
         minibatch=minibatch,
         streak=host_array(0, np.int32),
     )
+
+
+def start_nat(plan, values: dict, probs: dict, names=None) -> dict:
+    """Block → its first natural parameters: centred on its starting value ``values[b]``
+    (block space), broad; a discrete block from its responsibilities ``probs[b]``.
+
+    Concrete values are computed on the host (numpy, then placed on the device): no XLA
+    program; traced ones (the compiled fit's shapes) through ``jax.numpy``.
+
+    Args:
+        plan: the fit's :class:`blrppl.graph.plan.Plan`.
+        values: block → starting value in block space (at full plate sizes; discrete
+            blocks' are not read).
+        probs: discrete block → responsibilities ``(*value_shape, K)``.
+        names: the blocks wanted (None: every block).
+    """
+    blocks = plan.blocks if names is None else [plan.block(n) for n in names]
+    return {b.name: jax.tree.map(host_array, init_nat(b.full, values.get(b.name), probs.get(b.name))) for b in blocks}

@@ -7,7 +7,12 @@ loop runs, with the data and step sizes bound, so a user's own ``jax.lax.scan`` 
 * on a non-conjugate model (logistic regression) N jitted steps of the kernel give the
   natural parameters of ``blr_fit(num_steps=N)`` whose stopping test never fires;
 * ``step`` is pure: the same state in, the same state out, and the state given is not
-  changed.
+  changed;
+* ``blrppl.engine.kernel.init(plan, data, key)`` is the pure start: deterministic in the
+  key, random where the start is (a mixture's responsibilities, a product's blocks), equal
+  to the state ``blr_kernel`` and ``blr_fit`` start from, without running the model or
+  compiling a program; ``kernel.step`` in a jitted scan runs from it; bad input is a
+  ``BLRError`` naming the problem.
 """
 
 from __future__ import annotations
@@ -22,7 +27,10 @@ from jax import random
 
 import blrppl
 from blrppl import BLRKernel, BLRState, blr_fit, blr_kernel
-from blrppl.errors import BLRError
+from blrppl.engine.kernel import KernelData, init
+from blrppl.errors import BLRError, InitValueError, TransformationError
+from blrppl.model.trace import model_runs
+from blrppl.runtime.counting import xla_compilations
 
 M0, S0, SIGMA = 1.0, 2.0, 0.5
 
@@ -64,7 +72,8 @@ def scan_steps(kernel, state, n):
 
 def test_public_names():
     assert blrppl.blr_kernel is blr_kernel
-    assert {"blr_kernel", "BLRKernel", "BLRState", "BLRInfo"} <= set(blrppl.__all__)
+    assert {"blr_kernel", "BLRKernel", "BLRState", "BLRInfo", "KernelData"} <= set(blrppl.__all__)
+    assert blrppl.KernelData is KernelData
 
 
 def test_conjugate_model_stepped_in_scan_is_exact():
@@ -136,3 +145,138 @@ def test_init_from_natural_parameters_and_values():
 def test_several_starts_are_an_option_of_blr_fit():
     with pytest.raises(BLRError, match="blr_kernel"):
         blr_kernel(normal_mean, {"y": np.zeros(3)}, num_starts=2)
+
+
+def mixture(y):
+    w = numpyro.sample("w", dist.Dirichlet(jnp.ones(2)))
+    with numpyro.plate("k", 2):
+        mu = numpyro.sample("mu", dist.Normal(jnp.array([-2.0, 2.0]), 3.0))
+    with numpyro.plate("n", y.shape[0]):
+        z = numpyro.sample("z", dist.Categorical(w))
+        numpyro.sample("y", dist.Normal(mu[z], 0.5), obs=y)
+
+
+def product(y):
+    a = numpyro.sample("a", dist.Normal(0.0, 1.0))
+    b = numpyro.sample("b", dist.Normal(0.0, 1.0))
+    with numpyro.plate("n", y.shape[0]):
+        numpyro.sample("y", dist.Normal(a * b, 0.5), obs=y)
+
+
+def normal_data(n=20):
+    return {"y": 3.0 + SIGMA * np.random.default_rng(0).normal(size=n)}
+
+
+def assert_same_state(got, want):
+    """Exact equality of the carried parts of two states (views apart)."""
+    for a, b in zip(host_leaves(got._replace(views=None, entropies=None)),
+                    host_leaves(want._replace(views=None, entropies=None)), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_init_is_the_start_blr_kernel_takes():
+    key = random.PRNGKey(0)
+    kernel, state = blr_kernel(normal_mean, normal_data(), rng_key=key)
+    assert isinstance(kernel.data, KernelData) and kernel.plan.block("mu") is not None
+    pure = init(kernel.plan, kernel.data, key)
+    assert isinstance(pure, BLRState) and pure.views is None
+    assert pure.nat["mu"].eta1.dtype == jnp.float64
+    assert_same_state(pure, state)
+    # the kernel's own init from the data: the same state, with its views formed
+    assert_same_state(kernel.init(kernel.data), state)
+    assert kernel.init(kernel.data).views is not None
+
+
+def test_init_draws_the_start_of_a_product_from_the_key():
+    # a ``w * x`` factor: its blocks start off the saddle at zero by a draw from the key
+    y = np.random.default_rng(2).normal(size=15) + 1.0
+    key = random.PRNGKey(4)
+    kernel, state = blr_kernel(product, {"y": y}, rng_key=key)
+    assert_same_state(init(kernel.plan, kernel.data, key), state)
+    assert_same_state(init(kernel.plan, kernel.data, 4), state)  # (an int seed is that key)
+    other = init(kernel.plan, kernel.data, random.PRNGKey(5))
+    assert not np.array_equal(np.asarray(other.nat["a"].eta1), np.asarray(state.nat["a"].eta1))
+    assert_same_state(kernel.init(kernel.data, random.PRNGKey(5)), other)
+
+
+def test_steps_from_init_match_blr_fit():
+    data, n = logistic_data(), 12
+    key = random.PRNGKey(0)
+    kernel, _ = blr_kernel(logistic, data, learning_rate=0.5, rng_key=key)
+    final, elbos = scan_steps(kernel, init(kernel.plan, kernel.data, key), n)
+    result = blr_fit(logistic, data, num_steps=n, tol=1e-300, progress_bar=False, learning_rate=0.5, rng_key=key)
+    assert result.num_steps == n and result.diagnostics.rejected_steps == 0
+    for got, want in zip(jax.tree.leaves(final.nat), jax.tree.leaves(result.nat)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-9, atol=1e-9)
+    np.testing.assert_allclose(np.asarray(elbos), result.elbo, rtol=1e-9)
+
+
+def test_init_of_a_mixture_is_deterministic_in_the_key():
+    y = np.concatenate([np.full(10, -2.0), np.full(10, 2.0)]) + 0.3 * np.random.default_rng(1).normal(size=20)
+    kernel, fit_start = blr_kernel(mixture, {"y": y}, rng_key=random.PRNGKey(0))
+    values = {n: np.array(v) for n, v in kernel.data.values.items()}
+    first = init(kernel.plan, kernel.data, random.PRNGKey(1))
+    again = init(kernel.plan, kernel.data, random.PRNGKey(1))
+    other = init(kernel.plan, kernel.data, random.PRNGKey(2))
+    assert_same_state(first, again)
+    # the responsibilities are drawn from the key
+    z1 = np.asarray(jax.tree.leaves(first.nat["z"])[0])
+    assert not np.array_equal(z1, np.asarray(jax.tree.leaves(other.nat["z"])[0]))
+    # the fit's own start takes the E-step above init: responsibilities from the prior means
+    pure = init(kernel.plan, kernel.data, random.PRNGKey(0))
+    assert not np.array_equal(np.asarray(jax.tree.leaves(pure.nat["z"])[0]),
+                              np.asarray(jax.tree.leaves(fit_start.nat["z"])[0]))
+    for n in ("w", "mu"):
+        for a, b in zip(jax.tree.leaves(pure.nat[n]), jax.tree.leaves(fit_start.nat[n])):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # nothing the caller holds is changed
+    for n, v in kernel.data.values.items():
+        np.testing.assert_array_equal(np.asarray(v), values[n])
+
+
+def test_init_runs_no_model_and_compiles_nothing():
+    y = np.concatenate([np.full(10, -2.0), np.full(10, 2.0)])
+    kernel, _ = blr_kernel(mixture, {"y": y}, rng_key=random.PRNGKey(0))
+    runs, compiled = model_runs(), xla_compilations()
+    state = init(kernel.plan, kernel.data, random.PRNGKey(7))
+    jax.block_until_ready(state)
+    assert model_runs() == runs
+    assert xla_compilations() == compiled
+
+
+def test_scan_of_steps_from_init_is_exact():
+    data = normal_data()
+    kernel, _ = blr_kernel(normal_mean, data, rng_key=random.PRNGKey(0))
+    final, elbos = scan_steps(kernel, init(kernel.plan, kernel.data, random.PRNGKey(3)), 3)
+    y = data["y"]
+    precision = 1 / S0**2 + len(y) / SIGMA**2
+    np.testing.assert_allclose(final.nat["mu"].eta1, [M0 / S0**2 + y.sum() / SIGMA**2], rtol=1e-10)
+    np.testing.assert_allclose(final.nat["mu"].eta2, [[-0.5 * precision]], rtol=1e-10)
+    assert int(final.step) == 3 and np.all(np.isfinite(elbos))
+
+
+@pytest.mark.parametrize(
+    "change, error, match",
+    [
+        (lambda plan, data: ("plan", data, 0), BLRError, "Plan"),
+        (lambda plan, data: (plan, {"mu": 1.0}, 0), BLRError, "KernelData"),
+        (lambda plan, data: (plan, data, None), BLRError, "key"),
+        (lambda plan, data: (plan, data, "seed"), BLRError, "key"),
+        (lambda plan, data: (plan, data._replace(values={}), 0), BLRError, "missing mu"),
+        (lambda plan, data: (plan, data._replace(values={**data.values, "nu": 1.0}), 0), BLRError, "not in the plan: nu"),
+        (lambda plan, data: (plan, data._replace(values={"mu": np.zeros(3)}), 0), InitValueError, "shape"),
+        (lambda plan, data: (plan, data._replace(values={"mu": np.array(np.nan)}), 0), InitValueError, "not finite"),
+        (lambda plan, data: (plan, data._replace(given=frozenset({"nu"})), 0), BLRError, "given"),
+        (lambda plan, data: (plan, data._replace(previous={"mu": data.values["mu"]}), 0), BLRError, "online"),
+    ],
+)
+def test_bad_input_to_init_is_named(change, error, match):
+    kernel, _ = blr_kernel(normal_mean, normal_data(), rng_key=random.PRNGKey(0))
+    with pytest.raises(error, match=match):
+        init(*change(kernel.plan, kernel.data))
+
+
+def test_init_under_jit_is_refused():
+    kernel, _ = blr_kernel(normal_mean, normal_data(), rng_key=random.PRNGKey(0))
+    with pytest.raises(TransformationError, match="outside jax.jit"):
+        jax.jit(lambda k: init(kernel.plan, kernel.data, k).step)(random.PRNGKey(0))
