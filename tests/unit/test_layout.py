@@ -263,6 +263,47 @@ def test_the_posterior_never_imports_the_engine():
     assert not offending, "\n".join(offending)
 
 
+def _reached(start: str, graph: dict) -> set:
+    """The modules ``start`` imports, directly or through others."""
+    seen, todo = set(), [start]
+    while todo:
+        for other in graph.get(todo.pop(), ()):
+            if other not in seen:
+                seen.add(other)
+                todo.append(other)
+    return seen
+
+
+#: the engine's layers (issue 52): the kernel (its pure ``init``, the step, the state) below
+#: the loop around it, and the loop below the compiled-fit cache, the advice, the restarts
+#: and the fit's preparation and run; each module may not reach (import, directly or through
+#: others) the modules of the layers above it
+_ABOVE_THE_LOOP = {
+    "blrppl.engine." + n for n in ("cache", "advice", "restarts", "prepare", "build", "run", "refine", "grid", "start")
+}
+ENGINE_LAYERS = {
+    "blrppl.engine.kernel": _ABOVE_THE_LOOP | {"blrppl.engine.loop"},
+    "blrppl.engine.state": _ABOVE_THE_LOOP | {"blrppl.engine.loop", "blrppl.engine.kernel"},
+    "blrppl.engine.step": _ABOVE_THE_LOOP | {"blrppl.engine.loop", "blrppl.engine.kernel"},
+    "blrppl.engine.loop": _ABOVE_THE_LOOP,
+}
+
+
+def test_the_layer_scan_follows_imports_through_other_modules():
+    assert _reached("a", {"a": {"b"}, "b": {"c"}, "c": set()}) == {"b", "c"}
+
+
+def test_the_kernel_is_below_the_loop_and_the_loop_below_the_fit():
+    modules = _modules()
+    graph = {name: _imports(name, path, modules) for name, path in modules.items()}
+    offending = [
+        f"{name} reaches {target}"
+        for name, above in ENGINE_LAYERS.items()
+        for target in sorted(_reached(name, graph) & above)
+    ]
+    assert not offending, "\n".join(offending)
+
+
 #: the only modules that hold the user's model callable (a parameter ``model`` or an attribute
 #: ``.model``): the entry points and the tracing code; everything after them sees the model's
 #: traced program (:class:`blrppl.model.program.ModelProgram`) and the plan
