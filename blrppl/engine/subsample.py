@@ -45,7 +45,9 @@ from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from blrppl.graph.data import host_array
 from blrppl.model.functions import MinibatchData
 
 #: forgetting rate κ and delay τ of the default global step size ρ_t = (t + τ)^−κ
@@ -81,16 +83,17 @@ class MinibatchState(NamedTuple):
 
 
 def initial_minibatch_state(plan, nat) -> MinibatchState:
-    """Identity orders (reshuffled at the first step), empty average."""
+    """Identity orders (reshuffled at the first step), empty average (built on the host: a
+    fit's start compiles nothing)."""
     dtype = jnp.result_type(float)
     glob = {b.name: nat[b.name] for b in plan.blocks if b.local is None}
     return MinibatchState(
-        order={p.name: jnp.arange(p.size, dtype=jnp.int32) for p in plan.subsampled},
-        indices={p.name: jnp.arange(p.subsample_size, dtype=jnp.int32) for p in plan.subsampled},
+        order={p.name: host_array(np.arange(p.size), np.int32) for p in plan.subsampled},
+        indices={p.name: host_array(np.arange(p.subsample_size), np.int32) for p in plan.subsampled},
         average=glob,
-        weight=jnp.zeros((), dtype),
+        weight=host_array(0.0, dtype),
         previous=glob,
-        previous_weight=jnp.zeros((), dtype),
+        previous_weight=host_array(0.0, dtype),
     )
 
 

@@ -17,6 +17,12 @@ loop runs, with the data and step sizes bound, so a user's own ``jax.lax.scan`` 
 
 from __future__ import annotations
 
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -234,9 +240,23 @@ def test_init_of_a_mixture_is_deterministic_in_the_key():
         np.testing.assert_array_equal(np.asarray(v), values[n])
 
 
-def test_init_runs_no_model_and_compiles_nothing():
-    y = np.concatenate([np.full(10, -2.0), np.full(10, 2.0)])
-    kernel, _ = blr_kernel(mixture, {"y": y}, rng_key=random.PRNGKey(0))
+def local_means(x):
+    mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
+    with numpyro.plate("data", x.shape[0], subsample_size=2) as idx:
+        z = numpyro.sample("z", dist.Normal(mu, 1.0))
+        numpyro.sample("x", dist.Normal(z, 1.0), obs=x[idx])
+
+
+@pytest.mark.parametrize(
+    "model, data",
+    [
+        (mixture, {"y": np.concatenate([np.full(10, -2.0), np.full(10, 2.0)])}),
+        # (subsampled: the state also carries the minibatch orders and averages)
+        (local_means, {"x": np.array([0.5, -1.0, 2.0, 3.0, -0.5, 1.5])}),
+    ],
+)
+def test_init_runs_no_model_and_compiles_nothing(model, data):
+    kernel, _ = blr_kernel(model, data, rng_key=random.PRNGKey(0))
     runs, compiled = model_runs(), xla_compilations()
     state = init(kernel.plan, kernel.data, random.PRNGKey(7))
     jax.block_until_ready(state)
@@ -280,3 +300,46 @@ def test_init_under_jit_is_refused():
     kernel, _ = blr_kernel(normal_mean, normal_data(), rng_key=random.PRNGKey(0))
     with pytest.raises(TransformationError, match="outside jax.jit"):
         jax.jit(lambda k: init(kernel.plan, kernel.data, k).step)(random.PRNGKey(0))
+
+
+FLOAT32 = r"""
+import json
+import jax, numpy as np
+import numpyro, numpyro.distributions as dist
+from jax import random
+assert not jax.config.jax_enable_x64
+from blrppl import blr_kernel
+from blrppl.engine.kernel import init
+
+def normal_mean(y):
+    mu = numpyro.sample("mu", dist.Normal(1.0, 2.0))
+    with numpyro.plate("n", y.shape[0]):
+        numpyro.sample("y", dist.Normal(mu, 0.5), obs=y)
+
+y = np.asarray(json.loads(DATA), np.float32)
+kernel, _ = blr_kernel(normal_mean, {"y": y}, rng_key=random.PRNGKey(0))
+state = init(kernel.plan, kernel.data, random.PRNGKey(1))
+final, _ = jax.jit(lambda s: jax.lax.scan(lambda s, _: (kernel.step(s)[0], None), s, None, length=3))(state)
+print("RESULT" + json.dumps({
+    "dtypes": sorted({str(x.dtype) for x in jax.tree.leaves(state.nat)}),
+    "eta1": float(final.nat["mu"].eta1[0]), "eta2": float(final.nat["mu"].eta2[0, 0]),
+}))
+"""
+
+
+def test_init_and_steps_in_float32():
+    """In a process without x64 the start is float32 and the steps from it reach the
+    closed-form posterior; rtol 1e-5: float32 sums of 20 terms round to about 20 · 2⁻²⁴."""
+    y = (3.0 + SIGMA * np.random.default_rng(0).normal(size=20)).astype(np.float32)
+    env = dict(os.environ)
+    env.pop("JAX_ENABLE_X64", None)
+    proc = subprocess.run(
+        [sys.executable, "-c", FLOAT32.replace("DATA", repr(json.dumps(y.tolist())))],
+        capture_output=True, text=True, cwd=pathlib.Path(__file__).resolve().parents[3], env=env, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    fit = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT"))[len("RESULT"):])
+    assert fit["dtypes"] == ["float32"]
+    y64 = y.astype(np.float64)
+    np.testing.assert_allclose(fit["eta1"], M0 / S0**2 + y64.sum() / SIGMA**2, rtol=1e-5)
+    np.testing.assert_allclose(fit["eta2"], -0.5 * (1 / S0**2 + len(y) / SIGMA**2), rtol=1e-5)
