@@ -206,8 +206,10 @@ def blr_kernel(model: Callable, data=None, *, rng_key=None, prior: BLRResult | N
             ``families``, ``structure``, ``point``, ``mc_curvature``, ``point_space``).
 
     Returns:
-        ``(kernel, state)``: a :class:`blrppl.engine.kernel.BLRKernel` (``init``, ``step``)
-        and its first :class:`blrppl.engine.state.BLRState` (natural parameters by block in
+        ``(kernel, state)``: a :class:`blrppl.engine.kernel.BLRKernel` (``init``, ``step``,
+        and the ``plan`` and :class:`blrppl.engine.kernel.KernelData` they were built from:
+        ``blrppl.engine.kernel.init(kernel.plan, kernel.data, key)`` is the pure start) and
+        its first :class:`blrppl.engine.state.BLRState` (natural parameters by block in
         ``state.nat``); see ``docs/api.md`` ("blr_kernel").
 
     Raises:
