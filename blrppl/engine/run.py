@@ -33,8 +33,10 @@ from blrppl.engine.subsample import averaged_nat
 from blrppl.errors import is_out_of_memory, out_of_memory_detail
 from blrppl.inputs import host_fold_in
 from blrppl.posterior.diagnostics import (
-    ESS_CLOSE, ESS_POOR, KHAT_WARN, Diagnostics, importance_bound, psis_khat, relative_ess,
+    ESS_CLOSE, ESS_POOR, KHAT_WARN, NUM_DRAWS, Diagnostics, importance_bound, psis_khat, relative_ess,
 )
+from blrppl.posterior.bulk import KHAT_BULK, check as bulk_check
+from blrppl.posterior.importance import psis_smooth, weighted_draws
 from blrppl.posterior.narrow import KHAT_SCREEN, flagged, screen, widths
 from blrppl.posterior.result import BLRResult
 
@@ -86,6 +88,8 @@ def _diagnose(prepared, outcome, nat) -> Diagnostics:
     # small fits 0.3 s of compilation, 50 % of a normal–gamma model's first fit)
     if diagnostics.ess >= ESS_CLOSE:
         return diagnostics
+    if diagnostics.ess < ESS_POOR and diagnostics.khat <= KHAT_BULK:
+        diagnostics = diagnostics._replace(bulk=_bulk(prepared, nat, host_fold_in(outcome.state.rng_key, 9)))
     found = _narrow_widths(prepared, nat, host_fold_in(outcome.state.rng_key, 8), diagnostics, (log_weights, at_draws, sd))
     return diagnostics._replace(widths=found, narrow=flagged(found))
 
@@ -109,6 +113,21 @@ def _narrow_widths(prepared, nat, key, diagnostics, read) -> tuple:
             raise
         return ()
     return () if out is None else widths(bundle.narrow_sites, *out)
+
+
+def _bulk(prepared, nat, key):
+    """The bulk check (:mod:`blrppl.posterior.bulk`) on q's importance-corrected draws, or
+    None where they do not apply or the check cannot decide."""
+    source = _importance_source(prepared, nat, None)
+    if source is None:
+        return None
+    try:
+        draws, log_w = weighted_draws(source, key, NUM_DRAWS)
+    except Exception as exc:
+        if not is_out_of_memory(exc):
+            raise
+        return None
+    return bulk_check(draws, psis_smooth(log_w)[0])
 
 
 def _infinite_khat_note(diagnostics) -> str | None:
@@ -207,6 +226,12 @@ def finish(
             f"{100 * diagnostics.ess:.0f} % of its draws effective: q's tails differ from the posterior's, "
             "its bulk is close"
         )
+    if diagnostics.ess < ESS_POOR and diagnostics.bulk is not None and not diagnostics.bulk.off:
+        # (many dimensions each a little off make the ESS low: blrppl.posterior.bulk)
+        message += (
+            f"; importance sampling from q keeps only {100 * diagnostics.ess:.0f} % of its draws effective, but "
+            + diagnostics.bulk_note()
+        )
     if diagnostics.poor():
         advice = poor_q_advice(plan, prepared.num_starts, diagnostics.narrow, grid_scales) if grid is None else (
             "the scales integrated on a grid have their marginals from it, but q draws them independently of "
@@ -215,13 +240,14 @@ def finish(
         reasons = []
         if diagnostics.khat > KHAT_WARN and not diagnostics.ess >= ESS_CLOSE:
             reasons.append(f"PSIS k-hat = {diagnostics.khat:.2f} > {KHAT_WARN}")
-        elif diagnostics.ess < ESS_POOR:
+        elif diagnostics.low_ess():
             # (k̂ fits the tail of the weights only; their spread says how far q's bulk is:
             # see blrppl.posterior.diagnostics.ESS_POOR)
             reasons.append(
                 f"importance sampling from q keeps only {100 * diagnostics.ess:.0f} % of its draws effective "
                 f"(PSIS k-hat = {diagnostics.khat:.2f}): q's bulk differs from the posterior's, where a mean may lie "
                 f"up to {math.sqrt(1.0 / diagnostics.ess - 1.0):.1f} of q's sds from q's, and sds may be too small"
+                + (f" ({diagnostics.bulk_note()})" if diagnostics.bulk is not None else "")
             )
         if diagnostics.narrow:
             # (q's draws do not reach where the posterior is wider than q: PSIS cannot see it,

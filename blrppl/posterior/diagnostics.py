@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -96,6 +96,10 @@ class Diagnostics(NamedTuple):
             weights' relative ESS is at least :data:`ESS_CLOSE`).
         narrow: the entries of ``widths`` where the posterior is wider than q beyond the
             check's error (:meth:`blrppl.posterior.narrow.Width.narrow`), widest first.
+        bulk: where the relative ESS is below :data:`ESS_POOR` with reliable weights, each
+            coordinate's importance-corrected mean and sd against q's
+            (:class:`blrppl.posterior.bulk.Bulk`: how many were checked, which are off); None
+            when not checked. A low ESS with no coordinate off is not a poor q.
     """
 
     khat: float
@@ -108,13 +112,20 @@ class Diagnostics(NamedTuple):
     bound: float = math.nan
     widths: tuple = ()
     narrow: tuple = ()
+    bulk: Any = None
 
     def poor(self) -> bool:
         """Whether q is a poor approximation by these diagnostics (what the fit warns of and
         refines): k̂ above :data:`KHAT_WARN` unless the weights hardly vary (relative ESS at
-        least :data:`ESS_CLOSE`), a relative ESS below :data:`ESS_POOR`, or a scalar site
-        along which the posterior is wider than q (``narrow``)."""
-        return bool((self.khat > KHAT_WARN and not self.ess >= ESS_CLOSE) or self.ess < ESS_POOR or self.narrow)
+        least :data:`ESS_CLOSE`), a relative ESS below :data:`ESS_POOR` unless the bulk check
+        found every coordinate's mean and sd close to q's (``bulk``), or a scalar site along
+        which the posterior is wider than q (``narrow``)."""
+        return bool((self.khat > KHAT_WARN and not self.ess >= ESS_CLOSE) or self.low_ess() or self.narrow)
+
+    def low_ess(self) -> bool:
+        """Whether the relative ESS alone makes q poor: below :data:`ESS_POOR`, and not
+        cleared by the bulk check (:mod:`blrppl.posterior.bulk`)."""
+        return bool(self.ess < ESS_POOR and (self.bulk is None or self.bulk.off))
 
     def narrow_note(self) -> str:
         """The narrow-q check's finding in words ('' when it flagged no site)."""
@@ -125,6 +136,19 @@ class Diagnostics(NamedTuple):
             f"the posterior is wider than q along {listed} (its sd over q's on the unconstrained scale, "
             "by importance sampling from q widened along each scalar site)"
         )
+
+    def bulk_note(self) -> str:
+        """The bulk check's finding in words ('' when it did not run)."""
+        if self.bulk is None:
+            return ""
+        if not self.bulk.off:
+            return (
+                f"every one of the {self.bulk.coordinates} coordinates has its importance-corrected mean and sd close "
+                "to q's (the low ESS comes from many small differences)"
+            )
+        shown = "; ".join(c.describe() for c in self.bulk.off[:3])
+        more = f" and {len(self.bulk.off) - 3} more" if len(self.bulk.off) > 3 else ""
+        return f"importance-corrected moments off q's: {shown}{more}"
 
     def describe(self) -> str:
         k = "not computed" if math.isnan(self.khat) else ("-inf (q is exact)" if self.khat == -math.inf else f"{self.khat:.3g}")
@@ -137,6 +161,7 @@ class Diagnostics(NamedTuple):
                 if self.widths else []
             ),
             *([f"narrow q: {self.narrow_note()}"] if self.narrow else []),
+            *([self.bulk_note()] if self.bulk is not None else []),
             f"last relative ELBO change: {self.elbo_rel_change:.3g}",
             f"rejected steps: {self.rejected_steps}",
         ]
