@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 
 import jax
@@ -14,15 +13,15 @@ import numpy as np
 from blrppl import families as fam
 from blrppl.estimators import bilinear, gram
 from blrppl.estimators.registry import estimator_of
+from blrppl.model import values
 from blrppl.model.functions import factor_arguments
 from blrppl.graph import chain_table
 from blrppl.runtime.compile import compile_lowered, compiler_options, jit
-from blrppl.runtime.program_store import compile_program, jit as store_jit, program_key
 from blrppl.graph.plan import FactorRole, Plan
 from blrppl.graph.stack import stack_factors
-from blrppl.model.trace import program_fingerprint
 from blrppl.compiler.stages import CompileOptions, Dependencies, Estimates, SiteInputs
 from blrppl.compiler.checks import check_subsampled
+from blrppl.compiler.reads import ElementReads
 
 #: the arguments that set the spread of a latent's prior rather than its location (a
 #: scale, a covariance, a Beta's, Dirichlet's or Gamma's concentration): the latent sites
@@ -78,10 +77,11 @@ def _full_batch(inputs: SiteInputs, found: Dependencies, blocks: dict, factors: 
     if stacks:
         fns = fns.with_stacks(stacks, data, tables)
     factors = [dataclasses.replace(f, gram_block=gram.eligible(f, blocks, fns, data) or "") for f in factors]
-    factors = [_with_gram_pair(f, blocks, fns, data) if not f.gram_block else f for f in factors]
-    broadcast = _broadcast_enumerated(factors, blocks, fns, data, np.random.default_rng(0))
+    reads = ElementReads(found.program, blocks)
+    factors = [_with_gram_pair(f, blocks, fns, data, reads) if not f.gram_block else f for f in factors]
+    broadcast = _broadcast_enumerated(factors, blocks, fns, data)
     factors = [dataclasses.replace(f, broadcast_enumeration=f.name in broadcast) for f in factors]
-    tables = chain_table.tabled(factors, blocks, fns, data, np.random.default_rng(0))
+    tables = chain_table.tabled(factors, blocks, fns, data)
     factors = [dataclasses.replace(f, chain_table=tables.get(f.name)) for f in factors]
     tied = tied_blocks(factors, blocks, fns, data)
     for n in {n for n, _, _ in tied}:
@@ -89,13 +89,26 @@ def _full_batch(inputs: SiteInputs, found: Dependencies, blocks: dict, factors: 
     return factors, fns, tied
 
 
-def _with_gram_pair(factor, blocks, fns, data):
+def _with_gram_pair(factor, blocks, fns, data, reads):
     """The factor with its :mod:`blrppl.estimators.bilinear` statistics' blocks, when it is
-    eligible for them."""
-    found = bilinear.eligible(factor, blocks, fns, data)
+    eligible for them (``reads``: the program's :class:`blrppl.compiler.reads.ElementReads`
+    on the final blocks, read only for the candidates)."""
+    pair = bilinear.candidate(factor, blocks)
+    if pair is None:
+        return factor
+    items = {item: _reads_of(reads, factor.name, item) for item in ("loc", "scale")}
+    found = bilinear.eligible(factor, blocks, fns, data, items)
     if found is None:
         return factor
     return dataclasses.replace(factor, gram_pair=found[:2], gram_scale_rows=found[2])
+
+
+def _reads_of(reads, site, item) -> dict:
+    """key → the element reads of one item of a site ({} when the program has no such item)."""
+    try:
+        return reads.of(site, item)
+    except KeyError:
+        return {}
 
 
 def tied_blocks(factors, blocks: dict, fns, data) -> tuple:
@@ -165,82 +178,54 @@ def rows_share_precision(facts, stats: dict):
     return holds
 
 
-#: enumerated states whose labels a broadcast check tries per factor: all of them up to
-#: this many, else this many at random
-BROADCAST_CHECK_STATES = 64
-
-
-def _broadcast_enumerated(factors, blocks: dict, fns, data, rng: np.random.Generator) -> set:
+def _broadcast_enumerated(factors, blocks: dict, fns, data) -> set:
     """The enumerated factors whose arguments, with their discrete blocks' values of shape 1
     along every dim (every element at one value), equal their arguments with the full values
-    broadcast (:attr:`blrppl.graph.plan.Factor.broadcast_enumeration`): checked at a random
-    point of their continuous blocks for every enumerated state (or
-    :data:`BROADCAST_CHECK_STATES` at random), in one compiled program. A model that reads a
-    label's shape (``z.shape[0]``, a reshape to N, a ``scan`` over it) fails the check, or
-    raises, and keeps full values."""
+    broadcast (:attr:`blrppl.graph.plan.Factor.broadcast_enumeration`), read off the factor's
+    program by value numbers (:mod:`blrppl.model.values`): traced with the full labels and
+    with labels of size-1 dims, each discrete block's state one symbol (what the enumeration
+    holds every element at), each scalar of a continuous neighbour one of its own, the data
+    at their values. The arguments agree where their numbers do, for every state and every
+    value of the continuous neighbours at once. A model that reads a label's shape
+    (``z.shape[0]``, a reshape to N, a ``scan`` over it) traces to other numbers, or cannot
+    be traced with the small labels, and keeps full values."""
     candidates = [
         f for f in factors
         if f.discrete and estimator_of(f).closed_form and f.role == FactorRole.SITE and f.name not in fns.stacks
         and not any(blocks[d].chain or blocks[d].local is not None for d in f.discrete)
     ]
-    if not candidates:
-        return set()
-    point = {
-        n: blocks[n].generic_value(rng) for f in candidates for n in f.neighbours if n not in f.discrete
-    }
-    combos = {}
-    for f in candidates:
-        sizes = [len(blocks[d].support_values) for d in f.discrete]
-        if math.prod(sizes) <= BROADCAST_CHECK_STATES:
-            combos[f.name] = np.array(list(itertools.product(*[range(k) for k in sizes])), np.int32)
-        else:
-            combos[f.name] = np.stack([rng.integers(k, size=BROADCAST_CHECK_STATES) for k in sizes], axis=1).astype(np.int32)
+    return {f.name for f in candidates if _broadcasts(f, blocks, fns, data)}
 
-    def agrees(f, combo, data, point):
-        full, small = dict(point), dict(point)
-        for j, d in enumerate(f.discrete):
-            full.update(blocks[d].discrete_site_values(combo[j]))
-            small.update(blocks[d].discrete_site_values(combo[j], broadcast=True))
-        want = fns.args_of({f.name: factor_arguments(f)}, full, data)[f.name]
-        got = fns.args_of({f.name: factor_arguments(f)}, small, data)[f.name]
-        ok = jnp.array(True)
-        for arg, a in want.items():
-            b = got[arg]
-            if jnp.broadcast_shapes(jnp.shape(a), jnp.shape(b)) != jnp.shape(a):
-                raise ValueError("not broadcast")
-            b = jnp.broadcast_to(b, jnp.shape(a))
-            if jnp.issubdtype(jnp.result_type(a), jnp.inexact):
-                tol = 64 * jnp.finfo(jnp.result_type(a)).eps * (1.0 + jnp.abs(a))
-                close = (jnp.abs(a - b) <= tol) | (jnp.isnan(a) & jnp.isnan(b)) | (a == b)
-            else:
-                close = a == b
-            ok = ok & jnp.all(close)
-        return ok
 
-    static_false = set()
+def _broadcasts(f, blocks: dict, fns, data) -> bool:
+    """Whether factor ``f``'s arguments agree with its labels broadcast (see
+    :func:`_broadcast_enumerated`)."""
+    numbering = values.Numbering()
+    dtype = jnp.result_type(float)
+    avals, inputs = {}, {}
+    for n in f.neighbours:
+        if n not in f.discrete:
+            shape = tuple(blocks[n].value_shape)
+            avals[("block", n)] = jax.ShapeDtypeStruct(shape, dtype)
+            inputs[("block", n)] = values.scalar_symbols(numbering, n, shape)
+    for d in f.discrete:
+        avals[("state", d)] = jax.ShapeDtypeStruct((), np.int32)
+        inputs[("state", d)] = values.Symbols(np.asarray(numbering.of(("state", d))))
 
-    # (the point and the states are arguments, not constants: XLA would fold the whole check,
-    # K × N × D × D comparisons for a mixture's precisions, at compile time: 17 s for K = 40)
-    def check(data, point, combos):
-        out = {}
-        for f in candidates:
-            try:
-                out[f.name] = jnp.all(jax.vmap(lambda c, f=f: agrees(f, c, data, point))(combos[f.name]))
-            except Exception:  # (a model that cannot run with them, or other shapes: full values)
-                static_false.add(f.name)
-        return out
+    def arguments(small):
+        def fn(vals, data):
+            site = {key[1]: x for key, x in vals.items() if key[0] == "block"}
+            for d in f.discrete:
+                site.update(blocks[d].discrete_site_values(vals[("state", d)], broadcast=small))
+            return fns.args_of({f.name: factor_arguments(f)}, site, data)[f.name]
 
-    try:
-        args = (data, point, combos)
-        traced = store_jit(check, "broadcast").trace(*args)
-        if not jax.tree.leaves(traced.out_info):
-            return set()
-        options = compiler_options(data)
-        key = program_key("broadcast", program_fingerprint(traced.jaxpr), jax.tree.structure(traced.out_info), options)
-        result = compile_program(key, lambda *_: traced.lower(), args, options)(*args)
-    except Exception:  # (the check itself failed: full values everywhere)
-        return set()
-    return {name for name, ok in result.items() if name not in static_false and bool(ok)}
+        traced = values.trace(fn, avals, data)
+        return None if traced is None else traced.numbers(inputs, numbering)
+
+    full, small = arguments(False), arguments(True)
+    if full is None or small is None or set(full) != set(small):
+        return False
+    return all(values.same(full[arg], small[arg]) for arg in full)
 
 
 def _sweep_order(blocks: dict, factors) -> tuple:

@@ -40,13 +40,18 @@ with r_j = Σ_{e: j(e) = j} ω_e κ_e (y_e − c_e)² (the statistics r and Σω
 of B receives t_j times its unweighted message, row i of A the t-weighted sums, and τ_j
 the conjugate Gamma message of its own rows' residuals.
 
-The structure (which rows each element reads, and s_e, c_e) is read off the model by
-probes: c_e is loc_e at A = B = 0, and with every row of B equal to 1 the derivative of loc_e
-along rows k·1 of A is k s_e D, so i(e) = (derivative along rows (i + 1)·1) / (along rows 1)
-− 1, exact in floating point (sums of equal terms, no offset to cancel); j(e) likewise. At compile time the form is checked at random rows of both blocks; a factor
-that fails the check (affine terms in A or B, a weighted contraction, an element reading
-several rows, a vector τ indexed otherwise) keeps the elementwise moments. The index k(e) of
-a vector τ is read likewise, from the derivatives of log σ_e along τ = 1 and τ_k = k + 1.
+Whether a factor is read this way is decided exactly (:func:`eligible`): its location's form,
+read off the model's program, is bilinear in A and B plus an affine term; which rows each
+element reads is read off the same program (:mod:`blrppl.model.elements`): one row of each,
+or neither; and the coefficients of that polynomial, its derivatives at A = B = 0, must be
+those of c_e + s_e a_iᵀ b_j. A factor that fails (affine terms in A or B, a weighted
+contraction, an element reading several rows, a vector τ indexed otherwise) keeps the
+elementwise moments. The statistics then read s_e, c_e and the rows from derivatives too:
+c_e is loc_e at A = B = 0, and with every row of B equal to 1 the derivative of loc_e along
+rows k·1 of A is k s_e D, so i(e) = (derivative along rows (i + 1)·1) / (along rows 1) − 1,
+exact in floating point (sums of equal terms, no offset to cancel); j(e) likewise. The index
+k(e) of a vector τ is read likewise, from the derivatives of log σ_e along τ = 1 and
+τ_k = k + 1.
 """
 
 from __future__ import annotations
@@ -60,6 +65,7 @@ import numpyro.distributions as dist
 
 from blrppl.moments import kinds as mom
 from blrppl.estimators.registry import estimator_of
+from blrppl.model import elements as el
 from blrppl.estimators.gram import _LOG_2PI, element_weights, scale_block, scale_terms
 from blrppl.runtime.compile import jit as _jit
 
@@ -84,8 +90,8 @@ class BilinearStatistics(NamedTuple):
 
 
 def candidate(factor, blocks) -> tuple | None:
-    """The blocks (A, B) of a factor whose form may allow the statistics (the probes of
-    :func:`eligible` decide), else None."""
+    """The blocks (A, B) of a factor whose form may allow the statistics (the exact reading
+    of :func:`eligible` decides), else None."""
     if not estimator_of(factor).closed_form or factor.rule is None or factor.rule.dist_type is not dist.Normal:
         return None
     if factor.discrete or factor.subsampled or factor.members:
@@ -125,7 +131,7 @@ def _rows(block) -> int:
     return int(np.prod(block.batch_shape))
 
 
-def _probe_fn(fns, factor, blocks, data):
+def _arguments_at(fns, factor, blocks, data):
     """The factor's arguments (broadcast to its elements) at rows of A and B given in the
     blocks' canonical layouts (``(*batch, D)``) and τ (its site's layout; 1 when not given)."""
     a, b = dict(factor.pairs)["loc"][0]
@@ -202,7 +208,7 @@ def statistics(fns, factor, blocks, data) -> BilinearStatistics:
     not its row's, which stops the fit at its first step)."""
     a, b = dict(factor.pairs)["loc"][0]
     ba, bb = blocks[a], blocks[b]
-    args_at = _probe_fn(fns, factor, blocks, data)
+    args_at = _arguments_at(fns, factor, blocks, data)
     c, s, i, j = _structure(args_at, ba, bb)
     args = args_at(_zeros(ba), _zeros(bb))
     omega = element_weights(fns, factor, data, args["value"].shape)
@@ -242,54 +248,104 @@ def scale_rows(factor, blocks, fns, data) -> str:
     ba, bb = blocks[a], blocks[b]
 
     def index(data):
-        args_at = _probe_fn(fns, factor, blocks, data)
+        args_at = _arguments_at(fns, factor, blocks, data)
         _, _, i, j = _structure(args_at, ba, bb)
         k = _scale_index(args_at, factor, blocks)
         return jnp.all(k == i) & (blocks[gamma].size == _rows(ba)), jnp.all(k == j) & (blocks[gamma].size == _rows(bb))
 
     try:
         along_a, along_b = _jit(index)(data)
-    except Exception:  # (a model the probes cannot evaluate keeps the elementwise moments)
+    except Exception:  # (a model whose arguments cannot be evaluated keeps the elementwise moments)
         return None
     return b if bool(along_b) else a if bool(along_a) else None
 
 
-def eligible(factor, blocks, fns, data) -> tuple | None:
-    """``(A, B, scale rows)`` when the factor's location is c_e + s_e a_iᵀ b_j (checked at
-    random rows of A and B, on this data), its grid of row pairs is small enough and a
-    vector τ is indexed along the rows of A or B (:func:`scale_rows`: its block, or "" for
-    a scalar τ or a constant scale), else None."""
+def eligible(factor, blocks, fns, data, reads: dict | None = None) -> tuple | None:
+    """``(A, B, scale rows)`` when the factor's location is c_e + s_e a_iᵀ b_j on this data,
+    its grid of row pairs is small enough and a vector τ is indexed along the rows of A or B
+    (:func:`scale_rows`: its block, or "" for a scalar τ or a constant scale), else None.
+
+    The location's form (read off the model's program) is f(a, b) + g with f bilinear and g
+    affine; ``reads`` (key → :class:`blrppl.model.elements.Reads` of its ``loc`` and
+    ``scale``, keys ``(block, "plate")`` for A's and B's rows and ``(block, "scalar")`` for
+    τ) say which rows each element reads. Where every element reads one row of A and one of
+    B (or neither) and at most one τ, its location as a function of those rows u, v is
+    c_e + p_eᵀu + q_eᵀv + uᵀ W_e v exactly, and the coefficients, the derivatives at
+    u = v = 0, must be p_e = q_e = 0 and W_e = s_e I (:func:`_coefficients_hold`): an exact
+    reading, no random point. None without the reads."""
     pair = candidate(factor, blocks)
-    if pair is None:
+    if pair is None or reads is None:
         return None
     if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(data)):
-        return None  # (traced inside a user's jit: the probes need values)
+        return None  # (traced inside a user's jit: the coefficients need values)
+    if not _one_row_each(reads, pair, scale_block(factor)):
+        return None
     ba, bb = blocks[pair[0]], blocks[pair[1]]
-    d, ra, rb = ba.family.dim, _rows(ba), _rows(bb)
-    rng = np.random.default_rng(0)
-    xa, xb = rng.normal(size=(ra, d)), rng.normal(size=(rb, d))
+    ra, rb = _rows(ba), _rows(bb)
 
-    def check(data, xa, xb):
-        args_at = _probe_fn(fns, factor, blocks, data)
-        c, s, i, j = _structure(args_at, ba, bb)
-        shape_a, shape_b = tuple(ba.batch_shape) + (d,), tuple(bb.batch_shape) + (d,)
-        got = args_at(xa.reshape(shape_a), xb.reshape(shape_b))["loc"].reshape(-1) - c
-        terms = xa[i] * xb[j]
-        want = s * jnp.sum(terms, -1)
-        eps = jnp.finfo(want.dtype).eps
-        bound = 64 * eps * d * (jnp.abs(s) * jnp.sum(jnp.abs(terms), -1) + jnp.abs(c))
-        inside = (i >= 0) & (i < ra) & (j >= 0) & (j < rb)
-        return jnp.all(jnp.abs(got - want) <= bound) & jnp.all(inside | (s == 0)), got.size
+    def check(data):
+        return _coefficients_hold(_arguments_at(fns, factor, blocks, data), ba, bb)
 
-    dtype = jnp.result_type(float)
     try:
-        ok, size = _jit(check)(data, jnp.asarray(xa, dtype), jnp.asarray(xb, dtype))
-    except Exception:  # a model the probes cannot evaluate keeps the elementwise moments
+        ok, size = _jit(check)(data)
+    except Exception:  # a model whose arguments cannot be evaluated keeps the elementwise moments
         return None
     if not bool(ok) or ra * rb > min(MAX_GRID, max(SMALL_GRID, GRID_PER_ELEMENT * int(size))):
         return None
     side = scale_rows(factor, blocks, fns, data)
     return None if side is None else (*pair, side)
+
+
+def _one_row_each(reads: dict, pair, gamma) -> bool:
+    """Whether every element of the location reads one row of each block of ``pair`` or none
+    of either, and every element of the scale at most one scalar of the Gamma block ``gamma``."""
+    loc = reads.get("loc", {})
+    rows = [el.single(loc[(n, "plate")]) if (n, "plate") in loc else None for n in pair]
+    if any(r is None for r in rows):
+        return False
+    a, b = np.broadcast_arrays(*rows)
+    both = (a >= 0) & (b >= 0)
+    neither = (a == el.NONE) & (b == el.NONE)
+    if not np.all(both | neither):
+        return False
+    if gamma is not None:
+        tau = reads.get("scale", {}).get((gamma, "scalar"))
+        if tau is not None and np.any(el.single(tau) < el.NONE):
+            return False
+    return True
+
+
+def _coefficients_hold(args_at, ba, bb):
+    """``(ok, size)``: whether the location, as a function of every row of A at u and every
+    row of B at v (each element reads one of each: c_e + p_eᵀu + q_eᵀv + uᵀ W_e v), has
+    p_e = q_e = 0 and W_e = s_e I (s_e = W_e[0, 0]) at every element, to rounding; and the
+    number of elements."""
+    dtype = jnp.result_type(float)
+    d = ba.family.dim
+    shape_a, shape_b = tuple(ba.batch_shape) + (d,), tuple(bb.batch_shape) + (d,)
+
+    def loc(u, v):
+        xa = jnp.broadcast_to(u, shape_a)
+        xb = jnp.broadcast_to(v, shape_b)
+        return args_at(xa, xb)["loc"].reshape(-1)
+
+    zero = jnp.zeros((d,), dtype)
+    c = loc(zero, zero)
+    p = jax.jacfwd(loc, 0)(zero, zero)  # (N, D)
+    q = jax.jacfwd(loc, 1)(zero, zero)
+    eye = jnp.eye(d, dtype=dtype)
+
+    def row(k):
+        # W_e[k, :] = ∂/∂v of the derivative along u = e_k (exact: the form is bilinear)
+        return jax.jacfwd(lambda v: jax.jvp(lambda u: loc(u, v), (zero,), (eye[k],))[1])(zero)
+
+    w = jax.lax.map(row, jnp.arange(d))  # (D, N, D): W_e[k, l] at [k, e, l]
+    s = w[0, :, 0]
+    eps = jnp.finfo(dtype).eps
+    scale = jnp.abs(s) + jnp.max(jnp.abs(w), axis=(0, 2))
+    exact_w = jnp.abs(w - s[None, :, None] * eye[:, None, :]) <= 64 * eps * d * scale[None, :, None]
+    affine = jnp.maximum(jnp.max(jnp.abs(p), -1), jnp.max(jnp.abs(q), -1)) <= 64 * eps * d * (scale + jnp.abs(c))
+    return jnp.all(exact_w) & jnp.all(affine), c.size
 
 
 def _rows_of(view):

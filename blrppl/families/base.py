@@ -127,12 +127,6 @@ class Family:
         numpy ``x`` gives numpy parameters, computed on the host (no XLA program)."""
         raise NotImplementedError
 
-    def random_value(self, rng, shape: tuple):
-        """A random value of shape ``shape`` inside the family's support (host-side numpy,
-        ``rng`` a ``numpy.random.Generator``): the points where the compiler probes the
-        model."""
-        raise NotImplementedError
-
     # -- parameter maps ---------------------------------------------------------------
     def view(self, nat: Nat) -> View:
         """Natural parameters → the human parameters the rules read."""

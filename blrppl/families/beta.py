@@ -84,9 +84,6 @@ class Beta(Family):
         """Mean near x: α = 2x + ½, β = 2(1 − x) + ½."""
         return self.nat_from_view(BetaView(2.0 * x + 0.5, 2.0 * (1.0 - x) + 0.5))
 
-    def random_value(self, rng, shape: tuple):
-        return rng.uniform(0.2, 0.8, size=shape)
-
     def view(self, nat: BetaNat) -> BetaView:
         return BetaView(nat.eta1 + 1.0, nat.eta2 + 1.0)
 

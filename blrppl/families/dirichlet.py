@@ -86,9 +86,6 @@ class Dirichlet(Family):
         """Concentrations α = K x + ½ (mean near x, broad)."""
         return self.nat_from_view(DirichletView(x * x.shape[-1] + 0.5))
 
-    def random_value(self, rng, shape: tuple):
-        return rng.dirichlet(np.ones(shape[-1]), size=shape[:-1])
-
     @property
     def event_shape(self) -> tuple[int, ...]:
         return (self.dim,)

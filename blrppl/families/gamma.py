@@ -90,9 +90,6 @@ class Gamma(Family):
         """Mean x, shape 10."""
         return self.nat_from_view(GammaView((np if isinstance(x, np.ndarray) else jnp).full_like(x, 10.0), 10.0 / x))
 
-    def random_value(self, rng, shape: tuple):
-        return np.exp(0.5 * rng.normal(size=shape))
-
     def view(self, nat: GammaNat) -> GammaView:
         return GammaView(nat.eta1 + 1.0, -nat.eta2)
 

@@ -170,9 +170,6 @@ class GaussianDense(Family):
         """Mean x, covariance I: the natural parameters (x, −½ I) directly (no factorisation of I)."""
         return GaussianNat(x, -0.5 * self.identity_precision(x))
 
-    def random_value(self, rng, shape: tuple):
-        return rng.normal(size=shape)
-
     def view_covariance(self, view: GaussianView) -> jax.Array:
         return view.cov
 
@@ -420,9 +417,6 @@ class GaussianDiag(Family):
     def initial_nat(self, x: jax.Array) -> DiagGaussianNat:
         """Mean x, variance 1."""
         return self.nat_from_view(DiagGaussianView(x, self.identity_precision(x)))
-
-    def random_value(self, rng, shape: tuple):
-        return rng.normal(size=shape)
 
     def view_covariance(self, view: DiagGaussianView) -> jax.Array:
         return view.var

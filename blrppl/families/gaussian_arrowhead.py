@@ -174,9 +174,6 @@ class GaussianArrowhead(Family):
             xp.broadcast_to(-0.5 * xp.eye(ng, dtype=x.dtype), batch + (ng, ng)),
         )
 
-    def random_value(self, rng, shape: tuple):
-        return rng.normal(size=shape)
-
     # -- positions ---------------------------------------------------------------------
     def _split(self, x):
         """(x_L, x_G) of a block-order ``x`` (last axis)."""

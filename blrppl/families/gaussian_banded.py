@@ -121,9 +121,6 @@ class GaussianBanded(Family):
             eta2 = eta2.at[..., 0].set(-0.5)
         return BandedGaussianNat(x, eta2)
 
-    def random_value(self, rng, shape: tuple):
-        return rng.normal(size=shape)
-
     # -- factorisation -------------------------------------------------------------------
     def _chol(self, nat: BandedGaussianNat) -> jax.Array:
         return _vectorized(_band.cholesky, "(n,w)->(n,w)")(-2.0 * nat.eta2)

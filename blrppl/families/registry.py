@@ -30,7 +30,7 @@ REQUIRED = (
     "message_from_view_grad", "is_valid", "sample", "to_numpyro",
 )
 #: the further methods a continuous family overrides (probe points, the moments of arguments)
-REQUIRED_CONTINUOUS = ("random_value", "linearisation_point", "tangent_sets")
+REQUIRED_CONTINUOUS = ("linearisation_point", "tangent_sets")
 #: the further methods a Gaussian family overrides (Newton steps, Monte Carlo curvatures)
 REQUIRED_GAUSSIAN = (
     "view_covariance", "marginal_variance", "curvature_of_hessian", "precision_times", "solve_precision",

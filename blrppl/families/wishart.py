@@ -134,10 +134,6 @@ class Wishart(Family):
         inv = xp.linalg.inv(x)
         return WishartNat(-0.5 * df[..., None, None] * 0.5 * (inv + xp.swapaxes(inv, -1, -2)), 0.5 * (df - self.dim - 1.0))
 
-    def random_value(self, rng, shape: tuple):
-        a = rng.normal(size=shape)
-        return a @ np.swapaxes(a, -1, -2) / shape[-1] + np.eye(shape[-1])
-
     def view(self, nat: WishartNat) -> WishartView:
         df = 2.0 * nat.eta_logdet + self.dim + 1.0
         return WishartView(df, _spd_inv(-2.0 * _sym(nat.eta_mat)))

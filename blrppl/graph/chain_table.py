@@ -16,10 +16,10 @@ states laid out along a de Bruijn sequence (every pair of values at consecutive 
 shifted by r = 0 … K − 1 (every state's every value at an element reading one state).
 Masks and scales stay per element (applied after the table is read).
 
-Whether a factor is read this way is checked when compiling, on the data of the fit, at a
-random point of its continuous neighbours (as :attr:`blrppl.graph.plan.Factor.
-broadcast_enumeration`): its arguments at every element reading a pair, in every run, equal
-those at the element chosen for that pair.
+Whether a factor is read this way is read off its program when compiling, on the data of
+the fit (:func:`tabled`, by value numbers: :mod:`blrppl.model.values`): its arguments at
+every element reading a pair, in every run, are those of the element chosen for that pair,
+as functions of its continuous neighbours.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from blrppl.estimators.registry import estimator_of
+from blrppl.model import values
 from blrppl.graph.plan import FactorRole
 
 
@@ -126,74 +127,73 @@ def candidates(factors, blocks, fns) -> dict:
     return out
 
 
-def arguments_agree(table: ChainTable, runs: dict, batch_shape: tuple) -> jax.Array:
-    """Whether, in every run (``runs``: the factor's argument arrays, value included, each
-    with the K runs along a leading axis), every element reading a pair has the arguments of
-    the element chosen for its pair. Raises when an argument does not carry the factor's
-    elements along its leading dims."""
+def arguments_agree(table: ChainTable, runs: dict, batch_shape: tuple) -> bool:
+    """Whether, in every run (``runs``: argument → its value numbers or values in each of the
+    K runs, :meth:`blrppl.model.values.Traced.numbers`), every element reading a pair has the
+    arguments of the element chosen for its pair. False when an argument does not carry the
+    factor's elements along its leading dims, or is numbers in one run and a value in another."""
     n, nb = math.prod(batch_shape), len(batch_shape)
     pairs = table.kind == 2
-    ok = jnp.array(True)
-    for a in runs.values():
-        a = jnp.asarray(a)
+    for per_run in runs.values():
+        if any(r is None for r in per_run) or len({isinstance(r, values.Symbols) for r in per_run}) != 1:
+            return False
+        symbolic = isinstance(per_run[0], values.Symbols)
+        a = np.stack([np.asarray(r.numbers if symbolic else r) for r in per_run])
         k, shape = a.shape[0], a.shape[1:]
         shape = (1,) * max(nb - len(shape), 0) + shape
-        if jnp.broadcast_shapes(shape[:nb], tuple(batch_shape)) != tuple(batch_shape):
-            raise ValueError("an argument without the factor's elements")
-        a = jnp.broadcast_to(jnp.reshape(a, (k,) + shape), (k,) + tuple(batch_shape) + shape[nb:])
-        a = jnp.reshape(a, (k, n, -1))
+        try:
+            if np.broadcast_shapes(shape[:nb], tuple(batch_shape)) != tuple(batch_shape):
+                return False
+        except ValueError:
+            return False
+        a = np.broadcast_to(np.reshape(a, (k,) + shape), (k,) + tuple(batch_shape) + shape[nb:])
+        a = np.reshape(a, (k, n, -1))
         ref = a[table.pair_run, table.pair_element][table.codes]  # (K, n, event)
-        if jnp.issubdtype(a.dtype, jnp.inexact):
-            tol = 64 * jnp.finfo(a.dtype).eps * (1.0 + jnp.abs(ref))
-            close = (jnp.abs(a - ref) <= tol) | (a == ref) | (jnp.isnan(a) & jnp.isnan(ref))
-        else:
+        if symbolic or not np.issubdtype(a.dtype, np.inexact):
             close = a == ref
-        ok = ok & jnp.all(close | ~pairs[None, :, None])
-    return ok
+        else:
+            tol = 64 * np.finfo(a.dtype).eps * (1.0 + np.abs(ref))
+            close = (np.abs(a - ref) <= tol) | (a == ref) | (np.isnan(a) & np.isnan(ref))
+        if not np.all(close | ~pairs[None, :, None]):
+            return False
+    return True
 
 
-def tabled(factors, blocks, fns, data, rng: np.random.Generator) -> dict:
+def tabled(factors, blocks, fns, data) -> dict:
     """{factor name: :class:`ChainTable`} of the factors read as a table (module
-    docstring): their arguments checked in the K runs at a random point of their
-    continuous neighbours, in one compiled program. A model that cannot run with the runs'
-    states, or whose arguments do not carry the elements, keeps the K² runs."""
+    docstring): their arguments in the K runs read off the factor's program by value
+    numbers (:mod:`blrppl.model.values`: each scalar of a continuous neighbour one symbol,
+    the runs' states and the data at their values), equal at every element reading a pair
+    to those of the element chosen for it, for every value of the continuous neighbours at
+    once. A model that cannot be traced with the runs' states, or whose arguments do not
+    carry the elements, keeps the K² runs."""
     from blrppl.model.functions import factor_arguments
-    from blrppl.runtime.compile import compiler_options
-    from blrppl.runtime.program_store import compile_program, jit as store_jit, program_key
-    from blrppl.model.trace import program_fingerprint
 
-    found = candidates(factors, blocks, fns)
-    if not found:
-        return {}
-    point = {n: blocks[n].generic_value(rng) for f, _ in found.values() for n in f.neighbours if n not in f.discrete}
-    failed = set()
+    out = {}
+    for name, (f, table) in candidates(factors, blocks, fns).items():
+        block = blocks[f.discrete[0]]
+        numbering = values.Numbering()
+        dtype = jnp.result_type(float)
+        avals, inputs = {("states",): jax.ShapeDtypeStruct(table.states.shape[1:], np.int32)}, {}
+        for n in f.neighbours:
+            if n not in f.discrete:
+                shape = tuple(blocks[n].value_shape)
+                avals[("block", n)] = jax.ShapeDtypeStruct(shape, dtype)
+                inputs[("block", n)] = values.scalar_symbols(numbering, n, shape)
 
-    def check(data, point):
-        out = {}
-        for name, (f, table) in found.items():
-            block = blocks[f.discrete[0]]
+        def fn(vals, data, f=f, block=block):
+            site = {key[1]: x for key, x in vals.items() if key[0] == "block"}
+            site.update(block.chain_site_values(vals[("states",)]))
+            return fns.args_of({f.name: factor_arguments(f)}, site, data)[f.name]
 
-            def args(states, f=f, block=block):
-                values = {**point, **block.chain_site_values(states)}
-                return fns.args_of({f.name: factor_arguments(f)}, values, data)[f.name]
-
-            try:
-                runs = jax.vmap(args)(jnp.asarray(table.states))
-                out[name] = arguments_agree(table, runs, dict(f.chain_reads)[block.name].lo.shape)
-            except Exception:  # (a model that cannot run with these states: the K² runs)
-                failed.add(name)
-        return out
-
-    try:
-        traced = store_jit(check, "chain-table").trace(data, point)
-        if not jax.tree.leaves(traced.out_info):
-            return {}
-        options = compiler_options(data)
-        key = program_key("chain-table", program_fingerprint(traced.jaxpr), jax.tree.structure(traced.out_info), options)
-        result = compile_program(key, lambda *_: traced.lower(), (data, point), options)(data, point)
-    except Exception:  # (the check itself failed: the K² runs everywhere)
-        return {}
-    return {name: found[name][1] for name, ok in result.items() if name not in failed and bool(ok)}
+        traced = values.trace(fn, avals, data)
+        if traced is None:
+            continue
+        runs = [traced.numbers({**inputs, ("states",): states}, numbering) for states in table.states]
+        per_arg = {arg: [r[arg] for r in runs] for arg in runs[0]}
+        if arguments_agree(table, per_arg, dict(f.chain_reads)[block.name].lo.shape):
+            out[name] = table
+    return out
 
 
 def expected_log_terms(table: ChainTable, base_runs: jax.Array, view) -> jax.Array:

@@ -280,14 +280,6 @@ class Block:
             out.append((m, jnp.sum(table, axis=others) if others else table))
         return out
 
-    def generic_value(self, rng: np.random.Generator) -> np.ndarray:
-        """A value of the block's variable inside its support, drawn from ``rng`` (host-side
-        numpy): a point where the numerical checks of an optimisation's validity (a chain's
-        transition table, labels enumerated broadcast) see no coincidence."""
-        if self.discrete:
-            return rng.choice(np.asarray(self.support_values), size=self.value_shape)
-        return self.family.random_value(rng, self.value_shape)
-
     @property
     def discrete(self) -> bool:
         return self.family.discrete

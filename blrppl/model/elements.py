@@ -42,7 +42,6 @@ from __future__ import annotations
 import math
 from typing import Callable, NamedTuple, Sequence
 
-import jax
 import numpy as np
 from jax.extend import core as jex_core
 
@@ -208,15 +207,6 @@ def _shape(var) -> tuple:
     return tuple(getattr(getattr(var, "aval", None), "shape", ()))
 
 
-def _bind(eqn, values: list) -> list:
-    bound = eqn.primitive.get_bind_params(eqn.params)
-    # (older JAX returns the sub-functions beside the parameters)
-    subfuns, params = bound if isinstance(bound, tuple) else ((), bound)
-    with jax.ensure_compile_time_eval():
-        out = eqn.primitive.bind(*subfuns, *values, **params)
-    return list(out) if eqn.primitive.multiple_results else [out]
-
-
 def _count(jaxpr) -> int:
     """Equations of a jaxpr, its sub-programs included."""
     total = 0
@@ -280,7 +270,7 @@ class _Interpreter:
                 if "out" not in cache:
                     try:
                         values = [v.value() for v in ins]
-                        cache["out"] = host_eval.evaluate(eqn, values) or _bind(eqn, values)
+                        cache["out"] = host_eval.evaluate(eqn, values) or host_eval.bind(eqn, values)
                     except _Unknown:
                         raise
                     except Exception as e:  # noqa: BLE001 - an input the host cannot evaluate
@@ -554,7 +544,7 @@ def _moved(eqn, operands: list, rest: list, fill: int) -> np.ndarray:
     if "fill_value" in params:
         params["fill_value"] = fill
     sub = eqn.replace(params=params) if hasattr(eqn, "replace") else eqn
-    return np.asarray(_bind(sub, [np.asarray(i, dtype=np.int32) for i in operands] + list(rest))[0], np.int64)
+    return np.asarray(host_eval.bind(sub, [np.asarray(i, dtype=np.int32) for i in operands] + list(rest))[0], np.int64)
 
 
 def _pad(eqn, ins, shape):
@@ -620,7 +610,7 @@ def _scatter(eqn, ins, shape):
     params = dict(eqn.params)
 
     def channel(operand, updates):
-        out = _bind(eqn.replace(params=params) if hasattr(eqn, "replace") else eqn,
+        out = host_eval.bind(eqn.replace(params=params) if hasattr(eqn, "replace") else eqn,
                     [np.asarray(operand, np.int32), indices, np.asarray(updates, np.int32)])
         return np.asarray(out[0], dtype=np.int64)
 

@@ -10,6 +10,7 @@ anything else :func:`evaluate` returns None and the caller binds the primitive.
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 
 _BINARY = {
@@ -134,3 +135,14 @@ def gather(operand: np.ndarray, indices: np.ndarray, eqn, fill=None) -> np.ndarr
     if "fill" in mode:
         out = np.where(inside, out, np.zeros((), operand.dtype) if fill is None else fill)
     return out
+
+
+def bind(eqn, values: list) -> list:
+    """The outputs of ``eqn`` at ``values``, by the primitive itself (evaluated eagerly, at
+    compile time: each call compiles a small program, so :func:`evaluate` is tried first)."""
+    bound = eqn.primitive.get_bind_params(eqn.params)
+    # (older JAX returns the sub-functions beside the parameters)
+    subfuns, params = bound if isinstance(bound, tuple) else ((), bound)
+    with jax.ensure_compile_time_eval():
+        out = eqn.primitive.bind(*subfuns, *values, **params)
+    return list(out) if eqn.primitive.multiple_results else [out]

@@ -255,9 +255,13 @@ def _pca_with(loc_of):
 
 _affine_term = _pca_with(lambda X, C: X @ C.T + X[:, :1])
 _weighted_contraction = _pca_with(lambda X, C: (X * jnp.arange(1.0, D + 1)) @ C.T)
+# a contraction over another coupling of the coordinates: u_k v_{k+1} (W_e off the diagonal)
+_shifted_contraction = _pca_with(lambda X, C: X @ jnp.roll(C, 1, axis=1).T)
 
 
-@pytest.mark.parametrize("model", [_affine_term, _weighted_contraction], ids=["affine term", "weighted"])
+@pytest.mark.parametrize(
+    "model", [_affine_term, _weighted_contraction, _shifted_contraction], ids=["affine term", "weighted", "shifted"]
+)
 def test_other_products_keep_the_elementwise_moments(model):
     plan, *_ = _plan(model, {"Y": _Y})
     (factor,) = [f for f in plan.factors if f.observed]

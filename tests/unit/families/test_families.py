@@ -883,18 +883,6 @@ def test_initial_nat(family, x, view):
         np.testing.assert_allclose(a, b, rtol=1e-12)
 
 
-@pytest.mark.parametrize("family", [GaussianDense(3), GaussianDiag(), Gamma(), Beta(), Dirichlet(3)], ids=type)
-def test_random_value_is_inside_the_support(family):
-    x = family.random_value(np.random.default_rng(0), (4, 3))
-    assert np.shape(x) == (4, 3) and np.all(np.isfinite(x))
-    if isinstance(family, Gamma):
-        assert np.all(x > 0)
-    if isinstance(family, Beta):
-        assert np.all((0.2 <= x) & (x <= 0.8))
-    if isinstance(family, Dirichlet):
-        assert np.all(x > 0) and np.allclose(x.sum(-1), 1.0)
-
-
 @pytest.mark.parametrize(
     "family, nat, density",
     [

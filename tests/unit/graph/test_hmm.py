@@ -827,3 +827,43 @@ def test_exchangeable_emission_means_start_from_the_observations():
     decoded = np.asarray(result.sample(random.PRNGKey(1), 1)["z"])[0]
     agree = np.mean(decoded == states)
     assert max(agree, 1.0 - agree) > 0.85, agree
+
+
+def tempered_hmm(y):
+    """A latent transition table whose rows are read shifted from step 3 on: the same pair of
+    states, another row of the table at early and late steps."""
+    probs_x = numpyro.sample("probs_x", dist.Dirichlet(jnp.ones((K, K))).to_event(1))
+
+    def step(carry, y_t):
+        prev, t = carry
+        x = numpyro.sample("x", dist.Categorical(jnp.where(t < 3, probs_x[prev], probs_x[(prev + 1) % K])))
+        numpyro.sample("y", dist.Normal(jnp.asarray(LOCS)[x], 1.0), obs=y_t)
+        return (x, t + 1), None
+
+    scan(step, (0, 0), y)
+
+
+def shared_table_hmm(y):
+    """The same model reading its latent table alike at every step."""
+    probs_x = numpyro.sample("probs_x", dist.Dirichlet(jnp.ones((K, K))).to_event(1))
+
+    def step(prev, y_t):
+        x = numpyro.sample("x", dist.Categorical(probs_x[prev]))
+        numpyro.sample("y", dist.Normal(jnp.asarray(LOCS)[x], 1.0), obs=y_t)
+        return x, None
+
+    scan(step, 0, y)
+
+
+def test_a_latent_table_read_differently_at_some_steps_is_not_one_table():
+    """Whether every step reads the table alike is read off the program as functions of the
+    latent table (value numbers), not at a point: rows read shifted from step 3 on split the
+    steps, the same model without the shift is one table."""
+    from blrppl.api import plan_of
+
+    _, y = simulate(np.random.default_rng(3), 30)
+    plans = {m.__name__: plan_of(m, (jnp.asarray(y),)) for m in (tempered_hmm, shared_table_hmm)}
+    # (both transitions in closed form: the table is the only difference)
+    assert all({f.name: f.estimator for f in p.factors}["x"] == "exact" for p in plans.values())
+    tables = {n: [f.name for f in p.factors if f.chain_table is not None] for n, p in plans.items()}
+    assert tables == {"tempered_hmm": [], "shared_table_hmm": ["x"]}, {n: p.describe() for n, p in plans.items()}
