@@ -44,7 +44,7 @@ import jax
 import numpy as np
 from jax.extend import core as jex_core
 
-from blrppl.model import host_eval
+from blrppl.model import host_eval, scan_map
 from blrppl.model.deps import sub_jaxpr
 
 #: a scan is unrolled while its length times its body's equations stays within this many
@@ -552,6 +552,10 @@ def trace(fn, avals: dict, data) -> Traced | None:
     except Exception:  # noqa: BLE001 - a model that cannot run with these shapes
         return None
     keys = sorted(avals)
+    # (scans whose carries are known ahead read as maps over their steps: the same values,
+    # without a loop of T steps to follow one by one)
+    jaxpr, consts = scan_map.vectorise(closed.jaxpr, closed.consts)
+    closed = jex_core.ClosedJaxpr(jaxpr, consts)
     return Traced(closed, jax.tree.structure(out_shape), keys, [np.asarray(x) for x in jax.tree.leaves(data)])
 
 

@@ -28,7 +28,8 @@ from jax import random
 
 import reference_models as rm
 from blrppl.model.program import ModelProgram
-from blrppl.engine.build import init_nat, plan_model
+from blrppl.compiler.families import init_nat
+from blrppl.engine.build import plan_model
 from blrppl.estimators import bilinear
 from blrppl.families.gaussian import GaussianDense, GaussianNat
 from blrppl.model.trace import trace_model

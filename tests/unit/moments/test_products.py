@@ -192,7 +192,8 @@ def test_factor_model_steps_equal_with_and_without_the_contraction(monkeypatch):
     :mod:`blrppl.estimators.gram`, kept out: they read neither)."""
     import blrppl.moments.linearised as linearised
     from blrppl.estimators import bilinear, gram
-    from blrppl.engine.build import init_nat, plan_model
+    from blrppl.compiler.families import init_nat
+    from blrppl.engine.build import plan_model
     from blrppl.engine.step import initial_state, make_step
     from blrppl.model.trace import trace_model
     from blrppl.inputs import fit_options, model_arguments
