@@ -207,7 +207,7 @@ def _start_values(plan, init_records, init_values, rng) -> dict:
     # means are zero (a fixed point of the coordinate steps), as the discrete blocks start
     # from random responsibilities; a value the user gave is kept
     given = set(init_values or {})
-    for n in sorted({n for f in plan.factors for _, pairs in f.pairs for pair in pairs for n in pair}):
+    for n in sorted({n for f in plan.factors for _, pairs in f.spec.pairs for pair in pairs for n in pair}):
         if not set(plan.block(n).sites) & given:
             x = np.asarray(block_values[n])
             block_values[n] = x + rng.normal(size=x.shape).astype(x.dtype)

@@ -17,8 +17,8 @@ shifted by r = 0 … K − 1 (every state's every value at an element reading on
 Masks and scales stay per element (applied after the table is read).
 
 Whether a factor is read this way is checked when compiling, on the data of the fit, at a
-random point of its continuous neighbours (as :attr:`blrppl.graph.plan.Factor.
-broadcast_enumeration`): its arguments at every element reading a pair, in every run, equal
+random point of its continuous neighbours (as
+:attr:`blrppl.estimators.enumeration.Enumeration.broadcast`): its arguments at every element reading a pair, in every run, equal
 those at the element chosen for that pair.
 """
 
@@ -112,15 +112,17 @@ def candidates(factors, blocks, fns) -> dict:
     factors of one chain block, whose elements are the chain reads' elements, reading pairs."""
     out = {}
     for f in factors:
-        if not (estimator_of(f).closed_form and f.role == FactorRole.SITE and f.rule is not None and f.chain_reads):
+        if f.enumeration is None or not f.enumeration.chain_reads:
+            continue
+        if not (estimator_of(f).closed_form and f.role == FactorRole.SITE and f.rule is not None):
             continue
         if len(f.discrete) != 1 or not blocks[f.discrete[0]].chain or f.name in fns.stacks:
             continue
-        if f.reinterpreted_ndim or f.gram_block or f.gram_pair:
+        if f.reinterpreted_ndim or f.spec.from_statistics:
             continue
         block = blocks[f.discrete[0]]
         k, length = len(block.support_values), block.family.length
-        table = ChainTable.build(dict(f.chain_reads)[block.name], k, length, block.size // length)
+        table = ChainTable.build(dict(f.enumeration.chain_reads)[block.name], k, length, block.size // length)
         if table is not None:
             out[f.name] = (f, table)
     return out
@@ -179,7 +181,7 @@ def tabled(factors, blocks, fns, data, rng: np.random.Generator) -> dict:
 
             try:
                 runs = jax.vmap(args)(jnp.asarray(table.states))
-                out[name] = arguments_agree(table, runs, dict(f.chain_reads)[block.name].lo.shape)
+                out[name] = arguments_agree(table, runs, dict(f.enumeration.chain_reads)[block.name].lo.shape)
             except Exception:  # (a model that cannot run with these states: the K² runs)
                 failed.add(name)
         return out

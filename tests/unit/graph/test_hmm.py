@@ -680,7 +680,7 @@ def test_transitions_are_read_as_one_table_only_where_every_step_shares_it():
     from blrppl.api import plan_of
 
     def tabled(plan):
-        return sorted(f.name for f in plan.factors if f.chain_table is not None)
+        return sorted(f.name for f in plan.factors if f.enumeration is not None and f.enumeration.table is not None)
 
     seqs, lengths = tones_data()
     assert tabled(plan_of(tones_hmm, (jnp.asarray(seqs), jnp.asarray(lengths)))) == ["x"]
