@@ -128,7 +128,8 @@ def tied_blocks(factors, blocks: dict, fns, data) -> tuple:
         sources = [f.spec.statistics for f in on]
         # (rows whose factor weights them by a precision of their own, τ_j, are not tied)
         if on and all(
-            s is not None and n in s.blocks and f.name not in fns.stacks and s.scale_rows != n for f, s in zip(on, sources)
+            s is not None and n in s.blocks and f.name not in fns.stacks and s.scale_rows != n
+            for f, s in zip(on, sources)
         ):
             candidates[n] = [(n, f.name, s.blocks.index(n)) for f, s in zip(on, sources)]
     if not candidates:

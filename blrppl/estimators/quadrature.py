@@ -116,9 +116,8 @@ def _serves(candidate) -> EstimatorChoice | None:
     positions = grid_positions(blocks, cont, candidate.site_reads)
     if on_grid(blocks, cont, candidate.record, positions):
         # (a few scalars in all: the rule over them is cheap, and deterministic)
-        return EstimatorChoice(
-            arg_kinds=(("log_prob", "quadrature"),), spec=QuadratureSpec(grid_positions=tuple(sorted(positions.items())))
-        )
+        spec = QuadratureSpec(grid_positions=tuple(sorted(positions.items())))
+        return EstimatorChoice(arg_kinds=(("log_prob", "quadrature"),), spec=spec)
     return None
 
 

@@ -17,9 +17,9 @@ shifted by r = 0 … K − 1 (every state's every value at an element reading on
 Masks and scales stay per element (applied after the table is read).
 
 Whether a factor is read this way is checked when compiling, on the data of the fit, at a
-random point of its continuous neighbours (as
-:attr:`blrppl.estimators.enumeration.Enumeration.broadcast`): its arguments at every element reading a pair, in every run, equal
-those at the element chosen for that pair.
+random point of its continuous neighbours (as labels passed with size-1 plate dims,
+:attr:`blrppl.estimators.enumeration.Enumeration.broadcast`): its arguments at every element
+reading a pair, in every run, equal those at the element chosen for that pair.
 """
 
 from __future__ import annotations
