@@ -279,11 +279,8 @@ def _factors(
                 arg_blocks=choice.arg_blocks,
                 columns=choice.columns,
                 reinterpreted_ndim=r.reinterpreted_ndim,
-                links=choice.links,
-                powers=choice.powers,
-                pairs=choice.pairs,
                 why=why,
-                grid_positions=choice.grid_positions,
+                spec=choice.spec,
             )
         )
     return factors

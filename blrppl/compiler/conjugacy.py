@@ -46,7 +46,7 @@ def factor_conjugate(f, b) -> bool:
     if not _declared_conjugate(f, b):
         return False
     # the powers c·τ^a of the factor's arguments: each reads one Gamma block
-    for arg, power in f.powers:
+    for arg, power in f.spec.powers:
         if b.name not in blocks_of.get(arg, ()):
             continue
         allowed = f.rule.conjugate_powers.get(arg, ()) if f.rule is not None else ()
@@ -59,7 +59,7 @@ def _declared_conjugate(f, b) -> bool:
     """Whether the rule of ``f`` declares itself linear in the expectation parameters of ``b``
     through every argument that reads it (:attr:`blrppl.rules.Rule.conjugate`), but for the
     powers of Gamma blocks (checked against its ``conjugate_powers``)."""
-    powered, blocks_of = dict(f.powers), dict(f.arg_blocks)
+    powered, blocks_of = dict(f.spec.powers), dict(f.arg_blocks)
     return all(
         a in powered or a in f.rule.conjugate for a, _ in f.arg_kinds if b.name in blocks_of.get(a, ())
     )

@@ -5,10 +5,11 @@ from __future__ import annotations
 import dataclasses
 
 
+from blrppl.estimators.enumeration import with_enumeration
 from blrppl.estimators.monte_carlo import MONTE_CARLO, elementwise_bijection
-from blrppl.estimators.quadrature import QUADRATURE
+from blrppl.estimators.quadrature import QUADRATURE, QuadratureSpec
 from blrppl.estimators.registry import estimator_of
-from blrppl.graph.plan import Block, Factor, FactorRole
+from blrppl.graph.plan import Block, EstimatorSpec, Factor, FactorRole
 from blrppl.compiler.stages import CompileOptions, Dependencies, Estimates, FamilyChoice, SiteInputs, Structure
 from blrppl.compiler.blocks import (
     arrowhead_block, block_init_values, merge_discrete, merge_gaussians, site_fill, is_transformed, site_transforms,
@@ -33,7 +34,7 @@ def estimate(
     else:
         blocks, fns, init_values, factors = _merged(inputs, found, choice, structure, options)
     factors = [
-        dataclasses.replace(f, chain_reads=choice.chain_reads[f.name]) if f.name in choice.chain_reads else f
+        with_enumeration(f, chain_reads=choice.chain_reads[f.name]) if f.name in choice.chain_reads else f
         for f in factors
     ]
     factors = [_scalar_columns(f, structure.chains) for f in factors]
@@ -100,4 +101,5 @@ def _jacobian_factor(block: Block) -> Factor:
         columns=(),
         reinterpreted_ndim=0,
         role=FactorRole.JACOBIAN,
+        spec=QuadratureSpec() if elementwise else EstimatorSpec(),
     )

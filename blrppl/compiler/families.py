@@ -84,7 +84,7 @@ def _to_move(factors, blocks: dict, families: dict) -> set:
         if estimator_of(f).closed_form:
             # a Gamma block keeps its family only where the factor is conjugate to it:
             # other powers need moments such as E[τ^-2] that exist only for some shapes
-            for arg, power in f.powers:
+            for arg, power in f.spec.powers:
                 (n,) = dict(f.arg_blocks)[arg]
                 allowed = f.rule.conjugate_powers.get(arg, ())
                 if n not in families and (power is None or not any(np.isclose(power, a) for a in allowed)):

@@ -12,6 +12,7 @@ import numpy as np
 
 from blrppl import families as fam
 from blrppl.estimators import bilinear, gram
+from blrppl.estimators.enumeration import with_enumeration
 from blrppl.estimators.registry import estimator_of
 from blrppl.model import values
 from blrppl.model.functions import factor_arguments
@@ -76,31 +77,37 @@ def _full_batch(inputs: SiteInputs, found: Dependencies, blocks: dict, factors: 
     factors, stacks, tables = stack_factors(factors, inputs.records, found.forms, blocks, fns, data)
     if stacks:
         fns = fns.with_stacks(stacks, data, tables)
-    factors = [dataclasses.replace(f, gram_block=gram.eligible(f, blocks, fns, data) or "") for f in factors]
     reads = ElementReads(found.program, blocks)
-    factors = [_with_gram_pair(f, blocks, fns, data, reads) if not f.gram_block else f for f in factors]
+    factors = [_with_statistics(f, blocks, fns, data, reads) for f in factors]
     broadcast = _broadcast_enumerated(factors, blocks, fns, data)
-    factors = [dataclasses.replace(f, broadcast_enumeration=f.name in broadcast) for f in factors]
+    factors = [with_enumeration(f, broadcast=True) if f.name in broadcast else f for f in factors]
     tables = chain_table.tabled(factors, blocks, fns, data)
-    factors = [dataclasses.replace(f, chain_table=tables.get(f.name)) for f in factors]
+    factors = [with_enumeration(f, table=tables[f.name]) if f.name in tables else f for f in factors]
     tied = tied_blocks(factors, blocks, fns, data)
     for n in {n for n, _, _ in tied}:
         blocks[n] = dataclasses.replace(blocks[n], family=fam.GaussianTied(blocks[n].family.dim))
     return factors, fns, tied
 
 
-def _with_gram_pair(factor, blocks, fns, data, reads):
-    """The factor with its :mod:`blrppl.estimators.bilinear` statistics' blocks, when it is
-    eligible for them (``reads``: the program's :class:`blrppl.compiler.reads.ElementReads`
-    on the final blocks, read only for the candidates)."""
-    pair = bilinear.candidate(factor, blocks)
-    if pair is None:
-        return factor
-    items = {item: _reads_of(reads, factor.name, item) for item in ("loc", "scale")}
-    found = bilinear.eligible(factor, blocks, fns, data, items)
-    if found is None:
-        return factor
-    return dataclasses.replace(factor, gram_pair=found[:2], gram_scale_rows=found[2])
+def _with_statistics(factor, blocks, fns, data, reads):
+    """The factor with the data statistics its expectation comes from in its spec
+    (:attr:`blrppl.estimators.exact.ExactSpec.statistics`): those of one large Gaussian
+    block (:mod:`blrppl.estimators.gram`) or, failing them, of a product of two blocks' rows
+    (:mod:`blrppl.estimators.bilinear`), when it is eligible for them (``reads``: the
+    program's :class:`blrppl.compiler.reads.ElementReads` on the final blocks, read only for
+    the bilinear candidates)."""
+    block = gram.eligible(factor, blocks, fns, data)
+    if block:
+        source = gram.GramSource(block)
+    else:
+        if bilinear.candidate(factor, blocks) is None:
+            return factor
+        items = {item: _reads_of(reads, factor.name, item) for item in ("loc", "scale")}
+        found = bilinear.eligible(factor, blocks, fns, data, items)
+        if found is None:
+            return factor
+        source = bilinear.BilinearSource(pair=found[:2], scale_rows=found[2])
+    return dataclasses.replace(factor, spec=dataclasses.replace(factor.spec, statistics=source))
 
 
 def _reads_of(reads, site, item) -> dict:
@@ -131,11 +138,13 @@ def tied_blocks(factors, blocks: dict, fns, data) -> tuple:
         if b.point or b.members or b.local is not None or b.transform is not None:
             continue
         on = [f for f in factors if n in f.neighbours]
+        sources = [f.spec.statistics for f in on]
         # (rows whose factor weights them by a precision of their own, τ_j, are not tied)
         if on and all(
-            (f.gram_block == n or n in f.gram_pair) and f.name not in fns.stacks and f.gram_scale_rows != n for f in on
+            s is not None and n in s.blocks and f.name not in fns.stacks and s.scale_rows != n
+            for f, s in zip(on, sources)
         ):
-            candidates[n] = [(n, f.name, f.gram_pair.index(n) if f.gram_pair else 0) for f in on]
+            candidates[n] = [(n, f.name, s.blocks.index(n)) for f, s in zip(on, sources)]
     if not candidates:
         return ()
     by_name = {f.name: f for f in factors}
@@ -147,9 +156,7 @@ def tied_blocks(factors, blocks: dict, fns, data) -> tuple:
             stats = {}
             for _, name, _ in facts:
                 f = by_name[name]
-                stats[name] = (
-                    gram.statistics(fns, f, blocks[n], data) if f.gram_block else bilinear.statistics(fns, f, blocks, data)
-                )
+                stats[name] = f.spec.statistics.compute(fns, f, blocks, data)
             out[n] = rows_share_precision(facts, stats)
         return out
 
@@ -181,7 +188,7 @@ def rows_share_precision(facts, stats: dict):
 def _broadcast_enumerated(factors, blocks: dict, fns, data) -> set:
     """The enumerated factors whose arguments, with their discrete blocks' values of shape 1
     along every dim (every element at one value), equal their arguments with the full values
-    broadcast (:attr:`blrppl.graph.plan.Factor.broadcast_enumeration`), read off the factor's
+    broadcast (:attr:`blrppl.estimators.enumeration.Enumeration.broadcast`), read off the factor's
     program by value numbers (:mod:`blrppl.model.values`): traced with the full labels and
     with labels of size-1 dims, each discrete block's state one symbol (what the enumeration
     holds every element at), each scalar of a continuous neighbour one of its own, the data

@@ -151,10 +151,10 @@ def _apart(factors: list, on_support: set, structure: str | None) -> set:
         n for f in factors if f.rule is not None and f.rule.event_ndim
         for a, k in f.arg_kinds if k == mom.ExpGaussian.kind for n in dict(f.arg_blocks)[a]
     }
-    apart |= {n for f in factors for _, pairs in f.pairs for pair in pairs for n in pair}
+    apart |= {n for f in factors for _, pairs in f.spec.pairs for pair in pairs for n in pair}
     apart |= on_support  # (seen through their moments, on their own only)
     apart |= {
-        n for f in factors if f.pairs
+        n for f in factors if f.spec.pairs
         for a, k in f.arg_kinds if k == mom.ExpGaussian.kind for n in dict(f.arg_blocks)[a]
     }
     return apart

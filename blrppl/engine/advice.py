@@ -257,7 +257,7 @@ def named_remedies(plan, narrow=()) -> tuple:
     compare with NUTS (a product of blocks, a Monte Carlo factor's spread: the grid only)."""
     funnel = _funnel(plan)
     sites = tuple(w.site for w in narrow)
-    if _spread_factor(plan) is not None or any(f.pairs for f in plan.factors):
+    if _spread_factor(plan) is not None or any(f.spec.pairs for f in plan.factors):
         return sites, False
     scales = funnel[3] if funnel is not None else ()
     others = tuple(s for s in sites if s not in scales)
@@ -321,7 +321,7 @@ def _plan_advice(plan, num_starts: int) -> str:
         # 0.03 with k̂ 1.0; num_starts=4 found NUTS's mode: docs/limitations.md)
         tries.append("several starts (num_starts=4: a Gaussian q finds one mode, and another start may find a better one)")
     advice = "compare with NUTS, or try " + (", ".join(tries[:-1]) + " or " if len(tries) > 1 else "") + tries[-1]
-    pairs = [pair for f in plan.factors for _, ps in f.pairs for pair in ps]
+    pairs = [pair for f in plan.factors for _, ps in f.spec.pairs for pair in ps]
     sizes = {b.name: b.size for b in plan.blocks}
     # a Monte Carlo factor whose blocks were kept apart by the joint limit: joined (what
     # structure='joint' asks), its noisy updates ran off (an imputed covariate's logistic

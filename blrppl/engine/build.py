@@ -24,7 +24,7 @@ from blrppl.engine.loop import history_size, make_chunk
 from blrppl.engine.state import initial_state, start_nat
 from blrppl.engine.step import make_step, with_views
 from blrppl.engine.subsample import svi_rate
-from blrppl.estimators import bilinear, gram
+from blrppl.estimators import gram
 from blrppl.estimators.registry import estimator_of
 from blrppl.model.functions import table_key
 from blrppl.compiler.pipeline import compile_model
@@ -77,7 +77,8 @@ class CompiledFit:
     full_tracer: Any = None
     #: the latents' support parameters the bijections were compiled with
     supports: tuple = ()
-    #: data → the precomputed statistics of the plan's ``gram_block`` factors (None: none)
+    #: data → the precomputed statistics of the plan's factors that read data statistics
+    #: (their spec's ``statistics``; None: none)
     statistics_fn: Callable | None = None
     _statistics_compiled: Any = None
     _last_statistics: Any = None  # (data, its statistics): the last data set's
@@ -152,7 +153,7 @@ class CompiledFit:
         return self._narrow_compiled.result()(nat, dyn, key)
 
     def statistics(self, dyn) -> dict:
-        """The data statistics of the plan's ``gram_block`` factors: one compiled call (XLA's
+        """The data statistics of the plan's factors that read them: one compiled call (XLA's
         backend optimisations off: matrix products, as fast without), traced inside a
         user's ``jit``. On a CPU the Gram matrices AᵀA are then formed by the host's BLAS
         (a symmetric rank-k update: half the work of XLA's general product)."""
@@ -201,22 +202,18 @@ _COMPILER = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_pre
 
 
 def _statistics_fns(plan, fns, data) -> tuple:
-    """``(statistics, constant)``: data → the statistics of the plan's ``gram_block`` and
-    ``gram_pair`` factors that read the data (computed once per data set, see
+    """``(statistics, constant)``: data → the statistics of the plan's factors whose
+    expectation comes from data statistics (their spec's ``statistics``) that read the data (computed once per data set, see
     :meth:`CompiledFit.statistics`), and → those of the factors that read none (a Gaussian
     prior's: constants); None for none."""
-    gram_factors = [f for f in plan.factors if f.from_statistics]
+    gram_factors = [f for f in plan.factors if f.spec.from_statistics]
     if not gram_factors:
         return None, None
     blocks = {b.name: b for b in plan.blocks}
 
     def of(factors):
         def statistics(data, rows=False):
-            return {
-                f.name: gram.statistics(fns, f, blocks[f.gram_block], data, rows=rows) if f.gram_block
-                else bilinear.statistics(fns, f, blocks, data)
-                for f in factors
-            }
+            return {f.name: f.spec.statistics.compute(fns, f, blocks, data, rows=rows) for f in factors}
 
         return statistics
 
@@ -243,7 +240,7 @@ def _elementwise_work(plan, records) -> int:
     return sum(
         int(np.prod(records[n].value_shape)) if n in records else 0
         for f in plan.factors
-        if not f.from_statistics
+        if not f.spec.from_statistics
         for n in (f.members or (f.name,))
     )
 
@@ -262,15 +259,15 @@ def _dense_work(plan, records) -> int:
     blocks = {b.name: b for b in plan.blocks}
     total = 0
     for f in plan.factors:
-        # (a product read from statistics, ``gram_pair``, still counts: its rows' second
-        # moments are D² per row and pair of rows, and optimised code runs them 2-4x faster)
-        if f.gram_block:
+        # (a product read from statistics still counts: its rows' second moments are D² per
+        # row and pair of rows, and optimised code runs them 2-4x faster)
+        if f.spec.from_statistics and not f.spec.statistics.dense_work:
             continue
         states = 1
         for d in f.discrete:
             values = blocks[d].support_values if d in blocks else None
             states = min(states * max(len(values or ()), 1), _MAX_COUNTED_STATES)
-        pairs = sum(blocks[a].element_size * blocks[b].element_size for _, ps in f.pairs for a, b in ps)
+        pairs = sum(blocks[a].element_size * blocks[b].element_size for _, ps in f.spec.pairs for a, b in ps)
         for n in f.members or (f.name,):
             if n not in records:
                 continue

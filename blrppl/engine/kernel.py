@@ -123,7 +123,7 @@ def start(plan: Plan, data: KernelData, key) -> tuple[BLRState, np.random.Genera
 
 def product_blocks(plan: Plan) -> set:
     """The blocks some factor multiplies by another block (its ``pairs``)."""
-    return {n for f in plan.factors for _, pairs in f.pairs for pair in pairs for n in pair}
+    return {n for f in plan.factors for _, pairs in f.spec.pairs for pair in pairs for n in pair}
 
 
 def _check_data(plan, data) -> None:

@@ -89,7 +89,7 @@ def chain_features(plan, records, block) -> np.ndarray | None:
     n = int(np.prod(block.full.value_shape))
     cols = []
     for f in plan.factors:
-        reads = dict(f.chain_reads).get(block.name)
+        reads = dict(f.enumeration.chain_reads).get(block.name) if f.enumeration is not None else None
         if reads is None or not f.observed or f.name not in records:
             continue
         lo, hi = np.ravel(reads.lo), np.ravel(reads.hi)

@@ -18,7 +18,6 @@ import jax
 import jax.numpy as jnp
 
 from blrppl.engine.state import BLRInfo, BLRState, initial_state  # noqa: F401 (re-exported)
-from blrppl.estimators import bilinear, gram
 from blrppl.estimators.enumeration import expected_log_factors, is_jacobian
 from blrppl.estimators.registry import estimator_of
 from blrppl.moments.linearised import base_values
@@ -157,8 +156,9 @@ def make_objective(plan, fns, curvature="auto"):
 
     ``data`` may be a :class:`blrppl.graph.data.RunData`: in an online fit it carries the
     previous posterior's natural parameters, read by the ``"<block>:previous"``
-    pseudo-factors, factors with a ``gram_block`` or ``gram_pair`` read their precomputed
-    statistics from it (:mod:`blrppl.estimators.gram`, :mod:`blrppl.estimators.bilinear`),
+    pseudo-factors, factors whose expectation comes from data statistics (their spec's
+    ``statistics``: :mod:`blrppl.estimators.gram`, :mod:`blrppl.estimators.bilinear`) read
+    them from it,
     and stacked factors their tables (:mod:`blrppl.graph.stack`).
     """
     blocks = {b.name: b for b in plan.blocks}
@@ -169,17 +169,15 @@ def make_objective(plan, fns, curvature="auto"):
         factors = [f for f in plan.factors if factor_names is None or f.name in factor_names]
         total = expected_log_factors(
             fns,
-            [f for f in factors if not is_previous_posterior(f) and not f.from_statistics],
+            [f for f in factors if not is_previous_posterior(f) and not f.spec.from_statistics],
             blocks, views, run if fns.stacks else data, key, curvature,
         )
         for f in factors:
             if is_previous_posterior(f):
                 n = f.rule.block
                 total = total + expected_log_previous(blocks[n], views[n], previous[n])
-            elif f.gram_block:
-                total = total + gram.expected_log(f, f.gram_block, statistics[f.name], views)
-            elif f.gram_pair:
-                total = total + bilinear.expected_log(f, statistics[f.name], views)
+            elif f.spec.from_statistics:
+                total = total + f.spec.statistics.expected_log(f, statistics[f.name], views)
         return total
 
     return objective
@@ -212,8 +210,8 @@ def constant_factors(plan) -> dict:
         names = tuple(
             f.name
             for f in plan.factors_of(b.name)
-            if tuple(f.neighbours) == (b.name,) and not f.discrete and not f.pairs and not f.members
-            and not f.from_statistics and not is_jacobian(f) and not is_previous_posterior(f)
+            if tuple(f.neighbours) == (b.name,) and not f.discrete and not f.spec.pairs and not f.members
+            and not f.spec.from_statistics and not is_jacobian(f) and not is_previous_posterior(f)
             and factor_conjugate(f, b)
         )
         if names:
@@ -397,7 +395,7 @@ def _block_sets(plan, constant) -> tuple:
         b.name for b in plan.blocks
         if b.family.gaussian and not b.point and conjugate.get(b.name, False)
     }
-    multiplied = {n for f in plan.factors for _, ps in f.pairs for pair in ps for n in pair}
+    multiplied = {n for f in plan.factors for _, ps in f.spec.pairs for pair in ps for n in pair}
     diagonal = {
         b.name for b in plan.blocks
         if b.family.banded and all(

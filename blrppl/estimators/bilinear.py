@@ -56,6 +56,7 @@ k(e) of a vector τ is read likewise, from the derivatives of log σ_e along τ 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import jax
@@ -89,6 +90,46 @@ class BilinearStatistics(NamedTuple):
     log_coef: jax.Array  # Σ ω log c' ()
 
 
+@dataclasses.dataclass(frozen=True)
+class BilinearSource:
+    """An exact factor whose expectation comes from these statistics of the rows of two
+    Gaussian blocks (:attr:`blrppl.estimators.exact.ExactSpec.statistics`, set when it is
+    :func:`eligible`).
+
+    Attributes:
+        pair: ``(A, B)``, the blocks a row of each of which every element's location
+            multiplies.
+        scale_rows: the block (A or B) along whose rows a vector of Gamma precisions in the
+            scale is indexed (factor analysis' noise precision per observed dimension); ""
+            for a scalar precision or a constant scale.
+    """
+
+    pair: tuple
+    scale_rows: str = ""
+
+    #: its elements still count in a step's dense work: its rows' second moments are D²
+    #: per row and pair of rows
+    dense_work = True
+
+    @property
+    def blocks(self) -> tuple:
+        """The blocks whose rows the statistics are of: ``(A, B)``."""
+        return tuple(self.pair)
+
+    def shown(self, plan) -> bool:
+        """Whether the plan table says the factor reads data statistics: always."""
+        return True
+
+    def compute(self, fns, factor, blocks: dict, data, rows: bool = False):
+        """The factor's statistics on ``data`` (:func:`statistics`; ``rows`` is for
+        :class:`blrppl.estimators.gram.GramSource` only)."""
+        return statistics(fns, factor, blocks, data)
+
+    def expected_log(self, factor, stats, views) -> jax.Array:
+        """Σ_e ω_e E_q[log f_e] from the statistics (:func:`expected_log`)."""
+        return expected_log(factor, stats, views)
+
+
 def candidate(factor, blocks) -> tuple | None:
     """The blocks (A, B) of a factor whose form may allow the statistics (the exact reading
     of :func:`eligible` decides), else None."""
@@ -99,7 +140,7 @@ def candidate(factor, blocks) -> tuple | None:
     kinds, arg_blocks = factor.kinds, dict(factor.arg_blocks)
     if arg_blocks.get("value") or kinds.get("loc") != mom.BilinearGaussian.kind:
         return None
-    pairs = dict(factor.pairs).get("loc", ())
+    pairs = dict(factor.spec.pairs).get("loc", ())
     if len(pairs) != 1 or set(arg_blocks["loc"]) != set(pairs[0]):
         return None
     a, b = pairs[0]
@@ -114,7 +155,7 @@ def candidate(factor, blocks) -> tuple | None:
         return None
     if kinds["scale"] == mom.PowerGamma.kind:
         (g,) = arg_blocks["scale"]
-        if dict(factor.powers).get("scale") is None:
+        if dict(factor.spec.powers).get("scale") is None:
             return None
         # (a vector τ must be indexed along the rows of A or of B: see scale_rows)
         if blocks[g].size != 1 and blocks[g].size not in (_rows(blocks[a]), _rows(blocks[b])):
@@ -127,6 +168,13 @@ def candidate(factor, blocks) -> tuple | None:
     return a, b
 
 
+def _scale_rows_of(factor) -> str:
+    """The block along whose rows the factor's vector τ is indexed (its
+    :class:`BilinearSource`'s ``scale_rows``), or ""."""
+    source = factor.spec.statistics
+    return source.scale_rows if source is not None else ""
+
+
 def _rows(block) -> int:
     return int(np.prod(block.batch_shape))
 
@@ -134,7 +182,7 @@ def _rows(block) -> int:
 def _arguments_at(fns, factor, blocks, data):
     """The factor's arguments (broadcast to its elements) at rows of A and B given in the
     blocks' canonical layouts (``(*batch, D)``) and τ (its site's layout; 1 when not given)."""
-    a, b = dict(factor.pairs)["loc"][0]
+    a, b = dict(factor.spec.pairs)["loc"][0]
     gamma = scale_block(factor)
     names = factor.rule.arg_names
     dtype = jnp.result_type(float)
@@ -185,7 +233,7 @@ def _zeros(block):
 def _scale_index(args_at, factor, blocks):
     """k(e), the element of the vector τ each element's scale reads (flat over the elements;
     −1 where the scale does not read τ), from two derivatives of log σ_e at τ = 1."""
-    a, b = dict(factor.pairs)["loc"][0]
+    a, b = dict(factor.spec.pairs)["loc"][0]
     gb = blocks[scale_block(factor)]
     dtype = jnp.result_type(float)
     ones = jnp.ones(gb.value_shape, dtype)
@@ -204,9 +252,9 @@ def _scale_index(args_at, factor, blocks):
 def statistics(fns, factor, blocks, data) -> BilinearStatistics:
     """W1, W2 (dense over the pairs of rows), whether W2 is uniform, r, Σω and Σω log c' of
     one eligible factor, from the model and the data (r and Σω per row of the block a vector
-    τ is indexed along, ``factor.gram_scale_rows``: NaN when on these data an element's τ is
+    τ is indexed along, the spec's ``statistics.scale_rows``: NaN when on these data an element's τ is
     not its row's, which stops the fit at its first step)."""
-    a, b = dict(factor.pairs)["loc"][0]
+    a, b = dict(factor.spec.pairs)["loc"][0]
     ba, bb = blocks[a], blocks[b]
     args_at = _arguments_at(fns, factor, blocks, data)
     c, s, i, j = _structure(args_at, ba, bb)
@@ -218,9 +266,10 @@ def statistics(fns, factor, blocks, data) -> BilinearStatistics:
     w1 = grid.at[i, j].add(kappa * s * resid)
     w2 = grid.at[i, j].add(kappa * s * s)
     square, weight = kappa * jnp.square(resid), jnp.broadcast_to(omega, args["value"].shape).reshape(-1)
-    if factor.gram_scale_rows:
-        rows = j if factor.gram_scale_rows == b else i
-        per_row = jnp.zeros((_rows(blocks[factor.gram_scale_rows]),), resid.dtype)
+    along = _scale_rows_of(factor)
+    if along:
+        rows = j if along == b else i
+        per_row = jnp.zeros((_rows(blocks[along]),), resid.dtype)
         same = jnp.all(_scale_index(args_at, factor, blocks) == rows)
         residual = jnp.where(same, per_row.at[rows].add(square), jnp.nan)
         weight = per_row.at[rows].add(weight)
@@ -244,7 +293,7 @@ def scale_rows(factor, blocks, fns, data) -> str:
     gamma = scale_block(factor)
     if gamma is None or blocks[gamma].size == 1:
         return ""
-    a, b = dict(factor.pairs)["loc"][0]
+    a, b = dict(factor.spec.pairs)["loc"][0]
     ba, bb = blocks[a], blocks[b]
 
     def index(data):
@@ -383,13 +432,14 @@ def _grid_quad(w2, ma, ca, mb, cb):
 
 def expected_log(factor, stats: BilinearStatistics, views) -> jax.Array:
     """Σ_e ω_e E_q[log f_e] of an eligible factor from its statistics and the views."""
-    a, b = dict(factor.pairs)["loc"][0]
+    a, b = dict(factor.spec.pairs)["loc"][0]
     ma, ca = _rows_of(views[a])
     mb, cb = _rows_of(views[b])
-    if factor.gram_scale_rows:
+    along = _scale_rows_of(factor)
+    if along:
         # τ_j per row j of B (or of A): t_j weights row j's terms, inside the sums
         t, log_tau_term = scale_terms(factor, views)
-        ta, tb = (None, t) if factor.gram_scale_rows == b else (t, None)
+        ta, tb = (None, t) if along == b else (t, None)
         lead, per_row = 1.0, t
     else:
         t, log_tau_term = scale_terms(factor, views)

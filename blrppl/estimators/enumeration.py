@@ -22,8 +22,10 @@ same K² runs serve every factor of the chain. Without a factor reading two stat
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +39,47 @@ from blrppl.graph import chain_table
 from blrppl.graph.chain_table import static_rows
 from blrppl.graph.plan import FactorRole
 from blrppl.model.records import reduce_wrapped
+
+
+@dataclasses.dataclass(frozen=True)
+class Enumeration:
+    """How a factor's discrete neighbours are enumerated, when not the default way
+    (:attr:`blrppl.graph.plan.Factor.enumeration`; None is the default: every element of
+    each discrete block set to each value in turn, with the values' full shape).
+
+    Attributes:
+        chain_reads: for a factor of a hidden Markov chain, the chain positions each of its
+            elements reads: ``((chain block, reads),)`` with a
+            :class:`blrppl.graph.markov.Reads` per chain block.
+        table: for a factor of a hidden Markov chain whose elements read pairs of states
+            through the same K × K table (a transition ``trans[prev]``), its layout
+            (:class:`blrppl.graph.chain_table.ChainTable`): K runs of the model instead of
+            K² (checked at compile time); None otherwise.
+        broadcast: the factor's enumerated discrete values may be passed with size-1 plate
+            dims (every element at one value) and its expected log-density broadcast over
+            its elements: its arguments were checked, at compile time, to equal the full ones
+            broadcast (a mixture's ``mu[z]`` is then one row per component, not N copies of it).
+    """
+
+    chain_reads: tuple = ()
+    table: Any = None
+    broadcast: bool = False
+
+
+#: the default enumeration (a factor's :attr:`blrppl.graph.plan.Factor.enumeration` is None)
+DEFAULT = Enumeration()
+
+
+def enumeration_of(factor) -> Enumeration:
+    """The factor's :class:`Enumeration` (:data:`DEFAULT` when it has none)."""
+    return factor.enumeration if factor.enumeration is not None else DEFAULT
+
+
+def with_enumeration(factor, **changes):
+    """``factor`` with the fields ``changes`` of its :class:`Enumeration` replaced (its
+    enumeration None when it is then the default)."""
+    enumeration = dataclasses.replace(enumeration_of(factor), **changes)
+    return dataclasses.replace(factor, enumeration=None if enumeration == DEFAULT else enumeration)
 
 
 def is_jacobian(factor) -> bool:
@@ -66,7 +109,7 @@ def _states(block, group) -> int:
     """Enumerated states of a discrete block for a group of factors: its values, or for a
     chain the K² pairs when some factor element reads two of its states, else K."""
     k = len(block.support_values)
-    if block.chain and any(np.any(dict(f.chain_reads)[block.name].hi >= 0) for f in group):
+    if block.chain and any(np.any(dict(enumeration_of(f).chain_reads)[block.name].hi >= 0) for f in group):
         return k * k
     return k
 
@@ -86,7 +129,7 @@ def _chain_weights(factor, name, view, num_states: int):
     element reads (module docstring). Formed once for all states by reshaping the element's
     marginals (no gather indexed by the state: its derivative would be a scatter per state
     and element)."""
-    reads = dict(factor.chain_reads)[name]
+    reads = dict(enumeration_of(factor).chain_reads)[name]
     k = view.probs.shape[-1]
     width = view.probs.shape[0]
     lo = np.clip(reads.lo, 0, None)
@@ -140,7 +183,7 @@ def _tabled_terms(fns, group, blocks, views, data, wrappers):
     element's expected log-density read off the runs and weighted by its marginals there."""
     name = group[0].discrete[0]
     block, view = blocks[name], views[name]
-    states = jnp.asarray(group[0].chain_table.states)  # (every factor of the chain: one layout)
+    states = jnp.asarray(group[0].enumeration.table.states)  # (every factor of the chain: one layout)
 
     def run(s):
         dvals = block.chain_site_values(s)
@@ -152,7 +195,7 @@ def _tabled_terms(fns, group, blocks, views, data, wrappers):
     for f in group:
         base = runs[f.name]
         flat = jnp.reshape(base, base.shape[:1] + (-1,))
-        terms = chain_table.expected_log_terms(f.chain_table, flat, view)
+        terms = chain_table.expected_log_terms(f.enumeration.table, flat, view)
         els = reduce_wrapped(wrappers[f.name][0], jnp.reshape(terms, base.shape[1:]))
         total = total + reduce_factor(els, wrappers[f.name][1])
     return total
@@ -187,7 +230,8 @@ def expected_log_factors(fns, factors, blocks, views, data, key=None, curvature=
     for f in factors:
         # (factors reading pairs of a chain's states run K² times, the others K times; a
         # factor read as a table of pairs, K times: chain_table)
-        pairs = "table" if f.chain_table is not None else any(np.any(r.hi >= 0) for _, r in f.chain_reads)
+        enumeration = enumeration_of(f)
+        pairs = "table" if enumeration.table is not None else any(np.any(r.hi >= 0) for _, r in enumeration.chain_reads)
         groups.setdefault((f.discrete, pairs), []).append(f)
     for (names, pairs), group in groups.items():
         key, sub = jax.random.split(key) if draws else (key, key)
@@ -203,7 +247,7 @@ def expected_log_factors(fns, factors, blocks, views, data, key=None, curvature=
 
             # labels of shape 1 along their plates when every factor allows it (checked when
             # compiling): the arguments' moments are one row per value, not one per element
-            broadcast = all(f.broadcast_enumeration for f in group)
+            broadcast = all(enumeration_of(f).broadcast for f in group)
 
             chain_weights = {
                 (f.name, d): _chain_weights(f, d, views[d], sizes[j])

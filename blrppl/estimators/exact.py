@@ -8,12 +8,42 @@ blocks are enumerated (:mod:`blrppl.estimators.enumeration`).
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import jax.numpy as jnp
 
 from blrppl import moments as mom
 from blrppl.estimators.registry import Estimator, EstimatorChoice, register_estimator
+from blrppl.graph.plan import EstimatorSpec
 from blrppl.model.records import reduce_wrapped, unwrap
 from blrppl.moments.linearised import group_moments
+
+@dataclasses.dataclass(frozen=True)
+class ExactSpec(EstimatorSpec):
+    """What the exact estimator records of a factor (:attr:`blrppl.graph.plan.Factor.spec`).
+
+    Attributes:
+        powers: ``(argument, a)`` of every argument that is c·τ^a in a Gamma block (a is
+            None when it differs between elements): what conjugacy and the Gamma family's
+            moments read.
+        pairs: ``(argument, ((A, B), ...))`` of every argument that is a product of affine
+            forms of the Gaussian blocks A and B (``bilinear_gaussian``).
+        statistics: None, or where the factor's expectation comes from instead of its
+            arguments' moments, set when the plan is finished
+            (:func:`blrppl.compiler.finish.finish_plan`): a
+            :class:`blrppl.estimators.gram.GramSource` (a Normal linear in one large dense
+            Gaussian block) or a :class:`blrppl.estimators.bilinear.BilinearSource` (a
+            Normal whose location multiplies rows of two Gaussian blocks). Either answers
+            ``blocks`` (the blocks whose rows the statistics are of), ``scale_rows``,
+            ``dense_work``, ``shown(plan)``, ``compute(fns, factor, blocks, data, rows)`` and
+            ``expected_log(factor, statistics, views)``.
+    """
+
+    powers: tuple = ()
+    pairs: tuple = ()
+    statistics: Any = None
+
 
 #: closed form: for a factor f with rule R,
 #: L = E_q[log f] = Σ_elements R(moments of its arguments' classes)
@@ -54,7 +84,7 @@ def _serves(candidate) -> EstimatorChoice | None:
     columns = tuple((n, "full" if n in full else "gather") for n in gauss)
     return EstimatorChoice(
         rule=candidate.rule, arg_kinds=tuple(kinds), arg_blocks=tuple(arg_blocks), columns=columns,
-        powers=tuple(powers), pairs=tuple(pairs),
+        spec=ExactSpec(powers=tuple(powers), pairs=tuple(pairs)),
     )
 
 
@@ -69,7 +99,7 @@ def _exact_elementwise(fns, factors, blocks, views, discrete_values, data, wrapp
 def elementwise_expected_log_prob(factor, moments: dict, fn):
     """L per batch element of the factor's (wrapped) distribution ``fn``: the rule's terms
     broadcast to the batch shape of ``fn``'s base distribution first (enumerated labels may
-    come with size-1 plate dims, see :attr:`blrppl.graph.plan.Factor.broadcast_enumeration`),
+    come with size-1 plate dims, see :attr:`blrppl.estimators.enumeration.Enumeration.broadcast`),
     then its wrappers applied."""
     return reduce_wrapped(fn, unwrapped_expected_log_prob(factor, moments, fn))
 

@@ -18,6 +18,7 @@ The message is the usual conjugate one, λ̃ = (−t(h), −½ t G) at the gradi
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import NamedTuple
 
@@ -59,6 +60,42 @@ class ElementStatistics(NamedTuple):
     log_coef: jax.Array  # Σ ω log c ()
 
 
+@dataclasses.dataclass(frozen=True)
+class GramSource:
+    """An exact factor whose expectation comes from these statistics of one Gaussian block
+    (:attr:`blrppl.estimators.exact.ExactSpec.statistics`, set when it is
+    :func:`eligible`).
+
+    Attributes:
+        block: the dense Gaussian block the factor is linear in.
+    """
+
+    block: str
+
+    #: the factor's scale reads no vector of precisions indexed along the block's rows
+    scale_rows = ""
+    #: its elements no longer count in a step's dense work (its step costs O(D²))
+    dense_work = False
+
+    @property
+    def blocks(self) -> tuple:
+        """The blocks whose rows the statistics are of: the one block."""
+        return (self.block,)
+
+    def shown(self, plan) -> bool:
+        """Whether the plan table says the factor reads data statistics: not for a plated
+        block's own prior, which reads its rows' moments."""
+        return not plan.block(self.block).batch_shape
+
+    def compute(self, fns, factor, blocks: dict, data, rows: bool = False):
+        """The factor's statistics on ``data`` (:func:`statistics`)."""
+        return statistics(fns, factor, blocks[self.block], data, rows=rows)
+
+    def expected_log(self, factor, stats, views) -> jax.Array:
+        """Σ_n ω_n E_q[log f_n] from the statistics (:func:`expected_log`)."""
+        return expected_log(factor, self.block, stats, views)
+
+
 def eligible(factor, blocks, fns=None, data=None) -> str | None:
     """The Gaussian block a factor may use precomputed statistics for, else None.
 
@@ -90,7 +127,7 @@ def eligible(factor, blocks, fns=None, data=None) -> str | None:
         return None
     if kinds["scale"] == mom.PowerGamma.kind:
         (g,) = arg_blocks["scale"]
-        power = dict(factor.powers).get("scale")
+        power = dict(factor.spec.powers).get("scale")
         if blocks[g].size != 1 or power is None:
             return None
     elif kinds["scale"] != mom.Const.kind:
@@ -251,7 +288,7 @@ def scale_terms(factor, views) -> tuple:
     gamma = scale_block(factor)
     if gamma is None:
         return 1.0, 0.0
-    power = dict(factor.powers)["scale"]
+    power = dict(factor.spec.powers)["scale"]
     gv = views[gamma]
     shape = () if np.size(gv.shape) == 1 else (-1,)
     concentration = jnp.reshape(gv.shape, shape)

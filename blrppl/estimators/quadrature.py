@@ -16,6 +16,7 @@ Khan & Lin (2017). Its gradient with respect to (m, Σ) gives the message.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -26,10 +27,30 @@ import numpy as np
 from blrppl.estimators.monte_carlo import tensor_gauss_hermite
 from blrppl.estimators.registry import Estimator, EstimatorChoice, register_estimator
 from blrppl.families.gaussian import GaussianDense
+from blrppl.graph.plan import EstimatorSpec
 from blrppl.model.functions import LINKS, distribution_leaves, shift_leaf
 from blrppl.moments.linearised import base_values, group_moments
 from blrppl.model.records import reduce_wrapped
 from blrppl.moments.kinds import AffineGaussian, covariance
+
+@dataclasses.dataclass(frozen=True)
+class QuadratureSpec(EstimatorSpec):
+    """What the quadrature estimator records of a factor
+    (:attr:`blrppl.graph.plan.Factor.spec`).
+
+    Attributes:
+        links: ``(name, leaf index or "value" or "shift:<i>", link)`` of each scalar
+            projection η = g⁻¹(leaf) the rule integrates over; empty for the grid rule
+            (:func:`grid_elementwise`), which integrates over the factor's neighbours'
+            scalars instead.
+        grid_positions: for a factor on the grid rule that reads some members of a joint
+            dense Gaussian block only, ``(block, positions)`` of the scalars it reads (the
+            rule integrates over their marginal, not the whole block's); empty otherwise.
+    """
+
+    links: tuple = ()
+    grid_positions: tuple = ()
+
 
 #: Gauss–Hermite quadrature over the factor's scalar projections η_n ~ N(m_n, C_n),
 #: L = Σ_n Σ_k w_k log p(y_n | g(m_n + chol(C_n) t_k)), or, for a few scalars of a joint
@@ -88,12 +109,15 @@ def _serves(candidate) -> EstimatorChoice | None:
     if links:
         gauss = [n for n in candidate.neighbours if blocks[n].family.gaussian]
         columns = tuple((n, "full" if n in full else "gather") for n in gauss)
-        return EstimatorChoice(arg_kinds=tuple(kinds), arg_blocks=tuple(arg_blocks), columns=columns, links=tuple(links))
+        return EstimatorChoice(
+            arg_kinds=tuple(kinds), arg_blocks=tuple(arg_blocks), columns=columns, spec=QuadratureSpec(links=tuple(links))
+        )
     cont = [n for n in candidate.neighbours if n not in candidate.discrete]
     positions = grid_positions(blocks, cont, candidate.site_reads)
     if on_grid(blocks, cont, candidate.record, positions):
         # (a few scalars in all: the rule over them is cheap, and deterministic)
-        return EstimatorChoice(arg_kinds=(("log_prob", "quadrature"),), grid_positions=tuple(sorted(positions.items())))
+        spec = QuadratureSpec(grid_positions=tuple(sorted(positions.items())))
+        return EstimatorChoice(arg_kinds=(("log_prob", "quadrature"),), spec=spec)
     return None
 
 
@@ -150,8 +174,8 @@ def quadrature_elementwise(fns, factors, blocks, views, discrete_values, data):
     step written in a Python loop) are evaluated together, as one batched rule, so that the
     compiled program does not grow with their number. Factors without projections are
     integrated over their neighbours' scalars (:func:`grid_elementwise`)."""
-    grid = [f for f in factors if not f.links]
-    factors = [f for f in factors if f.links]
+    grid = [f for f in factors if not f.spec.links]
+    factors = [f for f in factors if f.spec.links]
     els, scales = {}, {}
     for f in grid:
         e, sc = grid_elementwise(fns, f, blocks, views, discrete_values, data)
@@ -169,10 +193,10 @@ def quadrature_elementwise(fns, factors, blocks, views, discrete_values, data):
     for f in factors:
         site = sites[f.name]
         _, leaves, tree = distribution_leaves(site)
-        proj = [moments[f.name][name] for name, _, _ in f.links]
+        proj = [moments[f.name][name] for name, _, _ in f.spec.links]
         inputs = (list(leaves), jnp.asarray(site["value"]), proj)
         shapes = jax.tree.map(lambda x: (jnp.shape(x), jnp.result_type(x)), inputs)
-        groups.setdefault((f.links, tree, str(shapes)), []).append((f, inputs))
+        groups.setdefault((f.spec.links, tree, str(shapes)), []).append((f, inputs))
     for (links, tree, _), members in groups.items():
         rule = functools.partial(_expected_log_prob, links, tree)
         if len(members) == 1:
@@ -203,12 +227,12 @@ def grid_elementwise(fns, factor, blocks, views, discrete_values, data):
         E_q[log f] ≈ Σ_k w_k log f(m + L z_k),    Σ = L Lᵀ per block,
 
     with GRID_NODES[d]^d nodes z_k (32 for one scalar, 7⁴ for four); of a joint block whose
-    members it reads only some of (``factor.grid_positions``), over their marginal. Deterministic: its
+    members it reads only some of (``factor.spec.grid_positions``), over their marginal. Deterministic: its
     gradient with respect to (m, Σ) gives the message as for the projections' rule (a
     stationary start ``Normal(mu, sigma / jnp.sqrt(1 - phi**2))``, a prior with no closed
     form on its unconstrained space)."""
     cont = [n for n in factor.neighbours if n not in factor.discrete]
-    read = dict(factor.grid_positions)
+    read = dict(factor.spec.grid_positions)
     sizes = [len(read[n]) if n in read else blocks[n].size for n in cont]
     d = sum(sizes)
     grid, weights = tensor_gauss_hermite(GRID_NODES[d], d)

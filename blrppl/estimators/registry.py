@@ -24,6 +24,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, NamedTuple
 
+from blrppl.graph.plan import EstimatorSpec
+
 
 class FactorCandidate(NamedTuple):
     """What the compiler knows of a factor when it chooses the factor's estimator: each
@@ -65,17 +67,25 @@ class FactorCandidate(NamedTuple):
 
 class EstimatorChoice(NamedTuple):
     """How an estimator serves a factor: the fields of its
-    :class:`blrppl.graph.plan.Factor` that the estimator sets (the rule, the arguments'
-    kinds and blocks, how each Gaussian neighbour's columns are read, and its own extras)."""
+    :class:`blrppl.graph.plan.Factor` that the estimator sets.
+
+    Attributes:
+        rule: the closed-form rule it evaluates (None: it needs none).
+        arg_kinds: the kind of each argument (and of the value) as it reads them.
+        arg_blocks: the blocks each argument depends on.
+        columns: for each Gaussian neighbour, how its columns are read (``"gather"`` or
+            ``"full"``).
+        spec: its own record of the factor (:attr:`blrppl.graph.plan.Factor.spec`), of a
+            type defined in the estimator's module (an
+            :class:`blrppl.graph.plan.EstimatorSpec`; the base record for an estimator
+            with nothing to record).
+    """
 
     rule: Any = None
     arg_kinds: tuple = ()
     arg_blocks: tuple = ()
     columns: tuple = ()
-    links: tuple = ()
-    powers: tuple = ()
-    pairs: tuple = ()
-    grid_positions: tuple = ()
+    spec: EstimatorSpec = EstimatorSpec()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,7 +114,7 @@ class Estimator:
         provisional: the compiler may choose it before the quadrature probes, which run on
             the final blocks, replace it (a structure chosen meanwhile accepts it).
         grid_rule: it has a rule integrating over a few scalars of a joint block
-            (:attr:`blrppl.graph.plan.Factor.grid_positions`).
+            (:attr:`blrppl.estimators.quadrature.QuadratureSpec.grid_positions`).
         stackable: factors with this estimator on identical sites may be stacked into one
             vectorised factor (:mod:`blrppl.graph.stack`).
         enumerated: it evaluates L at every enumerated assignment of the factor's discrete

@@ -113,15 +113,17 @@ def candidates(factors, blocks, fns) -> dict:
     factors of one chain block, whose elements are the chain reads' elements, reading pairs."""
     out = {}
     for f in factors:
-        if not (estimator_of(f).closed_form and f.role == FactorRole.SITE and f.rule is not None and f.chain_reads):
+        if f.enumeration is None or not f.enumeration.chain_reads:
+            continue
+        if not (estimator_of(f).closed_form and f.role == FactorRole.SITE and f.rule is not None):
             continue
         if len(f.discrete) != 1 or not blocks[f.discrete[0]].chain or f.name in fns.stacks:
             continue
-        if f.reinterpreted_ndim or f.gram_block or f.gram_pair:
+        if f.reinterpreted_ndim or f.spec.from_statistics:
             continue
         block = blocks[f.discrete[0]]
         k, length = len(block.support_values), block.family.length
-        table = ChainTable.build(dict(f.chain_reads)[block.name], k, length, block.size // length)
+        table = ChainTable.build(dict(f.enumeration.chain_reads)[block.name], k, length, block.size // length)
         if table is not None:
             out[f.name] = (f, table)
     return out
@@ -191,7 +193,7 @@ def tabled(factors, blocks, fns, data) -> dict:
             continue
         runs = [traced.numbers({**inputs, ("states",): states}, numbering) for states in table.states]
         per_arg = {arg: [r[arg] for r in runs] for arg in runs[0]}
-        if arguments_agree(table, per_arg, dict(f.chain_reads)[block.name].lo.shape):
+        if arguments_agree(table, per_arg, dict(f.enumeration.chain_reads)[block.name].lo.shape):
             out[name] = table
     return out
 

@@ -260,7 +260,7 @@ class Block:
     def discrete_site_values(self, state, broadcast: bool = False) -> dict:
         """Site → value array (every element at one value) of a discrete block in state
         ``state`` (an index into ``support_values``; traceable); with ``broadcast``, of
-        shape 1 along every dim (see :attr:`Factor.broadcast_enumeration`)."""
+        shape 1 along every dim (see :attr:`blrppl.estimators.enumeration.Enumeration.broadcast`)."""
         shape = (1,) * len(self.value_shape) if broadcast else self.value_shape
         if self.members:
             row = jnp.asarray(self.joint_states)[state]
@@ -397,6 +397,46 @@ class FactorRole:
 
 
 @dataclasses.dataclass(frozen=True)
+class EstimatorSpec:
+    """What an estimator records of one factor beyond the fields every factor has
+    (:attr:`Factor.spec`): the base of each estimator's own record, which lives in the
+    estimator's module (:class:`blrppl.estimators.exact.ExactSpec`,
+    :class:`blrppl.estimators.quadrature.QuadratureSpec`). An estimator with nothing to
+    record (Monte Carlo, delta, the pseudo-factors) uses this empty record.
+
+    (It is defined here, not in :mod:`blrppl.estimators`, because the estimators' modules
+    import this one.)
+
+    The class attributes below are the answers every spec gives to the questions code that
+    does not know the factor's estimator asks of any factor; a spec that records them
+    declares them as fields of its own. They are the only such questions: an estimator's
+    other extras are read by its own module only.
+
+    Attributes:
+        links: ``(name, leaf index or "value", link)`` of each scalar projection η = g⁻¹(leaf)
+            the factor is read through, for a factor without a rule (its arguments,
+            :func:`blrppl.model.functions.factor_arguments`); empty here.
+        powers: ``(argument, a)`` of every argument that is c·τ^a in a Gamma block; empty here.
+        pairs: ``(argument, ((A, B), ...))`` of every argument that is a product of affine
+            forms of the Gaussian blocks A and B; empty here.
+        statistics: the data statistics the factor's expectation comes from instead of its
+            arguments' moments (:class:`blrppl.estimators.gram.GramSource`,
+            :class:`blrppl.estimators.bilinear.BilinearSource`); None here.
+    """
+
+    links = ()
+    powers = ()
+    pairs = ()
+    statistics = None
+
+    @property
+    def from_statistics(self) -> bool:
+        """Whether the factor's expectation comes from data statistics (:attr:`statistics`)
+        rather than from the moments of its arguments."""
+        return self.statistics is not None
+
+
+@dataclasses.dataclass(frozen=True)
 class Factor:
     """One log-density term of the model.
 
@@ -417,24 +457,8 @@ class Factor:
         columns: for each Gaussian neighbour, ``"gather"`` (each element of an argument
             uses one plate element of the block) or ``"full"`` (elements mix plate elements).
         reinterpreted_ndim: trailing batch dims summed as event dims.
-        links: for ``quadrature`` factors, ``(name, leaf index or "value", link)`` of each
-            scalar projection η = g⁻¹(leaf) integrated over.
-        powers: for exact factors, ``(argument, a)`` of every argument that is c·τ^a in a
-            Gamma block (a is None when it differs between elements).
-        pairs: for exact factors, ``(argument, ((A, B), ...))`` of every argument that is a
-            product of affine forms of the Gaussian blocks A and B (``bilinear_gaussian``).
         subsampled: names of the subsampled plates the factor sits in (its minibatch
             terms carry the weight N/M, applied by numpyro's plate as the site's scale).
-        gram_block: for an exact Normal factor linear in one large dense Gaussian block,
-            that block: its expectation comes from data statistics computed once per fit
-            (:mod:`blrppl.estimators.gram`) instead of the elementwise moments.
-        gram_pair: for an exact Normal factor whose location multiplies a row of the
-            Gaussian block A by a row of B in each element (``X @ C.T``), ``(A, B)``: its
-            expectation comes from data statistics computed once per fit
-            (:mod:`blrppl.estimators.bilinear`).
-        gram_scale_rows: for a ``gram_pair`` factor whose scale reads a vector of Gamma
-            precisions, one per row of A or of B (factor analysis' noise precision per
-            observed dimension), that block; "" otherwise.
         why: for a factor without a closed form, why (the argument whose form no rule
             reads, and what that form is: read off the model's program).
         members: for a stacked factor (:mod:`blrppl.graph.stack`), the sites it holds (its
@@ -443,21 +467,17 @@ class Factor:
             pseudo-factor: a block's log|det J| term or an online update's previous
             posterior; pseudo-factors are named ``"<block>:jacobian"`` and
             ``"<block>:previous"`` for display only).
-        chain_reads: for a factor of a hidden Markov chain, the chain positions each of its
-            elements reads (:class:`blrppl.graph.markov.Reads` per chain block).
-        broadcast_enumeration: the factor's enumerated discrete values may be passed with
-            size-1 plate dims (every element at one value) and its expected log-density
-            broadcast over its elements: its arguments were checked, at compile time, to
-            equal the full ones broadcast (a mixture's ``mu[z]`` is then one row per
-            component, not N copies of it).
-        chain_table: for a factor of a hidden Markov chain whose elements read pairs of
-            states through the same K × K table (a transition ``trans[prev]``), its layout
-            (:class:`blrppl.graph.chain_table.ChainTable`): K runs of the model instead of
-            K² (checked at compile time); None otherwise.
         spread: for a latent's prior, ``(argument, sites)`` of each argument setting its
             spread (a scale, a covariance, a concentration) that reads other latent sites
             (a hierarchical model's group sd, a Beta's pooled concentration): what its
             poor-q advice names (:func:`blrppl.engine.advice.poor_q_advice`).
+        spec: the estimator's own record of the factor, an :class:`EstimatorSpec` of the
+            estimator's type (an exact factor's Gamma powers, multiplied pairs and data
+            statistics; a quadrature factor's projections or the scalars its grid rule reads).
+        enumeration: how the factor's discrete neighbours are enumerated, a
+            :class:`blrppl.estimators.enumeration.Enumeration` (the chain positions each
+            element reads, a chain's transition table, labels passed with size-1 plate dims);
+            None for a factor without discrete neighbours, or enumerated the default way.
     """
 
     name: str
@@ -471,34 +491,17 @@ class Factor:
     arg_blocks: tuple
     columns: tuple
     reinterpreted_ndim: int
-    links: tuple = ()
-    powers: tuple = ()
-    pairs: tuple = ()
     subsampled: tuple = ()
-    gram_block: str = ""
-    gram_pair: tuple = ()
-    gram_scale_rows: str = ""
     why: str = ""
     members: tuple = ()
     role: str = FactorRole.SITE
-    chain_reads: tuple = ()
-    broadcast_enumeration: bool = False
-    chain_table: Any = None
     spread: tuple = ()
-    #: for a factor on the grid rule (quadrature without projections) that reads some members
-    #: of a joint dense Gaussian block only: ``(block, positions)`` of the scalars it reads
-    #: (the rule integrates over their marginal, not the whole block's)
-    grid_positions: tuple = ()
+    spec: EstimatorSpec = EstimatorSpec()
+    enumeration: Any = None
 
     @property
     def kinds(self) -> dict:
         return dict(self.arg_kinds)
-
-    @property
-    def from_statistics(self) -> bool:
-        """Whether the factor's expectation comes from data statistics (``gram_block`` or
-        ``gram_pair``) rather than from the moments of its arguments."""
-        return bool(self.gram_block or self.gram_pair)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -569,11 +572,13 @@ class Plan:
         positions each factor element reads (programs built for one are wrong for another)."""
         h = hashlib.blake2b(digest_size=16)
         for f in self.factors:
-            for name, reads in f.chain_reads:
+            if f.enumeration is None:
+                continue
+            for name, reads in f.enumeration.chain_reads:
                 h.update(f"{f.name}/{name}".encode())
                 h.update(np.ascontiguousarray(reads.lo).tobytes())
                 h.update(np.ascontiguousarray(reads.hi).tobytes())
-            if f.chain_table is not None:
+            if f.enumeration.table is not None:
                 h.update(f"{f.name}/table".encode())
         return h.hexdigest()
 
@@ -612,13 +617,14 @@ class Plan:
         rows[0] += ("why not exact",) if why else ()
         for f in self.factors:
             args = ", ".join(f"{k}:{v}" for k, v in f.arg_kinds)
-            # (a plated block's own prior reads its rows' moments: no data statistics to show)
-            own_prior = f.gram_block and self.block(f.gram_block).batch_shape
-            estimator = f"{f.estimator} (data statistics)" if f.from_statistics and not own_prior else f.estimator
+            statistics = f.spec.statistics
+            shown = statistics is not None and statistics.shown(self)
+            estimator = f"{f.estimator} (data statistics)" if shown else f.estimator
             if f.members:
                 estimator += f" ({len(f.members)} sites stacked)"
-            if f.chain_table is not None:
-                k = f.chain_table.states.shape[0]
+            table = f.enumeration.table if f.enumeration is not None else None
+            if table is not None:
+                k = table.states.shape[0]
                 estimator += f" (one {k} × {k} table)"
             row = (f.name, f.dist_name, ", ".join(f.neighbours) or "-", estimator, args)
             if sub:

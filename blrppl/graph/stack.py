@@ -172,7 +172,7 @@ def _is_affine(form) -> bool:
 def _candidate(f, record, forms: dict, blocks: dict) -> bool:
     if f.name not in forms or record is None or record.is_factor or record.is_param:
         return False
-    if f.discrete or f.from_statistics or f.subsampled or not estimator_of(f).stackable:
+    if f.discrete or f.spec.from_statistics or f.subsampled or not estimator_of(f).stackable:
         return False
     if record.has_mask or record.has_scale or record.plates or record.reinterpreted_ndim:
         return False
@@ -211,7 +211,10 @@ def _signature(f, entry, forms: dict):
     # (a leaf the density does not read has no form: a constant of the table, never read)
     affine = tuple(k in forms[f.name] and not isinstance(forms[f.name][k], fm.Const) for k in keys)
     layout = _Layout(tree, batch_shape, tuple((x.shape, x.dtype) for x in items), affine)
-    factor = (f.observed, f.estimator, id(f.rule), f.arg_kinds, f.arg_blocks, f.columns, f.neighbours, f.links, f.powers, f.dist_name, f.why)
+    factor = (
+        f.observed, f.estimator, id(f.rule), f.arg_kinds, f.arg_blocks, f.columns, f.neighbours, f.spec, f.enumeration,
+        f.dist_name, f.why,
+    )
     return factor, layout
 
 

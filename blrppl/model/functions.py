@@ -307,4 +307,4 @@ def factor_arguments(factor):
     """What :meth:`ModelFunctions.args_of` extracts for a factor."""
     if factor.rule is not None:
         return factor.rule.arg_names
-    return projection_args(factor.links)
+    return projection_args(factor.spec.links)

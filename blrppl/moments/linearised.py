@@ -208,7 +208,7 @@ def group_moments(
     sets = {n: _tangent_sets(blocks[n], views[n], n in full) for n in cont}
     rows_of = _pushed_rows(lin, point, sets, out, factors, blocks, views)
     gauss = [n for n in cont if blocks[n].family.gaussian]
-    paired = {n for f in factors for _, ps in f.pairs for pair in ps for n in pair}
+    paired = {n for f in factors for _, ps in f.spec.pairs for pair in ps for n in pair}
     roots = {}
     for n in paired:
         root = blocks[n].family.tangent_roots(views[n], n in full)
@@ -285,7 +285,7 @@ def _affine_gaussian(a: _Argument):
 
 def _bilinear_gaussian(a: _Argument):
     left, right = a.columns()
-    pairs = dict(a.factor.pairs)[a.name]
+    pairs = dict(a.factor.spec.pairs)[a.name]
     found = [a.extra[pair][a.factor.name][a.name] for pair in pairs]
     whole = _whole_product_variance(a.factor, a.name, pairs, found)
     if whole is None:
@@ -308,7 +308,7 @@ def _power_gamma(a: _Argument):
     slope, shape_t, rate_t, *mean_t = a.rows(a.used[0], "gamma")
     mean_params = [m / slope for m in mean_t] if mean_t else [None, None]
     # the exponent a is the argument form's, known at trace time
-    power = dict(a.factor.powers).get(a.name)
+    power = dict(a.factor.spec.powers).get(a.name)
     power = slope / a.value if power is None else float(power)
     return mom.PowerGamma(a.value, power, shape_t / slope, rate_t / slope, *mean_params)
 
@@ -380,7 +380,7 @@ def _bilinear_extra(model_args, point: dict, sets: dict, roots: dict, factors) -
     covariances (:func:`blrppl.moments.products.product_second_moments`): for ``X @ C.T``, one
     (N, D²) @ (D², M) product in place of D² pushes of (N, M).
     """
-    pairs = sorted({pair for f in factors for _, ps in f.pairs for pair in ps})
+    pairs = sorted({pair for f in factors for _, ps in f.spec.pairs for pair in ps})
     zeros = {n: jnp.zeros_like(x) for n, x in point.items()}
 
     def tile(x, k):
@@ -389,7 +389,7 @@ def _bilinear_extra(model_args, point: dict, sets: dict, roots: dict, factors) -
     out = {}
     for a, b in pairs:
         rooted = roots.get(a) is not None and roots.get(b) is not None
-        wanted = [(f.name, arg) for f in factors for arg, ps in f.pairs if (a, b) in ps]
+        wanted = [(f.name, arg) for f in factors for arg, ps in f.spec.pairs if (a, b) in ps]
         if rooted:
             # a product the program takes as a primitive: one contraction of covariances
             contracted = product_second_moments(model_args, point, a, sets[a], b, sets[b], wanted)
@@ -419,7 +419,7 @@ def _bilinear_extra(model_args, point: dict, sets: dict, roots: dict, factors) -
             return jnp.sum(jnp.square(x), axis=0) if rooted else jnp.sum(x[:half] * x[half:], axis=0)
 
         out[(a, b)] = {
-            f.name: {arg: ProductMoments(square(pushed[f.name][arg]), None) for arg, ps in f.pairs if (a, b) in ps}
+            f.name: {arg: ProductMoments(square(pushed[f.name][arg]), None) for arg, ps in f.spec.pairs if (a, b) in ps}
             for f in factors
         }
     return out

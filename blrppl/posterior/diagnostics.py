@@ -337,7 +337,7 @@ def model_density(plan, fns, records, data_shapes, batch: int = BATCH) -> Densit
     stacked = {m: f.name for f in plan.factors for m in f.members}
     sites = tuple(dict.fromkeys(stacked.get(n, n) for n in sites))
     site_discrete = {f.name: {d for d in f.discrete if not blocks[d].chain} for f in plan.factors if f.name in records}
-    broadcastable = {f.name: f.broadcast_enumeration for f in plan.factors}
+    broadcastable = {f.name: f.enumeration is not None and f.enumeration.broadcast for f in plan.factors}
     for f in plan.factors:
         for d in f.discrete:
             if blocks[d].chain:
@@ -390,7 +390,7 @@ def model_density(plan, fns, records, data_shapes, batch: int = BATCH) -> Densit
     # (each data element is evaluated at every enumerated value of its group's discrete latents)
     enumerated = sum(math.prod(len(blocks[d].support_values) for d in group) for group in groups) or 1
     # (an element of a product of Gaussian blocks, ``X @ C.T``, is a sum of D products)
-    product = max((blocks[a].element_size for f in plan.factors for _, ps in f.pairs for a, _ in ps), default=0)
+    product = max((blocks[a].element_size for f in plan.factors for _, ps in f.spec.pairs for a, _ in ps), default=0)
     num = num_draws(data_shapes, enumerated, 1 + product)
     at_once = draws_at_once(max(data_size, 1) * enumerated, num)
     if at_once < num:

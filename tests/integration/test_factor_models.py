@@ -134,7 +134,7 @@ def test_ppca_contraction_is_read_exactly(ppca_fits):
     text = fit.plan.describe()
     assert "loc:bilinear_gaussian" in text, text
     # (the likelihood from data statistics: the textbook sweeps below check that path)
-    assert dict((f.name, f.gram_pair) for f in fit.plan.factors)["Y"] == ("X", "C"), text
+    assert dict((f.name, f.spec.statistics) for f in fit.plan.factors)["Y"].pair == ("X", "C"), text
     assert [b.name for b in fit.plan.blocks] == ["alpha", "C", "X", "tau"], text
     assert all(conj for _, conj in fit.plan.conjugate), text
     assert fit.posterior["X"].covariance_matrix.shape == (N, D, D)  # a full covariance per row
@@ -228,7 +228,7 @@ def test_matrix_factorisation_from_index_pairs():
     a, b = _fits(matrix_factorisation, {"row": row, "col": col, "rating": y[row, col]})
     text = a.plan.describe()
     assert "loc:bilinear_gaussian" in text and all(c for _, c in a.plan.conjugate), text
-    assert dict((f.name, f.gram_pair) for f in a.plan.factors)["rating"] == ("U", "V"), text
+    assert dict((f.name, f.spec.statistics) for f in a.plan.factors)["rating"].pair == ("U", "V"), text
     _assert_steps(a, b, _mf_q, _mf_sweep(np.where(seen, y, 0.0), seen.astype(float)))
     assert _monotone(b)
 
@@ -340,7 +340,7 @@ def test_centred_factor_analysis_reads_data_statistics_and_takes_the_textbook_sw
     y, _ = _data(seed=4)
     a, b = _fits(centred_factor_analysis, {"Y": y})
     (lik,) = [f for f in a.plan.factors if f.observed]
-    assert (lik.gram_pair, lik.gram_scale_rows) == (("X", "W"), "W"), a.plan.describe()
+    assert (lik.spec.statistics.pair, lik.spec.statistics.scale_rows) == (("X", "W"), "W"), a.plan.describe()
     assert {n for n, _, _ in a.plan.tied} == {"X"}, a.plan.describe()
     _assert_steps(a, b, lambda fit: (*_gamma(fit.posterior["psi"]), *_mvn(fit.posterior["W"]), *_mvn(fit.posterior["X"])),
                   _centred_fa_sweep(y))

@@ -265,11 +265,11 @@ def test_labels_are_broadcast_only_when_the_arguments_agree(name, data):
     use, broadcast = LABEL_USES[name]
     y = data[1][:60]
     result = _fit_labelled(_labelled(use), y)
-    flags = {f.name: f.broadcast_enumeration for f in result.plan.factors}
+    flags = {f.name: f.enumeration is not None and f.enumeration.broadcast for f in result.plan.factors}
     assert flags["y"] is broadcast and flags["z"] is True, flags
     # every variant takes the full labels' steps (the per-element shift: on shifted data)
     shift = 1e-3 * np.arange(60) if name == "per_element" else 0.0
     reference = _fit_labelled(REFERENCE, y - shift)
-    assert not {f.name: f.broadcast_enumeration for f in reference.plan.factors}["y"]
+    assert not {f.name: f.enumeration is not None and f.enumeration.broadcast for f in reference.plan.factors}["y"]
     np.testing.assert_allclose(np.asarray(result.elbo), np.asarray(reference.elbo), rtol=1e-9)
     np.testing.assert_allclose(result.posterior["mu"].loc, reference.posterior["mu"].loc, rtol=1e-9, atol=1e-9)

@@ -250,7 +250,7 @@ def test_numpyro_stochastic_volatility_example_matches_nuts():
     (measured 0.28 and 0.16: mean-field against the chain, their sds are 0.40 and 0.21 of
     NUTS', docs/limitations.md)."""
     r = likelihood_factor(fit("student_t_volatility"), "r")
-    assert r.estimator == "quadrature" and [link for _, _, link in r.links] == ["exp", "exp"]
+    assert r.estimator == "quadrature" and [link for _, _, link in r.spec.links] == ["exp", "exp"]
     assert_chain_matches_nuts("student_t_volatility", "s", 2000, sd_rel=0.2)
     err, _ = errors("student_t_volatility")
     assert err["nu"] <= 0.35 and err["sigma"] <= 0.35, _fmt({k: err[k] for k in ("nu", "sigma")})
@@ -382,7 +382,7 @@ def test_factor_term_is_in_the_plan():
     # (a factor of two scalars: the tensor Gauss–Hermite rule over them, not Monte Carlo)
     result = fit("factor")
     factor = likelihood_factor(result, "soft_constraint")
-    assert factor.estimator == "quadrature" and not factor.links
+    assert factor.estimator == "quadrature" and not factor.spec.links
 
 
 def test_simplex_draws_on_the_simplex():

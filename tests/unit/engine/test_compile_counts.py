@@ -19,6 +19,7 @@ from blrppl.bench.models import random_intercepts_model
 from blrppl.model.program import ModelProgram
 from blrppl.families import GaussianDense, GaussianDiag, GaussianNat
 from blrppl.families.gaussian import DiagGaussianNat
+from blrppl.estimators.gram import GramSource
 from blrppl.graph.data import DataSpec
 from blrppl.runtime.counting import xla_compilations
 from blrppl.model.trace import model_runs
@@ -250,7 +251,7 @@ def test_data_statistics_of_priors_compile_no_program_of_their_own(monkeypatch):
         random_intercepts_model(county, x, num_counties, y)
 
     prepared = prepare_module.prepare(ModelProgram(model), (), data, fit_options(), random.PRNGKey(0))
-    gram_factors = [f.name for f in prepared.plan.factors if f.gram_block]
+    gram_factors = [f.name for f in prepared.plan.factors if isinstance(f.spec.statistics, GramSource)]
     assert gram_factors and prepared.bundle.statistics_fn is None  # all of them read no data
     assert prepared.bundle._statistics_compiled is None  # (no program of their own)
     assert prepared.compile_counts.xla_compilations <= 2

@@ -42,7 +42,10 @@ def exact(X, y, noise=0.5, prior=2.0):
 
 
 def uses_statistics(result, site="y"):
-    return any(f.name == site and f.gram_block for f in result.plan.factors) and "data statistics" in result.plan.describe()
+    return (
+        any(f.name == site and isinstance(f.spec.statistics, gram.GramSource) for f in result.plan.factors)
+        and "data statistics" in result.plan.describe()
+    )
 
 
 def test_regression_is_exact_in_one_step():
@@ -189,7 +192,7 @@ def test_prior_on_a_plated_blocks_own_values_reads_means_and_variances():
         block = plan.block("x")
         assert block.batch_shape == (ROWS,) and block.family.dense_event, plan.describe()
         (factor,) = [f for f in plan.factors if f.name == "x"]
-        assert factor.gram_block == "x", plan.describe()
+        assert factor.spec.statistics == gram.GramSource("x"), plan.describe()
         stats = gram.statistics(fns, factor, block, dyn)
         rng = np.random.default_rng(5)
         r = rng.normal(size=(ROWS, WIDTH, WIDTH))

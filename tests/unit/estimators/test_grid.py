@@ -57,7 +57,7 @@ def test_opaque_factor_of_two_scalars_is_the_optimum_of_its_quadrature_elbo():
     fit = blr_fit(tanh_model, {"y": Y}, rng_key=random.PRNGKey(0), tol=1e-30, num_steps=500, progress_bar=False)
     plan = fit.plan.describe()
     (factor,) = [f for f in fit.plan.factors if f.name == "y"]
-    assert factor.estimator == "quadrature" and not factor.links, plan
+    assert factor.estimator == "quadrature" and not factor.spec.links, plan
     assert len(fit.plan.blocks) == 1 and fit.plan.blocks[0].size == 2, plan  # (a, b) joint
     got_mean = [float(fit.posterior[s].mean) for s in ("a", "b")]
     got_var = [float(fit.posterior[s].variance) for s in ("a", "b")]
@@ -132,12 +132,12 @@ def test_a_factor_reading_some_members_of_a_joint_block_integrates_over_them_onl
     rng = np.random.default_rng(0)
     seen, caught = (rng.random(50) < 0.3).astype(float), (rng.random(50) < 0.8).astype(float)
     marginal = blr_fit(two_rates, (seen, caught), rng_key=random.PRNGKey(0), progress_bar=False)
-    reads = {f.name: f.grid_positions for f in marginal.plan.factors if f.estimator == "quadrature"}
+    reads = {f.name: f.spec.grid_positions for f in marginal.plan.factors if f.estimator == "quadrature"}
     assert reads["seen"] == (("(phi, rho)", (0,)),) and reads["caught"] == (("(phi, rho)", (1,)),), reads
     monkeypatch.setattr(quadrature_module, "grid_positions", lambda *_: {})
     monkeypatch.setattr(cache_module, "_CACHE", collections.OrderedDict())  # (compiled again)
     whole = blr_fit(two_rates, (seen, caught), rng_key=random.PRNGKey(0), progress_bar=False)
-    assert all(not f.grid_positions for f in whole.plan.factors)
+    assert all(not getattr(f.spec, "grid_positions", ()) for f in whole.plan.factors)
     assert marginal.num_steps == whole.num_steps
     for name in whole.params:
         np.testing.assert_allclose(marginal.params[name], whole.params[name], rtol=1e-8, atol=1e-10)

@@ -442,7 +442,7 @@ def test_compile_reads_argument_classes_without_probes(structure):
         assert len(plan.blocks) == 1 and plan.blocks[0].members
     # mean-field: σ's log-normal block is independent of β, so E[σ⁻²] E[(y − Xβ)²] is the
     # closed form; jointly, the scale and the mean share a block and are integrated together
-    assert {f.name: f.estimator for f in plan.factors if f.rule is not None or f.links} == {
+    assert {f.name: f.estimator for f in plan.factors if f.rule is not None or f.spec.links} == {
         "beta": "exact", "sigma": "quadrature", "y": "exact" if structure == "mean-field" else "quadrature"
     }
 

@@ -680,7 +680,7 @@ def test_transitions_are_read_as_one_table_only_where_every_step_shares_it():
     from blrppl.api import plan_of
 
     def tabled(plan):
-        return sorted(f.name for f in plan.factors if f.chain_table is not None)
+        return sorted(f.name for f in plan.factors if f.enumeration is not None and f.enumeration.table is not None)
 
     seqs, lengths = tones_data()
     assert tabled(plan_of(tones_hmm, (jnp.asarray(seqs), jnp.asarray(lengths)))) == ["x"]
@@ -865,5 +865,5 @@ def test_a_latent_table_read_differently_at_some_steps_is_not_one_table():
     plans = {m.__name__: plan_of(m, (jnp.asarray(y),)) for m in (tempered_hmm, shared_table_hmm)}
     # (both transitions in closed form: the table is the only difference)
     assert all({f.name: f.estimator for f in p.factors}["x"] == "exact" for p in plans.values())
-    tables = {n: [f.name for f in p.factors if f.chain_table is not None] for n, p in plans.items()}
+    tables = {n: [f.name for f in p.factors if f.enumeration is not None and f.enumeration.table is not None] for n, p in plans.items()}
     assert tables == {"tempered_hmm": [], "shared_table_hmm": ["x"]}, {n: p.describe() for n, p in plans.items()}
