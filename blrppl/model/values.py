@@ -19,8 +19,8 @@ Then
 * elementwise primitives number each element by the primitive, its parameters and the
   operands' numbers there;
 * layout primitives (reshape, broadcast, transpose, slices, ``rev``, concatenation, padding,
-  ``gather`` / ``dynamic_slice`` / ``dynamic_update_slice`` / ``scatter`` at known indices,
-  ``select_n`` with a known predicate) move the numbers;
+  ``gather`` / ``dynamic_slice`` / ``dynamic_update_slice`` at known indices, ``select_n``
+  with a known predicate) move the numbers;
 * reductions number each output element by the sequence of numbers it reduces, contractions
   by the pair of rows they contract, cumulative reductions by the chain of their prefixes;
 * a ``gather`` at indices a symbol sets (``mu[z]``) numbers each element by its candidates
@@ -107,14 +107,16 @@ class Numbering:
 
 
 class _Value:
-    """A variable: its numbers (when it depends on a symbol) or a way to compute its value."""
+    """A variable: its numbers (when it depends on a symbol), or a way to compute its value
+    and a way to number it by its expression (without computing it)."""
 
-    __slots__ = ("shape", "numbers", "_compute", "_value")
+    __slots__ = ("shape", "numbers", "_compute", "_value", "expression")
 
     def __init__(self, shape, numbers=None, compute=None, value=None):
         self.shape = tuple(shape)
         self.numbers = numbers
         self._compute, self._value = compute, value
+        self.expression = None
 
     @property
     def symbolic(self) -> bool:
@@ -164,9 +166,15 @@ class _Interpreter:
         self.numbering = numbering
 
     def numbers(self, v: _Value) -> np.ndarray:
-        """A variable's numbers (a known value's from its bits)."""
+        """A variable's numbers: a known leaf's (data, a constant) from its bits, a value
+        computed from known ones from its expression (never evaluated for it)."""
         if v.symbolic:
             return v.numbers
+        if v._value is None and v.expression is not None:
+            try:
+                return v.expression()
+            except _Unknown:
+                pass
         return self.numbering.constants(v.value())
 
     def run(self, jaxpr, ins: Sequence[_Value], consts: Sequence = ()) -> list:
@@ -190,7 +198,29 @@ class _Interpreter:
     def equation(self, eqn, ins: list) -> list:
         shapes = [_shape(v) for v in eqn.outvars]
         if not any(v.symbolic for v in ins):
-            return _known(eqn, ins, shapes)
+            return self.known(eqn, ins, shapes)
+        return self.symbolic(eqn, ins, shapes)
+
+    def known(self, eqn, ins, shapes) -> list:
+        """Outputs that depend on no symbol: their values computed on demand on the host
+        (indices, masks), their numbers by their expression."""
+        outs = _known(eqn, ins, shapes)
+        cache: dict = {}
+
+        def expression(i):
+            def get():
+                if "numbers" not in cache:
+                    cache["numbers"] = [self.numbers(v) for v in self.symbolic(eqn, ins, shapes)]
+                return cache["numbers"][i]
+
+            return get
+
+        for i, out in enumerate(outs):
+            out.expression = expression(i)
+        return outs
+
+    def symbolic(self, eqn, ins, shapes) -> list:
+        """The outputs' numbers from the inputs' (:meth:`numbers`)."""
         name = eqn.primitive.name
         try:
             if name == "scan":
@@ -300,12 +330,16 @@ class _Interpreter:
         if name == "gather":
             index = self.numbers(ins[1])
             per = self.reduce("index", index, (index.ndim - 1,), index.shape[:-1])
-            offset = tuple(eqn.params["dimension_numbers"].offset_dims)
-            per = np.broadcast_to(np.expand_dims(per, offset), shape)
+            window = tuple(eqn.params["dimension_numbers"].offset_dims)
+            per = np.broadcast_to(np.expand_dims(per, window), shape)
         else:
             starts = [self.numbers(v) for v in ins[1:]]
             per = np.broadcast_to(self.numbering.elementwise("starts", starts, ()), shape)
-        return self.numbering.elementwise(("select", _signature(eqn)), [chosen, per], shape)
+            window = tuple(range(len(shape)))
+        # (an element's place in its window: operand[index + w] differs from operand[index])
+        grid = np.indices(shape, dtype=np.int64) if shape else np.zeros((0,), np.int64)
+        places = [grid[d] for d in window]
+        return self.numbering.elementwise(("select", _signature(eqn)), [chosen, per] + places, shape)
 
     def scan(self, eqn, ins, shapes) -> list:
         body, consts = sub_jaxpr(eqn)
@@ -408,10 +442,10 @@ def _concatenate(interp, eqn, ins, shape):
 
 
 def _bound(operands: int):
-    """gather / dynamic_slice / dynamic_update_slice / scatter at known indices."""
+    """gather / dynamic_slice / dynamic_update_slice at known indices."""
 
     def rule(interp, eqn, ins, shape):
-        if any(not v.known for v in ins[operands:]) and eqn.primitive.name != "scatter":
+        if any(not v.known for v in ins[operands:]):
             raise _Unknown
         name = eqn.primitive.name
         if name in ("gather", "dynamic_slice"):
@@ -426,12 +460,7 @@ def _bound(operands: int):
             starts = [int(np.clip(s, 0, d - n)) for s, d, n in zip(rest, target.shape, update.shape)]
             target[tuple(slice(s, s + n) for s, n in zip(starts, update.shape))] = update
             return target
-        # scatter: only a plain overwrite at known indices moves numbers
-        if name != "scatter" or not ins[1].known:
-            raise _Unknown
-        out = host_eval.bind(eqn, [np.asarray(interp.numbers(ins[0]), np.int64), ins[1].value(),
-                                   np.asarray(interp.numbers(ins[2]), np.int64)])
-        return np.asarray(out[0], np.int64)
+        raise _Unknown
 
     return rule
 
@@ -494,8 +523,9 @@ def value_numbers(jaxpr, consts: Sequence, inputs: Sequence, numbering: Numberin
         numbering: the table to number in (pass one table to compare two programs' outputs).
 
     Returns:
-        per output, its numbers (a :class:`Symbols`) when it depends on a symbol, else its
-        value (a numpy array; None when the host could not compute it).
+        per output, its numbers (a :class:`Symbols`; an output that depends on no symbol is
+        numbered by its expression over the data's and constants' bits, never evaluated),
+        or None where it cannot be numbered.
     """
     numbering = numbering or Numbering()
     ins = []
@@ -505,14 +535,12 @@ def value_numbers(jaxpr, consts: Sequence, inputs: Sequence, numbering: Numberin
         else:
             ins.append(_Value(_shape(var), value=None if x is None else np.asarray(x)))
     out = []
-    for v in _Interpreter(numbering).run(jaxpr, ins, consts):
-        if v.symbolic:
-            out.append(Symbols(v.numbers))
-        else:
-            try:
-                out.append(np.asarray(v.value()))
-            except _Unknown:
-                out.append(None)
+    interp = _Interpreter(numbering)
+    for v in interp.run(jaxpr, ins, consts):
+        try:
+            out.append(Symbols(interp.numbers(v)))
+        except _Unknown:
+            out.append(None)
     return out
 
 
@@ -534,9 +562,9 @@ class Traced:
         self.closed, self.out_tree, self.keys, self.data_leaves = closed, out_tree, keys, data_leaves
 
     def numbers(self, inputs: dict, numbering: Numbering):
-        """The outputs' numbers (:class:`Symbols`) or values (numpy arrays; None where the
-        host cannot compute one) with ``inputs`` (key → :class:`Symbols` or a value: every key
-        traced), in the output's structure."""
+        """The outputs' numbers (:class:`Symbols`; None where one cannot be numbered) with
+        ``inputs`` (key → :class:`Symbols` or a value: every key traced), in the output's
+        structure."""
         leaves = [inputs[k] for k in self.keys] + self.data_leaves
         outs = value_numbers(self.closed.jaxpr, self.closed.consts, leaves, numbering)
         return jax.tree.unflatten(self.out_tree, outs)
