@@ -67,6 +67,11 @@ _REDUCTIONS = frozenset({
     "reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or", "argmax", "argmin",
 })
 _CUMULATIVE = frozenset({"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"})
+#: linear algebra on the last two axes of their operands, batched over the others
+_MATRIX = frozenset({
+    "cholesky", "triangular_solve", "lu", "eigh", "qr", "householder_product", "geqrf", "svd", "schur",
+    "lu_pivots_to_permutation", "cholesky_update", "tridiagonal_solve", "eig",
+})
 
 
 class Numbering:
@@ -82,6 +87,10 @@ class Numbering:
             found = self._table[key] = len(self._table)
         return found
 
+    def fresh(self) -> int:
+        """A number no expression has (an unknown value: equal to nothing else)."""
+        return self.of(("fresh", len(self._table)))
+
     def rows(self, tag, rows: np.ndarray) -> np.ndarray:
         """The number of ``(tag, row)`` for each row of the 2-d integer array ``rows``."""
         rows = np.ascontiguousarray(rows, dtype=np.int64)
@@ -92,18 +101,41 @@ class Numbering:
         return numbers[np.ravel(inverse)]
 
     def elementwise(self, tag, arrays: list, shape) -> np.ndarray:
-        """Per element of ``shape``: the number of ``(tag, the arrays' numbers there)``."""
-        cols = [np.broadcast_to(a, shape).reshape(-1) for a in arrays]
-        rows = np.stack(cols, -1) if cols else np.zeros((math.prod(shape), 0), np.int64)
-        return self.rows(tag, rows).reshape(shape)
+        """Per element of ``shape``: the number of ``(tag, the arrays' numbers there)``.
+        Along an axis where every array is constant (a broadcast: a label the same for every
+        element, a table read alike) the numbers are found once and broadcast."""
+        shape = tuple(shape)
+        full = [np.broadcast_to(a, shape) for a in arrays]
+        index = tuple(
+            slice(0, 1) if n > 1 and all(_constant_along(a, axis) for a in full) else slice(None)
+            for axis, n in enumerate(shape)
+        )
+        small = [a[index] for a in full]
+        reduced = small[0].shape if small else tuple(1 if i == slice(0, 1) else n for i, n in zip(index, shape))
+        cols = [a.reshape(-1) for a in small]
+        rows = np.stack(cols, -1) if cols else np.zeros((math.prod(reduced), 0), np.int64)
+        return np.broadcast_to(self.rows(tag, rows).reshape(reduced), shape)
 
     def constants(self, value) -> np.ndarray:
         """The numbers of a known array's elements: by dtype and bits."""
         value = np.asarray(value)
         dtype = value.dtype.str
         flat = np.ascontiguousarray(value).reshape(-1)
+        if value.itemsize in (1, 2, 4, 8):  # (the bits as one unsigned integer each)
+            bits = flat.view(np.dtype(f"u{value.itemsize}"))
+            unique, inverse = np.unique(bits, return_inverse=True)
+            numbers = np.fromiter((self.of(("const", dtype, int(b))) for b in unique.tolist()), np.int64, len(unique))
+            return numbers[np.ravel(inverse)].reshape(value.shape)
         bits = flat.view(np.uint8).reshape(flat.size, -1) if flat.size else np.zeros((0, value.itemsize), np.uint8)
         return self.rows(("const", dtype), bits.astype(np.int64)).reshape(value.shape)
+
+
+def _constant_along(a: np.ndarray, axis: int) -> bool:
+    """Whether ``a`` holds one value along ``axis`` (a broadcast view, or equal entries)."""
+    if a.shape[axis] <= 1 or a.strides[axis] == 0:
+        return True
+    first = np.take(a, [0], axis=axis)
+    return bool(np.all(a == first))
 
 
 class _Value:
@@ -227,6 +259,8 @@ class _Interpreter:
                 return self.scan(eqn, ins, shapes)
             if name == "cond":
                 return self.cond(eqn, ins, shapes)
+            if name in _MATRIX:
+                return self.matrix(eqn, ins, shapes)
             sub = sub_jaxpr(eqn) if name != "while" else None
             if sub is not None and len(sub[0].invars) == len(ins):
                 return self.run(sub[0], ins, sub[1])
@@ -245,7 +279,7 @@ class _Interpreter:
             try:
                 parts.append(self.numbering.of(("all", v.shape, tuple(np.ravel(self.numbers(v)).tolist()))))
             except _Unknown:  # (a value the host could not compute: a number of its own)
-                parts.append(self.numbering.of(("unknown", id(v))))
+                parts.append(self.numbering.fresh())
         whole = self.numbering.of(("inputs", tuple(parts)))
         out = []
         for i, s in enumerate(shapes):
@@ -340,6 +374,38 @@ class _Interpreter:
         grid = np.indices(shape, dtype=np.int64) if shape else np.zeros((0,), np.int64)
         places = [grid[d] for d in window]
         return self.numbering.elementwise(("select", _signature(eqn)), [chosen, per] + places, shape)
+
+    def matrix(self, eqn, ins, shapes) -> list:
+        """A batched linear-algebra primitive (:data:`_MATRIX`): the batch axes are the first
+        output's but its last two; each output element is numbered by its batch element's
+        operand matrices (their numbers, as one) and its place in its output."""
+        batch_shape = shapes[0][: max(len(shapes[0]) - 2, 0)]
+        nb = len(batch_shape)
+        contents = []
+        for v in ins:
+            nums = self.numbers(v)
+            if nums.ndim < nb:
+                raise _Unknown
+            try:
+                lead = np.broadcast_shapes(nums.shape[:nb], batch_shape)
+            except ValueError:
+                raise _Unknown from None
+            if lead != batch_shape:
+                raise _Unknown
+            core = nums.shape[nb:]
+            flat = np.broadcast_to(nums, batch_shape + core).reshape(math.prod(batch_shape), -1)
+            contents.append(self.numbering.rows(("matrix", core), flat).reshape(batch_shape))
+        out = []
+        for i, s in enumerate(shapes):
+            if tuple(s[:nb]) != batch_shape:
+                raise _Unknown
+            core = tuple(s[nb:])
+            expand = (slice(None),) * nb + (None,) * len(core)
+            parts = [c[expand] for c in contents]
+            grid = np.indices(core, dtype=np.int64) if core else np.zeros((0,), np.int64)
+            places = [np.broadcast_to(g, s) for g in grid] if core else []
+            out.append(_Value(s, self.numbering.elementwise((_signature(eqn), i), parts + places, s)))
+        return out
 
     def scan(self, eqn, ins, shapes) -> list:
         body, consts = sub_jaxpr(eqn)
