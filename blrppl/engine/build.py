@@ -49,6 +49,10 @@ MONTE_CARLO_RHO = 0.5
 
 #: window of the windowed-mean convergence test when the ELBO is a Monte Carlo estimate
 MC_WINDOW = 25
+#: ... when it is IVON's one-draw estimate (blocks of a large network,
+#: :class:`blrppl.families.GaussianIVON`): its noise is many times larger, and a window of 25
+#: steps stops a network's fit while its mean is still moving
+IVON_WINDOW = 100
 
 
 #: steps per compiled chunk (the progress bar updates between chunks); fixed, so that fits
@@ -344,7 +348,7 @@ def compile_fit(program, records, data_spec, dyn_data, tracer, options, prior_sp
 
     sampled = [f for f in plan.factors if estimator_of(f).decaying_steps]
     decay = {n for f in sampled for n in f.neighbours} if default_rate else set()
-    window = MC_WINDOW if sampled else 0
+    window = (IVON_WINDOW if any(b.family.mc_draws is not None for b in plan.blocks) else MC_WINDOW) if sampled else 0
     epoch = 0
     if plan.subsampled:
         # windows of whole epochs (the longest plate's), at least MC_WINDOW steps

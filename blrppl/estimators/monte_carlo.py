@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from blrppl.estimators.registry import Estimator, EstimatorChoice, register_estimator
+from blrppl.families.gaussian_ivon import reparam_curvature
 from blrppl.graph.derivatives import hvp
 
 #: draws from q, L ≈ (1/S) Σ_s log f(x_s) with x_s = m + chol(Σ) ε_s and fresh ε_s per step
@@ -138,6 +139,7 @@ def monte_carlo_elementwise(
         cont += [n for n in f.neighbours if n not in f.discrete and n not in cont]
     keys = jax.random.split(key, max(len(cont), 1) + 1)
     gauss = [n for n in cont if blocks[n].family.gaussian and not blocks[n].point]
+    num_samples = group_draws([blocks[n] for n in cont], num_samples)
     explicit = curvature != "reparam" and not discrete_values and len(gauss) == len(cont)
     live = views
     if explicit:  # draws and estimates carry no gradient: the surrogate below does
@@ -179,6 +181,12 @@ def monte_carlo_elementwise(
 
         grads = jax.vmap(jax.grad(f_n))(xs, others)
         g = jnp.mean(jax.vmap(block.to_canonical)(grads), 0)
+        if block.family.reparam_curvature:
+            # IVON's estimate, whatever mc_curvature says: the family's update averages it
+            canon = jax.vmap(block.to_canonical)
+            h = jnp.mean(reparam_curvature(canon(grads), canon(xs) - view.mean, view.var), 0)
+            correction = correction + _surrogate(block, live[n], view, g, h)
+            continue
         estimator = auto_curvature(block) if curvature == "auto" else curvature
         if estimator == "gauss-newton":
             h = _gauss_newton(block, per_element, xs, others)
@@ -188,10 +196,22 @@ def monte_carlo_elementwise(
         # the gradient's noise that is linear in the draws (exact for quadratic log f)
         dx = jnp.mean(jax.vmap(block.to_canonical)(xs), 0) - view.mean
         g = g - block.family.precision_times(h, dx)
-        lv = live[n]
-        spread = block.family.view_covariance(lv) - block.family.view_covariance(view)
-        correction = correction + jnp.sum(g * (lv.mean - view.mean)) + 0.5 * jnp.sum(h * spread)
+        correction = correction + _surrogate(block, live[n], view, g, h)
     return els, scales, correction
+
+
+def _surrogate(block, live, view, g, h):
+    """ĝ·(m − m̄) + ½ tr(Ĥ (Σ − Σ̄)): zero at the block's view, with gradient (ĝ, ½Ĥ)."""
+    spread = block.family.view_covariance(live) - block.family.view_covariance(view)
+    return jnp.sum(g * (live.mean - view.mean)) + 0.5 * jnp.sum(h * spread)
+
+
+def group_draws(blocks, default: int = NUM_SAMPLES) -> int:
+    """The draws per step of a Monte Carlo factor group reading ``blocks``: the most that their
+    families ask for (:attr:`blrppl.families.Family.mc_draws`; IVON's blocks one), else
+    ``default``."""
+    asked = [b.family.mc_draws for b in blocks if b.family.mc_draws is not None]
+    return max(asked) if asked else default
 
 
 def _gauss_newton(block, per_element, xs, others):
