@@ -358,7 +358,7 @@ def compile_fit(program, records, data_spec, dyn_data, tracer, options, prior_sp
     step, elbo_fn, _ = make_step(
         plan,
         fns,
-        options.schedule,
+        options.schedule or default_schedule(plan),
         rate_fn,
         decay_blocks=decay,
         curvature=curvature,
@@ -450,6 +450,15 @@ class Compiling:
 
     def __call__(self, *args):
         return self.future.result()(*args)
+
+
+def default_schedule(plan) -> str:
+    """The schedule of a fit that did not ask for one: ``"parallel"`` when the plan has IVON
+    blocks (a network's weights, :class:`blrppl.families.GaussianIVON`: every weight
+    updated from one draw and one backward pass of the network, as IVON does; the
+    sequential schedule would run the network once per block and step), else
+    ``"sequential"``."""
+    return "parallel" if any(b.family.reparam_curvature for b in plan.blocks) else "sequential"
 
 
 def _first_search(plan, window: int, default_rate: bool) -> bool:

@@ -166,9 +166,12 @@ def monte_carlo_elementwise(
     def total(x):
         return jnp.sum(elements(x))
 
-    correction = 0.0
+    reparam = [n for n in gauss if blocks[n].family.reparam_curvature]
+    correction = _reparam_surrogate(reparam, blocks, views, live, draws, total) if reparam else 0.0
     probe_key = keys[-1]
     for n in gauss:
+        if n in reparam:
+            continue
         block, view = blocks[n], views[n]
         xs = draws[n]
         others = {m: d for m, d in draws.items() if m != n}
@@ -181,12 +184,6 @@ def monte_carlo_elementwise(
 
         grads = jax.vmap(jax.grad(f_n))(xs, others)
         g = jnp.mean(jax.vmap(block.to_canonical)(grads), 0)
-        if block.family.reparam_curvature:
-            # IVON's estimate, whatever mc_curvature says: the family's update averages it
-            canon = jax.vmap(block.to_canonical)
-            h = jnp.mean(reparam_curvature(canon(grads), canon(xs) - view.mean, view.var), 0)
-            correction = correction + _surrogate(block, live[n], view, g, h)
-            continue
         estimator = auto_curvature(block) if curvature == "auto" else curvature
         if estimator == "gauss-newton":
             h = _gauss_newton(block, per_element, xs, others)
@@ -198,6 +195,24 @@ def monte_carlo_elementwise(
         g = g - block.family.precision_times(h, dx)
         correction = correction + _surrogate(block, live[n], view, g, h)
     return els, scales, correction
+
+
+def _reparam_surrogate(names, blocks, views, live, draws, total):
+    """The surrogate of the blocks ``names`` (families with ``reparam_curvature``: IVON's),
+    whatever ``mc_curvature`` says: one gradient of the group's log-density ``total`` at each
+    draw with respect to all of them at once (a network's backward pass), ĝ its mean and
+    ĥ = ĝ (x − m)/v (:func:`blrppl.families.gaussian_ivon.reparam_curvature`), without the
+    control variate (with one draw it would take ĝ ε² from ĝ: a biased gradient)."""
+    others = {m: d for m, d in draws.items() if m not in names}
+    grads = jax.vmap(jax.grad(lambda xs, rest: total({**rest, **xs})))({n: draws[n] for n in names}, others)
+    correction = 0.0
+    for n in names:
+        block, view = blocks[n], views[n]
+        canon = jax.vmap(block.to_canonical)
+        g = jnp.mean(canon(grads[n]), 0)
+        h = jnp.mean(reparam_curvature(canon(grads[n]), canon(draws[n]) - view.mean, view.var), 0)
+        correction = correction + _surrogate(block, live[n], view, g, h)
+    return correction
 
 
 def _surrogate(block, live, view, g, h):
