@@ -71,7 +71,8 @@ def blr_fit(
         data: its arguments: a dict of keyword arguments, a tuple of positional ones, or one array.
         num_steps: the most steps to run (default 1000).
         learning_rate: ρ, a float or a callable of the step number (default: per block).
-        schedule: ``"sequential"`` (default) or ``"parallel"``.
+        schedule: ``"sequential"`` or ``"parallel"`` (default: parallel for a plan with IVON
+            blocks, a network's weights, sequential otherwise).
         families: site → family name overrides (``"grid"``: integrate a scale on a grid).
         structure: ``"joint"``, ``"mean-field"`` or None (by the Gaussian latents' dimension).
         point: sites fitted by the delta method (Laplace's approximation).

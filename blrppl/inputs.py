@@ -208,7 +208,8 @@ class FitOptions:
         num_steps: the most steps to run.
         learning_rate: ρ: None (the defaults of :func:`blrppl.blr_fit`), a float in (0, 1]
             or a callable of the step number.
-        schedule: ``"sequential"`` or ``"parallel"``.
+        schedule: ``"sequential"`` or ``"parallel"``; None: the plan's default
+            (:func:`blrppl.engine.build.default_schedule`).
         families: ``(site, family name)`` pairs, sorted.
         structure: ``None``, ``"joint"`` or ``"mean-field"``.
         point: sites fitted by the delta method.
@@ -222,7 +223,7 @@ class FitOptions:
 
     num_steps: int = DEFAULT_NUM_STEPS
     learning_rate: Any = None
-    schedule: str = "sequential"
+    schedule: str | None = None
     families: tuple = ()
     structure: str | None = None
     point: tuple = ()
@@ -379,8 +380,7 @@ def fit_options(
 
     num_steps = DEFAULT_NUM_STEPS if num_steps is None else _int(num_steps, "num_steps", 1)
     learning_rate = check_learning_rate(learning_rate)
-    schedule = "sequential" if schedule is None else schedule
-    if not isinstance(schedule, str) or schedule not in SCHEDULES:
+    if schedule is not None and (not isinstance(schedule, str) or schedule not in SCHEDULES):
         raise BLRError(f"schedule must be one of {SCHEDULES}, not {schedule!r}")
     if families is None:
         families = {}

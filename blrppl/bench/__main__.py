@@ -7,6 +7,7 @@ Examples::
     python -m blrppl.bench --quick --out /tmp/b   # a quick subset with short runs
     python -m blrppl.bench --model eight_schools --out /tmp/b
     python -m blrppl.bench --scaling-only --out /tmp/b
+    python -m blrppl.bench --deep --out /tmp/b    # Bayesian deep learning (blrppl.bench.deep)
 
 Reference posteriors of models without a shipped one are long NUTS runs cached under
 ``$BLRPPL_CACHE`` (default ``~/.cache/blrppl/bench``), keyed by the model's name and source
@@ -66,6 +67,8 @@ def parse(argv=None):
                    help="per-step site counts of the AR(2) compile-time study (comma-separated)")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--float32", action="store_true", help="run in float32 (default float64)")
+    p.add_argument("--deep", action="store_true",
+                   help="only the Bayesian deep-learning bench (blrppl.bench.deep: digits MLP, in-between sd)")
     return p.parse_args(argv)
 
 
@@ -90,6 +93,11 @@ def _fresh_compilation_cache() -> str | None:
 
 def main(argv=None) -> int:
     args = parse(argv)
+    if args.deep:
+        from blrppl.bench import deep
+
+        deep.main(["--out", args.out])
+        return 0
     if not args.float32:
         numpyro.enable_x64()
     _fresh_compilation_cache()

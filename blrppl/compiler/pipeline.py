@@ -20,6 +20,7 @@ from blrppl.compiler.checks import check_loose_blocks, check_options
 from blrppl.compiler.dependencies import barren_latents, find_dependencies
 from blrppl.compiler.families import choose_families
 from blrppl.compiler.structure import choose_structure, fallback
+from blrppl.compiler.large_blocks import ivon_blocks
 from blrppl.compiler.estimators import estimate
 from blrppl.compiler.finish import finish_plan
 from blrppl.compiler.online import online_plan
@@ -86,7 +87,7 @@ def compile_model(
     choice = choose_families(inputs, found, options)
     limits = StructureLimits()
     while limits is not None:
-        structure = choose_structure(inputs, choice, options, limits, found.program)
+        structure = ivon_blocks(choose_structure(inputs, choice, options, limits, found.program), choice.factors, options)
         check_loose_blocks(structure, inputs.records)
         estimates = estimate(inputs, found, choice, structure, options)
         limits = fallback(estimates, options, limits)

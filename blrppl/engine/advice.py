@@ -255,6 +255,8 @@ def named_remedies(plan, narrow=()) -> tuple:
     along a scalar being what those may mend; not where the narrow sites are the funnel's own
     scales (centred eight schools' τ: its remedy is the grid alone), nor where the advice is to
     compare with NUTS (a product of blocks, a Monte Carlo factor's spread: the grid only)."""
+    if _network_blocks(plan):
+        return (), False
     funnel = _funnel(plan)
     sites = tuple(w.site for w in narrow)
     if _spread_factor(plan) is not None or any(f.spec.pairs for f in plan.factors):
@@ -266,6 +268,21 @@ def named_remedies(plan, narrow=()) -> tuple:
     if funnel is not None:
         return scales, False
     return (), not (plan.conjugate and all(conj for _, conj in plan.conjugate))
+
+
+def _network_blocks(plan) -> tuple:
+    """The blocks fitted by IVON's update (:class:`blrppl.families.GaussianIVON`: a large
+    network's weights, :mod:`blrppl.compiler.large_blocks`)."""
+    return tuple(b.name for b in plan.blocks if b.family.reparam_curvature)
+
+
+#: the advice of a plan with IVON blocks (:func:`_network_blocks`)
+NETWORK_ADVICE = (
+    "{blocks} are fitted by IVON's mean-field Gaussian (a large network's weights): it holds no correlation "
+    "between weights and covers one of the posterior's many modes, so k-hat is large by construction; judge "
+    "the fit by its predictions (held-out log-likelihood, calibration), and compare with an ensemble or NUTS "
+    "where the model is small enough"
+)
 
 
 def _spread_factor(plan):
@@ -292,7 +309,7 @@ def poor_q_advice(plan, num_starts: int = 1, narrow=(), grid_scales: int | None 
     narrow-q check's flagged sites (:func:`narrow_advice`), ``grid_scales`` the most a grid
     holds (:data:`blrppl.engine.grid.MAX_SCALES`, passed by the caller; None: no limit)."""
     advice = _plan_advice(plan, num_starts)
-    return advice if not narrow else narrow_advice(narrow, grid_scales) + "; otherwise " + advice
+    return advice if not narrow or _network_blocks(plan) else narrow_advice(narrow, grid_scales) + "; otherwise " + advice
 
 
 def narrow_advice(narrow, grid_scales: int | None = None) -> str:
@@ -311,6 +328,9 @@ def narrow_advice(narrow, grid_scales: int | None = None) -> str:
 
 def _plan_advice(plan, num_starts: int) -> str:
     """:func:`poor_q_advice` from the plan alone."""
+    network = _network_blocks(plan)
+    if network:
+        return NETWORK_ADVICE.format(blocks=", ".join(f"'{n}'" for n in network))
     # (structure='joint' merges the dense Gaussian blocks: a plan with one of them, e.g. one
     # fitted with structure='joint', has none left to join)
     apart = sum(1 for b in plan.blocks if b.family.dense_event and not b.point) > 1

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from blrppl.estimators.registry import Estimator, EstimatorChoice, register_estimator
+from blrppl.families.gaussian_ivon import reparam_curvature
 from blrppl.graph.derivatives import hvp
 
 #: draws from q, L ≈ (1/S) Σ_s log f(x_s) with x_s = m + chol(Σ) ε_s and fresh ε_s per step
@@ -138,6 +139,7 @@ def monte_carlo_elementwise(
         cont += [n for n in f.neighbours if n not in f.discrete and n not in cont]
     keys = jax.random.split(key, max(len(cont), 1) + 1)
     gauss = [n for n in cont if blocks[n].family.gaussian and not blocks[n].point]
+    num_samples = group_draws([blocks[n] for n in cont], num_samples)
     explicit = curvature != "reparam" and not discrete_values and len(gauss) == len(cont)
     live = views
     if explicit:  # draws and estimates carry no gradient: the surrogate below does
@@ -164,9 +166,12 @@ def monte_carlo_elementwise(
     def total(x):
         return jnp.sum(elements(x))
 
-    correction = 0.0
+    reparam = [n for n in gauss if blocks[n].family.reparam_curvature]
+    correction = _reparam_surrogate(reparam, blocks, views, live, draws, total) if reparam else 0.0
     probe_key = keys[-1]
     for n in gauss:
+        if n in reparam:
+            continue
         block, view = blocks[n], views[n]
         xs = draws[n]
         others = {m: d for m, d in draws.items() if m != n}
@@ -188,10 +193,40 @@ def monte_carlo_elementwise(
         # the gradient's noise that is linear in the draws (exact for quadratic log f)
         dx = jnp.mean(jax.vmap(block.to_canonical)(xs), 0) - view.mean
         g = g - block.family.precision_times(h, dx)
-        lv = live[n]
-        spread = block.family.view_covariance(lv) - block.family.view_covariance(view)
-        correction = correction + jnp.sum(g * (lv.mean - view.mean)) + 0.5 * jnp.sum(h * spread)
+        correction = correction + _surrogate(block, live[n], view, g, h)
     return els, scales, correction
+
+
+def _reparam_surrogate(names, blocks, views, live, draws, total):
+    """The surrogate of the blocks ``names`` (families with ``reparam_curvature``: IVON's),
+    whatever ``mc_curvature`` says: one gradient of the group's log-density ``total`` at each
+    draw with respect to all of them at once (a network's backward pass), ĝ its mean and
+    ĥ = ĝ (x − m)/v (:func:`blrppl.families.gaussian_ivon.reparam_curvature`), without the
+    control variate (with one draw it would take ĝ ε² from ĝ: a biased gradient)."""
+    others = {m: d for m, d in draws.items() if m not in names}
+    grads = jax.vmap(jax.grad(lambda xs, rest: total({**rest, **xs})))({n: draws[n] for n in names}, others)
+    correction = 0.0
+    for n in names:
+        block, view = blocks[n], views[n]
+        canon = jax.vmap(block.to_canonical)
+        g = jnp.mean(canon(grads[n]), 0)
+        h = jnp.mean(reparam_curvature(canon(grads[n]), canon(draws[n]) - view.mean, view.var), 0)
+        correction = correction + _surrogate(block, live[n], view, g, h)
+    return correction
+
+
+def _surrogate(block, live, view, g, h):
+    """ĝ·(m − m̄) + ½ tr(Ĥ (Σ − Σ̄)): zero at the block's view, with gradient (ĝ, ½Ĥ)."""
+    spread = block.family.view_covariance(live) - block.family.view_covariance(view)
+    return jnp.sum(g * (live.mean - view.mean)) + 0.5 * jnp.sum(h * spread)
+
+
+def group_draws(blocks, default: int = NUM_SAMPLES) -> int:
+    """The draws per step of a Monte Carlo factor group reading ``blocks``: the most that their
+    families ask for (:attr:`blrppl.families.Family.mc_draws`; IVON's blocks one), else
+    ``default``."""
+    asked = [b.family.mc_draws for b in blocks if b.family.mc_draws is not None]
+    return max(asked) if asked else default
 
 
 def _gauss_newton(block, per_element, xs, others):

@@ -26,6 +26,7 @@ from blrppl.families.gaussian_banded import (
     BandedPrecisionNormal,
     GaussianBanded,
 )
+from blrppl.families.gaussian_ivon import GaussianIVON, IVONNat
 from blrppl.families.gaussian_tied import GaussianTied
 from blrppl.families.wishart import Wishart, WishartNat, WishartRuleView, WishartView
 
@@ -44,7 +45,7 @@ from blrppl.families.registry import (
 #: A user's families join it through :func:`register_family`.
 FAMILIES.update(
     (family.name, family)
-    for family in (GaussianDense, GaussianDiag, Gamma, Beta, Dirichlet, Wishart, Bernoulli, Categorical)
+    for family in (GaussianDense, GaussianDiag, GaussianIVON, Gamma, Beta, Dirichlet, Wishart, Bernoulli, Categorical)
 )
 seal_builtin_families()
 
@@ -83,6 +84,8 @@ __all__ = [
     "GaussianBanded",
     "GaussianDense",
     "GaussianDiag",
+    "GaussianIVON",
+    "IVONNat",
     "GaussianNat",
     "GaussianTied",
     "GaussianView",

@@ -90,6 +90,13 @@ class Family:
     #: whether the family is the default for latents of its support (the first native family
     #: in :data:`blrppl.families.FAMILIES` that :meth:`fits` them)
     native: ClassVar[bool] = False
+    #: (Gaussian families) whether Monte Carlo messages to the block estimate its curvature
+    #: by the reparameterisation trick, ∇ log f(x) (x − m) / v at each draw, without the
+    #: control variate (IVON's estimate, :mod:`blrppl.families.gaussian_ivon`)
+    reparam_curvature: ClassVar[bool] = False
+    #: the draws per step of a Monte Carlo factor group that reads the block (None: the
+    #: estimator's default, :data:`blrppl.estimators.monte_carlo.NUM_SAMPLES`)
+    mc_draws: ClassVar = None
 
     @classmethod
     def fits(cls, support_values: tuple | None) -> bool:

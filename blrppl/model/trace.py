@@ -355,7 +355,10 @@ def _run_once(model, spec, init_strategy, meta, dyn, rng_key):
         name: int(site["args"][0]) for name, site in tr.items() if site["type"] == "plate"
     }
     sites = []
+    templates = lifted_templates(tr)
     for name, site in tr.items():
+        if name in templates:
+            continue  # (random_flax_module's template: every weight is a sample site of its own)
         if site["type"] == "param":
             sites.append(_param_site(name, site, plate_sizes, out))
         elif site["type"] == "sample":
@@ -363,6 +366,24 @@ def _run_once(model, spec, init_strategy, meta, dyn, rng_key):
     meta["sites"] = sites
     meta["deterministic"] = tuple(name for name, site in tr.items() if site["type"] == "deterministic")
     return out
+
+
+def lifted_templates(tr) -> frozenset:
+    """The param sites of a trace that only hold a network's template: a pytree named
+    ``"<module>$params"`` (numpyro's ``flax_module`` / ``haiku_module``) each of whose arrays
+    ``random_flax_module`` (or ``random_haiku_module``) replaced by a sample site
+    ``"<module>/<path>"``. Nothing in the model reads their values (the network runs on
+    the samples), so the fit has nothing to fit in them; a module with some weights left
+    as params (a prior given for some of them) is not a template and stays refused."""
+    out = set()
+    for name, site in tr.items():
+        if site["type"] != "param" or not name.endswith("$params") or not isinstance(site["value"], (dict, list, tuple)):
+            continue
+        prefix = name[: -len("$params")] + "/"
+        lifted = sum(1 for n, s in tr.items() if s["type"] == "sample" and n.startswith(prefix))
+        if lifted and lifted == len(jax.tree.leaves(site["value"])):
+            out.add(name)
+    return frozenset(out)
 
 
 def _site_plates(site, plate_sizes) -> tuple:

@@ -21,6 +21,10 @@ a (1 + r x + ½ r² x²) with r = 1 − β₂, and 1 + y + y²/2 > 0 for every y
 The loss is the mean over the training examples and λ (``ess``) their number, so that λ
 times the loss is the negative log-likelihood; δ is then the prior precision divided by λ
 (the prior N(0, 1/(λδ))), the weight decay of the same loss trained by SGD.
+
+The averages and the curvature estimate are those ``blr_fit`` applies to large blocks
+(:mod:`blrppl.families.gaussian_ivon`: :func:`positive_average`, :func:`momentum_average`,
+:func:`reparam_curvature`), imported from there.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from blrppl.families.gaussian_ivon import momentum_average, positive_average, reparam_curvature
 from blrppl.optim import settings as checks
 from blrppl.optim.settings import OptimizerSettingError, PosteriorSettings
 
@@ -162,15 +167,16 @@ def _step(rule: _Rule, grads, state: IVONState, params, noise):
     count = state.count + 1
 
     def hessian(g, eps, h):
-        h_hat = jnp.mean(g * eps, axis=0) if stacked else g * eps
-        h_hat = h_hat * (post.ess * (h + delta))  # ĝ (θ − m) / σ²
-        r = 1.0 - rule.beta2
-        new = h + r * (h_hat - h) + 0.5 * r * r * jnp.square(h - h_hat) / (h + delta)
+        var = 1.0 / (post.ess * (h + delta))  # σ²
+        h_hat = reparam_curvature(g, eps, var)  # ĝ (θ − m) / σ²
+        h_hat = jnp.mean(h_hat, axis=0) if stacked else h_hat
+        # (the average of h + δ, the posterior's precision over λ)
+        new = positive_average(h + delta, h_hat + delta, 1.0 - rule.beta2) - delta
         return new.astype(h.dtype)
 
     def momentum(g, mom):
         g_hat = jnp.mean(g, axis=0) if stacked else g
-        return (rule.beta1 * mom + (1.0 - rule.beta1) * g_hat).astype(mom.dtype)
+        return momentum_average(mom, g_hat, rule.beta1).astype(mom.dtype)
 
     hess = jax.tree.map(hessian, grads, noise, state.hess)
     mom = jax.tree.map(momentum, grads, state.momentum)
