@@ -24,6 +24,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m pip install --quiet -e ".[test,bench]"
 	$(PY) -m blrppl.bench --out docs
+	$(PY) -m blrppl.bench.deep --out docs
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache
