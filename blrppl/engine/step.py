@@ -154,6 +154,11 @@ def newton_maximise(block, nat, objective_of_mean, mean, max_iter=NEWTON_MAX_ITE
 def make_objective(plan, fns, curvature="auto"):
     """Σ_i E_q[log f_i] over a subset of factors, as a function of the views.
 
+    ``curvature`` is the estimator of Monte Carlo messages to Gaussian blocks
+    (:data:`blrppl.estimators.monte_carlo.CURVATURES`), whose surrogate terms have value zero
+    and the messages as their gradient; None builds the values alone (the ELBO's: no
+    gradient or Hessian estimate is computed only to be multiplied by zero).
+
     ``data`` may be a :class:`blrppl.graph.data.RunData`: in an online fit it carries the
     previous posterior's natural parameters, read by the ``"<block>:previous"``
     pseudo-factors, factors whose expectation comes from data statistics (their spec's
@@ -261,7 +266,7 @@ def make_elbo(plan, fns, entropies: bool = False):
     finite exactly when the block's parameters are a valid distribution, which the step reads
     instead of factorising them once more to check.
     """
-    objective = make_objective(plan, fns)  # values only: the curvature estimator is irrelevant
+    objective = make_objective(plan, fns, curvature=None)  # values only
     expected = make_split_expectation(plan, fns, objective)[0]
 
     def elbo(nat, data, key=None):
@@ -586,7 +591,8 @@ def make_step(
         return decaying_rate(t) if n in decay_blocks else 1.0
 
     objective = make_objective(plan, fns, curvature)
-    expected, constant, constant_grads = make_split_expectation(plan, fns, objective)
+    values = make_objective(plan, fns, curvature=None)  # the ELBO's: no message surrogates
+    expected, constant, constant_grads = make_split_expectation(plan, fns, values)
     messages = _make_messages(plan, objective, constant, constant_grads)
     if plan.subsampled:
         from blrppl.engine import subsample
@@ -596,7 +602,7 @@ def make_step(
                 return user_rate(t)
             return global_rate(t) if global_rate is not None else 1.0
 
-        elbo_fn = subsample.minibatch_elbo(plan, objective, views_of)
+        elbo_fn = subsample.minibatch_elbo(plan, values, views_of)
         step = subsample.make_minibatch_step(
             plan,
             messages,

@@ -122,7 +122,8 @@ def monte_carlo_elementwise(
     """Per-factor sample means of log f (batch shape of each site), their scales, and a
     scalar correction term (zero for the reparameterisation estimator).
 
-    With ``curvature`` other than ``"reparam"`` and no discrete neighbours, the messages to
+    With ``curvature`` None, the values alone (no surrogate: the ELBO's). With ``curvature``
+    other than ``"reparam"`` and no discrete neighbours, the messages to
     Gaussian blocks come from explicit estimates of g = E[∇F] and H = E[∇²F] of the scaled
     sum F of the group's log-densities (Bonnet's and Price's theorems), through the
     surrogate ĝ·(m − m̄) + ½ tr(Ĥ (Σ − Σ̄)) whose value is zero and whose gradient is
@@ -140,7 +141,7 @@ def monte_carlo_elementwise(
     keys = jax.random.split(key, max(len(cont), 1) + 1)
     gauss = [n for n in cont if blocks[n].family.gaussian and not blocks[n].point]
     num_samples = group_draws([blocks[n] for n in cont], num_samples)
-    explicit = curvature != "reparam" and not discrete_values and len(gauss) == len(cont)
+    explicit = curvature not in (None, "reparam") and not discrete_values and len(gauss) == len(cont)
     live = views
     if explicit:  # draws and estimates carry no gradient: the surrogate below does
         views = {**views, **{n: jax.lax.stop_gradient(views[n]) for n in gauss}}
