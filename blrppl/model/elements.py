@@ -123,7 +123,26 @@ def _none(shape) -> np.ndarray:
 
 def union(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """The channels of elements reading both ``a``'s and ``b``'s (broadcast), exact while each
-    reads at most two granules."""
+    reads at most two granules. Computed on the operands' distinct elements only (the axes
+    they are broadcast along, e.g. a linear predictor's reads of its coefficients, are
+    taken once) and returned broadcast to the full shape (read-only)."""
+    shape = np.broadcast_shapes(a.shape, b.shape)
+    a, b = _compact(a), _compact(b)
+    if a.size * 2 < math.prod(shape) or b.size * 2 < math.prod(shape):
+        return np.broadcast_to(_union(a, b), shape)
+    return _union(a, b)
+
+
+def _compact(ids: np.ndarray) -> np.ndarray:
+    """``ids`` without the repeats along the axes it is broadcast along (stride 0): size 1
+    there, the same channels after broadcasting back."""
+    if not any(st == 0 and n > 1 for st, n in zip(ids.strides[:-1], ids.shape[:-1])):
+        return ids
+    return ids[tuple(slice(0, 1) if st == 0 else slice(None) for st in ids.strides[:-1])]
+
+
+def _union(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """:func:`union`, elementwise over the broadcast operands."""
     a, b = np.broadcast_arrays(a, b)
     lo1, hi1, n1 = a[..., 0], a[..., 1], a[..., 2]
     lo2, hi2, n2 = b[..., 0], b[..., 1], b[..., 2]
