@@ -10,7 +10,8 @@ centre to exceed 1.15 times the largest in-cluster sd (6.5 standard errors above
 test of the fit, not of the draws. The ratio was 1.28–2.1 over three keys of the fit at its
 default 1,000 steps: a mean-field Gaussian holds this uncertainty weakly (Foong et al. 2019,
 "'In-Between' Uncertainty in Bayesian Neural Networks", find it absent with one hidden layer;
-two are used here)."""
+two are used here). The network and its data are the deep-learning bench's
+(blrppl.bench.deep), which compares the same fit with NUTS."""
 
 import numpy as np
 import numpyro
@@ -19,32 +20,12 @@ import pytest
 from jax import random
 from numpyro.infer import Predictive
 
-import jax.numpy as jnp
-
 from blrppl import BLR, blr_fit
+from blrppl.bench.deep import IN_BETWEEN_HIDDEN, clusters, network
 
-HIDDEN = 32  # two tanh layers: 1·32 + 32 + 32·32 + 32 + 32 + 1 = 1,153 weights
+HIDDEN = IN_BETWEEN_HIDDEN  # two tanh layers: 1·32 + 32 + 32·32 + 32 + 32 + 1 = 1,153 weights
 INSIDE = np.array([-1.5, 1.5])
 BETWEEN = np.array([0.0])
-
-
-def network(x, y=None):
-    w1 = numpyro.sample("w1", dist.Normal(0.0, 1.0).expand([1, HIDDEN]).to_event(2))
-    b1 = numpyro.sample("b1", dist.Normal(0.0, 1.0).expand([HIDDEN]).to_event(1))
-    w2 = numpyro.sample("w2", dist.Normal(0.0, 1.0 / np.sqrt(HIDDEN)).expand([HIDDEN, HIDDEN]).to_event(2))
-    b2 = numpyro.sample("b2", dist.Normal(0.0, 1.0).expand([HIDDEN]).to_event(1))
-    w3 = numpyro.sample("w3", dist.Normal(0.0, 1.0 / np.sqrt(HIDDEN)).expand([HIDDEN]).to_event(1))
-    b3 = numpyro.sample("b3", dist.Normal(0.0, 1.0))
-    h = jnp.tanh(x[:, None] @ w1 + b1)
-    h = jnp.tanh(h @ w2 + b2)
-    with numpyro.plate("data", x.shape[0]):
-        numpyro.sample("y", dist.Normal(h @ w3 + b3, 0.1), obs=y)
-
-
-def clusters():
-    rng = np.random.default_rng(0)
-    x = np.concatenate([rng.uniform(-2.0, -1.0, 50), rng.uniform(1.0, 2.0, 50)])
-    return x, np.sin(2.0 * x) + 0.1 * rng.normal(size=100)
 
 
 def predictive_sd(model, guide, params=None):

@@ -411,7 +411,10 @@ def draws(name: str):
 #: its Fisher matrix in the flattened coordinates of this suite is singular (tests/unit/families/test_wishart.py
 #: checks the same identities: ∇A = μ, round trips, entropy and density against scipy, Monte
 #: Carlo, messages, validity, float32)
-OWN_SUITE = {"wishart"}
+#: IVON's family carries its gradient momentum among its natural parameters (leaves that are
+#: not an exponential family's): tests/unit/families/test_gaussian_ivon.py checks its update
+#: against a NumPy recursion of IVON's equations
+OWN_SUITE = {"wishart", "gaussian-ivon"}
 
 
 def test_registry_names_and_hashability():

@@ -400,5 +400,6 @@ def test_family_registration_errors_name_the_problem():
     with pytest.raises(RegistrationError, match="no family"):
         blrppl.unregister_family("inverse_gamma")
     assert set(blrppl.families.FAMILIES) == {
-        "gaussian", "gaussian-diag", "gamma", "beta", "dirichlet", "wishart", "bernoulli", "categorical"
+        "gaussian", "gaussian-diag", "gaussian-ivon", "gamma", "beta", "dirichlet", "wishart", "bernoulli",
+        "categorical",
     }
