@@ -31,6 +31,7 @@ import numpy as np
 from blrppl.estimators.registry import estimator_of
 from blrppl.model.functions import CanonicalTree, distribution_leaves
 from blrppl.model import forms as fm
+from blrppl.model import host_eval
 from blrppl.model.records import unwrap
 
 #: a group of at least this many sites of one structure is stacked (fewer compile as fast
@@ -134,8 +135,9 @@ def _site_dict(stack: Stack, full: dict, s) -> dict:
 def stack_table(stack: Stack, fns, data) -> StackTable:
     """c and J of every leaf and the value of a stack's members, from the model's program.
 
-    Evaluated eagerly (operation by operation, no compilation whose size grows with the
-    members): the program pruned to the members, and one JVP along each scalar of s.
+    Evaluated on the host (:func:`blrppl.model.host_eval.run`: no compilation whose size
+    grows with the members, no eager dispatch of each of their operations): the program
+    pruned to the members, and one JVP along each scalar of s, traced once.
 
     Args:
         stack: the stacked factor.
@@ -151,17 +153,23 @@ def stack_table(stack: Stack, fns, data) -> StackTable:
 
     if stack.size == 0:
         return StackTable(items(s0), (None,) * len(stack.affine))
-    eye = jnp.eye(stack.size, dtype=s0.dtype)
-    primal, tangents = jax.vmap(lambda t: jax.jvp(items, (s0,), (t,)), out_axes=(None, 0))(eye)
+    eye = np.eye(stack.size, dtype=s0.dtype)
+
+    def columns(s):
+        return jax.vmap(lambda t: jax.jvp(items, (s,), (t,)), out_axes=(None, 0))(eye)
+
+    closed, shapes = jax.make_jaxpr(columns, return_shape=True)(s0)
+    s0 = np.asarray(s0)
+    primal, tangents = jax.tree.unflatten(jax.tree.structure(shapes), host_eval.run(closed.jaxpr, closed.consts, [s0]))
     offsets, jacobians = [], []
     for value, tangent, affine in zip(primal, tangents, stack.affine):
         if not affine:
-            offsets.append(value)
+            offsets.append(jnp.asarray(value))
             jacobians.append(None)
             continue
-        jac = jnp.moveaxis(tangent, 0, -1).astype(s0.dtype)  # (members, *shape, |s|)
-        offsets.append(value - jac @ s0)
-        jacobians.append(jac)
+        jac = np.moveaxis(tangent, 0, -1).astype(s0.dtype)  # (members, *shape, |s|)
+        offsets.append(jnp.asarray(value - jac @ s0))
+        jacobians.append(jnp.asarray(jac))
     return StackTable(tuple(offsets), tuple(jacobians))
 
 

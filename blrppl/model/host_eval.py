@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import jax
 import numpy as np
+from jax.extend import core as jex_core
 
 _BINARY = {
     "add": np.add, "sub": np.subtract, "mul": np.multiply, "max": np.maximum, "min": np.minimum,
@@ -71,6 +72,8 @@ def evaluate(eqn, values: list):
             out = values[0][tuple(slice(s, e, k) for s, e, k in zip(p["start_indices"], p["limit_indices"], strides))]
         elif name == "concatenate":
             out = np.concatenate(values, axis=p["dimension"])
+        elif name == "stack":
+            out = np.stack(values, axis=p["axis"])
         elif name == "clamp":
             lo, x, hi = values
             out = np.clip(x, lo, hi)
@@ -146,3 +149,36 @@ def bind(eqn, values: list) -> list:
     with jax.ensure_compile_time_eval():
         out = eqn.primitive.bind(*subfuns, *values, **params)
     return list(out) if eqn.primitive.multiple_results else [out]
+
+
+#: call-like primitives whose body :func:`run` evaluates in place
+_CALLS = ("pjit", "jit", "closed_call", "core_call")
+
+
+def run(jaxpr, consts, args) -> list:
+    """The outputs of ``jaxpr`` at ``args``, evaluated on the host: by NumPy where
+    :func:`evaluate` has the primitive, by the primitive itself (:func:`bind`) otherwise, the
+    bodies of calls (``pjit``) in place. A program of many small operations (a table over
+    the members of a stacked factor) then costs NumPy's per-operation time, not an eager
+    dispatch of each operation."""
+    env = {}
+
+    def read(v):
+        if isinstance(v, jex_core.Literal):
+            return np.asarray(v.val, dtype=v.aval.dtype)
+        return env[v]
+
+    for var, x in zip(jaxpr.constvars, consts):
+        env[var] = np.asarray(x)
+    for var, x in zip(jaxpr.invars, args):
+        env[var] = np.asarray(x)
+    for eqn in jaxpr.eqns:
+        ins = [read(v) for v in eqn.invars]
+        inner = eqn.params.get("jaxpr") if eqn.primitive.name in _CALLS else None
+        if inner is not None:
+            outs = run(getattr(inner, "jaxpr", inner), getattr(inner, "consts", ()), ins)
+        else:
+            outs = evaluate(eqn, ins) or [np.asarray(o) for o in bind(eqn, ins)]
+        for var, x in zip(eqn.outvars, outs):
+            env[var] = x
+    return [read(v) for v in jaxpr.outvars]
