@@ -53,15 +53,19 @@ def mlp(params, x):
     return h @ params["w2"] + params["b2"]
 
 
-def classifier(x, y=None):
-    """The MLP as a NumPyro model: N(0, 1) weights, a Categorical likelihood over the data."""
-    d, k = x.shape[1], 10
-    params = {
+def weights(d, k=10):
+    """The MLP's weights as sample sites with N(0, 1) priors."""
+    return {
         "w1": numpyro.sample("w1", dist.Normal(0.0, 1.0).expand([d, HIDDEN]).to_event(2)),
         "b1": numpyro.sample("b1", dist.Normal(0.0, 1.0).expand([HIDDEN]).to_event(1)),
         "w2": numpyro.sample("w2", dist.Normal(0.0, 1.0).expand([HIDDEN, k]).to_event(2)),
         "b2": numpyro.sample("b2", dist.Normal(0.0, 1.0).expand([k]).to_event(1)),
     }
+
+
+def classifier(x, y=None):
+    """The MLP as a NumPyro model: N(0, 1) weights, a Categorical likelihood over the data."""
+    params = weights(x.shape[1])
     with numpyro.plate("data", x.shape[0]):
         numpyro.sample("y", dist.Categorical(logits=mlp(params, x)), obs=y)
 
@@ -136,14 +140,7 @@ def svi(train, test, steps=STEPS):
 
 def mlp_sites(x):
     """The network's logits at the guide's draws (a deterministic site)."""
-    d = x.shape[1]
-    params = {
-        "w1": numpyro.sample("w1", dist.Normal(0.0, 1.0).expand([d, HIDDEN]).to_event(2)),
-        "b1": numpyro.sample("b1", dist.Normal(0.0, 1.0).expand([HIDDEN]).to_event(1)),
-        "w2": numpyro.sample("w2", dist.Normal(0.0, 1.0).expand([HIDDEN, 10]).to_event(2)),
-        "b2": numpyro.sample("b2", dist.Normal(0.0, 1.0).expand([10]).to_event(1)),
-    }
-    numpyro.deterministic("logits", mlp(params, x))
+    numpyro.deterministic("logits", mlp(weights(x.shape[1]), x))
 
 
 def blr(train, test, steps=STEPS):

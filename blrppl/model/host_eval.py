@@ -6,6 +6,8 @@ from data alone (indices, masks, predicates) and apply the layout primitives (``
 of its own, compiled once per shape: a dozen XLA compilations per model, several seconds of
 a first fit. These NumPy versions follow XLA's semantics for the cases models produce; for
 anything else :func:`evaluate` returns None and the caller binds the primitive.
+:func:`run` evaluates a whole jaxpr so (a stacked factor's table over its members,
+:mod:`blrppl.graph.stack`).
 """
 
 from __future__ import annotations
