@@ -8,6 +8,7 @@ from typing import Callable
 import numpy as np
 import numpyro
 
+from blrppl.engine import budget
 from blrppl.engine.build import plan_model
 from blrppl.engine.cache import COMPILE_LOCK
 from blrppl.engine.grid import MAX_SCALES, grid_sites, grid_fit
@@ -159,8 +160,9 @@ def _with_tried(w, tried: str):
 def _fit(program, args, kwargs, options, key, prior, init_values=None, start=0, deadline=None, design=None):
     """One fit as ``blr_fit`` runs it (scales on a grid, or the best of ``options.num_starts``
     starts from ``start`` on), its warnings held: ``(result, held warnings)``; ``deadline`` and
-    ``design``: a grid's (:func:`blrppl.engine.grid.grid_fit`)."""
-    with warnings.catch_warnings(record=True) as caught:
+    ``design``: a grid's (:func:`blrppl.engine.grid.grid_fit`); a single fit checks ``deadline``
+    too (:mod:`blrppl.engine.budget`)."""
+    with warnings.catch_warnings(record=True) as caught, budget.deadline(deadline):
         warnings.simplefilter("always")
         scales = grid_sites(options.families_dict)
         if scales:
@@ -169,6 +171,7 @@ def _fit(program, args, kwargs, options, key, prior, init_values=None, start=0, 
         for index in range(start, start + options.num_starts):
             start_key = key if index == start else host_fold_in(key, index)
             prepared = prepare(program, args, kwargs, options, start_key, prior, init_values=init_values, start=index)
+            budget.check("after its compilation")
             # with several starts, each start's warnings (a poor q, a stop) are held back and only
             # the kept start's reach the user
             with warnings.catch_warnings(record=True) as start_caught:

@@ -70,6 +70,7 @@ import numpy as np
 import numpyro.distributions as dist
 from numpyro.distributions.transforms import biject_to
 
+from blrppl.engine.budget import OverBudget
 from blrppl.engine.build import model_data, one_exact_block
 from blrppl.engine.design import (
     HALF_WIDTH,
@@ -331,10 +332,6 @@ def _newton(profile, u, scale):
         if np.all(np.abs(step) < 0.05 * sds):
             break
     return u, cov
-
-
-class OverBudget(Exception):
-    """A grid tried by the refinement (:mod:`blrppl.engine.refine`) ran past its deadline."""
 
 
 def grid_fit(program, args, kwargs, options, key, sites, deadline=None, design=None):

@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from blrppl.engine import budget
 from blrppl.engine.interrupt import deferred_interrupts
 from blrppl.engine.kernel import bind_step
 from blrppl.engine.state import BLRState
@@ -307,7 +308,8 @@ def run_loop(
     run whose ELBO diverged returns its best state (:func:`diverged_from`).
 
     Ctrl-C stops the run at the next chunk boundary with ``KeyboardInterrupt``
-    (:func:`blrppl.engine.interrupt.deferred_interrupts`), even where Python would drop it.
+    (:func:`blrppl.engine.interrupt.deferred_interrupts`), even where Python would drop it; so
+    does a refinement candidate's deadline, with :class:`blrppl.engine.budget.OverBudget`.
     """
     history = empty_history(window)
     tol = host_array(tol, jnp.result_type(float))
@@ -318,6 +320,7 @@ def run_loop(
         with deferred_interrupts() as interrupt:
             while total < num_steps and stop == CONTINUE:
                 interrupt.check()
+                budget.check(f"after {total} steps")
                 state, buf, n, stop_arr, inv, history, last_proper, rej, valid_buf, chunk_best = chunk_fn(
                     state, data, host_array(num_steps - total, np.int32), rho, history, tol
                 )

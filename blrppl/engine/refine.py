@@ -45,7 +45,9 @@ which says why) times the first fit's time T, T counted as at least :data:`MIN_U
 from the cache skips the compilation its remedies pay): a candidate is started only while the
 time the refinement has spent plus T (the next candidate's expected cost) is at most that budget, and a
 grid, whose fits are many, stops at the budget's end (the random walk reference's two scales
-took 590 s against a first fit of 6 s); another candidate, a single fit, is not cut. No
+took 590 s against a first fit of 6 s), and so does a single fit (another structure or start),
+after its compilation, at its loop's chunk boundaries and before its diagnostics
+(:mod:`blrppl.engine.budget`): a candidate cut so is reported with its note, not ranked. No
 candidate run (no remedy applies, or a budget below 1): the first fit, with no refinements.
 """
 
@@ -60,7 +62,8 @@ import jax
 import numpy as np
 
 from blrppl.engine.advice import named_remedies
-from blrppl.engine.grid import CCD, MAX_SCALES, OverBudget
+from blrppl.engine.budget import OverBudget
+from blrppl.engine.grid import CCD, MAX_SCALES
 from blrppl.inputs import host_fold_in
 from blrppl.posterior.diagnostics import KHAT_WARN
 
@@ -249,7 +252,7 @@ def refine(fit: Callable, first, held: list, options, key, first_time: float, bu
             continue
         t0 = time.perf_counter()
         try:
-            # (a grid's fits stop at the budget's end; a single fit is not cut)
+            # (a candidate stops at the budget's end: blrppl.engine.budget)
             result, caught = fit(cand.options, cand.key, cand.init_values, cand.start, t0 + limit - spent, cand.design)
         except Exception as exc:  # (a remedy that does not apply to this model: reported, not raised)
             seconds = time.perf_counter() - t0

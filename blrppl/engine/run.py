@@ -23,6 +23,7 @@ from blrppl.engine.advice import (
     stalled_note,
     stop_message,
 )
+from blrppl.engine import budget
 from blrppl.engine.build import model_data, one_exact_block
 from blrppl.engine.cache import COMPILE_LOCK
 from blrppl.engine.loop import CONVERGED, NONFINITE, run_loop
@@ -175,6 +176,7 @@ def run(prepared: Prepared, state: BLRState, num_steps: int, progress_bar: bool,
         outcome = first  # (no narrowed start took a step either: the model's own start is returned)
     jax.block_until_ready(outcome.state)
     t2 = time.perf_counter()
+    budget.check(f"after {outcome.num_steps} steps, before its diagnostics")
     plan = prepared.plan
     nat = averaged_nat(plan, outcome.state) if prepared.iterate_average and plan.subsampled else outcome.state.nat
     return finish(prepared, outcome, nat, num_steps, t1, t2, grid_scales=grid_scales)
