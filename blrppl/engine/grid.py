@@ -51,8 +51,12 @@ The result reports, in the families of the fit with the scales as latents,
   points (the weighted average of their mean parameters, then λ = ∇A*(μ)); point and param
   blocks, and families without that map, the most probable grid point's fit.
 
-Draws of the scales and of the other latents are independent (q is still a product of
-blocks); their marginals are the grid's.
+``result.sample`` (and the summaries drawn from it) draws a product grid's mixture jointly
+(:mod:`blrppl.posterior.grid_draws`): a grid point for each draw, then the scales near it and
+the other latents from its fit, so what depends on both (θ = μ + τ θ̃) is drawn as the mixture
+holds it. On a central composite design, and for ``result.guide`` and the PSIS diagnostic,
+the scales and the other latents are drawn independently from the blocks above (q is a product
+of blocks there); their marginals are the grid's.
 """
 
 from __future__ import annotations
@@ -94,6 +98,7 @@ from blrppl.runtime.compile import jit as _jit
 from blrppl.inputs import host_fold_in
 from blrppl.posterior.diagnostics import psis_khat
 from blrppl.posterior.export import TransformedPosterior
+from blrppl.posterior.grid_draws import GridDraws, GridScale
 from blrppl.posterior.split_normal import SplitNormal
 
 #: the family name that asks for a site to be integrated on a grid
@@ -205,6 +210,7 @@ class Integration(NamedTuple):
         marginals: each scale's marginal on u (a numpyro distribution).
         edge_heavy: a product grid whose edge still carries weight after its widenings.
         kind: how the note names the points ("" for a product grid).
+        widths: each scale's kernel width on u in a product grid's marginal (empty on a design).
     """
 
     us: np.ndarray
@@ -215,6 +221,7 @@ class Integration(NamedTuple):
     marginals: list
     edge_heavy: bool
     kind: str
+    widths: tuple = ()
 
 
 class _Profile:
@@ -397,7 +404,29 @@ def grid_fit(program, args, kwargs, options, key, sites, deadline=None, design=N
         # (a TransformedPosterior: its mean and variance from draws, as every posterior on an
         # unconstrained space reports them; numpyro's TransformedDistribution has none)
         result.posterior[site] = TransformedPosterior(marginal, transform)
+    if points.widths and profile.prepared is not None:
+        result.grid_draws = _joint_draws(points, sites, checked, profile.prepared.plan)
     return result
+
+
+def _joint_draws(points: Integration, sites, checked, cond_plan) -> GridDraws:
+    """The mixture of a product grid's fits for ``result.sample``
+    (:mod:`blrppl.posterior.grid_draws`): the scales' points and kernel widths, and every block
+    the fits with the scales fixed hold as one continuous, non-local posterior, with its natural
+    parameters at each point of weight (points below 10⁻¹² of the largest are dropped)."""
+    nats = [v[1] for v in points.values]
+    weights = np.where(points.weights > 1e-12 * np.max(points.weights), points.weights, 0.0)
+    weights = np.where([n is not None for n in nats], weights, 0.0)
+    scales = tuple(
+        GridScale(site, np.asarray(points.us[:, i], float), float(points.widths[i]), transform)
+        for i, (site, (_, transform)) in enumerate(zip(sites, checked))
+    )
+    blocks = tuple(
+        (b, [n[b.name] if n is not None and w > 0 else None for n, w in zip(nats, weights)])
+        for b in cond_plan.blocks
+        if not (b.discrete or b.point or b.param or b.chain or b.local is not None)
+    )
+    return GridDraws(weights / weights.sum(), scales, blocks)
 
 
 def _grid_bound(logp, log_volumes) -> float:
@@ -501,7 +530,7 @@ def _product_grid(profile, mode, cov, weighted, sites) -> Integration:
     marginals = [_grid_marginal(us[:, i], weights, widths[i]) for i in range(d)]
     log_volume = d * math.log(spacing) + 0.5 * float(np.linalg.slogdet(cov)[1])
     heavy = bool(np.max(weights[edge]) > EDGE_WEIGHT * np.max(weights))
-    return Integration(us, weights, values, np.full(len(us), log_volume), moments, marginals, heavy, "")
+    return Integration(us, weights, values, np.full(len(us), log_volume), moments, marginals, heavy, "", tuple(widths))
 
 
 def _central_composite(profile, mode, cov, weighted, sites) -> Integration:

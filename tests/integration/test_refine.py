@@ -140,3 +140,21 @@ def test_the_gp_example_integrates_its_hyperparameters_on_a_grid():
         logs = np.log(np.asarray(draws[site]))
         assert abs(logs.mean() - ref["mean"]) < 0.1 * ref["sd"], (site, logs.mean(), ref)
         assert 0.75 <= logs.std() / ref["sd"] <= 1.33, (site, logs.std(), ref)
+
+
+def test_a_grid_draws_what_depends_on_the_scale_and_the_effects_jointly():
+    """NumPyro's non-centred eight schools (``theta = mu + tau * theta_raw``, a deterministic
+    site) with tau on a grid: ``result.sample`` draws each grid point's fit with its tau, so
+    theta, computed from both, has the posterior of the centred model's stored reference:
+    means within 0.05 NUTS sd and sds within 5 % (measured: 0.02 sd and 0.997–1.02×).
+    Independent draws of tau and theta_raw from their moment-matched marginals put theta's
+    means up to 0.13 sd off and its sds 1.07–1.18×."""
+    result = _fit(rm.eight_schools_noncentred_model, (J, SIGMA, Y), families={"tau": "grid"})
+    assert result.grid_draws is not None
+    draws = result.sample(random.PRNGKey(1), 40_000)
+    ref = reference("eight_schools")
+    for i in range(J):
+        mean, sd = ref[f"theta[{i}]"]
+        theta = np.asarray(draws["theta"][:, i])
+        assert abs(theta.mean() - mean) < 0.05 * sd, (i, theta.mean(), mean, sd)
+        assert abs(theta.std() / sd - 1.0) < 0.05, (i, theta.std(), sd)
