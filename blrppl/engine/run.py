@@ -236,8 +236,9 @@ def finish(
         )
     if diagnostics.poor():
         advice = poor_q_advice(plan, prepared.num_starts, diagnostics.narrow, grid_scales) if grid is None else (
-            "the scales integrated on a grid have their marginals from it, but q draws them independently of "
-            "the other latents (their dependence is not held); compare with NUTS"
+            "the scales integrated on a grid have their marginals from it, but k-hat is that of q's blocks drawn "
+            "independently (on a product grid result.sample draws the grid's mixture jointly; result.guide does not); "
+            "compare with NUTS"
         )
         reasons = []
         if diagnostics.khat > KHAT_WARN and not diagnostics.ess >= ESS_CLOSE:
