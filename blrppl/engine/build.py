@@ -108,6 +108,8 @@ class CompiledFit:
     #: the fit's key in the program store (None: its programs are not stored), see
     #: :func:`stored_fit_key`
     stored_key: str | None = None
+    #: mesh → the chunk run over it (:func:`blrppl.engine.sharding.sharded_chunk`)
+    sharded: dict = dataclasses.field(default_factory=dict)
 
     def _stored(self, name: str, options) -> str | None:
         return fit_program_key(self.stored_key, name, options)
