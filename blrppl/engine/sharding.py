@@ -83,8 +83,8 @@ def _spec(axis: int | None, name: str) -> PartitionSpec:
 
 
 class ShardedChunk:
-    """The fit's chunk ``(state, data, steps_left, rho, history, tol) -> outputs`` run over a
-    mesh (module docstring): a drop-in for :attr:`blrppl.engine.build.CompiledFit.chunk`.
+    """The programs of a compiled fit's chunk over a mesh (module docstring), kept on the
+    compiled fit; each fit runs them through its own :class:`MeshChunk`.
 
     Args:
         chunk_fn: the chunk before compilation (``CompiledFit.chunk_fn``).
@@ -101,14 +101,11 @@ class ShardedChunk:
         self.blocks = block_axes(plan, records)
         self.replicated = NamedSharding(mesh, PartitionSpec())
         self._compiled: dict = {}
-        self._placed = None  # (the data as given, the same placed on the mesh, their plate axes)
 
     def place(self, data) -> tuple:
         """``(placed data, plate axes)``: the model's data leaves on the mesh, each split along
         its plate axis (padded to a multiple of the device count), previous posteriors and
-        statistics replicated; kept for the next call with the same data object."""
-        if self._placed is not None and self._placed[0] is data:
-            return self._placed[1], self._placed[2]
+        statistics replicated."""
         model_data, previous, statistics = split_run_data(data)
         leaves, tree = jax.tree.flatten(model_data)
         axes, placed = [], []
@@ -125,7 +122,6 @@ class ShardedChunk:
         model_data = jax.tree.unflatten(tree, placed)
         rest = jax.device_put((previous, statistics), self.replicated)
         out = RunData(model_data, *rest) if isinstance(data, RunData) else model_data
-        self._placed = (data, out, tuple(axes))
         return out, tuple(axes)
 
     def _constrained(self, x, axis: int | None):
@@ -167,17 +163,35 @@ class ShardedChunk:
             found = self._compiled[key] = compile_lowered(lower(program.trace(*args)), options)
         return found
 
-    def __call__(self, state, data, steps_left, rho, history, tol):
-        data, axes = self.place(data)
+    def run(self, state, placed, axes, steps_left, rho, history, tol):
+        """The chunk over the mesh on data placed by :meth:`place`; its outputs on the
+        default device."""
         rest = jax.device_put((state, steps_left, rho, history, tol), self.replicated)
-        args = (rest[0], data, *rest[1:])
+        args = (rest[0], placed, *rest[1:])
         out = self.compiled(args, axes)(*args)
         return jax.device_put(out, jax.devices()[0])
 
 
-def sharded_chunk(bundle, mesh, records) -> ShardedChunk:
-    """The compiled fit's chunk over ``mesh``, made once per mesh and kept on the fit
-    (``bundle.sharded``): its compiled programs are reused by the fits that share it.
+class MeshChunk:
+    """One fit's chunk ``(state, data, steps_left, rho, history, tol) -> outputs`` over a mesh:
+    a drop-in for :attr:`blrppl.engine.build.CompiledFit.chunk`. Its data are placed on the
+    mesh at the first call and kept for the next calls with the same data object (the fit's
+    chunks); the placement lives as long as the fit, not as the compiled fit."""
+
+    def __init__(self, programs: ShardedChunk):
+        self.programs = programs
+        self._placed = None  # (the data as given, the same placed on the mesh, their plate axes)
+
+    def __call__(self, state, data, steps_left, rho, history, tol):
+        if self._placed is None or self._placed[0] is not data:
+            self._placed = (data, *self.programs.place(data))
+        _, placed, axes = self._placed
+        return self.programs.run(state, placed, axes, steps_left, rho, history, tol)
+
+
+def sharded_chunk(bundle, mesh, records) -> MeshChunk:
+    """A fit's chunk over ``mesh``; its programs are made once per mesh and kept on the
+    compiled fit (``bundle.sharded``), reused by the fits that share it.
 
     Raises:
         MeshError: the model has no plate (:func:`check_plated`).
@@ -186,4 +200,4 @@ def sharded_chunk(bundle, mesh, records) -> ShardedChunk:
     found = bundle.sharded.get(mesh)
     if found is None:
         found = bundle.sharded[mesh] = ShardedChunk(bundle.chunk_fn, mesh, bundle.plan, records)
-    return found
+    return MeshChunk(found)
