@@ -20,6 +20,8 @@ is the one-device fit up to the order of its sums.
 
 Which axis of an array is its plate axis is read off its shape: the axis whose length is
 the largest plate size of the model (of the block's own plates, for natural parameters).
+Plates of fewer elements than devices (a mixture's components) are not split: their
+arrays and blocks are replicated.
 Under ``jit`` with shardings any placement gives the same numbers, so a misread axis costs
 communication, never correctness.
 
@@ -97,8 +99,9 @@ class ShardedChunk:
         self.chunk_fn = chunk_fn
         self.mesh = mesh
         self.axis = mesh.axis_names[0]
-        self.sizes = plate_sizes(records)
-        self.blocks = block_axes(plan, records)
+        # (a plate of fewer elements than devices, a mixture's components, is not split)
+        self.sizes = frozenset(n for n in plate_sizes(records) if n >= mesh.size)
+        self.blocks = {b: s & self.sizes for b, s in block_axes(plan, records).items() if s & self.sizes}
         self.replicated = NamedSharding(mesh, PartitionSpec())
         self._compiled: dict = {}
 
