@@ -15,8 +15,8 @@ The sharded program sums the same terms in another order (per-device partial sum
 all-reduce), so the fits agree to rounding: 1e-10 relative to the parameter's size, far
 above float64's 1e-16 per operation times a few thousand operations per sum, far below any
 change of the fit. The compiled chunks are read as well: inside the loop at least one
-all-reduce (the global sums) and no all-gather nor all-to-all (no step gathers the data or
-the per-datum blocks).
+all-reduce (the global sums), arrays of one device's share of a plate's rows (the work is
+split), and no all-gather nor all-to-all (no step gathers the data or the per-datum blocks).
 """
 
 from __future__ import annotations
@@ -96,13 +96,19 @@ def collectives(result_cache):
     for bundle in result_cache.values():
         for sharded in bundle.sharded.values():
             for compiled in sharded._compiled.values():
-                ops, entry = {"all-reduce": 0, "all-gather": 0, "all-to-all": 0}, False
+                ops, entry = {"all-reduce": 0, "all-gather": 0, "all-to-all": 0, "per-device": 0}, False
+                per_device = {str(-(-n // 8)) for n in sharded.sizes}  # (a device's rows of a plate)
                 for line in compiled.as_text().splitlines():
                     if line and not line.startswith(" ") and line.rstrip().endswith("{"):
                         entry = line.startswith("ENTRY")
-                    for op in ops:
-                        if not entry and re.search(" " + op + r"(-start)?\(", line):
+                    if entry:
+                        continue
+                    for op in ("all-reduce", "all-gather", "all-to-all"):
+                        if re.search(" " + op + r"(-start)?\(", line):
                             ops[op] += 1
+                    shape = re.match(r"\s*%\S+ = f\d+\[([0-9,]*)\]", line)
+                    if shape and per_device & set(shape.group(1).split(",")):
+                        ops["per-device"] += 1
                 counts.append(ops)
     return counts
 
@@ -183,6 +189,7 @@ def test_fits_over_eight_devices_equal_the_one_device_fits(tmp_path):
     for counts in out["collectives"]:
         assert counts["all-reduce"] >= 1, counts
         assert counts["all-gather"] == 0 and counts["all-to-all"] == 0, counts
+        assert counts["per-device"] > 0, counts
     _close(out["svi"]["one"], out["svi"]["mesh"])
     assert out["reloaded"]["loaded"] > 0
     for a, b in zip(out["reloaded"]["nat"]["mu"], out["conjugate"]["one"]["nat"]["mu"]):
