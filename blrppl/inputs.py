@@ -436,8 +436,8 @@ def as_mesh(mesh):
     the first n of ``jax.devices()`` as a mesh of one axis named ``"data"``.
 
     Raises:
-        MeshError: a mesh of several axes, a count that is not a positive int or exceeds
-            the devices there are, or anything else.
+        MeshError: a mesh of several axes or with other processes' devices, a count that is
+            not a positive int or exceeds the devices there are, or anything else.
     """
     if mesh is None:
         return None
@@ -446,6 +446,11 @@ def as_mesh(mesh):
             raise MeshError(
                 f"mesh= must have one axis (the plates are sharded along it), not {len(mesh.axis_names)} "
                 f"{tuple(mesh.axis_names)}: build it as jax.sharding.Mesh(np.array(jax.devices()), ('data',))"
+            )
+        if any(d.process_index != jax.process_index() for d in mesh.devices.flat):
+            raise MeshError(
+                "mesh= holds devices of other processes: a fit runs over the devices of one process "
+                "(jax.local_devices()); fits over several processes are not supported yet"
             )
         return mesh
     if isinstance(mesh, (bool, np.bool_)) or not isinstance(mesh, numbers.Integral):

@@ -93,10 +93,13 @@ class ShardedChunk:
         mesh: a ``jax.sharding.Mesh`` of one axis.
         plan: the fit's plan.
         records: its site records (for the plate sizes).
+        options: the XLA options of the compiled fit's chunk (None: by the data's size,
+            :func:`blrppl.runtime.compile.compiler_options`).
     """
 
-    def __init__(self, chunk_fn, mesh, plan, records):
+    def __init__(self, chunk_fn, mesh, plan, records, options=None):
         self.chunk_fn = chunk_fn
+        self.options = options
         self.mesh = mesh
         self.axis = mesh.axis_names[0]
         # (a plate of fewer elements than devices, a mixture's components, is not split)
@@ -162,7 +165,7 @@ class ShardedChunk:
         if found is None:
             shardings = jax.tree.map(lambda x: x.sharding, args)
             program = jax.jit(self._program(axes), in_shardings=shardings, out_shardings=self.replicated)
-            options = compiler_options(jax.tree.leaves(args[1]))
+            options = self.options if self.options is not None else compiler_options(jax.tree.leaves(args[1]))
             found = self._compiled[key] = compile_lowered(lower(program.trace(*args)), options)
         return found
 
@@ -202,5 +205,5 @@ def sharded_chunk(bundle, mesh, records) -> MeshChunk:
     check_plated(records, mesh)
     found = bundle.sharded.get(mesh)
     if found is None:
-        found = bundle.sharded[mesh] = ShardedChunk(bundle.chunk_fn, mesh, bundle.plan, records)
+        found = bundle.sharded[mesh] = ShardedChunk(bundle.chunk_fn, mesh, bundle.plan, records, bundle.chunk_options)
     return MeshChunk(found)
