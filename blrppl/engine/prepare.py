@@ -25,7 +25,7 @@ from blrppl.engine.build import CHUNK_SIZE, MONTE_CARLO_RHO, CompiledFit, Compil
 from blrppl.engine.cache import COMPILE_LOCK, cache_key, data_digest, support_signature
 from blrppl.engine.kernel import KernelData, start as kernel_start
 from blrppl.engine.loop import empty_history
-from blrppl.engine.sharding import sharded_chunk
+from blrppl.engine.sharding import check_plated, sharded_chunk
 from blrppl.engine.state import BLRState, start_nat
 from blrppl.errors import BLRError, InitValueError
 from blrppl.estimators.registry import estimator_of
@@ -153,6 +153,8 @@ def _fetch_or_compile(program, args, kwargs, options, k_trace, k_probe, prior_sp
         # (rows the compiled data gave one precision do not share it in this data: a mask
         # that differs; the plan is made again, with those rows' own covariances)
         bundle = None
+    if options.mesh is not None:
+        check_plated(records, options.mesh)  # (before compiling a fit it would refuse)
     plates = subsampled_plates(records)
     init_records = records
     if plates:
