@@ -17,7 +17,7 @@ from blrppl.engine.prepare import prepare
 from blrppl.engine.refine import refine as refine_fit, summary as refine_summary
 from blrppl.engine.run import run
 from blrppl.engine.state import BLRState
-from blrppl.errors import BLRError, out_of_memory_as_error
+from blrppl.errors import BLRError, MeshError, out_of_memory_as_error
 from blrppl.model.program import ModelProgram
 from blrppl.inputs import (
     as_key, fit_options, host_fold_in, host_split, model_arguments, refine_options, refuse_transformation,
@@ -59,6 +59,7 @@ def blr_fit(
     num_starts: int = 1,
     refine: bool = True,
     refine_budget: float | None = None,
+    mesh=None,
 ) -> BLRResult:
     """Fit the latent variables of a NumPyro model by the Bayesian learning rule.
 
@@ -90,6 +91,9 @@ def blr_fit(
             keep the best (``result.refinements`` lists them; :mod:`blrppl.engine.refine`).
         refine_budget: the refinement's limit in multiples of the first fit's time, counted as
             at least 6 s (default 5; 0: no refinement).
+        mesh: a ``jax.sharding.Mesh`` of one axis, or a device count n (the first n of
+            ``jax.devices()``): the data are sharded along their plates over its devices and
+            every step runs on all of them (docs/scaling.md). Default None: one device.
 
     Returns:
         :class:`blrppl.BLRResult`.
@@ -97,6 +101,8 @@ def blr_fit(
     Raises:
         TransformationError: called under ``jax.jit``, ``jax.vmap``, ``jax.grad`` (see
             :func:`blr_kernel` to drive the rule inside one's own jitted loop).
+        MeshError: ``mesh=`` is not a mesh of one axis nor a count of devices there are, or
+            the model has no plate to shard its data along.
     """
     refuse_transformation("blr_fit", data, rng_key)
     args, kwargs = model_arguments(data)
@@ -113,6 +119,7 @@ def blr_fit(
         point_space=point_space,
         iterate_average=iterate_average,
         num_starts=num_starts,
+        mesh=mesh,
     )
     refine, refine_budget = refine_options(refine, refine_budget)
     key, program = as_key(rng_key), ModelProgram(model)
@@ -228,6 +235,11 @@ def blr_kernel(model: Callable, data=None, *, rng_key=None, prior: BLRResult | N
     if grid_sites(options.families_dict) or options.num_starts > 1:
         raise BLRError(
             "blr_kernel steps the rule of one start: families='grid' and num_starts > 1 are options of blr_fit"
+        )
+    if options.mesh is not None:
+        raise MeshError(
+            "blr_kernel's step runs on one device: mesh= is an option of blr_fit and BLR (or shard the "
+            "state and data yourself around kernel.step under jax.jit)"
         )
     key, program = as_key(rng_key), ModelProgram(model)
     with out_of_memory_as_error("the kernel's compilation"):

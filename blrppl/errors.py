@@ -80,6 +80,12 @@ class OptimizerSettingError(BLRError):
     shape than its parameter, a state that holds no IVON state)."""
 
 
+class MeshError(BLRError):
+    """``mesh=`` of a fit is not one blrppl can shard over: not a ``jax.sharding.Mesh`` of one
+    axis nor a device count, more devices than there are, or a model without a plate to
+    shard its data along."""
+
+
 class TransformationError(BLRError):
     """A fit was called under a JAX transformation (``jax.jit``, ``jax.vmap``, ``jax.grad``,
     ``lax.scan``, ...): a fit traces and compiles the model itself, on concrete data."""

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from blrppl.errors import BLRError, ModelTraceError, ObservedDataError, TransformationError
+from blrppl.errors import BLRError, MeshError, ModelTraceError, ObservedDataError, TransformationError
 
 #: schedules of the natural-parameter updates
 SCHEDULES = ("sequential", "parallel")
@@ -219,6 +219,9 @@ class FitOptions:
         point_space: ``"unconstrained"`` or ``"constrained"``.
         iterate_average: report tail-averaged global blocks under subsampling.
         num_starts: fits from different starting points (mixtures); the best ELBO is kept.
+        mesh: the ``jax.sharding.Mesh`` (one axis) the data are sharded over, or None
+            (:mod:`blrppl.engine.sharding`); not part of the compiled fit's key: the sharded
+            programs are kept on the compiled fit per mesh.
     """
 
     num_steps: int = DEFAULT_NUM_STEPS
@@ -233,6 +236,7 @@ class FitOptions:
     point_space: str = "unconstrained"
     iterate_average: bool = True
     num_starts: int = 1
+    mesh: Any = None
 
     @property
     def families_dict(self) -> dict:
@@ -370,6 +374,7 @@ def fit_options(
     point_space="unconstrained",
     iterate_average=True,
     num_starts=1,
+    mesh=None,
 ) -> FitOptions:
     """Check the keywords of :func:`blrppl.blr_fit` and freeze them.
 
@@ -422,7 +427,44 @@ def fit_options(
         point_space=point_space,
         iterate_average=bool(iterate_average),
         num_starts=_int(num_starts, "num_starts", 1),
+        mesh=as_mesh(mesh),
     )
+
+
+def as_mesh(mesh):
+    """The device mesh of ``mesh=``: None, a ``jax.sharding.Mesh`` of one axis, or an int n,
+    the first n of ``jax.devices()`` as a mesh of one axis named ``"data"``.
+
+    Raises:
+        MeshError: a mesh of several axes or with other processes' devices, a count that is
+            not a positive int or exceeds the devices there are, or anything else.
+    """
+    if mesh is None:
+        return None
+    if isinstance(mesh, jax.sharding.Mesh):
+        if len(mesh.axis_names) != 1:
+            raise MeshError(
+                f"mesh= must have one axis (the plates are sharded along it), not {len(mesh.axis_names)} "
+                f"{tuple(mesh.axis_names)}: build it as jax.sharding.Mesh(np.array(jax.devices()), ('data',))"
+            )
+        if any(d.process_index != jax.process_index() for d in mesh.devices.flat):
+            raise MeshError(
+                "mesh= holds devices of other processes: a fit runs over the devices of one process "
+                "(jax.local_devices()); fits over several processes are not supported yet"
+            )
+        return mesh
+    if isinstance(mesh, (bool, np.bool_)) or not isinstance(mesh, numbers.Integral):
+        raise MeshError(
+            f"mesh= must be a jax.sharding.Mesh of one axis or a device count (an int), not {type(mesh).__name__}"
+        )
+    devices = jax.devices()
+    if not 1 <= int(mesh) <= len(devices):
+        raise MeshError(
+            f"mesh={int(mesh)} devices, but JAX sees {len(devices)} ({devices[0].platform}): give at most "
+            f"{len(devices)} (on a CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N before JAX starts "
+            "makes N host devices)"
+        )
+    return jax.sharding.Mesh(np.array(devices[: int(mesh)]), ("data",))
 
 
 # -- data ----------------------------------------------------------------------------

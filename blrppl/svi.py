@@ -54,6 +54,7 @@ OPTIONS = (
     "tol",
     "point_space",
     "iterate_average",
+    "mesh",
 )
 
 
@@ -105,7 +106,8 @@ class BLR:
             family is then fitted.
         **options: keywords of :func:`blrppl.blr_fit` (``learning_rate``, ``schedule``,
             ``families``, ``structure``, ``point``, ``mc_curvature``, ``tol``,
-            ``point_space``, ``iterate_average``).
+            ``point_space``, ``iterate_average``, ``mesh``: a ``jax.sharding.Mesh`` or a
+            device count, over which :meth:`run` shards the data, see docs/scaling.md).
 
     Attributes:
         guide: the guide to pass to ``Predictive`` (the autoguide given, or a
@@ -312,7 +314,7 @@ class BLR:
             state = state._replace(elbo=jnp.full_like(state.elbo, jnp.nan))
         if not traced:
             self._updated_with = tuple(dyn)
-        chunk = bundle.chunk_fn if traced else bundle.chunk
+        chunk = bundle.chunk_fn if traced else prepared.run_chunk
         tol = host_array(prepared.tol, jnp.result_type(float))
         new_state = chunk(state, data, one, prepared.rho, history, tol)[0]
         return new_state, -new_state.elbo

@@ -108,6 +108,10 @@ class CompiledFit:
     #: the fit's key in the program store (None: its programs are not stored), see
     #: :func:`stored_fit_key`
     stored_key: str | None = None
+    #: the XLA options the chunk is compiled with (its programs over a mesh take them too)
+    chunk_options: dict | None = None
+    #: mesh → the chunk run over it (:func:`blrppl.engine.sharding.sharded_chunk`)
+    sharded: dict = dataclasses.field(default_factory=dict)
 
     def _stored(self, name: str, options) -> str | None:
         return fit_program_key(self.stored_key, name, options)
@@ -423,7 +427,7 @@ def compile_fit(program, records, data_spec, dyn_data, tracer, options, prior_sp
         tracer, plan, graph, init_fn, None, posterior_fn, window,
         chunk_fn=chunk, step_fn=step, elbo_fn=_jit(elbo_fn), online=online, statistics_fn=statistics_fn,
         log_weights_fn=log_weights_fn, weighted_draws_fn=weighted_draws_fn, tables_fn=tables_fn, stored_key=fit_key,
-        dense_work=dense_work, narrow_fn=narrow_fn, narrow_sites=tuple(narrow_sites),
+        dense_work=dense_work, narrow_fn=narrow_fn, narrow_sites=tuple(narrow_sites), chunk_options=chunk_options,
     )
     if log_weights_fn is not None and not (len(plan.blocks) == 1 and exact_block is not None):
         # (a lone conjugate block needs no draws, see _diagnose)

@@ -261,7 +261,7 @@ class _Profile:
         data = bundle.run_data(dyn)
         state = self.prepared.state._replace(elbo=jnp.full_like(self.prepared.state.elbo, jnp.nan))
         outcome = run_loop(
-            bundle.chunk, state, data, self.prepared.rho, self.prepared.tol, self.num_steps,
+            self.prepared.run_chunk, state, data, self.prepared.rho, self.prepared.tol, self.num_steps,
             self.prepared.chunk_size, False, bundle.window,
         )
         self.fits += 1
@@ -362,7 +362,7 @@ def grid_fit(program, args, kwargs, options, key, sites, deadline=None, design=N
             site=sites[0],
         )
     outcome = run_loop(
-        base.bundle.chunk, base.state, base.dyn_data, base.rho, base.tol, options.num_steps, base.chunk_size,
+        base.run_chunk, base.state, base.dyn_data, base.rho, base.tol, options.num_steps, base.chunk_size,
         options.progress_bar, base.bundle.window,
     )
     if outcome.stop == NONFINITE or not (len(outcome.elbo) and np.isfinite(outcome.elbo[-1])):

@@ -25,6 +25,7 @@ from blrppl.engine.build import CHUNK_SIZE, MONTE_CARLO_RHO, CompiledFit, Compil
 from blrppl.engine.cache import COMPILE_LOCK, cache_key, data_digest, support_signature
 from blrppl.engine.kernel import KernelData, start as kernel_start
 from blrppl.engine.loop import empty_history
+from blrppl.engine.sharding import check_plated, sharded_chunk
 from blrppl.engine.state import BLRState, start_nat
 from blrppl.errors import BLRError, InitValueError
 from blrppl.estimators.registry import estimator_of
@@ -61,6 +62,14 @@ class Prepared:
     kernel_data: KernelData | None = None
     #: the key ``state`` was built from (``init``'s)
     rng_key: Any = None
+    #: the chunk run over a device mesh (``mesh=``, :mod:`blrppl.engine.sharding`); None: the
+    #: compiled fit's own
+    chunk: Any = None
+
+    @property
+    def run_chunk(self):
+        """The chunk the fit's loop runs: over the mesh, or the compiled fit's own."""
+        return self.bundle.chunk if self.chunk is None else self.chunk
 
     def history(self):
         """An empty ring buffer of recent ELBOs for the convergence tests."""
@@ -112,13 +121,14 @@ def _prepare_locked(program, args, kwargs, options, rng_key, prior, init_values,
             raise
     if any(b.discrete for b in plan.blocks) and not plan.subsampled:
         state = _discrete_start(bundle, plan, init_records, state, dyn_data, start, rng, options.tol)
+    sharded = None if options.mesh is None else sharded_chunk(bundle, options.mesh, records)
     jax.block_until_ready(state)
     counts = CompileCounts(
         model_runs() - runs0, xla_compilations() - compilations0, background_compilations() - background0
     )
     return Prepared(
         bundle, plan, records, data_spec, dyn_data, state, rho, options.tol, CHUNK_SIZE, t0, options.iterate_average,
-        counts, options.num_starts, data, rng_key,
+        counts, options.num_starts, data, rng_key, sharded,
     )
 
 
@@ -143,6 +153,8 @@ def _fetch_or_compile(program, args, kwargs, options, k_trace, k_probe, prior_sp
         # (rows the compiled data gave one precision do not share it in this data: a mask
         # that differs; the plan is made again, with those rows' own covariances)
         bundle = None
+    if options.mesh is not None:
+        check_plated(records, options.mesh)  # (before compiling a fit it would refuse)
     plates = subsampled_plates(records)
     init_records = records
     if plates:

@@ -159,7 +159,7 @@ def run(prepared: Prepared, state: BLRState, num_steps: int, progress_bar: bool,
     bundle = prepared.bundle
     t1 = time.perf_counter()
     outcome = run_loop(
-        bundle.chunk, state, prepared.dyn_data, prepared.rho, prepared.tol, num_steps, prepared.chunk_size,
+        prepared.run_chunk, state, prepared.dyn_data, prepared.rho, prepared.tol, num_steps, prepared.chunk_size,
         progress_bar, bundle.window,
     )
     first, fresh = outcome, int(state.step) == 0
@@ -169,7 +169,7 @@ def run(prepared: Prepared, state: BLRState, num_steps: int, progress_bar: bool,
             break
         state = narrowed(prepared.plan, state)
         outcome = run_loop(
-            bundle.chunk, state, prepared.dyn_data, prepared.rho, prepared.tol, num_steps, prepared.chunk_size,
+            prepared.run_chunk, state, prepared.dyn_data, prepared.rho, prepared.tol, num_steps, prepared.chunk_size,
             progress_bar, bundle.window,
         )
     if outcome.num_steps == 0 and outcome.stop == NONFINITE:

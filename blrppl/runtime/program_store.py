@@ -221,7 +221,12 @@ def load(key: str | None, args):
             return None
         from jax.experimental import serialize_executable
 
-        compiled = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+        # (on the default device, where it was compiled: JAX's default is every device of
+        # the backend, and with several, 8 host devices or GPUs, the program then waits for
+        # one shard of each argument per device and fails at its first call)
+        compiled = serialize_executable.deserialize_and_load(
+            payload, in_tree, out_tree, execution_devices=jax.devices()[:1]
+        )
     except Exception:  # damaged inside, or from a jaxlib that cannot load it: compiled again
         _discard(root, path)
         return None

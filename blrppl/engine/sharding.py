@@ -1,0 +1,209 @@
+"""Fits over a device mesh (``blr_fit(..., mesh=...)``, ``BLR(..., mesh=...)``): the fit's
+chunk of steps compiled once more as one SPMD program over the mesh's devices.
+
+The compiled fit (:mod:`blrppl.engine.build`) is the same as on one device; what changes is
+where its arrays live. Each array of the model's data is split along its plate axis over the
+mesh's one axis (``NamedSharding(mesh, P(axis))``), and so are the natural parameters of
+the blocks whose latents sit in a plate (local latents, enumerated assignments: one entry
+per datum); everything else (global blocks, step sizes, the ELBO, data statistics) is
+replicated. The chunk is then compiled by ``jax.jit`` with these shardings (GSPMD): XLA
+partitions every per-datum computation and inserts the all-reduce that sums each global
+message and the ELBO over the devices, inside the one compiled loop. The stopping test reads
+that summed ELBO, a replicated value, so every device stops at the same step.
+
+A plate whose size N does not divide the device count is padded: its data arrays are placed
+with their plate axis padded to the next multiple (edge values repeated), and the program
+slices the first N entries back out before its first step. Inside the program the arrays
+have their true size and XLA's partitioner masks the padded tail of the last devices' blocks
+out of every sum; the model, its plan and its plate sizes are untouched, so the sharded fit
+is the one-device fit up to the order of its sums.
+
+Which axis of an array is its plate axis is read off its shape: the axis whose length is
+the largest plate size of the model (of the block's own plates, for natural parameters).
+Plates of fewer elements than devices (a mixture's components) are not split: their
+arrays and blocks are replicated.
+Under ``jit`` with shardings any placement gives the same numbers, so a misread axis costs
+communication, never correctness.
+
+The state crosses chunk boundaries replicated and is handed back on the default device
+(every :data:`blrppl.engine.build.CHUNK_SIZE` steps: one copy, not one per step), so the
+rest of the fit (the stopping loop on the host, the posterior's export, the diagnostics)
+runs as on one device.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from blrppl.errors import MeshError
+from blrppl.graph.data import RunData, split_run_data
+from blrppl.runtime.compile import compile_lowered, compiler_options, lower
+
+
+def plate_sizes(records) -> frozenset:
+    """The sizes of the model's plates (full sizes for subsampled ones)."""
+    return frozenset(int(p.size) for r in records.values() for p in r.plates)
+
+
+def check_plated(records, mesh) -> None:
+    """Refuse ``mesh=`` for a model with no plate (nothing to shard along).
+
+    Raises:
+        MeshError: no site sits in a ``numpyro.plate`` of more than one element.
+    """
+    if not any(n > 1 for n in plate_sizes(records)):
+        raise MeshError(
+            f"mesh= ({mesh.size} devices) shards the data along its plates, and this model declares none: "
+            "put the data's sites in a numpyro.plate, or fit without mesh="
+        )
+
+
+def plate_axis(shape, sizes) -> int | None:
+    """The axis of ``shape`` read as its plate axis: the first axis holding the largest of
+    ``sizes`` found in it (None: no plate axis, the array is replicated)."""
+    best = None
+    for axis, n in enumerate(shape):
+        if n > 1 and n in sizes and (best is None or n > shape[best]):
+            best = axis
+    return best
+
+
+def block_axes(plan, records) -> dict:
+    """Block name → the plate sizes of its latents (blocks outside every plate left out)."""
+    out = {}
+    for b in plan.blocks:
+        sizes = frozenset(int(p.size) for s in b.sites if s in records for p in records[s].plates)
+        if sizes:
+            out[b.name] = sizes
+    return out
+
+
+def _spec(axis: int | None, name: str) -> PartitionSpec:
+    return PartitionSpec() if axis is None else PartitionSpec(*([None] * axis + [name]))
+
+
+class ShardedChunk:
+    """The programs of a compiled fit's chunk over a mesh (module docstring), kept on the
+    compiled fit; each fit runs them through its own :class:`MeshChunk`.
+
+    Args:
+        chunk_fn: the chunk before compilation (``CompiledFit.chunk_fn``).
+        mesh: a ``jax.sharding.Mesh`` of one axis.
+        plan: the fit's plan.
+        records: its site records (for the plate sizes).
+        options: the XLA options of the compiled fit's chunk (None: by the data's size,
+            :func:`blrppl.runtime.compile.compiler_options`).
+    """
+
+    def __init__(self, chunk_fn, mesh, plan, records, options=None):
+        self.chunk_fn = chunk_fn
+        self.options = options
+        self.mesh = mesh
+        self.axis = mesh.axis_names[0]
+        # (a plate of fewer elements than devices, a mixture's components, is not split)
+        self.sizes = frozenset(n for n in plate_sizes(records) if n >= mesh.size)
+        self.blocks = {b: s & self.sizes for b, s in block_axes(plan, records).items() if s & self.sizes}
+        self.replicated = NamedSharding(mesh, PartitionSpec())
+        self._compiled: dict = {}
+
+    def place(self, data) -> tuple:
+        """``(placed data, plate axes)``: the model's data leaves on the mesh, each split along
+        its plate axis (padded to a multiple of the device count), previous posteriors and
+        statistics replicated."""
+        model_data, previous, statistics = split_run_data(data)
+        leaves, tree = jax.tree.flatten(model_data)
+        axes, placed = [], []
+        for x in leaves:
+            x = np.asarray(x)
+            axis = plate_axis(x.shape, self.sizes)
+            axes.append(None if axis is None else (axis, x.shape[axis]))
+            if axis is not None:
+                pad = -x.shape[axis] % self.mesh.size
+                if pad:
+                    widths = [(0, pad if a == axis else 0) for a in range(x.ndim)]
+                    x = np.pad(x, widths, mode="edge")
+            placed.append(jax.device_put(x, NamedSharding(self.mesh, _spec(axis, self.axis))))
+        model_data = jax.tree.unflatten(tree, placed)
+        rest = jax.device_put((previous, statistics), self.replicated)
+        out = RunData(model_data, *rest) if isinstance(data, RunData) else model_data
+        return out, tuple(axes)
+
+    def _constrained(self, x, axis: int | None):
+        if axis is None:
+            return x
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, _spec(axis, self.axis)))
+
+    def _program(self, axes):
+        """The chunk as traced over the mesh: the padded data sliced back to their plates'
+        sizes, the per-datum blocks' natural parameters split along their plate axis."""
+
+        def sharded(state, data, steps_left, rho, history, tol):
+            model_data, previous, statistics = split_run_data(data)
+            leaves, tree = jax.tree.flatten(model_data)
+            leaves = [
+                x if at is None else self._constrained(jax.lax.slice_in_dim(x, 0, at[1], axis=at[0]), at[0])
+                for x, at in zip(leaves, axes)
+            ]
+            model_data = jax.tree.unflatten(tree, leaves)
+            data = RunData(model_data, previous, statistics) if isinstance(data, RunData) else model_data
+            nat = dict(state.nat)
+            for name, sizes in self.blocks.items():
+                if name in nat:
+                    nat[name] = jax.tree.map(lambda x, s=sizes: self._constrained(x, plate_axis(x.shape, s)), nat[name])
+            return self.chunk_fn(state._replace(nat=nat), data, steps_left, rho, history, tol)
+
+        return sharded
+
+    def compiled(self, args, axes):
+        """The chunk compiled over the mesh for arguments of these structures, shapes and
+        shardings (once per them)."""
+        leaves, tree = jax.tree.flatten(args)
+        key = (tree, tuple(jax.typeof(x) for x in leaves), tuple(getattr(x, "sharding", None) for x in leaves), axes)
+        found = self._compiled.get(key)
+        if found is None:
+            shardings = jax.tree.map(lambda x: x.sharding, args)
+            program = jax.jit(self._program(axes), in_shardings=shardings, out_shardings=self.replicated)
+            options = self.options if self.options is not None else compiler_options(jax.tree.leaves(args[1]))
+            found = self._compiled[key] = compile_lowered(lower(program.trace(*args)), options)
+        return found
+
+    def run(self, state, placed, axes, steps_left, rho, history, tol):
+        """The chunk over the mesh on data placed by :meth:`place`; its outputs on the
+        default device."""
+        rest = jax.device_put((state, steps_left, rho, history, tol), self.replicated)
+        args = (rest[0], placed, *rest[1:])
+        out = self.compiled(args, axes)(*args)
+        return jax.device_put(out, jax.devices()[0])
+
+
+class MeshChunk:
+    """One fit's chunk ``(state, data, steps_left, rho, history, tol) -> outputs`` over a mesh:
+    a drop-in for :attr:`blrppl.engine.build.CompiledFit.chunk`. Its data are placed on the
+    mesh at the first call and kept for the next calls with the same data object (the fit's
+    chunks); the placement lives as long as the fit, not as the compiled fit."""
+
+    def __init__(self, programs: ShardedChunk):
+        self.programs = programs
+        self._placed = None  # (the data as given, the same placed on the mesh, their plate axes)
+
+    def __call__(self, state, data, steps_left, rho, history, tol):
+        if self._placed is None or self._placed[0] is not data:
+            self._placed = (data, *self.programs.place(data))
+        _, placed, axes = self._placed
+        return self.programs.run(state, placed, axes, steps_left, rho, history, tol)
+
+
+def sharded_chunk(bundle, mesh, records) -> MeshChunk:
+    """A fit's chunk over ``mesh``; its programs are made once per mesh and kept on the
+    compiled fit (``bundle.sharded``), reused by the fits that share it.
+
+    Raises:
+        MeshError: the model has no plate (:func:`check_plated`).
+    """
+    check_plated(records, mesh)
+    found = bundle.sharded.get(mesh)
+    if found is None:
+        found = bundle.sharded[mesh] = ShardedChunk(bundle.chunk_fn, mesh, bundle.plan, records, bundle.chunk_options)
+    return MeshChunk(found)
