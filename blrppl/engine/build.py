@@ -90,6 +90,9 @@ class CompiledFit:
     #: data → the tables of the plan's stacked factors (:mod:`blrppl.graph.stack`; None: none)
     tables_fn: Callable | None = None
 
+    #: the model's density as the diagnostics read it (:class:`blrppl.posterior.diagnostics.Density`;
+    #: None: not computed for this plan): a grid's mixture weights read it too
+    density: Any = None
     #: (nat, model data, key) → importance log-weights of q (None: not computed for this plan)
     log_weights_fn: Callable | None = None
     _log_weights_compiled: Any = None
@@ -426,7 +429,8 @@ def compile_fit(program, records, data_spec, dyn_data, tracer, options, prior_sp
     bundle = CompiledFit(
         tracer, plan, graph, init_fn, None, posterior_fn, window,
         chunk_fn=chunk, step_fn=step, elbo_fn=_jit(elbo_fn), online=online, statistics_fn=statistics_fn,
-        log_weights_fn=log_weights_fn, weighted_draws_fn=weighted_draws_fn, tables_fn=tables_fn, stored_key=fit_key,
+        density=density, log_weights_fn=log_weights_fn, weighted_draws_fn=weighted_draws_fn, tables_fn=tables_fn,
+        stored_key=fit_key,
         dense_work=dense_work, narrow_fn=narrow_fn, narrow_sites=tuple(narrow_sites), chunk_options=chunk_options,
     )
     if log_weights_fn is not None and not (len(plan.blocks) == 1 and exact_block is not None):

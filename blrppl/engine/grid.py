@@ -98,7 +98,7 @@ from blrppl.runtime.compile import jit as _jit
 from blrppl.inputs import host_fold_in
 from blrppl.posterior.diagnostics import psis_khat
 from blrppl.posterior.export import TransformedPosterior
-from blrppl.posterior.grid_draws import GridDraws, GridScale
+from blrppl.posterior.grid_draws import GridDraws, GridScale, mixture_log_weights
 from blrppl.posterior.split_normal import SplitNormal
 
 #: the family name that asks for a site to be integrated on a grid
@@ -398,7 +398,10 @@ def grid_fit(program, args, kwargs, options, key, sites, deadline=None, design=N
             f"{WIDENINGS} times: the posterior of the scales has heavy tails the grid cuts", UserWarning, stacklevel=3,
         )
     t2 = time.perf_counter()
-    result = finish(base, outcome, nat, options.num_steps, t1, t2, grid=note)
+    mixture = None
+    if points.widths and profile.prepared is not None:
+        mixture = _mixture_weights(base, points, checked, profile.prepared.plan, nat)
+    result = finish(base, outcome, nat, options.num_steps, t1, t2, grid=note, grid_weights=mixture)
     result.diagnostics = result.diagnostics._replace(bound=_grid_bound([v[0] for v in points.values], points.log_volumes))
     for site, (_, transform), marginal in zip(sites, checked, points.marginals):
         # (a TransformedPosterior: its mean and variance from draws, as every posterior on an
@@ -409,14 +412,53 @@ def grid_fit(program, args, kwargs, options, key, sites, deadline=None, design=N
     return result
 
 
+def _point_weights(points: Integration) -> np.ndarray:
+    """The grid points' weights, 0 below 10⁻¹² of the largest and where a fit failed."""
+    weights = np.where(points.weights > 1e-12 * np.max(points.weights), points.weights, 0.0)
+    return np.where([v[1] is not None for v in points.values], weights, 0.0)
+
+
+def _mixture_weights(base, points: Integration, checked, cond_plan, nat):
+    """``(nat, data, key) -> log-weights`` of the product grid's mixture of fits at its draws
+    (:func:`blrppl.posterior.grid_draws.mixture_log_weights`), for its PSIS diagnostic; None
+    where the mixture is not one of the fit's own blocks (a scale inside a joint block, a block
+    of another family or layout with the scales fixed, a chain), or the plan has no density."""
+    density = base.bundle.density
+    if density is None:
+        return None
+    scales = {b.name: i for i, (b, _) in enumerate(checked)}
+    cond = {c.name: c for c in cond_plan.blocks}
+    weights = _point_weights(points)
+    nats = [v[1] if w > 0 else None for v, w in zip(points.values, weights)]
+    mode = nats[int(np.argmax(weights))]
+    scale_blocks, stacked = {}, {}
+    for b in density.drawn:
+        if b.name in scales:
+            if b.members:
+                return None
+            scale_blocks[b.name] = (scales[b.name], tuple(jnp.shape(b.family.view(nat[b.name]).mean)))
+            continue
+        c = cond.get(b.name)
+        if c is None or b.chain or c.family != b.family or [m.name for m in c.members] != [m.name for m in b.members]:
+            return None
+        stacked[b.name] = jax.tree.map(lambda *a: jnp.stack(a), *[(n or mode)[b.name] for n in nats])
+    if len(scale_blocks) != len(scales):
+        return None
+    dtype = jnp.result_type(float)
+    with np.errstate(divide="ignore"):
+        log_w = jnp.asarray(np.log(weights / weights.sum()), dtype)
+    mix = (stacked, log_w, jnp.asarray(points.us, dtype), jnp.asarray(points.widths, dtype))
+    fn = _jit(mixture_log_weights(density, scale_blocks))
+    return lambda fit_nat, data, key: fn(mix, fit_nat, data, key)
+
+
 def _joint_draws(points: Integration, sites, checked, cond_plan) -> GridDraws:
     """The mixture of a product grid's fits for ``result.sample``
     (:mod:`blrppl.posterior.grid_draws`): the scales' points and kernel widths, and every block
     the fits with the scales fixed hold as one continuous, non-local posterior, with its natural
     parameters at each point of weight (points below 10⁻¹² of the largest are dropped)."""
     nats = [v[1] for v in points.values]
-    weights = np.where(points.weights > 1e-12 * np.max(points.weights), points.weights, 0.0)
-    weights = np.where([n is not None for n in nats], weights, 0.0)
+    weights = _point_weights(points)
     scales = tuple(
         GridScale(site, np.asarray(points.us[:, i], float), float(points.widths[i]), transform)
         for i, (site, (_, transform)) in enumerate(zip(sites, checked))

@@ -42,9 +42,11 @@ from blrppl.posterior.narrow import KHAT_SCREEN, flagged, screen, widths
 from blrppl.posterior.result import BLRResult
 
 
-def _diagnose(prepared, outcome, nat) -> Diagnostics:
+def _diagnose(prepared, outcome, nat, grid_weights=None) -> Diagnostics:
     """The fit's :class:`blrppl.posterior.diagnostics.Diagnostics`: PSIS k̂ of q from one compiled call,
-    and what the ELBO trace says."""
+    and what the ELBO trace says; ``grid_weights``: the importance log-weights of a grid's
+    mixture of fits (:func:`blrppl.posterior.grid_draws.mixture_log_weights`), read in place
+    of q's blocks' (no narrow-q or bulk check: the scales are integrated)."""
     bundle, plan = prepared.bundle, prepared.plan
     elbo = np.asarray(outcome.elbo, dtype=float)
     finite = elbo.size >= 2 and bool(np.all(np.isfinite(elbo[-2:])))
@@ -66,6 +68,12 @@ def _diagnose(prepared, outcome, nat) -> Diagnostics:
             bound=float(elbo[-1]), **base,
         )
     key = host_fold_in(outcome.state.rng_key, 7)
+    if grid_weights is not None:
+        log_weights = np.asarray(grid_weights(nat, model_data(plan, prepared.dyn_data), key))
+        return Diagnostics(
+            khat=psis_khat(log_weights), num_draws=int(log_weights.size), ess=relative_ess(log_weights),
+            bound=importance_bound(log_weights), **base
+        )
     try:
         log_weights, at_draws, sd = bundle.log_weights_read(nat, model_data(plan, prepared.dyn_data), key)
         log_weights = np.asarray(log_weights)
@@ -184,7 +192,7 @@ def run(prepared: Prepared, state: BLRState, num_steps: int, progress_bar: bool,
 
 def finish(
     prepared: Prepared, outcome, nat: dict, num_steps: int, t1: float, t2: float, grid=None,
-    grid_scales: int | None = None,
+    grid_scales: int | None = None, grid_weights=None,
 ) -> BLRResult:
     """Package a run of the loop (``outcome``, reporting ``nat``): the posterior export, the
     diagnostics, the stop message and its warnings (at the line that called ``blr_fit`` or
@@ -192,11 +200,12 @@ def finish(
     (:mod:`blrppl.engine.grid`), whose marginals ``nat`` holds; ``grid_scales``: the most
     scales a grid holds (:data:`blrppl.engine.grid.MAX_SCALES`, which this module cannot
     import: the grid runs fits through it), so that the advice for sites the narrow-q check
-    flags names no more (None: every flagged site)."""
+    flags names no more (None: every flagged site); ``grid_weights``: the grid's mixture's
+    importance log-weights, for its diagnostics (:func:`_diagnose`)."""
     bundle, plan = prepared.bundle, prepared.plan
     with COMPILE_LOCK:
         posterior = bundle.posterior_fn(nat)
-        diagnostics = _diagnose(prepared, outcome, nat)
+        diagnostics = _diagnose(prepared, outcome, nat, grid_weights)
     t3 = time.perf_counter()
     improper = improper_blocks(outcome, plan)
     if improper:
