@@ -219,6 +219,9 @@ class FitOptions:
         point_space: ``"unconstrained"`` or ``"constrained"``.
         iterate_average: report tail-averaged global blocks under subsampling.
         num_starts: fits from different starting points (mixtures); the best ELBO is kept.
+        mixtures: ``(site, K)`` pairs, sorted: the sites ``families=`` asked a mixture of K
+            diagonal Gaussians for (:mod:`blrppl.engine.mixture`); ``families`` gives them
+            the diagonal Gaussian the mixture starts from.
     """
 
     num_steps: int = DEFAULT_NUM_STEPS
@@ -233,6 +236,7 @@ class FitOptions:
     point_space: str = "unconstrained"
     iterate_average: bool = True
     num_starts: int = 1
+    mixtures: tuple = ()
 
     @property
     def families_dict(self) -> dict:
@@ -389,6 +393,7 @@ def fit_options(
             f"families must be a dict site → family name (e.g. {{'w': 'gaussian-diag'}}), not "
             f"{type(families).__name__}"
         )
+    families, mixtures = _mixture_families(families)
     for site, family in families.items():
         if not isinstance(site, str) or not isinstance(family, str):
             raise BLRError(f"families must map site names to family names (strings), not {site!r}: {family!r}")
@@ -422,7 +427,41 @@ def fit_options(
         point_space=point_space,
         iterate_average=bool(iterate_average),
         num_starts=_int(num_starts, "num_starts", 1),
+        mixtures=mixtures,
     )
+
+
+def _mixture_families(families: Mapping) -> tuple:
+    """``families=`` with its mixtures read off: ``(families, mixtures)``, every site asked
+    for ``"gaussian-mixture"`` or ``("gaussian-mixture", K)`` given the diagonal Gaussian
+    its mixture starts from (:mod:`blrppl.engine.mixture`) and listed as ``(site, K)``.
+
+    Raises:
+        BLRError: a tuple that is not ``("gaussian-mixture", K)`` with K a positive integer,
+            naming the site and the spelling.
+    """
+    from blrppl.families.gaussian_mixture import DEFAULT_COMPONENTS, NAME
+
+    out, mixtures = {}, []
+    for site, family in families.items():
+        if family == NAME:
+            family = (NAME, DEFAULT_COMPONENTS)
+        if not isinstance(family, tuple):
+            out[site] = family
+            continue
+        count = family[1] if len(family) == 2 else None
+        if (
+            len(family) != 2 or family[0] != NAME or isinstance(count, (bool, np.bool_))
+            or not isinstance(count, numbers.Integral) or count < 1
+        ):
+            raise BLRError(
+                f"families= gives {family!r}: a mixture is spelled ('{NAME}', K) with K a positive integer "
+                f"(e.g. ('{NAME}', 4)), or '{NAME}' for {DEFAULT_COMPONENTS} components",
+                site=site if isinstance(site, str) else None,
+            )
+        out[site] = "gaussian-diag"
+        mixtures.append((site, int(count)))
+    return out, tuple(sorted(mixtures))
 
 
 # -- data ----------------------------------------------------------------------------

@@ -102,6 +102,9 @@ class CompiledFit:
     narrow_fn: Callable | None = None
     narrow_sites: tuple = ()
     _narrow_compiled: Any = None
+    #: the model's density at draws of q (:class:`blrppl.posterior.diagnostics.Density`; None:
+    #: subsampled or online plans), which the mixture fit steps on (:mod:`blrppl.engine.mixture`)
+    density: Any = None
     #: :func:`_dense_work` of the plan (the diagnostics' program compiles optimised from the
     #: same measure as the chunk)
     dense_work: int = 0
@@ -423,7 +426,7 @@ def compile_fit(program, records, data_spec, dyn_data, tracer, options, prior_sp
         tracer, plan, graph, init_fn, None, posterior_fn, window,
         chunk_fn=chunk, step_fn=step, elbo_fn=_jit(elbo_fn), online=online, statistics_fn=statistics_fn,
         log_weights_fn=log_weights_fn, weighted_draws_fn=weighted_draws_fn, tables_fn=tables_fn, stored_key=fit_key,
-        dense_work=dense_work, narrow_fn=narrow_fn, narrow_sites=tuple(narrow_sites),
+        dense_work=dense_work, narrow_fn=narrow_fn, narrow_sites=tuple(narrow_sites), density=density,
     )
     if log_weights_fn is not None and not (len(plan.blocks) == 1 and exact_block is not None):
         # (a lone conjugate block needs no draws, see _diagnose)
