@@ -255,10 +255,14 @@ def mixture_update(nat: MixtureNat, f_mean, grad, hess, rho, max_step: float = M
 
 
 def floor_weights(logits):
-    """Normalised logits (logsumexp 0) with every weight at least :data:`MIN_WEIGHT`."""
-    logits = logits - logsumexp(logits)
-    logits = jnp.maximum(logits, jnp.log(MIN_WEIGHT))
-    return logits - logsumexp(logits)
+    """Normalised logits (logsumexp 0) with every weight at least :data:`MIN_WEIGHT`: the
+    weights below it are set to it and the others scaled down to keep the sum 1 (the
+    others' ratios unchanged; with K · MIN_WEIGHT < 1 and the others above the floor)."""
+    w = jax.nn.softmax(logits)
+    low = w < MIN_WEIGHT
+    rest = jnp.sum(jnp.where(low, 0.0, w))
+    scale = (1.0 - MIN_WEIGHT * jnp.sum(low)) / rest
+    return jnp.log(jnp.where(low, MIN_WEIGHT, w * scale))
 
 
 def mixture_step(nat: MixtureNat, log_p, key, rho, num_draws: int) -> tuple:
