@@ -393,7 +393,7 @@ def fit_options(
             f"families must be a dict site → family name (e.g. {{'w': 'gaussian-diag'}}), not "
             f"{type(families).__name__}"
         )
-    families, mixtures = _mixture_families(families)
+    families, mixtures = _mixture_families(families, structure)
     for site, family in families.items():
         if not isinstance(site, str) or not isinstance(family, str):
             raise BLRError(f"families must map site names to family names (strings), not {site!r}: {family!r}")
@@ -431,10 +431,11 @@ def fit_options(
     )
 
 
-def _mixture_families(families: Mapping) -> tuple:
+def _mixture_families(families: Mapping, structure) -> tuple:
     """``families=`` with its mixtures read off: ``(families, mixtures)``, every site asked
-    for ``"gaussian-mixture"`` or ``("gaussian-mixture", K)`` given the diagonal Gaussian
-    its mixture starts from (:mod:`blrppl.engine.mixture`) and listed as ``(site, K)``.
+    for ``"gaussian-mixture"`` or ``("gaussian-mixture", K)`` given the Gaussian its
+    mixture starts from (:mod:`blrppl.engine.mixture`: diagonal, a block of its own; with
+    ``structure="joint"`` dense, merged into the joint block) and listed as ``(site, K)``.
 
     Raises:
         BLRError: a tuple that is not ``("gaussian-mixture", K)`` with K a positive integer,
@@ -459,7 +460,7 @@ def _mixture_families(families: Mapping) -> tuple:
                 f"(e.g. ('{NAME}', 4)), or '{NAME}' for {DEFAULT_COMPONENTS} components",
                 site=site if isinstance(site, str) else None,
             )
-        out[site] = "gaussian-diag"
+        out[site] = "gaussian" if structure == "joint" else "gaussian-diag"
         mixtures.append((site, int(count)))
     return out, tuple(sorted(mixtures))
 

@@ -22,11 +22,16 @@ an option of ``families=`` handled above the compiler, in three stages:
    parameters (so that ``result.sample``, ``result.guide`` and ``summary()`` draw from
    it), and PSIS k̂, the relative ESS and the importance-weighted bound of the mixture's q.
 
+The mixture is over the block that holds the site: its own block (diagonal Gaussian
+start), or with ``structure="joint"`` the joint block of the model's Gaussians (dense
+start), whose sites' posteriors are then the mixture's marginals (each site's scalars: a
+``MixtureSameFamily`` too) and whose draws keep the mixture's coupling. Several sites
+asked in one joint block make one mixture, of the largest K asked.
+
 This first increment fits the mixture blocks with the rest of q held at the single fit's:
 the other latents' blocks are drawn from it at every step (one draw per step, shared by the
-mixture's draws) and are not fitted again given the mixture. A mixture site must be a
-block of its own (not a member of a joint block), continuous, and the plan free of
-subsampled plates and ``prior=``.
+mixture's draws) and are not fitted again given the mixture. A mixture site must be
+continuous, not a point, and the plan free of subsampled plates and ``prior=``.
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ from blrppl.engine.run import run
 from blrppl.errors import BLRError, FamilyError
 from blrppl.families import gaussian_mixture as gm
 from blrppl.posterior.diagnostics import importance_bound, psis_khat, relative_ess
-from blrppl.posterior.export import site_distribution
+from blrppl.posterior.export import TransformedPosterior, site_distribution
 from blrppl.runtime.compile import jit as _jit
 
 #: the first step size of the mixture's rule, when ``learning_rate`` gives none
@@ -78,10 +83,10 @@ def mixture_fit(program, args, kwargs, options, key):
         FamilyError: a mixture site is discrete, a point, or a member of a joint block.
         BLRError: the model has subsampled plates (the mixture's steps read all the data).
     """
-    counts = dict(options.mixtures)
-    prepared = _prepare_base(program, args, kwargs, options, key, counts)
+    asked = dict(options.mixtures)
+    prepared = _prepare_base(program, args, kwargs, options, key, asked)
     plan = prepared.plan
-    blocks = _mixture_blocks(plan, counts, prepared.bundle.density)
+    blocks, counts = _mixture_blocks(plan, asked, prepared.bundle.density)
     with warnings.catch_warnings(record=True):  # (the single fit's advice is not the mixture's)
         warnings.simplefilter("always")
         base = run(prepared, prepared.state, options.num_steps, options.progress_bar)
@@ -94,17 +99,13 @@ def mixture_fit(program, args, kwargs, options, key):
     for i, (name, b) in enumerate(blocks.items()):
         view = b.family.view(base.nat[name])
         start = b.family.view(prepared.state.nat[name]).mean
-        nat[name] = gm.spread_start(view.mean, view.var, start, counts_of(b, counts), jax.random.fold_in(k_start, i))
+        var = b.family.marginal_variance(view)
+        nat[name] = gm.spread_start(view.mean, var, start, counts[name], jax.random.fold_in(k_start, i))
     log_joint = _log_joint(density, blocks, others, data)
     nat, elbo, moved = _run_mixture(log_joint, base.nat, nat, options, k_run)
     entropy_rest = sum(float(jnp.sum(b.family.entropy(base.nat[b.name]))) for b in others)
     elbo = elbo + entropy_rest
     return _package(prepared, base, blocks, counts, nat, elbo, moved, log_joint, k_diag, time.perf_counter() - t0)
-
-
-def counts_of(block, counts: dict) -> int:
-    """K of a mixture block (its site's)."""
-    return counts[block.name]
 
 
 def _prepare_base(program, args, kwargs, options, key, counts):
@@ -128,11 +129,13 @@ def _prepare_base(program, args, kwargs, options, key, counts):
     return prepared
 
 
-def _mixture_blocks(plan, counts: dict, density) -> dict:
-    """site → its block (the single fit's), each a drawn block of its own."""
-    out = {}
+def _mixture_blocks(plan, asked: dict, density) -> tuple:
+    """``(block name → block, block name → K)``: the single fit's block of every mixture site
+    (one mixture per block: K the largest its sites ask), each drawn, continuous, not a
+    point, and in its value layout or a joint block."""
+    blocks, counts = {}, {}
     drawn = {b.name for b in density.drawn} if density is not None else set()
-    for site in counts:
+    for site, k in asked.items():
         block = next((b for b in plan.blocks if site in b.sites), None)
         if block is None:
             raise FamilyError(
@@ -142,15 +145,20 @@ def _mixture_blocks(plan, counts: dict, density) -> dict:
             )
         if block.discrete:
             raise FamilyError("a Gaussian mixture is for continuous latents: remove it from families=", site=site)
-        if block.members or block.point or block.name not in drawn:
+        if block.point or block.name not in drawn:
             raise FamilyError(
-                "a Gaussian mixture is fitted over a latent's own block; this site is "
-                + ("a point (delta-method) block: remove it from point= or from families=" if block.point else
-                   f"a member of the joint block '{block.name}': fit with structure='mean-field', or without the mixture"),
+                "a Gaussian mixture is not a point (delta-method) block: remove it from point= or from families=",
                 site=site,
             )
-        out[site] = block
-    return out
+        if not block.members and block.family.dense_event and block.batch_shape:
+            raise FamilyError(
+                "a Gaussian mixture over a site with plate axes is fitted on its own block: fit it without "
+                "structure='joint'",
+                site=site,
+            )
+        blocks[block.name] = block
+        counts[block.name] = max(k, counts.get(block.name, 0))
+    return blocks, counts
 
 
 def _log_joint(density, blocks: dict, others: list, data):
@@ -231,6 +239,18 @@ def _diagnose(log_joint, rest_nat, others, blocks, nat, key) -> tuple:
     return psis_khat(log_w), relative_ess(log_w), importance_bound(log_w), log_w.size
 
 
+def _exported(block, nat) -> dict:
+    """site → posterior of a mixture block's sites: the mixture itself, or for the members of
+    a joint block each one's marginal, pushed through the site's bijection."""
+    if not block.members:
+        return {block.name: site_distribution(block, nat, len(block.site_shape or block.value_shape))}
+    out = {}
+    for m, positions in zip(block.members, block.member_positions()):
+        marginal = gm.marginal_distribution(nat, positions, tuple(m.value_shape))
+        out[m.name] = marginal if m.transform is None else TransformedPosterior(marginal, m.transform)
+    return out
+
+
 def _package(prepared, base, blocks, counts, nat, elbo, moved, log_joint, key, run_time):
     """The result: the single fit's, with the mixture blocks in its plan, its natural
     parameters and its posteriors, the mixture's ELBOs and diagnostics."""
@@ -239,10 +259,10 @@ def _package(prepared, base, blocks, counts, nat, elbo, moved, log_joint, key, r
     new_blocks, posterior, all_nat = [], dict(base.posterior), dict(base.nat)
     for b in plan.blocks:
         if b.name in blocks:
-            family = gm.GaussianMixture(counts_of(b, counts), tuple(b.value_shape))
+            family = gm.GaussianMixture(counts[b.name], tuple(jnp.shape(nat[b.name].mean)[1:]))
             b = dataclasses.replace(b, family=family, kind=f"{gm.NAME}({family.num_components})")
             all_nat[b.name] = nat[b.name]
-            posterior[b.name] = site_distribution(b, nat[b.name], len(b.site_shape or b.value_shape))
+            posterior.update(_exported(b, nat[b.name]))
         new_blocks.append(b)
     new_plan = dataclasses.replace(plan, blocks=tuple(new_blocks))
     khat, ess, bound, num = _diagnose(log_joint, base.nat, others, blocks, nat, key)

@@ -127,11 +127,15 @@ class GaussianMixture(Family):
 
     name: ClassVar[str] = NAME
     view_type: ClassVar[type] = MixtureView
-    #: (a joint block's members are drawn from :meth:`to_numpyro`, not as a dense Gaussian)
     mixture: ClassVar[bool] = True
 
     num_components: int
     shape: tuple
+
+    @property
+    def event_shape(self) -> tuple:
+        """One mixture over the whole block: its value shape is the event."""
+        return tuple(self.shape)
 
     def view(self, nat: MixtureNat) -> MixtureView:
         return MixtureView(jax.nn.softmax(nat.logits), nat.mean, 1.0 / nat.prec)
@@ -165,6 +169,17 @@ def mixture_distribution(nat: MixtureNat) -> dist.Distribution:
     shape the block's value shape."""
     mean, sd = nat.mean, jax.lax.rsqrt(nat.prec)
     comp = dist.Normal(mean, sd).to_event(mean.ndim - 1)
+    return dist.MixtureSameFamily(dist.Categorical(logits=nat.logits), comp)
+
+
+def marginal_distribution(nat: MixtureNat, positions, shape: tuple) -> dist.Distribution:
+    """The mixture's marginal over the block scalars ``positions`` (flat, C order), as a
+    ``MixtureSameFamily`` of event shape ``shape`` (a member site of a joint block)."""
+    k = nat.mean.shape[0]
+    idx = np.asarray(positions)
+    mean = jnp.reshape(jnp.reshape(nat.mean, (k, -1))[:, idx], (k,) + tuple(shape))
+    sd = jnp.reshape(jnp.reshape(jax.lax.rsqrt(nat.prec), (k, -1))[:, idx], (k,) + tuple(shape))
+    comp = dist.Normal(mean, sd).to_event(len(shape))
     return dist.MixtureSameFamily(dist.Categorical(logits=nat.logits), comp)
 
 

@@ -94,6 +94,45 @@ def test_banana_against_grid():
     assert tv < 0.15 and tv < tv1 / 2
 
 
+def product(y):
+    a = numpyro.sample("a", dist.Normal(0.0, 1.0))
+    b = numpyro.sample("b", dist.Normal(0.0, 1.0))
+    numpyro.sample("y", dist.Normal(a * b, 0.3), obs=y)
+
+
+@quiet
+def test_joint_block_marginals_and_coupling():
+    """a, b ~ N(0, 1), 1.5 ~ N(a b, 0.3): two modes, (+, +) and (−, −), which only a joint q
+    holds. With ``structure="joint"`` the mixture is over the joint block of (a, b): each site's
+    posterior its marginal, the draws (and the guide's) keeping the coupling. Over the keys
+    0-2, the marginal of a came within 0.137-0.139 of the exact one in total variation (the
+    joint Gaussian 0.55) and P(a b > 0) was 1.0 in 20,000 draws (exact 0.99999, the joint
+    Gaussian's 0.83): the bars (TV below 0.2 and half the Gaussian's, P within 0.01) hold."""
+    g = np.linspace(-5.0, 5.0, 501)
+    cell = g[1] - g[0]
+    a, b = np.meshgrid(g, g, indexing="ij")
+    log_p = dist.Normal(0.0, 1.0).log_prob(a) + dist.Normal(0.0, 1.0).log_prob(b) + dist.Normal(a * b, 0.3).log_prob(1.5)
+    exact = _normalised(np.asarray(log_p), cell * cell)
+    exact_a, same_sign = exact.sum(1) * cell, exact[a * b > 0].sum() * cell * cell
+    data = {"y": 1.5}
+    single = blr_fit(product, data, structure="joint", rng_key=random.PRNGKey(0), progress_bar=False, refine=False)
+    mix = blr_fit(product, data, families={"a": ("gaussian-mixture", 4)}, structure="joint", rng_key=random.PRNGKey(0),
+                  progress_bar=False)
+    (block,) = mix.plan.blocks
+    assert block.sites == ("a", "b") and block.family.mixture
+    assert isinstance(mix.posterior["b"], dist.MixtureSameFamily)
+    tv1 = 0.5 * np.sum(np.abs(_density(single.posterior["a"], g) - exact_a)) * cell
+    tv = 0.5 * np.sum(np.abs(_density(mix.posterior["a"], g) - exact_a)) * cell
+    print(f"a b = 1.5: total variation of a's marginal: joint Gaussian {tv1:.3f}, mixture {tv:.3f}")
+    assert tv < 0.2 and tv < tv1 / 2
+    draws = mix.sample(random.PRNGKey(1), 20000)
+    assert abs(np.mean(draws["a"] * draws["b"] > 0) - same_sign) < 0.01
+    pred = Predictive(product, guide=mix.guide, params=mix.params, num_samples=2000, return_sites=["a", "b"])(
+        random.PRNGKey(2), None
+    )
+    assert abs(np.mean(pred["a"] * pred["b"] > 0) - same_sign) < 0.02
+
+
 def scale_model(y):
     """A positive scale whose log is bimodal (|log s| ≈ 1) beside a plain location."""
     mu = numpyro.sample("mu", dist.Normal(0.0, 3.0))
