@@ -12,8 +12,9 @@ an option of ``families=`` handled above the compiler, in three stages:
 2. from it, the mixture's start (:func:`blrppl.families.gaussian_mixture.spread_start`),
    then ``num_steps`` steps of the mixture's rule
    (:func:`blrppl.families.gaussian_mixture.mixture_step`), jitted in chunks of
-   :data:`CHUNK` steps, at step sizes ρ_t = ρ₀ / (1 + t / :data:`RHO_HALF`) (ρ₀:
-   ``learning_rate`` or :data:`RHO0`), with the collapse guard
+   :data:`CHUNK` steps, at step sizes ρ_t = ρ₀ / (1 + t / :data:`RHO_HALF`) (ρ₀: a float
+   ``learning_rate``, else :data:`RHO0`: a callable one is the single fit's only), with
+   the collapse guard
    (:func:`blrppl.families.gaussian_mixture.respread`) between chunks in the first half;
    the model's log density is the fit's own (:class:`blrppl.posterior.diagnostics.Density`,
    the one its importance weights read);
@@ -102,10 +103,12 @@ def mixture_fit(program, args, kwargs, options, key):
         var = b.family.marginal_variance(view)
         nat[name] = gm.spread_start(view.mean, var, start, counts[name], jax.random.fold_in(k_start, i))
     log_joint = _log_joint(density, blocks, others, data)
-    nat, elbo, moved = _run_mixture(log_joint, base.nat, nat, options, k_run)
+    nat, elbo, moved, rejected = _run_mixture(log_joint, base.nat, nat, options, k_run)
     entropy_rest = sum(float(jnp.sum(b.family.entropy(base.nat[b.name]))) for b in others)
     elbo = elbo + entropy_rest
-    return _package(prepared, base, blocks, counts, nat, elbo, moved, log_joint, k_diag, time.perf_counter() - t0)
+    return _package(
+        prepared, base, blocks, counts, nat, (elbo, moved, rejected), log_joint, k_diag, time.perf_counter() - t0
+    )
 
 
 def _prepare_base(program, args, kwargs, options, key, counts):
@@ -183,9 +186,12 @@ def _log_joint(density, blocks: dict, others: list, data):
 
 def _run_mixture(log_joint, rest_nat: dict, nat: dict, options, key) -> tuple:
     """``num_steps`` steps of every mixture block (see the module): ``(nat, ELBOs, re-spread
-    components)``; each block steps with the other mixtures drawn from their current q."""
-    rho0 = RHO0 if options.learning_rate is None or callable(options.learning_rate) else float(options.learning_rate)
-    names = list(nat)
+    components, rejected steps)``; each block steps with the other mixtures drawn from their
+    current q. A step whose parameters or ELBO are not finite (an overflow of the model's
+    density at a draw) is not taken, and counted."""
+    rate = options.learning_rate
+    rho0 = RHO0 if rate is None or callable(rate) else float(rate)
+    names, total = list(nat), int(options.num_steps)
 
     def step(nat, t):
         k = jax.random.fold_in(key, t)
@@ -200,22 +206,25 @@ def _run_mixture(log_joint, rest_nat: dict, nat: dict, options, key) -> tuple:
 
             new[n], e = gm.mixture_step(nat[n], log_p, jax.random.fold_in(k_steps, i), rho, NUM_DRAWS)
             elbo = e if i == 0 else elbo  # (one block's estimate: with several, each holds the others' draws)
-        return new, elbo
+        ok = jnp.isfinite(elbo) & jnp.all(jnp.stack([gm.mixture_is_valid(new[n]) for n in names]))
+        kept = jax.tree.map(lambda a, b: jnp.where(ok & (t < total), a, b), new, nat)
+        return kept, (elbo, ~ok & (t < total))
 
     @_jit
     def chunk(nat, t0):
         return jax.lax.scan(lambda s, i: step(s, t0 + i), nat, jnp.arange(CHUNK))
 
-    elbos, moved = [], 0
-    steps = max(CHUNK, int(math.ceil(options.num_steps / CHUNK)) * CHUNK)
-    for c in range(steps // CHUNK):
-        nat, e = chunk(nat, c * CHUNK)
-        elbos.append(np.asarray(e))
-        if (c + 1) * CHUNK <= steps // 2:
+    elbos, moved, rejected = [], 0, 0
+    chunks = int(math.ceil(total / CHUNK))
+    for c in range(chunks):
+        nat, (e, bad) = chunk(nat, c * CHUNK)
+        elbos.append(np.asarray(e)[np.asarray(~bad)][: total - c * CHUNK])
+        rejected += int(np.sum(np.asarray(bad)))
+        if (c + 1) * CHUNK <= total // 2:
             for i, n in enumerate(names):
                 nat[n], m = gm.respread(nat[n], jax.random.fold_in(key, 10**6 + 100 * c + i))
                 moved += m
-    return nat, np.concatenate(elbos), moved
+    return nat, np.concatenate(elbos), moved, rejected
 
 
 def _diagnose(log_joint, rest_nat, others, blocks, nat, key) -> tuple:
@@ -239,6 +248,16 @@ def _diagnose(log_joint, rest_nat, others, blocks, nat, key) -> tuple:
     return psis_khat(log_w), relative_ess(log_w), importance_bound(log_w), log_w.size
 
 
+def _settled(elbo) -> bool:
+    """Whether the mean ELBOs of the last two windows of :data:`CHUNK` steps agree within two
+    standard errors (no window of steps that did not reach: not settled)."""
+    if elbo.size < 2 * CHUNK:
+        return False
+    tail, before = elbo[-CHUNK:], elbo[-2 * CHUNK : -CHUNK]
+    se = math.sqrt(np.var(tail) / tail.size + np.var(before) / before.size)
+    return bool(abs(tail.mean() - before.mean()) <= 2.0 * se + 1e-12)
+
+
 def _exported(block, nat) -> dict:
     """site → posterior of a mixture block's sites: the mixture itself, or for the members of
     a joint block each one's marginal, pushed through the site's bijection."""
@@ -251,9 +270,11 @@ def _exported(block, nat) -> dict:
     return out
 
 
-def _package(prepared, base, blocks, counts, nat, elbo, moved, log_joint, key, run_time):
+def _package(prepared, base, blocks, counts, nat, run, log_joint, key, run_time):
     """The result: the single fit's, with the mixture blocks in its plan, its natural
-    parameters and its posteriors, the mixture's ELBOs and diagnostics."""
+    parameters and its posteriors, the mixture's ELBOs and diagnostics (``run``: the ELBOs,
+    the components re-spread and the steps rejected, :func:`_run_mixture`'s)."""
+    elbo, moved, rejected = run
     plan = prepared.plan
     others = [b for b in prepared.bundle.density.drawn if b.name not in blocks]
     new_blocks, posterior, all_nat = [], dict(base.posterior), dict(base.nat)
@@ -269,18 +290,18 @@ def _package(prepared, base, blocks, counts, nat, elbo, moved, log_joint, key, r
     diagnostics = base.diagnostics._replace(
         khat=khat, ess=ess, bound=bound, num_draws=num, widths=(), narrow=(), bulk=None, note=""
     )
-    tail = elbo[-CHUNK:]
-    before = elbo[-2 * CHUNK : -CHUNK] if elbo.size >= 2 * CHUNK else tail
-    se = math.sqrt(np.var(tail) / tail.size + np.var(before) / before.size)
-    converged = bool(abs(tail.mean() - before.mean()) <= 2.0 * se + 1e-12)
+    converged = _settled(elbo)
     weights = "; ".join(
         f"'{n}': weights " + ", ".join(f"{w:.3f}" for w in np.asarray(jax.nn.softmax(nat[n].logits))) for n in blocks
     )
     message = (
         f"Gaussian mixture fitted by {elbo.size} steps of its rule ({weights}; "
         + ("the ELBO's last two windows of steps agree within their noise" if converged else
-           "the ELBO still moved over the last window of steps: more num_steps may help")
-        + f"; {moved} component(s) re-spread by the collapse guard) from the single Gaussian's fit ({base.message.split('; ')[0]})"
+           "the ELBO still moved over the last window of steps, or there were too few steps to compare two: "
+           "more num_steps may help")
+        + f"; {moved} component(s) re-spread by the collapse guard"
+        + (f"; {rejected} step(s) with a non-finite result not taken" if rejected else "")
+        + f") from the single Gaussian's fit ({base.message.split('; ')[0]})"
     )
     if others:
         message += "; the other latents keep the single Gaussian fit's q"
@@ -293,7 +314,7 @@ def _package(prepared, base, blocks, counts, nat, elbo, moved, log_joint, key, r
         )
     return dataclasses.replace(
         base, posterior=posterior, plan=new_plan, nat=all_nat, elbo=elbo, num_steps=base.num_steps + elbo.size,
-        converged=converged, message=message, diagnostics=diagnostics, importance=None,
+        converged=converged, message=message, diagnostics=diagnostics._replace(rejected_steps=rejected), importance=None,
         run_time=base.run_time + run_time,
         deterministic_sites=prepared.bundle.tracer.meta.get("deterministic"),
     )

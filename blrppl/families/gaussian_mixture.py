@@ -160,8 +160,13 @@ class GaussianMixture(Family):
         return mixture_log_prob(nat, x)
 
     def is_valid(self, nat: MixtureNat) -> jax.Array:
-        finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in nat]))
-        return finite & jnp.all(nat.prec > 0)
+        return mixture_is_valid(nat)
+
+
+def mixture_is_valid(nat: MixtureNat) -> jax.Array:
+    """Scalar bool: every parameter finite and every precision positive."""
+    finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in nat]))
+    return finite & jnp.all(nat.prec > 0)
 
 
 def mixture_distribution(nat: MixtureNat) -> dist.Distribution:

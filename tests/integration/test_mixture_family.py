@@ -234,3 +234,15 @@ def test_float32_mixture():
     grid = np.linspace(-6.0, 6.0, 4001)
     exact = _normalised(np.asarray(dist.Normal(0.85, 2.0).log_prob(grid) + dist.Normal(grid**2, 1.0).log_prob(4.0)), 1.0)
     assert abs(out["negative"] - exact[grid < 0].sum() / exact.sum()) < 0.05
+
+
+@quiet
+def test_num_steps_caps_the_mixture_and_a_mixture_is_no_online_prior():
+    """``num_steps`` counts the mixture's steps exactly (not rounded to its chunks), and a
+    mixture's result as ``prior=`` of another fit is refused naming the site."""
+    mix = blr_fit(bimodal, {"y": 4.0}, families={"theta": ("gaussian-mixture", 3)}, num_steps=50,
+                  rng_key=random.PRNGKey(0), progress_bar=False)
+    assert mix.elbo.shape == (50,) and np.all(np.isfinite(mix.elbo))
+    assert "'theta': weights" in mix.message and not mix.converged
+    with pytest.raises(blrppl.OnlinePriorError, match="theta.*gaussian-mixture"):
+        blr_fit(bimodal, {"y": 4.0}, prior=mix, progress_bar=False)
