@@ -101,7 +101,8 @@ def mixture_fit(program, args, kwargs, options, key):
         view = b.family.view(base.nat[name])
         start = b.family.view(prepared.state.nat[name]).mean
         var = b.family.marginal_variance(view)
-        nat[name] = gm.spread_start(view.mean, var, start, counts[name], jax.random.fold_in(k_start, i))
+        dense = gm.dense_components(tuple(jnp.shape(view.mean)))
+        nat[name] = gm.spread_start(view.mean, var, start, counts[name], jax.random.fold_in(k_start, i), dense)
     log_joint = _log_joint(density, blocks, others, data)
     nat, elbo, moved, rejected = _run_mixture(log_joint, base.nat, nat, options, k_run)
     entropy_rest = sum(float(jnp.sum(b.family.entropy(base.nat[b.name]))) for b in others)

@@ -1,9 +1,9 @@
-"""Mixtures of K diagonal Gaussians fitted by the Bayesian learning rule:
+"""Mixtures of K Gaussians fitted by the Bayesian learning rule:
 ``families={"x": ("gaussian-mixture", K)}``.
 
-The candidate is q(x) = Σ_k π_k N(x; m_k, diag(s_k)⁻¹) over a block's unconstrained values
-(one mixture over the whole block: its components are diagonal Gaussians over all its
-scalars). Lin, Khan & Schmidt (2019, "Fast and simple natural-gradient variational inference
+The candidate is q(x) = Σ_k π_k N(x; m_k, S_k⁻¹) over a block's unconstrained values
+(one mixture over the whole block: its components are Gaussians over all its scalars, with
+diagonal precisions S_k = diag(s_k) or dense ones, below). Lin, Khan & Schmidt (2019, "Fast and simple natural-gradient variational inference
 with mixture of exponential-family approximations") apply the learning rule to the joint
 q(x, z = k) = π_k q_k(x), whose natural gradient splits by component; Khan & Rue (2023, "The
 Bayesian Learning Rule", §on mixture candidates) give the same steps. With
@@ -16,6 +16,15 @@ and draws x = m_k + s_k^(−½) ⊙ ε of component k, one step at step size ρ 
     s_k ← s_k + ρ (t_k − s_k) + ½ ρ² (t_k − s_k)² / s_k          (positivity-preserving)
     m_k ← m_k − clip(ρ E_{q_k}[∇F(x)] / s_k, ±κ s_k^(−½))
     a_k ← a_k − ρ E_{q_k}[F(x)],   π = softmax(a), floored at π_min
+
+Components are dense (S_k a ``(d, d)`` matrix, :func:`dense_components`) for a block that
+is a vector of 2 to :data:`HESSIAN_MAX_DIM` scalars, diagonal otherwise. A dense precision
+takes the matrix form of the same average, with G_k = E_{q_k}[∇²F(x)],
+
+    S_k ← S_k + ρ G_k + ½ ρ² G_k S_k⁻¹ G_k                     (Lin, Schmidt & Khan 2020)
+
+(positive definite whenever S_k is: it is (S_k + ρG_k) S_k⁻¹ (S_k + ρG_k) / 2 + S_k / 2), and
+the mean step solves with it, each coordinate clipped at κ of its marginal sd.
 
 The first two lines are the rule's precision step S_k ← S_k + ρ E_{q_k}[∇²F]
 (∇_{Σ_k} E_q[F] = ½ π_k E_{q_k}[∇²F] by Price's theorem, and the joint's Fisher divides by
@@ -64,6 +73,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import numpyro.distributions as dist
+from numpyro.distributions.transforms import ReshapeTransform
 from jax.scipy.special import logsumexp
 
 from blrppl.families.base import Family
@@ -88,13 +98,26 @@ MERGE_SDS = 0.1
 START_SD = 1.0
 
 
+def dense_components(shape: tuple) -> bool:
+    """Whether a block of value shape ``shape`` gets dense components: a vector of 2 to
+    :data:`HESSIAN_MAX_DIM` scalars (where the exact Hessian is cheap), else diagonal ones."""
+    return len(shape) == 1 and 2 <= shape[0] <= HESSIAN_MAX_DIM
+
+
+def is_dense(nat) -> bool:
+    """Whether ``nat`` holds dense components (precision matrices ``(K, d, d)`` beside means
+    ``(K, d)``): read off the shapes, static under ``jit``."""
+    return nat.mean.ndim == 2 and nat.prec.ndim == 3 and nat.prec.shape[1:] == (nat.mean.shape[1],) * 2
+
+
 class MixtureNat(NamedTuple):
-    """The parameters of a mixture of K diagonal Gaussians over values of shape ``shape``.
+    """The parameters of a mixture of K Gaussians over values of shape ``shape``.
 
     Attributes:
         logits: a, shape ``(K,)``: π = softmax(a).
         mean: m_k, shape ``(K, *shape)``.
-        prec: s_k, the diagonal precisions, shape ``(K, *shape)``.
+        prec: S_k, the precisions: diagonal ``(K, *shape)``, or dense ``(K, d, d)`` for a
+            vector of d scalars (:func:`dense_components`).
     """
 
     logits: jax.Array
@@ -104,11 +127,12 @@ class MixtureNat(NamedTuple):
 
 class MixtureView(NamedTuple):
     """The mixture's human parameters (the guide's): ``weights`` ``(K,)``, each
-    component's ``mean`` and ``var`` ``(K, *shape)``."""
+    component's ``mean`` ``(K, *shape)`` and ``cov``: its variances ``(K, *shape)``
+    (diagonal components) or covariance matrices ``(K, d, d)`` (dense ones)."""
 
     weights: jax.Array
     mean: jax.Array
-    var: jax.Array
+    cov: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,16 +162,20 @@ class GaussianMixture(Family):
         return tuple(self.shape)
 
     def view(self, nat: MixtureNat) -> MixtureView:
-        return MixtureView(jax.nn.softmax(nat.logits), nat.mean, 1.0 / nat.prec)
+        cov = jnp.linalg.inv(nat.prec) if is_dense(nat) else 1.0 / nat.prec
+        return MixtureView(jax.nn.softmax(nat.logits), nat.mean, cov)
 
     def nat_from_view(self, view: MixtureView) -> MixtureNat:
-        return MixtureNat(jnp.log(view.weights), view.mean, 1.0 / view.var)
+        prec = jnp.linalg.inv(view.cov) if is_dense(_as_nat(view)) else 1.0 / view.cov
+        return MixtureNat(jnp.log(view.weights), view.mean, prec)
 
     def marginal_variance(self, view: MixtureView) -> jax.Array:
-        """Var[x] of the mixture, elementwise: Σ π_k (v_k + m_k²) − (Σ π_k m_k)²."""
+        """Var[x] of the mixture, elementwise: Σ π_k (v_k + m_k²) − (Σ π_k m_k)², v_k the
+        components' variances."""
+        var = jnp.diagonal(view.cov, axis1=-2, axis2=-1) if is_dense(_as_nat(view)) else view.cov
         w = _expand(view.weights, view.mean)
         mean = jnp.sum(w * view.mean, 0)
-        return jnp.sum(w * (view.var + view.mean**2), 0) - mean**2
+        return jnp.sum(w * (var + view.mean**2), 0) - mean**2
 
     def to_numpyro(self, nat: MixtureNat) -> dist.Distribution:
         """:func:`mixture_distribution` (event shape ``self.shape``)."""
@@ -163,17 +191,26 @@ class GaussianMixture(Family):
         return mixture_is_valid(nat)
 
 
+def _as_nat(view: MixtureView) -> MixtureNat:
+    """A view's leaves as a ``MixtureNat`` (for :func:`is_dense`, which reads shapes only)."""
+    return MixtureNat(view.weights, view.mean, view.cov)
+
+
 def mixture_is_valid(nat: MixtureNat) -> jax.Array:
-    """Scalar bool: every parameter finite and every precision positive."""
+    """Scalar bool: every parameter finite and every precision positive (definite)."""
     finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in nat]))
+    if is_dense(nat):
+        return finite & jnp.all(jnp.isfinite(jnp.linalg.cholesky(nat.prec)))
     return finite & jnp.all(nat.prec > 0)
 
 
 def mixture_distribution(nat: MixtureNat) -> dist.Distribution:
-    """The mixture as a numpyro ``MixtureSameFamily`` of ``Normal(...).to_event``, of event
-    shape the block's value shape."""
-    mean, sd = nat.mean, jax.lax.rsqrt(nat.prec)
-    comp = dist.Normal(mean, sd).to_event(mean.ndim - 1)
+    """The mixture as a numpyro ``MixtureSameFamily`` of ``Normal(...).to_event`` (diagonal
+    components) or ``MultivariateNormal`` (dense ones), of event shape the block's value shape."""
+    if is_dense(nat):
+        comp = dist.MultivariateNormal(nat.mean, precision_matrix=nat.prec)
+    else:
+        comp = dist.Normal(nat.mean, jax.lax.rsqrt(nat.prec)).to_event(nat.mean.ndim - 1)
     return dist.MixtureSameFamily(dist.Categorical(logits=nat.logits), comp)
 
 
@@ -182,10 +219,19 @@ def marginal_distribution(nat: MixtureNat, positions, shape: tuple) -> dist.Dist
     ``MixtureSameFamily`` of event shape ``shape`` (a member site of a joint block)."""
     k = nat.mean.shape[0]
     idx = np.asarray(positions)
-    mean = jnp.reshape(jnp.reshape(nat.mean, (k, -1))[:, idx], (k,) + tuple(shape))
-    sd = jnp.reshape(jnp.reshape(jax.lax.rsqrt(nat.prec), (k, -1))[:, idx], (k,) + tuple(shape))
-    comp = dist.Normal(mean, sd).to_event(len(shape))
-    return dist.MixtureSameFamily(dist.Categorical(logits=nat.logits), comp)
+    cat = dist.Categorical(logits=nat.logits)
+    mean = jnp.reshape(nat.mean, (k, -1))[:, idx]
+    if not is_dense(nat):
+        sd = jnp.reshape(jax.lax.rsqrt(nat.prec), (k, -1))[:, idx]
+        comp = dist.Normal(jnp.reshape(mean, (k,) + tuple(shape)), jnp.reshape(sd, (k,) + tuple(shape)))
+        return dist.MixtureSameFamily(cat, comp.to_event(len(shape)))
+    cov = jnp.linalg.inv(nat.prec)[:, idx][:, :, idx]
+    if len(shape) == 0:
+        return dist.MixtureSameFamily(cat, dist.Normal(mean[:, 0], jnp.sqrt(cov[:, 0, 0])))
+    out = dist.MixtureSameFamily(cat, dist.MultivariateNormal(mean, cov))
+    if len(shape) == 1:
+        return out
+    return dist.TransformedDistribution(out, ReshapeTransform(tuple(shape), (idx.size,)))
 
 
 def _expand(w, like):
@@ -196,9 +242,14 @@ def _expand(w, like):
 def _component_terms(nat: MixtureNat, x):
     """log π_j + log q_j(x) ``(K,)`` and g_j = ∇ log q_j(x) ``(K, *shape)`` at one ``x``."""
     diff = x[None] - nat.mean
+    log_w = nat.logits - logsumexp(nat.logits)
+    if is_dense(nat):
+        s_diff = jnp.einsum("kij,kj->ki", nat.prec, diff)
+        log_det = jnp.linalg.slogdet(nat.prec)[1]
+        log_comp = 0.5 * (log_det - jnp.sum(diff * s_diff, -1) - diff.shape[-1] * jnp.log(2 * jnp.pi))
+        return log_w + log_comp, -s_diff
     axes = tuple(range(1, diff.ndim))
     log_comp = 0.5 * jnp.sum(jnp.log(nat.prec) - nat.prec * diff**2 - jnp.log(2 * jnp.pi), axis=axes)
-    log_w = nat.logits - logsumexp(nat.logits)
     return log_w + log_comp, -nat.prec * diff
 
 
@@ -209,17 +260,22 @@ def mixture_log_prob(nat: MixtureNat, x) -> jax.Array:
 
 
 def mixture_log_q_derivatives(nat: MixtureNat, x) -> tuple:
-    """(log q(x), ∇ log q(x), diag ∇² log q(x)) at one ``x``, exactly (see the module)."""
+    """(log q(x), ∇ log q(x), ∇² log q(x)) at one ``x``, exactly (see the module): the
+    Hessian's diagonal for diagonal components, the whole ``(d, d)`` for dense ones."""
     terms, g = _component_terms(nat, x)
     log_q = logsumexp(terms)
-    r = _expand(jnp.exp(terms - log_q), g)
-    grad = jnp.sum(r * g, 0)
-    hess = jnp.sum(r * (g**2 - nat.prec), 0) - grad**2
+    r = jnp.exp(terms - log_q)
+    grad = jnp.sum(_expand(r, g) * g, 0)
+    if is_dense(nat):
+        outer = jnp.einsum("ki,kj->kij", g, g) - nat.prec
+        return log_q, grad, jnp.einsum("k,kij->ij", r, outer) - jnp.outer(grad, grad)
+    hess = jnp.sum(_expand(r, g) * (g**2 - nat.prec), 0) - grad**2
     return log_q, grad, hess
 
 
-def log_p_derivatives(log_p, x, exact_hessian: bool) -> tuple:
-    """(log p(x), ∇ log p(x), diag ∇² log p(x) or None) of ``log_p`` at one ``x``."""
+def log_p_derivatives(log_p, x, exact_hessian: bool, full: bool = False) -> tuple:
+    """(log p(x), ∇ log p(x), diag ∇² log p(x) (with ``full``: the ``(d, d)`` Hessian of
+    the flattened x) or None) of ``log_p`` at one ``x``."""
     value, grad = jax.value_and_grad(log_p)(x)
     if not exact_hessian:
         return value, grad, None
@@ -230,7 +286,7 @@ def log_p_derivatives(log_p, x, exact_hessian: bool) -> tuple:
 
     basis = jnp.eye(flat.size, dtype=flat.dtype)
     cols = jax.vmap(lambda e: jax.jvp(grad_flat, (flat,), (e,))[1])(basis)
-    return value, grad, jnp.diagonal(cols).reshape(x.shape)
+    return value, grad, 0.5 * (cols + cols.T) if full else jnp.diagonal(cols).reshape(x.shape)
 
 
 def mixture_messages(nat: MixtureNat, log_p, eps) -> tuple:
@@ -243,15 +299,18 @@ def mixture_messages(nat: MixtureNat, log_p, eps) -> tuple:
         eps: standard normal draws ``(S, *shape)``, shared by every component.
 
     Returns:
-        ``(E[F] (K,), E[∇F] (K, *shape), E[diag ∇²F] (K, *shape), E[log p] (K,))``.
+        ``(E[F] (K,), E[∇F] (K, *shape), E[∇²F] (K, *shape) (its diagonal; dense
+        components: (K, d, d)), E[log p] (K,))``.
     """
-    sd = jax.lax.rsqrt(nat.prec)
+    dense = is_dense(nat)
+    # x = m + R ε with R Rᵀ = S⁻¹: R = L⁻ᵀ for S = L Lᵀ (dense), s^(−½) (diagonal)
+    sd = jnp.linalg.cholesky(nat.prec) if dense else jax.lax.rsqrt(nat.prec)
     exact = int(np.prod(eps.shape[1:])) <= HESSIAN_MAX_DIM
 
     def at(m, s, e):
-        x = m + s * e
+        x = m + (jax.scipy.linalg.solve_triangular(s, e, trans="T", lower=True) if dense else s * e)
         log_q, gq, hq = mixture_log_q_derivatives(nat, x)
-        lp, gp, hp = log_p_derivatives(log_p, x, exact)
+        lp, gp, hp = log_p_derivatives(log_p, x, exact, full=dense)
         grad = gq - gp
         hess = hq - hp if exact else grad * (x - m) / s**2  # (Stein: E[∇F (x − m)] s = E[∇²F])
         return log_q - lp, grad, hess, lp
@@ -263,10 +322,17 @@ def mixture_messages(nat: MixtureNat, log_p, eps) -> tuple:
 def mixture_update(nat: MixtureNat, f_mean, grad, hess, rho, max_step: float = MAX_STEP) -> MixtureNat:
     """One step at step size ``rho`` from the expectations of :func:`mixture_messages`
     (the module's equations), the weights floored at :data:`MIN_WEIGHT`."""
-    target = nat.prec + hess
-    prec = positive_average(nat.prec, target, rho)
-    step = rho * grad / prec
-    bound = max_step * jax.lax.rsqrt(prec)
+    if is_dense(nat):
+        # S + ρG + ½ρ² G S⁻¹ G, G = E[∇²F] (the matrix form: Lin, Schmidt & Khan 2020)
+        g_sinv_g = jnp.einsum("kij,kjl->kil", hess, jnp.linalg.solve(nat.prec, hess))
+        prec = nat.prec + rho * hess + 0.5 * rho**2 * g_sinv_g
+        prec = 0.5 * (prec + jnp.swapaxes(prec, -1, -2))
+        step = rho * jnp.linalg.solve(prec, grad[..., None])[..., 0]
+        bound = max_step * jnp.sqrt(jnp.diagonal(jnp.linalg.inv(prec), axis1=-2, axis2=-1))
+    else:
+        prec = positive_average(nat.prec, nat.prec + hess, rho)
+        step = rho * grad / prec
+        bound = max_step * jax.lax.rsqrt(prec)
     mean = nat.mean - jnp.clip(step, -bound, bound)
     logits = nat.logits - rho * f_mean
     logits = floor_weights(logits)
@@ -302,16 +368,19 @@ def mixture_step(nat: MixtureNat, log_p, key, rho, num_draws: int) -> tuple:
     return mixture_update(nat, f_mean, grad, hess, rho), elbo
 
 
-def spread_start(mean, var, start, num_components: int, key) -> MixtureNat:
+def spread_start(mean, var, start, num_components: int, key, dense: bool = False) -> MixtureNat:
     """The start (see the module): component 0 at (``mean``, ``var``), the others in
     antithetic pairs ``start ± SPREAD · w ⊙ z`` about the single fit's own starting point
-    ``start``, all with variances ``var`` and equal weights."""
+    ``start``, all with variances ``var`` (``dense``: as diagonal precision matrices of
+    the flattened values) and equal weights."""
     dtype = jnp.result_type(mean)
     width = jnp.maximum(jnp.sqrt(var), START_SD)
     pairs = jax.random.normal(key, ((num_components) // 2,) + jnp.shape(mean), dtype)
     z = jnp.concatenate([pairs, -pairs])[: num_components - 1]
     means = jnp.concatenate([mean[None], start[None] + SPREAD * width[None] * z])
     prec = jnp.broadcast_to(1.0 / var, means.shape).astype(dtype)
+    if dense:
+        means, prec = means.reshape(num_components, -1), jax.vmap(jnp.diag)(prec.reshape(num_components, -1))
     return MixtureNat(jnp.zeros((num_components,), dtype), means.astype(dtype), prec)
 
 
@@ -320,7 +389,7 @@ def respread(nat: MixtureNat, key) -> tuple:
     on the host (NumPy)."""
     logits, mean, prec = (np.array(a, dtype=float) for a in nat)
     k = logits.size
-    sd = 1.0 / np.sqrt(prec)
+    sd = np.sqrt(np.diagonal(np.linalg.inv(prec), axis1=-2, axis2=-1)) if is_dense(nat) else 1.0 / np.sqrt(prec)
     rng = np.random.default_rng(np.asarray(jax.random.key_data(key)).ravel().tolist())
     moved = 0
     for j in np.argsort(logits):  # lightest first

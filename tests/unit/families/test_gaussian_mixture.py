@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import numpyro.distributions as dist
 import pytest
 from jax import random
 from jax.scipy.stats import norm
@@ -147,3 +148,69 @@ def test_export_is_a_mixture_same_family():
     back = gm.GaussianMixture(2, (2,)).nat_from_view(view)
     for a, b in zip(back, nat):
         np.testing.assert_allclose(a, b, rtol=1e-12)
+
+
+def _dense(weights, means, covs):
+    covs = jnp.asarray(covs, float)
+    return gm.MixtureNat(jnp.log(jnp.asarray(weights)), jnp.asarray(means, float), jnp.linalg.inv(covs))
+
+
+COVS = [[[1.0, 0.6], [0.6, 0.5]], [[0.3, -0.1], [-0.1, 2.0]]]
+
+
+def test_dense_log_q_derivatives_and_export():
+    nat = _dense([0.4, 0.6], [[0.0, 1.0], [2.0, -1.0]], COVS)
+    assert gm.is_dense(nat) and gm.dense_components((2,)) and not gm.dense_components((1,))
+    d = gm.mixture_distribution(nat)
+    want = dist.MixtureSameFamily(
+        dist.Categorical(probs=jnp.array([0.4, 0.6])), dist.MultivariateNormal(nat.mean, jnp.asarray(COVS))
+    )
+    for x in ([0.3, 0.2], [2.5, -0.7], [-1.0, 3.0]):
+        x = jnp.asarray(x)
+        log_q, grad, hess = gm.mixture_log_q_derivatives(nat, x)
+        np.testing.assert_allclose(log_q, want.log_prob(x), rtol=1e-12)
+        np.testing.assert_allclose(d.log_prob(x), log_q, rtol=1e-12)
+        np.testing.assert_allclose(grad, jax.grad(want.log_prob)(x), rtol=1e-10, atol=1e-12)
+        np.testing.assert_allclose(hess, jax.hessian(want.log_prob)(x), rtol=1e-10, atol=1e-12)
+    family = gm.GaussianMixture(2, (2,))
+    view = family.view(nat)
+    np.testing.assert_allclose(view.cov, COVS, rtol=1e-12)
+    np.testing.assert_allclose(family.marginal_variance(view), d.variance, rtol=1e-12)
+    marginal = gm.marginal_distribution(nat, np.array([1]), ())
+    np.testing.assert_allclose(marginal.variance, d.variance[1], rtol=1e-12)
+    assert bool(family.is_valid(nat)) and not bool(family.is_valid(nat._replace(prec=-nat.prec)))
+
+
+def test_dense_one_component_on_a_gaussian_target_is_newtons_step():
+    """K = 1, p = N(μ, Σ) with Σ dense: at S = Σ⁻¹ one step at ρ = 1 keeps S and lands on μ."""
+    mu, cov = jnp.array([0.3, -1.0]), jnp.asarray(COVS[0])
+    prec = jnp.linalg.inv(cov)
+    nat = gm.MixtureNat(jnp.zeros(1), (mu + jnp.array([0.2, -0.1]))[None], prec[None])
+    target = dist.MultivariateNormal(mu, cov)
+    new, _ = gm.mixture_step(nat, target.log_prob, random.PRNGKey(0), 1.0, 8)
+    np.testing.assert_allclose(new.prec[0], prec, rtol=1e-10)
+    np.testing.assert_allclose(new.mean[0], mu, rtol=1e-10, atol=1e-12)
+
+
+def test_dense_precision_step_is_the_matrix_average():
+    """From S ≠ P on p = N(0, P⁻¹): E[∇²F] = P − S at every draw, and the step is
+    S + ρG + ½ρ² G S⁻¹ G with G = P − S (positive definite)."""
+    p_cov = jnp.asarray(COVS[1])
+    s = jnp.array([[2.0, 0.3], [0.3, 1.0]])
+    nat = gm.MixtureNat(jnp.zeros(1), jnp.zeros((1, 2)), s[None])
+    rho = 0.4
+    new, _ = gm.mixture_step(nat, dist.MultivariateNormal(jnp.zeros(2), p_cov).log_prob, random.PRNGKey(1), rho, 4)
+    g = jnp.linalg.inv(p_cov) - s
+    np.testing.assert_allclose(new.prec[0], s + rho * g + 0.5 * rho**2 * g @ jnp.linalg.solve(s, g), rtol=1e-10)
+    assert np.all(np.linalg.eigvalsh(np.asarray(new.prec[0])) > 0)
+
+
+def test_dense_start_and_respread():
+    nat = gm.spread_start(jnp.array([1.0, 2.0]), jnp.array([0.25, 4.0]), jnp.zeros(2), 3, random.PRNGKey(0), dense=True)
+    assert nat.prec.shape == (3, 2, 2) and gm.is_dense(nat)
+    np.testing.assert_allclose(nat.prec[0], jnp.diag(jnp.array([4.0, 0.25])))
+    twin = nat._replace(mean=nat.mean.at[1].set(nat.mean[0] + 1e-3))
+    moved, count = gm.respread(twin, random.PRNGKey(1))
+    # (equal weights: either of the twins moves, the other and the third stay)
+    stayed = [np.allclose(moved.mean[i], twin.mean[i]) for i in range(3)]
+    assert count == 1 and stayed[2] and stayed[:2].count(True) == 1
