@@ -81,8 +81,10 @@ def mixture_fit(program, args, kwargs, options, key):
         posteriors.
 
     Raises:
-        FamilyError: a mixture site is discrete, a point, or a member of a joint block.
-        BLRError: the model has subsampled plates (the mixture's steps read all the data).
+        FamilyError: a mixture site is discrete, a point, integrated out, or a site with
+            plate axes in a dense block of its own (``structure="joint"``).
+        BLRError: the model has subsampled plates, or ``prior=`` (the mixture's steps read
+            the model's density at all the data).
     """
     asked = dict(options.mixtures)
     prepared = _prepare_base(program, args, kwargs, options, key, asked)
