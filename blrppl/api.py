@@ -13,6 +13,7 @@ from blrppl.engine.build import plan_model
 from blrppl.engine.cache import COMPILE_LOCK
 from blrppl.engine.grid import MAX_SCALES, grid_sites, grid_fit
 from blrppl.engine.kernel import BLRKernel, fit_kernel
+from blrppl.engine.mixture import mixture_fit
 from blrppl.engine.prepare import prepare
 from blrppl.engine.refine import refine as refine_fit, summary as refine_summary
 from blrppl.engine.run import run
@@ -75,7 +76,9 @@ def blr_fit(
         learning_rate: ρ, a float or a callable of the step number (default: per block).
         schedule: ``"sequential"`` or ``"parallel"`` (default: parallel for a plan with IVON
             blocks, a network's weights, sequential otherwise).
-        families: site → family name overrides (``"grid"``: integrate a scale on a grid).
+        families: site → family name overrides (``"grid"``: integrate a scale on a grid;
+            ``("gaussian-mixture", K)``: a mixture of K diagonal Gaussians, see
+            :mod:`blrppl.engine.mixture`).
         structure: ``"joint"``, ``"mean-field"`` or None (by the Gaussian latents' dimension).
         point: sites fitted by the delta method (Laplace's approximation).
         mc_curvature: the curvature estimator of Monte Carlo messages (default ``"auto"``).
@@ -124,6 +127,12 @@ def blr_fit(
     refine, refine_budget = refine_options(refine, refine_budget)
     key, program = as_key(rng_key), ModelProgram(model)
     grid_asked = bool(grid_sites(options.families_dict))
+    if options.mixtures and (grid_asked or prior is not None or options.num_starts > 1):
+        raise BLRError(
+            "families=('gaussian-mixture', K) works with one start, without prior= and without scales on a grid; "
+            f"got {'prior=' if prior is not None else 'a grid' if grid_asked else f'num_starts={options.num_starts}'}",
+            site=options.mixtures[0][0],
+        )
     if grid_asked and (prior is not None or options.num_starts > 1):
         scales = grid_sites(options.families_dict)
         raise BLRError(
@@ -139,7 +148,7 @@ def blr_fit(
         t0 = time.perf_counter()
         result, held = fit(options, key)
         refinements = []
-        if refine and prior is None:
+        if refine and prior is None and not options.mixtures:  # (a mixture is its own remedy)
             result, held, refinements = refine_fit(
                 fit, result, held, options, key, time.perf_counter() - t0, refine_budget, grid_asked
             )
@@ -171,6 +180,8 @@ def _fit(program, args, kwargs, options, key, prior, init_values=None, start=0, 
     too (:mod:`blrppl.engine.budget`)."""
     with warnings.catch_warnings(record=True) as caught, budget.deadline(deadline):
         warnings.simplefilter("always")
+        if options.mixtures:
+            return mixture_fit(program, args, kwargs, options, key), caught
         scales = grid_sites(options.families_dict)
         if scales:
             return grid_fit(program, args, kwargs, options, key, scales, deadline, design), caught
@@ -232,9 +243,10 @@ def blr_kernel(model: Callable, data=None, *, rng_key=None, prior: BLRResult | N
     refuse_transformation("blr_kernel", data, rng_key)
     args, kwargs = model_arguments(data)
     options = fit_options(**options)
-    if grid_sites(options.families_dict) or options.num_starts > 1:
+    if grid_sites(options.families_dict) or options.num_starts > 1 or options.mixtures:
         raise BLRError(
-            "blr_kernel steps the rule of one start: families='grid' and num_starts > 1 are options of blr_fit"
+            "blr_kernel steps the rule of one start: families='grid', families=('gaussian-mixture', K) and "
+            "num_starts > 1 are options of blr_fit"
         )
     if options.mesh is not None:
         raise MeshError(

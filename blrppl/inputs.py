@@ -222,6 +222,9 @@ class FitOptions:
         mesh: the ``jax.sharding.Mesh`` (one axis) the data are sharded over, or None
             (:mod:`blrppl.engine.sharding`); not part of the compiled fit's key: the sharded
             programs are kept on the compiled fit per mesh.
+        mixtures: ``(site, K)`` pairs, sorted: the sites ``families=`` asked a mixture of K
+            diagonal Gaussians for (:mod:`blrppl.engine.mixture`); ``families`` gives them
+            the diagonal Gaussian the mixture starts from.
     """
 
     num_steps: int = DEFAULT_NUM_STEPS
@@ -237,6 +240,7 @@ class FitOptions:
     iterate_average: bool = True
     num_starts: int = 1
     mesh: Any = None
+    mixtures: tuple = ()
 
     @property
     def families_dict(self) -> dict:
@@ -394,6 +398,7 @@ def fit_options(
             f"families must be a dict site → family name (e.g. {{'w': 'gaussian-diag'}}), not "
             f"{type(families).__name__}"
         )
+    families, mixtures = _mixture_families(families, structure)
     for site, family in families.items():
         if not isinstance(site, str) or not isinstance(family, str):
             raise BLRError(f"families must map site names to family names (strings), not {site!r}: {family!r}")
@@ -428,6 +433,7 @@ def fit_options(
         iterate_average=bool(iterate_average),
         num_starts=_int(num_starts, "num_starts", 1),
         mesh=as_mesh(mesh),
+        mixtures=mixtures,
     )
 
 
@@ -465,6 +471,40 @@ def as_mesh(mesh):
             "makes N host devices)"
         )
     return jax.sharding.Mesh(np.array(devices[: int(mesh)]), ("data",))
+
+
+def _mixture_families(families: Mapping, structure) -> tuple:
+    """``families=`` with its mixtures read off: ``(families, mixtures)``, every site asked
+    for ``"gaussian-mixture"`` or ``("gaussian-mixture", K)`` given the Gaussian its
+    mixture starts from (:mod:`blrppl.engine.mixture`: diagonal, a block of its own; with
+    ``structure="joint"`` dense, merged into the joint block) and listed as ``(site, K)``.
+
+    Raises:
+        BLRError: a tuple that is not ``("gaussian-mixture", K)`` with K a positive integer,
+            naming the site and the spelling.
+    """
+    from blrppl.families.gaussian_mixture import DEFAULT_COMPONENTS, NAME
+
+    out, mixtures = {}, []
+    for site, family in families.items():
+        if family == NAME:
+            family = (NAME, DEFAULT_COMPONENTS)
+        if not isinstance(family, tuple):
+            out[site] = family
+            continue
+        count = family[1] if len(family) == 2 else None
+        if (
+            len(family) != 2 or family[0] != NAME or isinstance(count, (bool, np.bool_))
+            or not isinstance(count, numbers.Integral) or count < 1
+        ):
+            raise BLRError(
+                f"families= gives {family!r}: a mixture is spelled ('{NAME}', K) with K a positive integer "
+                f"(e.g. ('{NAME}', 4)), or '{NAME}' for {DEFAULT_COMPONENTS} components",
+                site=site if isinstance(site, str) else None,
+            )
+        out[site] = "gaussian" if structure == "joint" else "gaussian-diag"
+        mixtures.append((site, int(count)))
+    return out, tuple(sorted(mixtures))
 
 
 # -- data ----------------------------------------------------------------------------

@@ -132,6 +132,12 @@ class BLR:
         self.model = model
         self.options = dict(options)
         self._fit_options = fit_options(**self.options)  # checked now, not at the first call
+        if self._fit_options.mixtures:
+            raise BLRError(
+                "families=('gaussian-mixture', K) is an option of blr_fit (its mixture is fitted after the single "
+                "Gaussian's fit): BLR steps one exponential-family q per block",
+                site=self._fit_options.mixtures[0][0],
+            )
         self._autoguide = None
         if guide is not None:
             autoguides.check_supported(guide)

@@ -90,9 +90,6 @@ class CompiledFit:
     #: data → the tables of the plan's stacked factors (:mod:`blrppl.graph.stack`; None: none)
     tables_fn: Callable | None = None
 
-    #: the model's density as the diagnostics read it (:class:`blrppl.posterior.diagnostics.Density`;
-    #: None: not computed for this plan): a grid's mixture weights read it too
-    density: Any = None
     #: (nat, model data, key) → importance log-weights of q (None: not computed for this plan)
     log_weights_fn: Callable | None = None
     _log_weights_compiled: Any = None
@@ -105,6 +102,10 @@ class CompiledFit:
     narrow_fn: Callable | None = None
     narrow_sites: tuple = ()
     _narrow_compiled: Any = None
+    #: the model's density at draws of q (:class:`blrppl.posterior.diagnostics.Density`; None:
+    #: subsampled or online plans), which the mixture fit steps on (:mod:`blrppl.engine.mixture`)
+    #: and a grid's mixture weights read (:func:`blrppl.posterior.grid_draws.mixture_log_weights`)
+    density: Any = None
     #: :func:`_dense_work` of the plan (the diagnostics' program compiles optimised from the
     #: same measure as the chunk)
     dense_work: int = 0

@@ -27,6 +27,7 @@ from blrppl.families.gaussian_banded import (
     GaussianBanded,
 )
 from blrppl.families.gaussian_ivon import GaussianIVON, IVONNat
+from blrppl.families.gaussian_mixture import GaussianMixture, MixtureNat, MixtureView
 from blrppl.families.gaussian_tied import GaussianTied
 from blrppl.families.wishart import Wishart, WishartNat, WishartRuleView, WishartView
 
@@ -86,6 +87,9 @@ __all__ = [
     "GaussianDiag",
     "GaussianIVON",
     "IVONNat",
+    "GaussianMixture",
+    "MixtureNat",
+    "MixtureView",
     "GaussianNat",
     "GaussianTied",
     "GaussianView",

@@ -94,6 +94,10 @@ class Family:
     #: by the reparameterisation trick, ∇ log f(x) (x − m) / v at each draw, without the
     #: control variate (IVON's estimate, :mod:`blrppl.families.gaussian_ivon`)
     reparam_curvature: ClassVar[bool] = False
+    #: whether the family is a mixture of Gaussians (:mod:`blrppl.families.gaussian_mixture`):
+    #: never a block's family in a compiled fit, only in a mixture fit's result, whose draws,
+    #: export and guide read it through :meth:`sample` and :meth:`to_numpyro`
+    mixture: ClassVar[bool] = False
     #: the draws per step of a Monte Carlo factor group that reads the block (None: the
     #: estimator's default, :data:`blrppl.estimators.monte_carlo.NUM_SAMPLES`)
     mc_draws: ClassVar = None

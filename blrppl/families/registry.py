@@ -38,7 +38,7 @@ REQUIRED_GAUSSIAN = (
 )
 
 #: names that are options of ``families=``, not families
-RESERVED = ("grid",)
+RESERVED = ("grid", "gaussian-mixture")
 
 
 def register_family(cls_or_instance, name: str | None = None) -> type[Family]:

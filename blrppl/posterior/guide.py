@@ -116,7 +116,7 @@ class PlanGuide:
             elif b.members:
                 joint = (
                     b.family.to_numpyro(b.family.nat_from_view(view))
-                    if b.family.banded or b.family.arrowhead
+                    if b.family.banded or b.family.arrowhead or b.family.mixture
                     else dist.MultivariateNormal(view.mean, view.cov)
                 )
                 x = numpyro.sample(JOINT_SITE, joint, infer={"is_auxiliary": True})

@@ -157,3 +157,27 @@ def test_summary_reports_every_scalar(capsys):
     # Monte Carlo error of the mean of 20000 draws: sd / sqrt(20000) ≈ 0.007 sd
     assert abs(stats["mu"]["mean"] - float(res.posterior["mu"].mean)) < 5 * sd / np.sqrt(20000)
     assert abs(stats["mu"]["sd"] / sd - 1) < 0.03
+
+
+def test_mixture_spellings_are_read_into_the_options():
+    """``families=`` may ask a Gaussian mixture by name (4 components) or as (name, K): the
+    site is listed with its K and given the diagonal Gaussian its mixture starts from; the
+    user's dict is not changed."""
+    from blrppl.inputs import fit_options
+
+    asked = {"a": "gaussian-mixture", "b": ("gaussian-mixture", 3), "c": "gaussian-diag"}
+    kept = dict(asked)
+    options = fit_options(families=asked)
+    assert asked == kept
+    assert options.mixtures == (("a", 4), ("b", 3))
+    assert options.families_dict == {"a": "gaussian-diag", "b": "gaussian-diag", "c": "gaussian-diag"}
+    assert fit_options(families={"c": "gaussian-diag"}).mixtures == ()
+
+
+@pytest.mark.parametrize("asked", [("gaussian-mixture", 0), ("gaussian-mixture", -2), ("gaussian-mixture", 1.0),
+                                   ("gaussian-mixture", "4"), ("gaussian-mixture", 2, 3), ("grid", 2)])
+def test_mixture_bad_spellings_name_the_site(asked):
+    from blrppl.inputs import fit_options
+
+    with pytest.raises(BLRError, match="site 'w'.*\\('gaussian-mixture', K\\)"):
+        fit_options(families={"w": asked})

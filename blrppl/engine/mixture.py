@@ -1,0 +1,324 @@
+"""Mixtures of Gaussians fitted by the learning rule: ``blr_fit(..., families={"x":
+("gaussian-mixture", K)})`` (``"gaussian-mixture"``: :data:`DEFAULT_COMPONENTS`).
+
+A posterior with several modes (a sign that the data do not fix, a label switch, a ridge
+that bends) is missed by every Gaussian: the single Gaussian's fit sits in one mode. The
+mixture candidate of :mod:`blrppl.families.gaussian_mixture` holds them, at the cost of K
+components' Monte Carlo gradients per step. Like a grid (:mod:`blrppl.engine.grid`), it is
+an option of ``families=`` handled above the compiler, in three stages:
+
+1. the fit as asked with each mixture site's block a diagonal Gaussian on its
+   unconstrained space (``families={"x": "gaussian-diag"}``): the single-component fit;
+2. from it, the mixture's start (:func:`blrppl.families.gaussian_mixture.spread_start`),
+   then ``num_steps`` steps of the mixture's rule
+   (:func:`blrppl.families.gaussian_mixture.mixture_step`), jitted in chunks of
+   :data:`CHUNK` steps, at step sizes ρ_t = ρ₀ / (1 + t / :data:`RHO_HALF`) (ρ₀: a float
+   ``learning_rate``, else :data:`RHO0`: a callable one is the single fit's only), with
+   the collapse guard
+   (:func:`blrppl.families.gaussian_mixture.respread`) between chunks in the first half;
+   the model's log density is the fit's own (:class:`blrppl.posterior.diagnostics.Density`,
+   the one its importance weights read);
+3. the result: the mixture blocks' posteriors a numpyro ``MixtureSameFamily`` (pushed
+   through the site's bijection when it is constrained), in the result's plan and natural
+   parameters (so that ``result.sample``, ``result.guide`` and ``summary()`` draw from
+   it), and PSIS k̂, the relative ESS and the importance-weighted bound of the mixture's q.
+
+The mixture is over the block that holds the site: its own block (diagonal Gaussian
+start), or with ``structure="joint"`` the joint block of the model's Gaussians (dense
+start), whose sites' posteriors are then the mixture's marginals (each site's scalars: a
+``MixtureSameFamily`` too) and whose draws keep the mixture's coupling. Several sites
+asked in one joint block make one mixture, of the largest K asked.
+
+This first increment fits the mixture blocks with the rest of q held at the single fit's:
+the other latents' blocks are drawn from it at every step (one draw per step, shared by the
+mixture's draws) and are not fitted again given the mixture. A mixture site must be
+continuous, not a point, and the plan free of subsampled plates and ``prior=``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from blrppl.engine.build import model_data
+from blrppl.engine.prepare import prepare
+from blrppl.engine.run import run
+from blrppl.errors import BLRError, FamilyError
+from blrppl.families import gaussian_mixture as gm
+from blrppl.posterior.diagnostics import importance_bound, psis_khat, relative_ess
+from blrppl.posterior.export import TransformedPosterior, site_distribution
+from blrppl.runtime.compile import jit as _jit
+
+#: the first step size of the mixture's rule, when ``learning_rate`` gives none
+RHO0 = 0.3
+#: the steps over which the step size halves (ρ_t = ρ₀ / (1 + t / RHO_HALF))
+RHO_HALF = 100.0
+#: steps per jitted chunk (the collapse guard runs between chunks)
+CHUNK = 100
+#: draws per component per step (S/2 antithetic pairs)
+NUM_DRAWS = 16
+#: draws of the mixture's q behind its PSIS k̂
+DIAGNOSTIC_DRAWS = 2000
+
+
+def mixture_fit(program, args, kwargs, options, key):
+    """Fit the model with the mixtures ``options.mixtures`` asks for (see the module).
+
+    Args:
+        program: the model's :class:`blrppl.model.program.ModelProgram`.
+        args, kwargs: the model's arguments.
+        options: the checked :class:`blrppl.inputs.FitOptions` (``mixtures`` not empty).
+        key: the fit's key.
+
+    Returns:
+        :class:`blrppl.BLRResult` with the mixture blocks in its plan, natural parameters and
+        posteriors.
+
+    Raises:
+        FamilyError: a mixture site is discrete, a point, integrated out, or a site with
+            plate axes in a dense block of its own (``structure="joint"``).
+        BLRError: the model has subsampled plates, or ``prior=`` (the mixture's steps read
+            the model's density at all the data).
+    """
+    asked = dict(options.mixtures)
+    prepared = _prepare_base(program, args, kwargs, options, key, asked)
+    plan = prepared.plan
+    blocks, counts = _mixture_blocks(plan, asked, prepared.bundle.density)
+    with warnings.catch_warnings(record=True):  # (the single fit's advice is not the mixture's)
+        warnings.simplefilter("always")
+        base = run(prepared, prepared.state, options.num_steps, options.progress_bar)
+    t0 = time.perf_counter()
+    density = prepared.bundle.density
+    data = model_data(plan, prepared.dyn_data)
+    others = [b for b in density.drawn if b.name not in blocks]
+    k_start, k_run, k_diag = jax.random.split(jax.random.fold_in(key, 53), 3)
+    nat = {}
+    for i, (name, b) in enumerate(blocks.items()):
+        view = b.family.view(base.nat[name])
+        start = b.family.view(prepared.state.nat[name]).mean
+        var = b.family.marginal_variance(view)
+        dense = gm.dense_components(tuple(jnp.shape(view.mean)))
+        nat[name] = gm.spread_start(view.mean, var, start, counts[name], jax.random.fold_in(k_start, i), dense)
+    log_joint = _log_joint(density, blocks, others, data)
+    nat, elbo, moved, rejected = _run_mixture(log_joint, base.nat, nat, options, k_run)
+    entropy_rest = sum(float(jnp.sum(b.family.entropy(base.nat[b.name]))) for b in others)
+    elbo = elbo + entropy_rest
+    return _package(
+        prepared, base, blocks, counts, nat, (elbo, moved, rejected), log_joint, k_diag, time.perf_counter() - t0
+    )
+
+
+def _prepare_base(program, args, kwargs, options, key, counts):
+    """The single fit's prepared state, a discrete mixture site refused by name."""
+    try:
+        prepared = prepare(program, args, kwargs, options, key)
+    except FamilyError as err:
+        if err.site in counts:
+            raise FamilyError(
+                f"families= asks a Gaussian mixture for '{err.site}', which no Gaussian on an unconstrained space "
+                f"can represent ({err}): a mixture is for continuous latents; remove '{err.site}' from families=",
+                site=err.site,
+            ) from err
+        raise
+    if prepared.plan.subsampled or prepared.bundle.density is None:
+        raise BLRError(
+            "families= asks a Gaussian mixture: its steps read the model's density at all the data, which a fit "
+            "with subsampled plates or prior= does not have; fit without them or without the mixture",
+            site=next(iter(counts)),
+        )
+    return prepared
+
+
+def _mixture_blocks(plan, asked: dict, density) -> tuple:
+    """``(block name → block, block name → K)``: the single fit's block of every mixture site
+    (one mixture per block: K the largest its sites ask), each drawn, continuous, not a
+    point, and in its value layout or a joint block."""
+    blocks, counts = {}, {}
+    drawn = {b.name for b in density.drawn} if density is not None else set()
+    for site, k in asked.items():
+        block = next((b for b in plan.blocks if site in b.sites), None)
+        if block is None:
+            raise FamilyError(
+                "families= asks a Gaussian mixture for a site the fit has no block of (no other site reads it: "
+                "it is integrated out exactly); remove it from families=",
+                site=site,
+            )
+        if block.discrete:
+            raise FamilyError("a Gaussian mixture is for continuous latents: remove it from families=", site=site)
+        if block.point or block.name not in drawn:
+            raise FamilyError(
+                "a Gaussian mixture is not a point (delta-method) block: remove it from point= or from families=",
+                site=site,
+            )
+        if not block.members and block.family.dense_event and block.batch_shape:
+            raise FamilyError(
+                "a Gaussian mixture over a site with plate axes is fitted on its own block: fit it without "
+                "structure='joint'",
+                site=site,
+            )
+        blocks[block.name] = block
+        counts[block.name] = max(k, counts.get(block.name, 0))
+    return blocks, counts
+
+
+def _log_joint(density, blocks: dict, others: list, data):
+    """``(xs, rest_nat, key) → log p(y, x) + log|det J|``: ``xs`` the mixture blocks' values
+    (canonical layout), the other drawn blocks drawn from ``rest_nat`` with ``key``."""
+
+    def log_joint(xs: dict, rest_nat: dict, key):
+        values, log_det = dict(density.point_values(rest_nat)), 0.0
+        keys = jax.random.split(key, max(len(others), 1))
+        for k, b in zip(keys, others):
+            vals, ld = density.site_values(b, b.family.sample(rest_nat[b.name], k))
+            values.update(vals)
+            log_det = log_det + ld
+        for name, b in blocks.items():
+            vals, ld = density.site_values(b, xs[name])
+            values.update(vals)
+            log_det = log_det + ld
+        return density.log_joint(values, data) + log_det
+
+    return log_joint
+
+
+def _run_mixture(log_joint, rest_nat: dict, nat: dict, options, key) -> tuple:
+    """``num_steps`` steps of every mixture block (see the module): ``(nat, ELBOs, re-spread
+    components, rejected steps)``; each block steps with the other mixtures drawn from their
+    current q. A step whose parameters or ELBO are not finite (an overflow of the model's
+    density at a draw) is not taken, and counted."""
+    rate = options.learning_rate
+    rho0 = RHO0 if rate is None or callable(rate) else float(rate)
+    names, total = list(nat), int(options.num_steps)
+
+    def step(nat, t):
+        k = jax.random.fold_in(key, t)
+        rho = rho0 / (1.0 + t / RHO_HALF)
+        k_rest, k_mix, k_steps = jax.random.split(k, 3)
+        drawn = {n: gm.mixture_distribution(nat[n]).sample(jax.random.fold_in(k_mix, i)) for i, n in enumerate(names)}
+        new, elbo = {}, 0.0
+        for i, n in enumerate(names):
+
+            def log_p(x, n=n):
+                return log_joint({**drawn, n: x}, rest_nat, k_rest)
+
+            new[n], e = gm.mixture_step(nat[n], log_p, jax.random.fold_in(k_steps, i), rho, NUM_DRAWS)
+            elbo = e if i == 0 else elbo  # (one block's estimate: with several, each holds the others' draws)
+        ok = jnp.isfinite(elbo) & jnp.all(jnp.stack([gm.mixture_is_valid(new[n]) for n in names]))
+        kept = jax.tree.map(lambda a, b: jnp.where(ok & (t < total), a, b), new, nat)
+        return kept, (elbo, ~ok & (t < total))
+
+    @_jit
+    def chunk(nat, t0):
+        return jax.lax.scan(lambda s, i: step(s, t0 + i), nat, jnp.arange(CHUNK))
+
+    elbos, moved, rejected = [], 0, 0
+    chunks = int(math.ceil(total / CHUNK))
+    for c in range(chunks):
+        nat, (e, bad) = chunk(nat, c * CHUNK)
+        elbos.append(np.asarray(e)[np.asarray(~bad)][: total - c * CHUNK])
+        rejected += int(np.sum(np.asarray(bad)))
+        if (c + 1) * CHUNK <= total // 2:
+            for i, n in enumerate(names):
+                nat[n], m = gm.respread(nat[n], jax.random.fold_in(key, 10**6 + 100 * c + i))
+                moved += m
+    return nat, np.concatenate(elbos), moved, rejected
+
+
+def _diagnose(log_joint, rest_nat, others, blocks, nat, key) -> tuple:
+    """PSIS k̂, relative ESS, the importance-weighted bound and the draws of the mixture's q."""
+
+    def one(k):
+        k_mix, k_rest = jax.random.split(k)
+        xs, log_q = {}, 0.0
+        for i, (name, _) in enumerate(blocks.items()):
+            x = gm.mixture_distribution(nat[name]).sample(jax.random.fold_in(k_mix, i))
+            xs[name] = x
+            log_q = log_q + gm.mixture_log_prob(nat[name], x)
+        # (the other blocks: drawn inside log_joint from the same key, their log q read there too)
+        rest_q = 0.0
+        keys = jax.random.split(k_rest, max(len(others), 1))
+        for kk, b in zip(keys, others):
+            rest_q = rest_q + jnp.sum(b.family.log_prob(rest_nat[b.name], b.family.sample(rest_nat[b.name], kk)))
+        return log_joint(xs, rest_nat, k_rest) - log_q - rest_q
+
+    log_w = np.asarray(_jit(jax.vmap(one))(jax.random.split(key, DIAGNOSTIC_DRAWS)), dtype=float)
+    return psis_khat(log_w), relative_ess(log_w), importance_bound(log_w), log_w.size
+
+
+def _settled(elbo) -> bool:
+    """Whether the mean ELBOs of the last two windows of :data:`CHUNK` steps agree within two
+    standard errors (no window of steps that did not reach: not settled)."""
+    if elbo.size < 2 * CHUNK:
+        return False
+    tail, before = elbo[-CHUNK:], elbo[-2 * CHUNK : -CHUNK]
+    se = math.sqrt(np.var(tail) / tail.size + np.var(before) / before.size)
+    return bool(abs(tail.mean() - before.mean()) <= 2.0 * se + 1e-12)
+
+
+def _exported(block, nat) -> dict:
+    """site → posterior of a mixture block's sites: the mixture itself, or for the members of
+    a joint block each one's marginal, pushed through the site's bijection."""
+    if not block.members:
+        return {block.name: site_distribution(block, nat, len(block.site_shape or block.value_shape))}
+    out = {}
+    for m, positions in zip(block.members, block.member_positions()):
+        marginal = gm.marginal_distribution(nat, positions, tuple(m.value_shape))
+        out[m.name] = marginal if m.transform is None else TransformedPosterior(marginal, m.transform)
+    return out
+
+
+def _package(prepared, base, blocks, counts, nat, run, log_joint, key, run_time):
+    """The result: the single fit's, with the mixture blocks in its plan, its natural
+    parameters and its posteriors, the mixture's ELBOs and diagnostics (``run``: the ELBOs,
+    the components re-spread and the steps rejected, :func:`_run_mixture`'s)."""
+    elbo, moved, rejected = run
+    plan = prepared.plan
+    others = [b for b in prepared.bundle.density.drawn if b.name not in blocks]
+    new_blocks, posterior, all_nat = [], dict(base.posterior), dict(base.nat)
+    for b in plan.blocks:
+        if b.name in blocks:
+            family = gm.GaussianMixture(counts[b.name], tuple(jnp.shape(nat[b.name].mean)[1:]))
+            b = dataclasses.replace(b, family=family, kind=f"{gm.NAME}({family.num_components})")
+            all_nat[b.name] = nat[b.name]
+            posterior.update(_exported(b, nat[b.name]))
+        new_blocks.append(b)
+    new_plan = dataclasses.replace(plan, blocks=tuple(new_blocks))
+    khat, ess, bound, num = _diagnose(log_joint, base.nat, others, blocks, nat, key)
+    diagnostics = base.diagnostics._replace(
+        khat=khat, ess=ess, bound=bound, num_draws=num, widths=(), narrow=(), bulk=None, note=""
+    )
+    converged = _settled(elbo)
+    weights = "; ".join(
+        f"'{n}': weights " + ", ".join(f"{w:.3f}" for w in np.asarray(jax.nn.softmax(nat[n].logits))) for n in blocks
+    )
+    message = (
+        f"Gaussian mixture fitted by {elbo.size} steps of its rule ({weights}; "
+        + ("the ELBO's last two windows of steps agree within their noise" if converged else
+           "the ELBO still moved over the last window of steps, or there were too few steps to compare two: "
+           "more num_steps may help")
+        + f"; {moved} component(s) re-spread by the collapse guard"
+        + (f"; {rejected} step(s) with a non-finite result not taken" if rejected else "")
+        + f") from the single Gaussian's fit ({base.message.split('; ')[0]})"
+    )
+    if others:
+        message += "; the other latents keep the single Gaussian fit's q"
+    if diagnostics.poor():
+        warnings.warn(
+            f"blr_fit: the Gaussian mixture may be a poor approximation of the posterior (PSIS k-hat = {khat:.2f}, "
+            f"importance ESS {100 * ess:.0f} %): try more components or more num_steps",
+            UserWarning,
+            stacklevel=4,
+        )
+    return dataclasses.replace(
+        base, posterior=posterior, plan=new_plan, nat=all_nat, elbo=elbo, num_steps=base.num_steps + elbo.size,
+        converged=converged, message=message, diagnostics=diagnostics._replace(rejected_steps=rejected), importance=None,
+        run_time=base.run_time + run_time,
+        deterministic_sites=prepared.bundle.tracer.meta.get("deterministic"),
+    )
+
