@@ -127,19 +127,7 @@ def blr_fit(
     refine, refine_budget = refine_options(refine, refine_budget)
     key, program = as_key(rng_key), ModelProgram(model)
     grid_asked = bool(grid_sites(options.families_dict))
-    if options.mixtures and (grid_asked or prior is not None or options.num_starts > 1):
-        raise BLRError(
-            "families=('gaussian-mixture', K) works with one start, without prior= and without scales on a grid; "
-            f"got {'prior=' if prior is not None else 'a grid' if grid_asked else f'num_starts={options.num_starts}'}",
-            site=options.mixtures[0][0],
-        )
-    if grid_asked and (prior is not None or options.num_starts > 1):
-        scales = grid_sites(options.families_dict)
-        raise BLRError(
-            "families='grid' (scales integrated on a grid) works with one start and without prior=; "
-            f"got {'prior=' if prior is not None else f'num_starts={options.num_starts}'}",
-            site=scales[0],
-        )
+    _check_fit_kind(options, prior, grid_asked)
 
     def fit(fit_opts, fit_key, init_values=None, start=0, deadline=None, design=None):
         return _fit(program, args, kwargs, fit_opts, fit_key, prior, init_values, start, deadline, design)
@@ -162,6 +150,23 @@ def blr_fit(
         warnings.warn(w.message, stacklevel=2)
     result.model_call = (program, args, kwargs)
     return result
+
+
+def _check_fit_kind(options, prior, grid_asked: bool) -> None:
+    """Refuse the options a mixture or a grid fit does not combine with (a ``BLRError`` naming
+    the site and what was given)."""
+    if options.mixtures and (grid_asked or prior is not None or options.num_starts > 1):
+        raise BLRError(
+            "families=('gaussian-mixture', K) works with one start, without prior= and without scales on a grid; "
+            f"got {'prior=' if prior is not None else 'a grid' if grid_asked else f'num_starts={options.num_starts}'}",
+            site=options.mixtures[0][0],
+        )
+    if grid_asked and (prior is not None or options.num_starts > 1):
+        raise BLRError(
+            "families='grid' (scales integrated on a grid) works with one start and without prior=; "
+            f"got {'prior=' if prior is not None else f'num_starts={options.num_starts}'}",
+            site=grid_sites(options.families_dict)[0],
+        )
 
 
 def _with_tried(w, tried: str):
