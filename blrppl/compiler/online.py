@@ -84,6 +84,13 @@ def online_plan(plan, graph, records, spec):
         new = signature(block)
         for site in block.sites:
             old = previous_of.get(site)
+            if old is not None and getattr(old.family, "mixture", False):
+                raise OnlinePriorError(
+                    f"site '{site}': its previous posterior is a Gaussian mixture (families=('gaussian-mixture', K)), "
+                    "which prior= cannot read yet (a prior is one exponential family's natural parameters): fit the "
+                    "previous and the new data together, or the previous data without the mixture",
+                    site=site,
+                )
             if old is None:
                 why = (
                     f"the previous fit has no posterior for it but has one for {', '.join(known)}, "

@@ -255,5 +255,5 @@ def test_num_steps_caps_the_mixture_and_a_mixture_is_no_online_prior():
                   rng_key=random.PRNGKey(0), progress_bar=False)
     assert mix.elbo.shape == (50,) and np.all(np.isfinite(mix.elbo))
     assert "'theta': weights" in mix.message and not mix.converged
-    with pytest.raises(blrppl.OnlinePriorError, match="theta.*gaussian-mixture"):
+    with pytest.raises(blrppl.OnlinePriorError, match="theta.*is a Gaussian mixture.*cannot read yet"):
         blr_fit(bimodal, {"y": 4.0}, prior=mix, progress_bar=False)
