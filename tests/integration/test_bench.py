@@ -445,4 +445,4 @@ def test_mixtures_bench_scores_draws_by_their_held_out_predictive():
     expected = np.mean(np.log(0.5 * sum(stats.norm.pdf(y, fi, mixtures.NOISE) for fi in f)))
     np.testing.assert_allclose(mixtures.predictive_log_likelihood(draws, x, y), expected, rtol=1e-10)
     text = mixtures.table([{"method": "NUTS", "lpd": -0.5, "seconds": 2.0, "khat": float("nan"), "bound": float("nan")}])
-    assert text.splitlines()[2] == "| NUTS | -0.500 |  |  | 2.0 |"
+    assert text.splitlines()[2] == "| 0 | NUTS | -0.500 |  |  | 2.0 |"

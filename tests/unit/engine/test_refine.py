@@ -349,3 +349,22 @@ def test_no_mixture_against_the_users_options_or_past_its_size(monkeypatch):
     assert refine_mod.mixture_candidates(first, fit_options(families={"theta": ("gaussian-mixture", 2)}), None) == []
     monkeypatch.setattr(refine_mod, "MIXTURE_MAX_DIM", 0)
     assert _mixture_changes(first, fit_options()) == []
+
+
+def test_the_mixtures_steps_stop_at_the_budgets_end():
+    """The refinement's mixture candidate stops at its deadline between chunks of its steps
+    (as a single fit does at its loop's chunk boundaries): with the deadline already past, its
+    first chunk is not run and OverBudget says where it stopped."""
+    from blrppl.engine import budget, mixture
+    from blrppl.families import gaussian_mixture as gm
+
+    nat = {"x": gm.spread_start(jnp.zeros(2), jnp.ones(2), jnp.zeros(2), 3, random.PRNGKey(0))}
+
+    def log_joint(xs, rest_nat, key):
+        return -0.5 * jnp.sum(xs["x"] ** 2)
+
+    with budget.deadline(0.0), pytest.raises(budget.OverBudget, match="in the mixture's steps"):
+        mixture._run_mixture(log_joint, {}, nat, fit_options(num_steps=200), random.PRNGKey(1))
+    with budget.deadline(None):  # (no deadline: the steps run)
+        out, elbo, _, _ = mixture._run_mixture(log_joint, {}, nat, fit_options(num_steps=100), random.PRNGKey(1))
+    assert elbo.shape == (100,) and np.all(np.isfinite(elbo))
