@@ -25,6 +25,7 @@ bench: $(STAMP)
 	$(PY) -m pip install --quiet -e ".[test,bench]"
 	$(PY) -m blrppl.bench --out docs
 	$(PY) -m blrppl.bench.deep --out docs
+	$(PY) -m blrppl.bench.mixtures --out docs
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

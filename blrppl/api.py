@@ -90,7 +90,7 @@ def blr_fit(
         iterate_average: under subsampling, report the tail average of the global latents.
         num_starts: fit from this many starting points and keep the best final ELBO.
         refine: when the fit's diagnostics say q is poor, try the remedies its advice names
-            (scales on a grid, the other structure, an over-dispersed start, more starts) and
+            (scales on a grid, the other structure, an over-dispersed start, more starts, a Gaussian mixture) and
             keep the best (``result.refinements`` lists them; :mod:`blrppl.engine.refine`).
         refine_budget: the refinement's limit in multiples of the first fit's time, counted as
             at least 6 s (default 5; 0: no refinement).

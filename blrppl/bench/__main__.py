@@ -8,6 +8,7 @@ Examples::
     python -m blrppl.bench --model eight_schools --out /tmp/b
     python -m blrppl.bench --scaling-only --out /tmp/b
     python -m blrppl.bench --deep --out /tmp/b    # Bayesian deep learning (blrppl.bench.deep)
+    python -m blrppl.bench --mixtures --out /tmp/b  # Gaussian mixtures on a small BNN (blrppl.bench.mixtures)
 
 Reference posteriors of models without a shipped one are long NUTS runs cached under
 ``$BLRPPL_CACHE`` (default ``~/.cache/blrppl/bench``), keyed by the model's name and source
@@ -69,6 +70,8 @@ def parse(argv=None):
     p.add_argument("--float32", action="store_true", help="run in float32 (default float64)")
     p.add_argument("--deep", action="store_true",
                    help="only the Bayesian deep-learning bench (blrppl.bench.deep: digits MLP, in-between sd)")
+    p.add_argument("--mixtures", action="store_true",
+                   help="only the Gaussian mixtures' bench (blrppl.bench.mixtures: a two-unit BNN, K = 1, 4, 8, NUTS)")
     return p.parse_args(argv)
 
 
@@ -98,6 +101,10 @@ def main(argv=None) -> int:
 
         deep.main(["--out", args.out])
         return 0
+    if args.mixtures:
+        from blrppl.bench import mixtures
+
+        return mixtures.main(["--out", args.out] + (["--float32"] if args.float32 else []))
     if not args.float32:
         numpyro.enable_x64()
     _fresh_compilation_cache()

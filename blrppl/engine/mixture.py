@@ -46,6 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from blrppl.engine import budget
 from blrppl.engine.build import model_data
 from blrppl.engine.prepare import prepare
 from blrppl.engine.run import run
@@ -220,6 +221,7 @@ def _run_mixture(log_joint, rest_nat: dict, nat: dict, options, key) -> tuple:
     elbos, moved, rejected = [], 0, 0
     chunks = int(math.ceil(total / CHUNK))
     for c in range(chunks):
+        budget.check("in the mixture's steps")  # (the refinement's candidate: blrppl.engine.budget)
         nat, (e, bad) = chunk(nat, c * CHUNK)
         elbos.append(np.asarray(e)[np.asarray(~bad)][: total - c * CHUNK])
         rejected += int(np.sum(np.asarray(bad)))
@@ -289,6 +291,7 @@ def _package(prepared, base, blocks, counts, nat, run, log_joint, key, run_time)
             posterior.update(_exported(b, nat[b.name]))
         new_blocks.append(b)
     new_plan = dataclasses.replace(plan, blocks=tuple(new_blocks))
+    budget.check("before the mixture's diagnostics")
     khat, ess, bound, num = _diagnose(log_joint, base.nat, others, blocks, nat, key)
     diagnostics = base.diagnostics._replace(
         khat=khat, ess=ess, bound=bound, num_draws=num, widths=(), narrow=(), bulk=None, note=""

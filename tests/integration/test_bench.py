@@ -425,3 +425,24 @@ def test_funnel_section_and_its_problems():
     text = report.markdown([], funnel_rows=[row])
     assert ("| walk | s | 0.295 (0.0287) | 0.293 (0.0086) | 0.30 | 0.156 (0.0004) | 0.01 (not converged) | "
             "0.337 (0.0117) | 0.41 | 0.93–1.04 | 0.296 (0.0289) | 1.01 | 11.4 | 0.99–1.01 |") in text, text
+
+
+def test_mixtures_bench_scores_draws_by_their_held_out_predictive():
+    """The bench's network is unchanged by a hidden unit's sign flip (its modes), and its
+    score is log (1/S) Σ_s N(y | f(x; w_s), σ²) averaged over the points, against a direct
+    computation in float64."""
+    from scipy import stats
+
+    from blrppl.bench import mixtures
+
+    (x, y), _ = mixtures.data()
+    w = {"w_in": np.array([1.5, -0.7]), "b_in": np.array([0.3, 0.2]), "w_out": np.array([0.9, -1.1]), "b_out": 0.1}
+    flipped = dict(w, w_in=w["w_in"] * [-1, 1], b_in=w["b_in"] * [-1, 1], w_out=w["w_out"] * [-1, 1])
+    np.testing.assert_allclose(mixtures.network(w, x), mixtures.network(flipped, x), rtol=1e-12)
+    draws = {s: np.stack([np.asarray(w[s], float), np.asarray(w[s], float) * 0.5]) for s in mixtures.SITES}
+    f = [np.tanh(x[:, None] * d["w_in"] + d["b_in"]) @ d["w_out"] + d["b_out"]
+         for d in ({s: draws[s][i] for s in mixtures.SITES} for i in range(2))]
+    expected = np.mean(np.log(0.5 * sum(stats.norm.pdf(y, fi, mixtures.NOISE) for fi in f)))
+    np.testing.assert_allclose(mixtures.predictive_log_likelihood(draws, x, y), expected, rtol=1e-10)
+    text = mixtures.table([{"method": "NUTS", "lpd": -0.5, "seconds": 2.0, "khat": float("nan"), "bound": float("nan")}])
+    assert text.splitlines()[2] == "| 0 | NUTS | -0.500 |  |  | 2.0 |"

@@ -48,6 +48,29 @@ def test_gaussian_mixture_example():
     assert np.all(np.diff(result.elbo) >= -1e-6 * np.abs(result.elbo[1:]))
 
 
+def test_mixture_posterior_example(tmp_path):
+    """The mixture holds both modes of y ~ N(θ², 1) and the single Gaussian cannot: the TV
+    distances are read on the example's grid of 4001 points (its error on these smooth densities
+    is far below the margins), and each mode's exact mass is ½ by symmetry."""
+    path = tmp_path / "mixture.png"
+    fits, note = load("mixture_posterior").main(num_steps=600, plot_path=str(path))
+    one, mixture = fits["one Gaussian"], fits["mixture of 8"]
+    # one Gaussian over two modes ~0.2 wide at ±2 puts most of its mass between or beside them
+    assert one["tv"] > 0.5 and mixture["tv"] < 0.1 and mixture["tv"] < one["tv"] / 5
+    np.testing.assert_allclose([mixture["mass below 0"], mixture["mass above 0"]], 0.5, atol=0.05)
+    assert note == f"plot saved to {path}" and path.stat().st_size > 0 or note.startswith("matplotlib is not installed")
+
+
+def test_mixture_posterior_example_without_matplotlib(monkeypatch, tmp_path):
+    """Without matplotlib the example says so and saves nothing."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    grid = np.linspace(-1.0, 1.0, 5)
+    note = load("mixture_posterior").plot(grid, np.ones(5), {}, tmp_path / "p.png")
+    assert note == "matplotlib is not installed: no plot saved" and not (tmp_path / "p.png").exists()
+
+
 def test_logistic_vs_nuts_example():
     rows, blr_seconds, nuts_seconds = load("logistic_vs_nuts").main(num_warmup=200, num_samples=600)
     # 600 NUTS draws: the Monte Carlo error of a NUTS mean is ~sd/sqrt(ESS) <= 0.06 sd; the

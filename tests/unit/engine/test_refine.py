@@ -258,3 +258,113 @@ def test_a_grid_within_a_fitted_grids_sites_is_not_tried(monkeypatch):
 
         _, _, refinements = refine_mod.refine(fit, first, [], fit_options(), None, 1.0, 5.0, False)
         assert [r.change for r in refinements[1:]] == tried
+
+
+def bimodal(y=None):
+    """y ~ N(θ², 1): a positive y puts the posterior's mass at θ ≈ ±√y, two modes."""
+    theta = numpyro.sample("theta", dist.Normal(0.0, 2.0))
+    numpyro.sample("y", dist.Normal(theta**2, 1.0), obs=y)
+
+
+def _first(plan, narrow=()):
+    """A stand-in first fit of ``plan`` whose q is poor (k̂ 0.9), with the narrow-q check's
+    ``narrow`` sites."""
+    from blrppl.posterior.narrow import Width
+
+    d = _result(0.9, -1.0, ess=0.05).diagnostics._replace(narrow=tuple(Width(s, 2.0, 0.1, 0.3) for s in narrow))
+    return types.SimpleNamespace(plan=plan, nat={}, diagnostics=d)
+
+
+def _mixture_changes(first, options, grid_asked=False):
+    return [c for c in refine_mod.candidates(first, options, random.PRNGKey(0), grid_asked) if c.options.mixtures]
+
+
+def test_a_mixture_is_offered_on_the_sites_the_narrow_check_flags():
+    """The bimodal model's θ flagged narrow (the posterior wider than q along it: q in one mode,
+    or between them) and the advice naming more starts: a mixture of MIXTURE_COMPONENTS
+    components over θ is a candidate, after the starts, its block a diagonal Gaussian as
+    ``families=("gaussian-mixture", K)`` asks; with ``structure="joint"`` a dense one."""
+    from blrppl.api import plan_of
+
+    plan = plan_of(bimodal, {"y": 4.0})
+    first = _first(plan, narrow=("theta",))
+    changes = [c.change for c in refine_mod.candidates(first, fit_options(), random.PRNGKey(0), False)]
+    K = refine_mod.MIXTURE_COMPONENTS
+    assert changes[-1] == f"families={{'theta': ('gaussian-mixture', {K})}}", changes
+    assert any(c.startswith("start ") for c in changes[:-1])
+    (cand,) = _mixture_changes(first, fit_options())
+    assert cand.options.mixtures == (("theta", K),)
+    assert cand.options.families_dict == {"theta": "gaussian-diag"}
+    (joint,) = _mixture_changes(first, fit_options(structure="joint"))
+    assert joint.options.families_dict == {"theta": "gaussian"}
+
+
+def test_the_mixture_covers_the_flagged_sites_only():
+    """Two Gaussian sites, one flagged narrow: the mixture is over the flagged one; none
+    flagged (the check reads scalar sites, and q is poor all the same): over all of them."""
+    from blrppl.api import plan_of
+
+    def two(y=None):
+        theta = numpyro.sample("theta", dist.Normal(0.0, 2.0))
+        with numpyro.plate("j", 3):
+            b = numpyro.sample("b", dist.Normal(0.0, 1.0))
+            numpyro.sample("y", dist.Normal(theta**2 + b, 1.0), obs=y)
+
+    plan = plan_of(two, {"y": np.array([4.0, 3.5, 4.5])}, structure="mean-field")
+    (flagged,) = _mixture_changes(_first(plan, narrow=("theta",)), fit_options(structure="mean-field"))
+    assert flagged.options.mixtures == (("theta", refine_mod.MIXTURE_COMPONENTS),)
+    (every,) = _mixture_changes(_first(plan), fit_options(structure="mean-field"))
+    assert dict(every.options.mixtures).keys() == {"theta", "b"}
+
+
+def test_no_mixture_where_the_advice_names_a_grid_alone_or_nuts():
+    """A funnel's advice names the grid alone (eight schools' τ), a product of blocks' (a
+    factor model, whose modes are sign flips with the same predictions) to compare with NUTS:
+    no mixture is offered for either, even with their sites flagged narrow."""
+    from blrppl.api import plan_of
+
+    J, sigma, y = rm.EIGHT_SCHOOLS
+    assert _mixture_changes(_first(plan_of(rm.eight_schools_model, (J, sigma, y)), ("tau",)), fit_options()) == []
+
+    def factor(Y):
+        W = numpyro.sample("W", dist.Normal(0.0, 1.0).expand([Y.shape[1], 2]).to_event(2))
+        with numpyro.plate("rows", Y.shape[0]):
+            z = numpyro.sample("z", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
+            numpyro.sample("Y", dist.Normal(z @ W.T, 1.0).to_event(1), obs=Y)
+
+    Y = np.random.default_rng(0).normal(size=(30, 4))
+    assert _mixture_changes(_first(plan_of(factor, (Y,))), fit_options()) == []
+
+
+def test_no_mixture_against_the_users_options_or_past_its_size(monkeypatch):
+    """Not offered where it would override what the user gave (``num_starts`` > 1, a family
+    for the site, a grid asked, a mixture asked), nor over more than MIXTURE_MAX_DIM scalars."""
+    from blrppl.api import plan_of
+
+    plan = plan_of(bimodal, {"y": 4.0})
+    first = _first(plan, narrow=("theta",))
+    assert _mixture_changes(first, fit_options(num_starts=2)) == []
+    assert _mixture_changes(first, fit_options(families={"theta": "gaussian"})) == []
+    assert _mixture_changes(first, fit_options(), grid_asked=True) == []
+    assert refine_mod.mixture_candidates(first, fit_options(families={"theta": ("gaussian-mixture", 2)}), None) == []
+    monkeypatch.setattr(refine_mod, "MIXTURE_MAX_DIM", 0)
+    assert _mixture_changes(first, fit_options()) == []
+
+
+def test_the_mixtures_steps_stop_at_the_budgets_end():
+    """The refinement's mixture candidate stops at its deadline between chunks of its steps
+    (as a single fit does at its loop's chunk boundaries): with the deadline already past, its
+    first chunk is not run and OverBudget says where it stopped."""
+    from blrppl.engine import budget, mixture
+    from blrppl.families import gaussian_mixture as gm
+
+    nat = {"x": gm.spread_start(jnp.zeros(2), jnp.ones(2), jnp.zeros(2), 3, random.PRNGKey(0))}
+
+    def log_joint(xs, rest_nat, key):
+        return -0.5 * jnp.sum(xs["x"] ** 2)
+
+    with budget.deadline(0.0), pytest.raises(budget.OverBudget, match="in the mixture's steps"):
+        mixture._run_mixture(log_joint, {}, nat, fit_options(num_steps=200), random.PRNGKey(1))
+    with budget.deadline(None):  # (no deadline: the steps run)
+        out, elbo, _, _ = mixture._run_mixture(log_joint, {}, nat, fit_options(num_steps=100), random.PRNGKey(1))
+    assert elbo.shape == (100,) and np.all(np.isfinite(elbo))

@@ -1,0 +1,173 @@
+"""``python -m blrppl.bench --mixtures``: Gaussian mixtures fitted by the learning rule on a small
+Bayesian neural network whose posterior has sign-flip modes (issue 53), against NUTS.
+
+The network: one input, two tanh hidden units with biases, a linear output with a bias, N(0, 1)
+priors on its 7 weights and Gaussian noise of known sd :data:`NOISE`. Flipping the signs of a
+hidden unit's input weight, bias and output weight leaves the function unchanged, and so does
+swapping the two units: the posterior has (at least) 2² · 2 = 8 equivalent modes, and a single
+Gaussian holds one. The data: :data:`N_TRAIN` inputs spread over [−3, 3] with a gap in the middle
+(where the modes' functions may differ), the held-out set :data:`N_TEST` inputs over the whole
+range.
+
+``blr_fit`` fits the weights as one joint block (``structure="joint"``), a mixture of K dense
+Gaussians over all of them (``families={site: ("gaussian-mixture", K)}`` for every weight site:
+one mixture over the joint block), for K = 1, 4, 8; NUTS runs one chain of
+:data:`NUTS_WARMUP` + :data:`NUTS_SAMPLES`. Each is scored by its held-out predictive
+log-likelihood, the mean over test points of log (1/S) Σ_s N(y | f(x; w_s), NOISE²) over S
+posterior draws (:data:`DRAWS`), and its time. The table goes to ``<out>/mixtures-bench.md``.
+
+Not a test: it runs for a minute or two.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import time
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpyro
+import numpyro.distributions as dist
+from jax import random
+
+NOISE = 0.15
+N_TRAIN = 40
+N_TEST = 200
+DRAWS = 1000
+NUTS_WARMUP = 500
+NUTS_SAMPLES = 500
+COMPONENTS = (1, 4, 8)
+#: the data sets (and the fits' keys): a held-out score of one data set has the test set's noise
+SEEDS = (0, 1, 2)
+SITES = ("w_in", "b_in", "w_out", "b_out")
+
+
+def network(w, x):
+    """The network's output at inputs ``x`` (N,), for weights ``w`` (site → array)."""
+    h = jnp.tanh(x[:, None] * w["w_in"] + w["b_in"])
+    return h @ w["w_out"] + w["b_out"]
+
+
+def two_unit_bnn(x, y=None):
+    """Two tanh hidden units, N(0, 1) weights, Gaussian noise of sd :data:`NOISE`."""
+    w = {
+        "w_in": numpyro.sample("w_in", dist.Normal(0.0, 1.0).expand([2]).to_event(1)),
+        "b_in": numpyro.sample("b_in", dist.Normal(0.0, 1.0).expand([2]).to_event(1)),
+        "w_out": numpyro.sample("w_out", dist.Normal(0.0, 1.0).expand([2]).to_event(1)),
+        "b_out": numpyro.sample("b_out", dist.Normal(0.0, 1.0)),
+    }
+    with numpyro.plate("data", x.shape[0]):
+        numpyro.sample("y", dist.Normal(network(w, x), NOISE), obs=y)
+
+
+def data(seed: int = 0):
+    """``(train, test)``, each ``(x, y)``: y = tanh(2x − 1) − 0.8 tanh(1.5x + 1) + noise; the
+    training inputs leave out (−0.5, 0.5)."""
+    rng = np.random.default_rng(seed)
+
+    def truth(x):
+        return np.tanh(2.0 * x - 1.0) - 0.8 * np.tanh(1.5 * x + 1.0)
+
+    x = np.concatenate([rng.uniform(-3.0, -0.5, N_TRAIN // 2), rng.uniform(0.5, 3.0, N_TRAIN - N_TRAIN // 2)])
+    x_test = rng.uniform(-3.0, 3.0, N_TEST)
+    return (x, truth(x) + NOISE * rng.normal(size=x.size)), (x_test, truth(x_test) + NOISE * rng.normal(size=N_TEST))
+
+
+def predictive_log_likelihood(draws: dict, x, y) -> float:
+    """Mean over the points of log (1/S) Σ_s N(y | f(x; w_s), NOISE²) over the S draws."""
+    f = jax.vmap(lambda w: network(w, jnp.asarray(x)))({s: jnp.asarray(draws[s]) for s in SITES})
+    log_p = dist.Normal(f, NOISE).log_prob(jnp.asarray(y))
+    return float(jnp.mean(jax.scipy.special.logsumexp(log_p, axis=0) - np.log(log_p.shape[0])))
+
+
+def run_blr(train, test, k: int, seed: int = 0) -> dict:
+    """``blr_fit`` with a mixture of ``k`` dense Gaussians over the weights' joint block."""
+    from blrppl import blr_fit
+
+    t0 = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (a poor-q warning: the table reports k̂)
+        result = blr_fit(
+            two_unit_bnn, {"x": train[0], "y": train[1]}, structure="joint",
+            families={s: ("gaussian-mixture", k) for s in SITES}, rng_key=random.PRNGKey(seed), progress_bar=False,
+        )
+    seconds = time.perf_counter() - t0
+    draws = result.sample(random.PRNGKey(seed + 1), DRAWS)
+    return {
+        "method": f"blr_fit, mixture of K = {k}",
+        "seed": seed,
+        "lpd": predictive_log_likelihood(draws, *test),
+        "seconds": seconds,
+        "khat": float(result.diagnostics.khat),
+        "bound": float(result.diagnostics.bound),
+    }
+
+
+def run_nuts(train, test, seed: int = 0) -> dict:
+    """NUTS, one chain of :data:`NUTS_WARMUP` + :data:`NUTS_SAMPLES`."""
+    from numpyro.infer import MCMC, NUTS
+
+    t0 = time.perf_counter()
+    mcmc = MCMC(NUTS(two_unit_bnn), num_warmup=NUTS_WARMUP, num_samples=NUTS_SAMPLES, progress_bar=False)
+    mcmc.run(random.PRNGKey(seed), x=train[0], y=train[1])
+    seconds = time.perf_counter() - t0
+    return {
+        "method": f"NUTS, 1 chain ({NUTS_WARMUP} + {NUTS_SAMPLES})",
+        "seed": seed,
+        "lpd": predictive_log_likelihood(mcmc.get_samples(), *test),
+        "seconds": seconds,
+        "khat": float("nan"),
+        "bound": float("nan"),
+    }
+
+
+def table(rows: list) -> str:
+    """The markdown table of the rows."""
+    lines = [
+        "| data seed | method | held-out predictive log-likelihood (per point) | PSIS k̂ | importance-weighted bound "
+        "| time (s) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        khat = "" if np.isnan(r["khat"]) else f"{r['khat']:.2f}"
+        bound = "" if np.isnan(r["bound"]) else f"{r['bound']:.2f}"
+        lines.append(f"| {r.get('seed', 0)} | {r['method']} | {r['lpd']:.3f} | {khat} | {bound} | {r['seconds']:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def run(components=COMPONENTS, seeds=SEEDS, log=print) -> list:
+    """The rows: for each data set (``seeds``), ``blr_fit`` with each K of ``components``, then NUTS
+    (the fits' keys are the data's seed)."""
+    rows = []
+    for seed in seeds:
+        train, test = data(seed)
+        for k in components:
+            rows.append(run_blr(train, test, k, seed))
+            log(f"  data {seed}, K = {k}: held-out log-likelihood {rows[-1]['lpd']:.3f}, {rows[-1]['seconds']:.1f} s")
+        rows.append(run_nuts(train, test, seed))
+        log(f"  data {seed}, NUTS: held-out log-likelihood {rows[-1]['lpd']:.3f}, {rows[-1]['seconds']:.1f} s")
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m blrppl.bench --mixtures", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="bench-out")
+    p.add_argument("--float32", action="store_true", help="run in float32 (default float64)")
+    args = p.parse_args(argv)
+    if not args.float32:
+        numpyro.enable_x64()
+    print("Gaussian mixtures on a two-hidden-unit Bayesian network (held-out predictive log-likelihood):", flush=True)
+    rows = run(log=lambda s: print(s, flush=True))
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "mixtures-bench.md"
+    path.write_text(table(rows))
+    print(f"wrote {path}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
