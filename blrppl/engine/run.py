@@ -54,8 +54,9 @@ def _diagnose(prepared, outcome, nat) -> Diagnostics:
     # warning about ∞ − ∞)
     noise = (float(np.std(last)) if np.all(np.isfinite(last)) else math.nan) if last.size else 0.0
     base = dict(elbo_rel_change=change, rejected_steps=int(outcome.rejected_steps), elbo_noise=noise)
-    if bundle.log_weights_fn is None:
+    if bundle.log_weights_fn is None or _spans_processes(prepared):
         why = "subsampled plates" if plan.subsampled else "online fit (prior=)"
+        why = "a fit over several processes (each holds its own rows)" if _spans_processes(prepared) else why
         return Diagnostics(khat=math.nan, num_draws=0, note=f"not computed: {why}", **base)
     if outcome.stop == CONVERGED and len(plan.blocks) == 1 and one_exact_block(plan):
         # the model's only latent block is conjugate: its closed-form step is the exact
@@ -93,6 +94,12 @@ def _diagnose(prepared, outcome, nat) -> Diagnostics:
         diagnostics = diagnostics._replace(bulk=_bulk(prepared, nat, host_fold_in(outcome.state.rng_key, 9)))
     found = _narrow_widths(prepared, nat, host_fold_in(outcome.state.rng_key, 8), diagnostics, (log_weights, at_draws, sd))
     return diagnostics._replace(widths=found, narrow=flagged(found))
+
+
+def _spans_processes(prepared) -> bool:
+    """Whether the fit runs over several processes' devices (:mod:`blrppl.engine.processes`):
+    its data on the host are this process's rows only."""
+    return bool(getattr(prepared.chunk, "spans_processes", False))
 
 
 def _narrow_widths(prepared, nat, key, diagnostics, read) -> tuple:
@@ -287,7 +294,7 @@ def _importance_source(prepared: Prepared, nat: dict, grid):
     the weights, so their draws would not be reweighted with the rest), scales on a grid
     (whose marginals are the grid's, not q's)."""
     bundle, plan = prepared.bundle, prepared.plan
-    if bundle.weighted_draws_fn is None or grid is not None or any(b.discrete and not b.chain for b in plan.blocks):
+    if bundle.weighted_draws_fn is None or grid is not None or _spans_processes(prepared) or any(b.discrete and not b.chain for b in plan.blocks):
         return None
     data = model_data(plan, prepared.dyn_data)
     return functools.partial(bundle.weighted_draws, nat, data)
