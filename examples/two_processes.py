@@ -110,9 +110,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(devices_per_process: int = 2, timeout: float = 600.0) -> list:
-    """Start the two processes (this script with ``--process-id``), each with
-    ``devices_per_process`` CPU devices, and return what each printed."""
+def launch(devices_per_process: int = 2, timeout: float = 600.0, script: str | None = None) -> list:
+    """Start the two processes (``script``, this one by default, with ``--process-id`` and
+    ``--port``), each with ``devices_per_process`` CPU devices, and return what each printed
+    after ``RESULT`` (JSON)."""
     port = free_port()
     env = dict(os.environ)
     env["XLA_FLAGS"] = (
@@ -123,7 +124,7 @@ def launch(devices_per_process: int = 2, timeout: float = 600.0) -> list:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     procs = [
         subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), "--process-id", str(i), "--port", str(port)],
+            [sys.executable, os.path.abspath(script or __file__), "--process-id", str(i), "--port", str(port)],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
         )
         for i in range(2)

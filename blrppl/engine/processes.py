@@ -189,9 +189,33 @@ def _is_key(x) -> bool:
     return jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key)
 
 
-def data_digest(leaves) -> str:
-    """A digest of the arrays every process must hold alike (those without a plate axis)."""
+def check_same(leaves) -> None:
+    """Refuse arrays without a plate axis (given whole to every process) that differ between
+    processes.
+
+    Raises:
+        MeshError: they differ (each process's digest of them is compared).
+    """
     h = hashlib.sha256()
     for x in leaves:
-        h.update(np.ascontiguousarray(np.asarray(x)).tobytes())
-    return h.hexdigest()
+        x = np.ascontiguousarray(np.asarray(x))
+        h.update(str((x.shape, x.dtype)).encode())
+        h.update(x.tobytes())
+    digest = np.frombuffer(h.digest(), np.uint8)
+    every = np.asarray(multihost_utils.process_allgather(digest)).reshape(-1, digest.size)
+    if np.any(every != every[0]):
+        raise MeshError(
+            "in a fit over several processes, the data arrays without a plate axis (hyperparameters, a design "
+            "of the global effects) must be the same in every process, and they differ: pass each process "
+            "the same values, and only its own rows of the arrays along the plate"
+        )
+
+
+def trace_error(exc: Exception) -> MeshError:
+    """The error for a chunk that does not trace on the global arrays: the model's plate
+    size is not read off its data."""
+    return MeshError(
+        "the fit over several processes runs the model on the global arrays (every process's rows), and the "
+        f"model does not trace on them ({type(exc).__name__}: {str(exc)[:300]}): read each plate's size "
+        "off the data (numpyro.plate('n', X.shape[0])), not from a number given with this process's rows"
+    )

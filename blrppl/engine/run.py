@@ -54,9 +54,8 @@ def _diagnose(prepared, outcome, nat) -> Diagnostics:
     # warning about ∞ − ∞)
     noise = (float(np.std(last)) if np.all(np.isfinite(last)) else math.nan) if last.size else 0.0
     base = dict(elbo_rel_change=change, rejected_steps=int(outcome.rejected_steps), elbo_noise=noise)
-    if bundle.log_weights_fn is None or _spans_processes(prepared):
+    if bundle.log_weights_fn is None:
         why = "subsampled plates" if plan.subsampled else "online fit (prior=)"
-        why = "a fit over several processes (each holds its own rows)" if _spans_processes(prepared) else why
         return Diagnostics(khat=math.nan, num_draws=0, note=f"not computed: {why}", **base)
     if outcome.stop == CONVERGED and len(plan.blocks) == 1 and one_exact_block(plan):
         # the model's only latent block is conjugate: its closed-form step is the exact
@@ -66,6 +65,9 @@ def _diagnose(prepared, outcome, nat) -> Diagnostics:
             khat=-math.inf, num_draws=0, note="one conjugate block in closed form: no draws needed",
             bound=float(elbo[-1]), **base,
         )
+    if _spans_processes(prepared):
+        why = "a fit over several processes (each process holds its own rows of the data)"
+        return Diagnostics(khat=math.nan, num_draws=0, note=f"not computed: {why}", **base)
     key = host_fold_in(outcome.state.rng_key, 7)
     try:
         log_weights, at_draws, sd = bundle.log_weights_read(nat, model_data(plan, prepared.dyn_data), key)

@@ -151,6 +151,7 @@ class ShardedChunk:
         from the global arrays."""
         model_data, previous, statistics = split_run_data(data)
         leaves, tree = jax.tree.flatten(model_data)
+        processes.check_same([x for x in leaves if plate_axis(np.shape(x), self.sizes) is None])
         axes, placed = [], []
         for x in leaves:
             x = np.asarray(x)
@@ -213,7 +214,13 @@ class ShardedChunk:
             shardings = jax.tree.map(lambda x: x.sharding, args)
             program = jax.jit(self._program(axes), in_shardings=shardings, out_shardings=self.replicated)
             options = self.options if self.options is not None else compiler_options(jax.tree.leaves(args[1]))
-            found = self._compiled[key] = compile_lowered(lower(program.trace(*args)), options)
+            try:
+                traced = program.trace(*args)
+            except (ValueError, TypeError, IndexError) as exc:
+                if not self.processes:
+                    raise
+                raise processes.trace_error(exc) from exc
+            found = self._compiled[key] = compile_lowered(lower(traced), options)
         return found
 
     def run(self, state, placed, axes, steps_left, rho, history, tol):
