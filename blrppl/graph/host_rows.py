@@ -6,10 +6,10 @@ A model with a subsampled plate reads its data at the plate's minibatch indices
 :class:`HostRows`, such an array stays where it is: inside the fit's compiled step,
 ``X[idx]`` becomes a host callback (``jax.experimental.io_callback``) that reads the M rows
 of the step's minibatch, so the device holds M rows at a time and the host only the rows it
-reads: N is bounded by the disk, not by memory. A ``numpy.memmap`` is mapped afresh for each
-read and unmapped after it, so the file's pages that reads touch do not accumulate in the
-process's resident memory (they stay in the operating system's page cache, which it can
-drop).
+reads: N is bounded by the disk, not by memory. A ``numpy.memmap`` of a whole file is read a
+window of the file at a time, each window mapped for its rows and unmapped after them, so the
+file's pages that reads touch never stay in the process's resident memory (they stay in the
+operating system's page cache, which it can drop).
 
 Each step's rows are read once per array (the step evaluates the model several times; the
 reads of one minibatch after the first are served from the last read), and the next step's
@@ -42,6 +42,8 @@ from blrppl.errors import HostRowsError
 _ACTIVE: "weakref.WeakSet[HostRows]" = weakref.WeakSet()
 #: minibatches read ahead and kept per array
 AHEAD = 2
+#: the part of a memmap's file one read maps at a time (:func:`_take_sorted`)
+WINDOW_BYTES = 32 * 2**20
 _READER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="blrppl-rows")
 
 
@@ -80,7 +82,7 @@ class HostRows:
             )
         self.source = source
         self.shape = tuple(int(n) for n in shape)
-        self.dtype = np.dtype(jnp.result_type(source.dtype if dtype is None else dtype))
+        self.dtype = np.dtype(jax.dtypes.canonicalize_dtype(source.dtype if dtype is None else dtype))
         self._lock = threading.Lock()
         self._last = None  # (the indices' bytes, their rows)
         self._ahead: dict = {}  # the indices' bytes → the future of their rows (the last AHEAD)
@@ -137,9 +139,7 @@ class HostRows:
         flat = np.where(flat < 0, flat + self.shape[0], flat)
         order = np.argsort(flat, kind="stable")
         rows = np.empty((flat.size,) + self.shape[1:], self.dtype)
-        source = _mapped_again(self.source)
-        rows[order] = np.asarray(source[flat[order]], dtype=self.dtype)
-        del source  # (a memmap mapped for this read is unmapped: its pages leave the process)
+        rows[order] = _take_sorted(self.source, flat[order], self.shape).astype(self.dtype, copy=False)
         self.reads += flat.size
         return rows.reshape(indices.shape + self.shape[1:])
 
@@ -171,19 +171,41 @@ class HostRows:
 jax.tree_util.register_pytree_node(HostRows, lambda h: ((), h), lambda h, _: h)
 
 
-def _mapped_again(source):
-    """A ``numpy.memmap`` source mapped afresh for one read (the same file, offset, shape and
-    order), so that the pages a read touches are unmapped after it and never accumulate in
-    the process's resident memory; any other source as it is."""
+def _windows(source):
+    """``(filename, offset, row bytes)`` of a C-ordered ``numpy.memmap`` that maps a whole file's
+    array (None for any other source, or a view of part of a mapping: read through it)."""
     if not isinstance(source, np.memmap) or getattr(source, "filename", None) is None:
-        return source
-    base = source
-    while isinstance(base.base, np.memmap):
-        base = base.base
-    if base is not source and base.shape != source.shape:
-        return source  # (a view of part of a mapping: read through it)
-    order = "F" if source.flags.f_contiguous and not source.flags.c_contiguous else "C"
-    return np.memmap(source.filename, dtype=source.dtype, mode="r", offset=source.offset, shape=source.shape, order=order)
+        return None
+    if not source.flags.c_contiguous or isinstance(source.base, np.memmap):
+        return None
+    return source.filename, int(source.offset), int(source.itemsize * np.prod(source.shape[1:], dtype=np.int64))
+
+
+def _take_sorted(source, rows_sorted, shape) -> np.ndarray:
+    """The rows at the increasing indices ``rows_sorted`` of ``source``. A whole-file memmap is
+    read a window of :data:`WINDOW_BYTES` at a time, each mapped for its rows and unmapped after
+    them: a read of scattered rows never holds more than one window of the file in the
+    process's resident memory (a page fault maps the pages around the faulting one too, so
+    reading 10,000 scattered rows through one mapping of a 1.6 GB file held 1 GB of it)."""
+    found = _windows(source)
+    if found is None:
+        return np.asarray(source[rows_sorted])
+    filename, offset, row_bytes = found
+    per = max(1, WINDOW_BYTES // max(row_bytes, 1))
+    window = rows_sorted // per
+    cuts = np.flatnonzero(np.diff(window)) + 1
+    parts = []
+    for chunk in np.split(rows_sorted, cuts):
+        if not chunk.size:
+            continue
+        first = int(chunk[0] // per) * per
+        count = min(per, shape[0] - first)
+        mapped = np.memmap(
+            filename, dtype=source.dtype, mode="r", offset=offset + first * row_bytes, shape=(count,) + shape[1:]
+        )
+        parts.append(np.array(mapped[chunk - first]))
+        del mapped  # (unmapped: its pages leave the process's resident memory)
+    return np.concatenate(parts) if parts else np.empty((0,) + shape[1:], source.dtype)
 
 
 def lengths() -> frozenset:

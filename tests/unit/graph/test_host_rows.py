@@ -77,3 +77,14 @@ def test_uses_needing_all_values_are_refused(on_disk):
         rows.read(np.array([1000]))
     with pytest.raises(HostRowsError, match="rows"):
         HostRows(3.0)
+
+
+def test_a_memmap_is_read_a_window_at_a_time(on_disk, monkeypatch):
+    from blrppl.graph import host_rows
+
+    X, mm = on_disk
+    monkeypatch.setattr(host_rows, "WINDOW_BYTES", 24 * 10)  # (10 rows of 3 float64 per window)
+    idx = np.random.default_rng(1).choice(1000, size=(40, 3), replace=False)
+    np.testing.assert_array_equal(HostRows(mm).read(idx), X[idx])
+    view = mm[100:200]  # (a view of part of the mapping: read through it)
+    np.testing.assert_array_equal(HostRows(view).read(np.array([0, 99, 5])), X[[100, 199, 105]])
