@@ -201,13 +201,37 @@ def check_same(leaves) -> None:
         x = np.ascontiguousarray(np.asarray(x))
         h.update(str((x.shape, x.dtype)).encode())
         h.update(x.tobytes())
-    digest = np.frombuffer(h.digest(), np.uint8)
-    every = np.asarray(multihost_utils.process_allgather(digest)).reshape(-1, digest.size)
-    if np.any(every != every[0]):
+    if not _agree(h.digest()):
         raise MeshError(
             "in a fit over several processes, the data arrays without a plate axis (hyperparameters, a design "
             "of the global effects) must be the same in every process, and they differ: pass each process "
             "the same values, and only its own rows of the arrays along the plate"
+        )
+
+
+def _agree(digest: bytes) -> bool:
+    """Whether every process computed the same ``digest`` (one all-gather)."""
+    mine = np.frombuffer(digest, np.uint8)
+    every = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, mine.size)
+    return bool(np.all(every == every[0]))
+
+
+def check_layout(axes) -> None:
+    """Refuse data whose arrays split along the plate differ between processes (which would
+    leave the processes waiting for each other's collectives).
+
+    Args:
+        axes: per data array, its plate axis (None: no plate axis) in this process.
+
+    Raises:
+        MeshError: another process found other plate axes in its data.
+    """
+    if not _agree(hashlib.sha256(repr(tuple(axes)).encode()).digest()):
+        raise MeshError(
+            f"in a fit over several processes every process must pass the same arrays, split along the same plate "
+            f"axis; this process's arrays have plate axes {list(axes)} (None: no plate axis) and another's differ: "
+            "give every process at least as many rows as the mesh has devices, in arrays of the same shapes but "
+            "for their number of rows"
         )
 
 

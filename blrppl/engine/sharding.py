@@ -118,6 +118,8 @@ class ShardedChunk:
         self._compiled: dict = {}
         self.processes = processes.spans_processes(mesh)
         if self.processes:
+            # (a process's own rows may be fewer than the devices: its largest plate is split anyway)
+            self.sizes |= {max(plate_sizes(records))}
             processes.check_processes(plan, records, mesh, self.blocks)
 
     def place(self, data) -> tuple:
@@ -151,11 +153,12 @@ class ShardedChunk:
         from the global arrays."""
         model_data, previous, statistics = split_run_data(data)
         leaves, tree = jax.tree.flatten(model_data)
-        processes.check_same([x for x in leaves if plate_axis(np.shape(x), self.sizes) is None])
+        found = [plate_axis(np.shape(x), self.sizes) for x in leaves]
+        processes.check_layout(found)
+        processes.check_same([x for x, axis in zip(leaves, found) if axis is None])
         axes, placed = [], []
-        for x in leaves:
+        for x, axis in zip(leaves, found):
             x = np.asarray(x)
-            axis = plate_axis(x.shape, self.sizes)
             if axis is None:
                 axes.append(None)
                 placed.append(processes.replicated(x, self.replicated))
