@@ -7,7 +7,7 @@ float64) to ``X.npy`` and ``y.npy`` in ``--dir``, a million rows at a time, accu
 ``XᵀX`` and ``Xᵀy`` for the full-data closed form (the posterior is Gaussian: precision
 I + XᵀX/σ², mean its inverse times Xᵀy/σ²). A new process then fits the model with a
 subsampled plate on ``HostRows`` of the two memmaps and reports its peak resident memory
-(``ru_maxrss``: the process's whole peak, the Python and JAX runtime included), its resident
+(``VmHWM``: the process's whole peak, the Python and JAX runtime included), its resident
 memory before the fit, the data's size on disk, the fit's steps and time, and each
 coefficient's distance from the closed form in posterior sds.
 
@@ -40,32 +40,42 @@ def write(folder: pathlib.Path, rows: int, dim: int, seed: int = 0) -> dict:
     (``mean``, ``sd``) and size in bytes."""
     rng = np.random.default_rng(seed)
     w = rng.normal(size=dim)
-    X = np.lib.format.open_memmap(folder / "X.npy", mode="w+", dtype=np.float64, shape=(rows, dim))
-    y = np.lib.format.open_memmap(folder / "y.npy", mode="w+", dtype=np.float64, shape=(rows,))
+    # (the files are written through file handles, not a mapping: the pages of a written mapping
+    # stay resident in this process, and a process started from it inherits that peak in its
+    # ru_maxrss)
+    files = {}
+    for name, shape in (("X", (rows, dim)), ("y", (rows,))):
+        with open(folder / f"{name}.npy", "wb") as f:
+            np.lib.format.write_array_header_1_0(f, {"descr": "<f8", "fortran_order": False, "shape": shape})
+        files[name] = open(folder / f"{name}.npy", "ab")
     xtx, xty = np.zeros((dim, dim)), np.zeros(dim)
-    for start in range(0, rows, CHUNK):
-        stop = min(rows, start + CHUNK)
-        x = rng.normal(size=(stop - start, dim))
-        t = x @ w + NOISE * rng.normal(size=stop - start)
-        X[start:stop], y[start:stop] = x, t
-        xtx += x.T @ x
-        xty += x.T @ t
-    X.flush(), y.flush()
-    del X, y
+    try:
+        for start in range(0, rows, CHUNK):
+            stop = min(rows, start + CHUNK)
+            x = rng.normal(size=(stop - start, dim))
+            t = x @ w + NOISE * rng.normal(size=stop - start)
+            files["X"].write(np.ascontiguousarray(x, "<f8").tobytes())
+            files["y"].write(np.ascontiguousarray(t, "<f8").tobytes())
+            xtx += x.T @ x
+            xty += x.T @ t
+    finally:
+        for f in files.values():
+            f.close()
     cov = np.linalg.inv(np.eye(dim) + xtx / NOISE**2)
     mean = cov @ xty / NOISE**2
     size = (folder / "X.npy").stat().st_size + (folder / "y.npy").stat().st_size
     return {"mean": mean.tolist(), "sd": np.sqrt(np.diag(cov)).tolist(), "bytes": size}
 
 
-def _rss_mb() -> float:
-    """This process's current resident memory (MB), from /proc (0 where there is none)."""
+def _rss_mb(field: str = "VmRSS") -> float:
+    """This process's current resident memory (MB; ``field="VmHWM"``: its peak), from /proc;
+    else ``ru_maxrss`` for the peak, 0 for the current."""
     try:
         with open("/proc/self/status") as f:
-            line = next(l for l in f if l.startswith("VmRSS:"))
+            line = next(l for l in f if l.startswith(field + ":"))
         return int(line.split()[1]) / 1024
     except (OSError, StopIteration):
-        return 0.0
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 if field == "VmHWM" else 0.0
 
 
 def fit(folder: pathlib.Path, batch: int, num_steps: int) -> dict:
@@ -99,7 +109,9 @@ def fit(folder: pathlib.Path, batch: int, num_steps: int) -> dict:
         "converged": bool(result.converged),
         "seconds": seconds,
         "rss_before_fit_mb": before,
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        # (the peak of this process's own memory: ru_maxrss also holds the peak of the process
+        # it was forked from)
+        "peak_rss_mb": _rss_mb("VmHWM"),
         "rows_read": int(X.reads),
         "read_ahead_used": int(X.read_ahead_used),
     }
