@@ -20,6 +20,8 @@ Public names:
 * :mod:`blrppl.optim` — Bayesian deep learning without a NumPyro model: the IVON optimiser,
   optax-shaped (docs/deep-learning.md). Loaded on first use, ``blrppl.optim`` or
   ``import blrppl.optim``: ``import blrppl`` does not import optax.
+* :class:`HostRows` — a subsampled plate's data read from the host (a ``numpy.memmap``) a
+  minibatch at a time (docs/scaling.md).
 * the :class:`BLRError` hierarchy.
 """
 
@@ -34,6 +36,7 @@ from blrppl.errors import (
     FamilyError,
     InitValueError,
     MeshError,
+    HostRowsError,
     MissingDependencyError,
     ModelTraceError,
     ObservedDataError,
@@ -47,6 +50,7 @@ from blrppl.errors import (
     UnsupportedLatentError,
 )
 from blrppl.families import register_family, unregister_family
+from blrppl.graph.host_rows import HostRows
 from blrppl.posterior.result import BLRResult
 from blrppl.rules import register_rule, unregister_rule
 from blrppl.svi import BLR, BLRRunResult
@@ -64,6 +68,8 @@ __all__ = [
     "InitValueError",
     "KernelData",
     "MeshError",
+    "HostRowsError",
+    "HostRows",
     "MissingDependencyError",
     "ModelTraceError",
     "ObservedDataError",

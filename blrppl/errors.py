@@ -86,6 +86,12 @@ class MeshError(BLRError):
     shard its data along."""
 
 
+class HostRowsError(ObservedDataError):
+    """A :class:`blrppl.HostRows` array (data read from the host a minibatch at a time) used
+    in a way that needs all its values, indexed with something else than a minibatch's
+    indices, or built from something that has no rows."""
+
+
 class TransformationError(BLRError):
     """A fit was called under a JAX transformation (``jax.jit``, ``jax.vmap``, ``jax.grad``,
     ``lax.scan``, ...): a fit traces and compiles the model itself, on concrete data."""

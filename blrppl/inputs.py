@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from blrppl.engine.processes import check_mesh, spans_processes
 from blrppl.errors import BLRError, MeshError, ModelTraceError, ObservedDataError, TransformationError
 
 #: schedules of the natural-parameter updates
@@ -442,8 +443,8 @@ def as_mesh(mesh):
     the first n of ``jax.devices()`` as a mesh of one axis named ``"data"``.
 
     Raises:
-        MeshError: a mesh of several axes or with other processes' devices, a count that is
-            not a positive int or exceeds the devices there are, or anything else.
+        MeshError: a mesh of several axes, one over several processes that does not hold this
+            process's devices grouped by process, a count that is not a positive int or exceeds the devices there are, or anything else.
     """
     if mesh is None:
         return None
@@ -453,11 +454,8 @@ def as_mesh(mesh):
                 f"mesh= must have one axis (the plates are sharded along it), not {len(mesh.axis_names)} "
                 f"{tuple(mesh.axis_names)}: build it as jax.sharding.Mesh(np.array(jax.devices()), ('data',))"
             )
-        if any(d.process_index != jax.process_index() for d in mesh.devices.flat):
-            raise MeshError(
-                "mesh= holds devices of other processes: a fit runs over the devices of one process "
-                "(jax.local_devices()); fits over several processes are not supported yet"
-            )
+        if spans_processes(mesh):
+            check_mesh(mesh)  # (a fit over several processes: blrppl.engine.processes)
         return mesh
     if isinstance(mesh, (bool, np.bool_)) or not isinstance(mesh, numbers.Integral):
         raise MeshError(

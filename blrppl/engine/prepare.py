@@ -31,6 +31,7 @@ from blrppl.errors import BLRError, InitValueError
 from blrppl.estimators.registry import estimator_of
 from blrppl.compiler.blocks import block_init_values as _block_init_values
 from blrppl.compiler.pipeline import reverse_only_error
+from blrppl.graph import host_rows
 from blrppl.graph.data import DataSpec, host_array
 from blrppl.runtime.counting import background_compilations, xla_compilations
 from blrppl.graph.derivatives import is_no_reverse_error, is_reverse_only_error, reverse_only_mode
@@ -138,6 +139,7 @@ def _fetch_or_compile(program, args, kwargs, options, k_trace, k_probe, prior_sp
     (the last at full plate sizes for a model with subsampled plates)."""
     # one trace of the model's program (cheap: no compilation) gives its fingerprint; a
     # compiled fit is reused only for the same program, data layout and options
+    host_rows.activate((args, kwargs))  # (the rows this fit's steps read ahead, if any)
     tracer = program.trace(args, kwargs, k_trace)
     dyn_now = DataSpec.split(args, kwargs, all_static=tracer.spec.all_static)[1]
     key = cache_key(program, tracer, dyn_now, options, prior_spec)
@@ -158,9 +160,14 @@ def _fetch_or_compile(program, args, kwargs, options, k_trace, k_probe, prior_sp
     plates = subsampled_plates(records)
     init_records = records
     if plates:
+        check_plate_sizes(plates, args, kwargs, records)
+    if plates and host_rows.in_data((args, kwargs)) and not _local_latents(records, plates):
+        # (data read from the host a minibatch at a time are never read whole: a model whose
+        # latents are all global starts from the same values at the minibatch's size)
+        plates = ()
+    if plates:
         # every observed value is checked and every element of a local latent initialised
         # from one run of the model at the full plate sizes
-        check_plate_sizes(plates, args, kwargs, records)
         full_tracer = bundle.full_tracer if bundle else None
         init_records, _, _, full_tracer = program.at_full_size(plates).records(
             args, kwargs, k_trace, tracer=full_tracer
@@ -179,6 +186,12 @@ def _fetch_or_compile(program, args, kwargs, options, k_trace, k_probe, prior_sp
     if plates:
         bundle.full_tracer = full_tracer
     return bundle, key, records, data_spec, dyn_data, init_records
+
+
+def _local_latents(records, plates) -> bool:
+    """Whether a latent sits in one of the subsampled ``plates``."""
+    names = {p.name for p in plates}
+    return any(not r.observed and any(p.name in names for p in r.plates) for r in records.values())
 
 
 def _compile_checked(program, records, data_spec, dyn_data, tracer, options, prior_spec, k_probe, supports):

@@ -67,6 +67,9 @@ def _diagnose(prepared, outcome, nat, grid_weights=None) -> Diagnostics:
             khat=-math.inf, num_draws=0, note="one conjugate block in closed form: no draws needed",
             bound=float(elbo[-1]), **base,
         )
+    if _spans_processes(prepared):
+        why = "a fit over several processes (each process holds its own rows of the data)"
+        return Diagnostics(khat=math.nan, num_draws=0, note=f"not computed: {why}", **base)
     key = host_fold_in(outcome.state.rng_key, 7)
     if grid_weights is not None:
         log_weights = np.asarray(grid_weights(nat, model_data(plan, prepared.dyn_data), key))
@@ -101,6 +104,12 @@ def _diagnose(prepared, outcome, nat, grid_weights=None) -> Diagnostics:
         diagnostics = diagnostics._replace(bulk=_bulk(prepared, nat, host_fold_in(outcome.state.rng_key, 9)))
     found = _narrow_widths(prepared, nat, host_fold_in(outcome.state.rng_key, 8), diagnostics, (log_weights, at_draws, sd))
     return diagnostics._replace(widths=found, narrow=flagged(found))
+
+
+def _spans_processes(prepared) -> bool:
+    """Whether the fit runs over several processes' devices (:mod:`blrppl.engine.processes`):
+    its data on the host are this process's rows only."""
+    return bool(getattr(prepared.chunk, "spans_processes", False))
 
 
 def _narrow_widths(prepared, nat, key, diagnostics, read) -> tuple:
@@ -296,7 +305,7 @@ def _importance_source(prepared: Prepared, nat: dict, grid):
     the weights, so their draws would not be reweighted with the rest), scales on a grid
     (whose marginals are the grid's, not q's)."""
     bundle, plan = prepared.bundle, prepared.plan
-    if bundle.weighted_draws_fn is None or grid is not None or any(b.discrete and not b.chain for b in plan.blocks):
+    if bundle.weighted_draws_fn is None or grid is not None or _spans_processes(prepared) or any(b.discrete and not b.chain for b in plan.blocks):
         return None
     data = model_data(plan, prepared.dyn_data)
     return functools.partial(bundle.weighted_draws, nat, data)

@@ -37,6 +37,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from blrppl.engine import processes
 from blrppl.errors import MeshError
 from blrppl.graph.data import RunData, split_run_data
 from blrppl.runtime.compile import compile_lowered, compiler_options, lower
@@ -95,10 +96,18 @@ class ShardedChunk:
         records: its site records (for the plate sizes).
         options: the XLA options of the compiled fit's chunk (None: by the data's size,
             :func:`blrppl.runtime.compile.compiler_options`).
+        statistics: model data → the data statistics of the plan's factors
+            (``CompiledFit.statistics``), computed again over the mesh from the global data
+            when the mesh spans several processes (:mod:`blrppl.engine.processes`).
+
+    Raises:
+        MeshError: a mesh over several processes for a plan it cannot run
+            (:func:`blrppl.engine.processes.check_processes`).
     """
 
-    def __init__(self, chunk_fn, mesh, plan, records, options=None):
+    def __init__(self, chunk_fn, mesh, plan, records, options=None, statistics=None):
         self.chunk_fn = chunk_fn
+        self.statistics = statistics
         self.options = options
         self.mesh = mesh
         self.axis = mesh.axis_names[0]
@@ -107,11 +116,19 @@ class ShardedChunk:
         self.blocks = {b: s & self.sizes for b, s in block_axes(plan, records).items() if s & self.sizes}
         self.replicated = NamedSharding(mesh, PartitionSpec())
         self._compiled: dict = {}
+        self.processes = processes.spans_processes(mesh)
+        if self.processes:
+            # (a process's own rows may be fewer than the devices: its largest plate is split anyway)
+            self.sizes |= {max(plate_sizes(records))}
+            processes.check_processes(plan, records, mesh, self.blocks)
 
     def place(self, data) -> tuple:
         """``(placed data, plate axes)``: the model's data leaves on the mesh, each split along
         its plate axis (padded to a multiple of the device count), previous posteriors and
-        statistics replicated."""
+        statistics replicated. Over several processes, ``data`` are this process's rows
+        (:mod:`blrppl.engine.processes`)."""
+        if self.processes:
+            return self._place_rows(data)
         model_data, previous, statistics = split_run_data(data)
         leaves, tree = jax.tree.flatten(model_data)
         axes, placed = [], []
@@ -130,6 +147,45 @@ class ShardedChunk:
         out = RunData(model_data, *rest) if isinstance(data, RunData) else model_data
         return out, tuple(axes)
 
+    def _place_rows(self, data) -> tuple:
+        """:meth:`place` over several processes: every process's rows in one global array per
+        leaf, the leaves without a plate axis replicated, the data statistics computed again
+        from the global arrays."""
+        model_data, previous, statistics = split_run_data(data)
+        leaves, tree = jax.tree.flatten(model_data)
+        found = [plate_axis(np.shape(x), self.sizes) for x in leaves]
+        processes.check_layout(found)
+        processes.check_same([x for x, axis in zip(leaves, found) if axis is None])
+        axes, placed = [], []
+        for x, axis in zip(leaves, found):
+            x = np.asarray(x)
+            if axis is None:
+                axes.append(None)
+                placed.append(processes.replicated(x, self.replicated))
+            else:
+                array, total = processes.place_rows(x, axis, self.mesh, self.axis)
+                axes.append((axis, total))
+                placed.append(array)
+        axes = tuple(axes)
+        model_data = jax.tree.unflatten(tree, placed)
+        if statistics and self.statistics is not None:
+            statistics = jax.jit(lambda d: self.statistics(self._sliced(d, axes)), out_shardings=self.replicated)(
+                model_data
+            )
+        rest = processes.replicated((previous, statistics), self.replicated)
+        out = RunData(model_data, *rest) if isinstance(data, RunData) else model_data
+        return out, axes
+
+    def _sliced(self, model_data, axes):
+        """The model's data inside the program: each array's plate axis sliced back to its
+        plate's size (the padded tail removed) and kept split over the mesh."""
+        leaves, tree = jax.tree.flatten(model_data)
+        leaves = [
+            x if at is None else self._constrained(jax.lax.slice_in_dim(x, 0, at[1], axis=at[0]), at[0])
+            for x, at in zip(leaves, axes)
+        ]
+        return jax.tree.unflatten(tree, leaves)
+
     def _constrained(self, x, axis: int | None):
         if axis is None:
             return x
@@ -141,12 +197,7 @@ class ShardedChunk:
 
         def sharded(state, data, steps_left, rho, history, tol):
             model_data, previous, statistics = split_run_data(data)
-            leaves, tree = jax.tree.flatten(model_data)
-            leaves = [
-                x if at is None else self._constrained(jax.lax.slice_in_dim(x, 0, at[1], axis=at[0]), at[0])
-                for x, at in zip(leaves, axes)
-            ]
-            model_data = jax.tree.unflatten(tree, leaves)
+            model_data = self._sliced(model_data, axes)
             data = RunData(model_data, previous, statistics) if isinstance(data, RunData) else model_data
             nat = dict(state.nat)
             for name, sizes in self.blocks.items():
@@ -166,15 +217,26 @@ class ShardedChunk:
             shardings = jax.tree.map(lambda x: x.sharding, args)
             program = jax.jit(self._program(axes), in_shardings=shardings, out_shardings=self.replicated)
             options = self.options if self.options is not None else compiler_options(jax.tree.leaves(args[1]))
-            found = self._compiled[key] = compile_lowered(lower(program.trace(*args)), options)
+            try:
+                traced = program.trace(*args)
+            except (ValueError, TypeError, IndexError) as exc:
+                if not self.processes:
+                    raise
+                raise processes.trace_error(exc) from exc
+            found = self._compiled[key] = compile_lowered(lower(traced), options)
         return found
 
     def run(self, state, placed, axes, steps_left, rho, history, tol):
         """The chunk over the mesh on data placed by :meth:`place`; its outputs on the
-        default device."""
-        rest = jax.device_put((state, steps_left, rho, history, tol), self.replicated)
+        default device (over several processes: on one of this process's devices)."""
+        if self.processes:
+            rest = processes.replicated((state, steps_left, rho, history, tol), self.replicated)
+        else:
+            rest = jax.device_put((state, steps_left, rho, history, tol), self.replicated)
         args = (rest[0], placed, *rest[1:])
         out = self.compiled(args, axes)(*args)
+        if self.processes:
+            return processes.local_values(out)
         return jax.device_put(out, jax.devices()[0])
 
 
@@ -187,12 +249,22 @@ class MeshChunk:
     def __init__(self, programs: ShardedChunk):
         self.programs = programs
         self._placed = None  # (the data as given, the same placed on the mesh, their plate axes)
+        self._last = None  # (the state the last call returned)
+
+    @property
+    def spans_processes(self) -> bool:
+        """Whether the mesh holds several processes' devices (:mod:`blrppl.engine.processes`)."""
+        return self.programs.processes
 
     def __call__(self, state, data, steps_left, rho, history, tol):
         if self._placed is None or self._placed[0] is not data:
             self._placed = (data, *self.programs.place(data))
         _, placed, axes = self._placed
-        return self.programs.run(state, placed, axes, steps_left, rho, history, tol)
+        if self.programs.processes and state is not self._last:
+            state = processes.same_start(state)  # (a fit's start, or a restart: process 0's)
+        out = self.programs.run(state, placed, axes, steps_left, rho, history, tol)
+        self._last = out[0]
+        return out
 
 
 def sharded_chunk(bundle, mesh, records) -> MeshChunk:
@@ -205,5 +277,7 @@ def sharded_chunk(bundle, mesh, records) -> MeshChunk:
     check_plated(records, mesh)
     found = bundle.sharded.get(mesh)
     if found is None:
-        found = bundle.sharded[mesh] = ShardedChunk(bundle.chunk_fn, mesh, bundle.plan, records, bundle.chunk_options)
+        found = bundle.sharded[mesh] = ShardedChunk(
+            bundle.chunk_fn, mesh, bundle.plan, records, bundle.chunk_options, bundle.statistics
+        )
     return MeshChunk(found)

@@ -47,6 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from blrppl.graph import host_rows
 from blrppl.graph.data import host_array
 from blrppl.model.functions import MinibatchData
 
@@ -204,12 +205,17 @@ def make_minibatch_step(
     blocks = {b.name: b for b in plan.blocks}
     local = tuple(n for n in plan.order if blocks[n].local is not None)
     glob = tuple(n for n in plan.order if blocks[n].local is None)
+    # (plates whose data are read from the host, blrppl.graph.host_rows: their next rows read ahead)
+    ahead = tuple(p for p in plan.subsampled if p.size in host_rows.lengths())
 
     def step(state, data, rho):
         t = state.step
         mb = state.minibatch
         key, key_elbo, key_batch, *keys = jax.random.split(state.rng_key, len(plan.order) + 3)
         order, indices = draw_minibatch(plan, mb.order, t, key_batch)
+        if ahead:  # (the next step draws from the key this step passes on, as above)
+            following = draw_minibatch(plan, order, t + 1, jax.random.split(key, len(plan.order) + 3)[2])[1]
+            host_rows.prefetch(tuple(p.size for p in ahead), tuple(following[p.name] for p in ahead))
         batch = MinibatchData(tuple(data), indices)
         old = {n: gather_local(blocks[n], state.nat[n], indices) if n in local else state.nat[n] for n in plan.order}
         nat = dict(old)

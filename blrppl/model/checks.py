@@ -375,10 +375,11 @@ def check_plate_sizes(plates, args, kwargs, records) -> None:
     Raises:
         ObservedDataError: no data array has an axis of the plate's size.
     """
+    from_host = lambda x: type(x).__name__ == "HostRows"  # (blrppl.graph.host_rows: rows read a minibatch at a time)
     arrays = [
-        np.shape(x)
-        for x in jax.tree.leaves((tuple(args), dict(kwargs)))
-        if isinstance(x, (np.ndarray, jax.Array)) and np.ndim(x) > 0
+        tuple(x.shape)
+        for x in jax.tree.leaves((tuple(args), dict(kwargs)), is_leaf=from_host)
+        if (isinstance(x, (np.ndarray, jax.Array)) or from_host(x)) and len(x.shape) > 0
     ]
     if not arrays:
         return
