@@ -37,7 +37,8 @@ A remedy that would override an option the user gave is not tried (``structure=`
 scale already in ``families=``, ``num_starts`` > 1, ``prior=``, scales already on a grid, or a
 mixture asked).
 
-Each candidate is ranked by its importance-weighted bound (``Diagnostics.bound``, an estimate
+A candidate that did not converge ranks below every one that did (the first fit did). Each
+candidate is then ranked by its importance-weighted bound (``Diagnostics.bound``, an estimate
 of log p(y) from below; for a grid, the quadrature of its fits' bounds), less two of its Monte
 Carlo standard errors (√((1/ESS − 1)/S) for S draws of relative ESS, the delta method's error
 of a log-mean), and candidates whose bound is reliable come first: k̂ ≤ 0.7 (where the
@@ -320,8 +321,11 @@ def refine(fit: Callable, first, held: list, options, key, first_time: float, bu
         grid = "'grid'" in cand.change
         gridded |= set(cand.grid_sites)
         fitted.append((Refinement(cand.change, d.khat, d.bound, seconds), result, caught, grid))
+    # (a candidate that did not converge ranks below every one that did: the first fit did, and a
+    # mixture stopped by num_steps before its ELBO settled would turn a converged fit into one
+    # that is not, as a float32 Poisson fit's was)
     scored = [
-        (_rank(entry._replace(bound=_lower_bound(result, grid)), grid), -i, i)
+        ((bool(getattr(result, "converged", True)),) + _rank(entry._replace(bound=_lower_bound(result, grid)), grid), -i, i)
         for i, (entry, result, _, grid) in enumerate(fitted) if result is not None
     ]
     if len(fitted) == 1:
