@@ -26,6 +26,7 @@ bench: $(STAMP)
 	$(PY) -m blrppl.bench --out docs
 	$(PY) -m blrppl.bench.deep --out docs
 	$(PY) -m blrppl.bench.mixtures --out docs
+	$(PY) -m blrppl.bench.sharding --out docs
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

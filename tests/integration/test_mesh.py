@@ -16,7 +16,8 @@ all-reduce), so the fits agree to rounding: 1e-10 relative to the parameter's si
 above float64's 1e-16 per operation times a few thousand operations per sum, far below any
 change of the fit. The compiled chunks are read as well: inside the loop at least one
 all-reduce (the global sums), arrays of one device's share of a plate's rows (the work is
-split), and no all-gather nor all-to-all (no step gathers the data or the per-datum blocks).
+split), no all-gather nor all-to-all (no step gathers the data or the per-datum blocks), and
+fewer bytes all-reduced per step than one float per datum.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from jax import random
 from blrppl import BLR, blr_fit
 from blrppl.engine import cache
 from blrppl.runtime import program_store
+from blrppl.bench import sharding as sharding_bench
 
 assert jax.config.jax_enable_x64 and jax.device_count() == 8
 
@@ -109,6 +111,7 @@ def collectives(result_cache):
                     shape = re.match(r"\s*%\S+ = f\d+\[([0-9,]*)\]", line)
                     if shape and per_device & set(shape.group(1).split(",")):
                         ops["per-device"] += 1
+                ops["per-step bytes"] = sharding_bench.collectives(compiled.as_text())["per_step"][1]
                 counts.append(ops)
     return counts
 
@@ -195,6 +198,13 @@ def test_fits_over_eight_devices_equal_the_one_device_fits(tmp_path):
         assert counts["all-reduce"] >= 1, counts
         assert counts["all-gather"] == 0 and counts["all-to-all"] == 0, counts
         assert counts["per-device"] > 0, counts
+    # bytes all-reduced a step (the chunks in the cases' order): the global sums of the
+    # full-data fits, fewer than one float per datum of the smallest plate (203); the minibatch
+    # fit's step gathers its 100 rows' data and local blocks from the devices that hold them
+    # (a few floats per row of the minibatch), fewer than one float per datum of its plate
+    full, minibatch = out["collectives"][:3], out["collectives"][3]
+    assert all(0 < c["per-step bytes"] < 8 * 203 for c in full), full
+    assert 0 < minibatch["per-step bytes"] < 8 * 1003, minibatch
     _close(out["svi"]["one"], out["svi"]["mesh"])
     assert out["reloaded"]["loaded"] > 0
     for a, b in zip(out["reloaded"]["nat"]["mu"], out["conjugate"]["one"]["nat"]["mu"]):
