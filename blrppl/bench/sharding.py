@@ -136,16 +136,26 @@ def _models():
     return normal_mean, mixture, logistic
 
 
-def _data(kind: str, n: int, d: int, seed: int = 0):
-    rng = np.random.default_rng(seed)
-    if kind == "normal_mean":
-        return (2.0 + rng.normal(size=n),)
-    if kind == "mixture":
-        z = rng.choice(3, size=n, p=[0.2, 0.3, 0.5])
-        return (np.array([-5.0, 0.0, 6.0])[z] + 0.7 * rng.normal(size=n),)
+def _normal_mean_data(rng, n: int, d: int) -> tuple:
+    return (2.0 + rng.normal(size=n),)
+
+
+def _mixture_data(rng, n: int, d: int) -> tuple:
+    z = rng.choice(3, size=n, p=[0.2, 0.3, 0.5])
+    return (np.array([-5.0, 0.0, 6.0])[z] + 0.7 * rng.normal(size=n),)
+
+
+def _logistic_data(rng, n: int, d: int) -> tuple:
     X = rng.normal(size=(n, d)) / np.sqrt(d)
     w = rng.normal(size=d)
     return X, (rng.random(n) < 1 / (1 + np.exp(-X @ w))).astype(float)
+
+
+_DATA = {"normal_mean": _normal_mean_data, "mixture": _mixture_data, "logistic": _logistic_data}
+
+
+def _data(model_name: str, n: int, d: int, seed: int = 0) -> tuple:
+    return _DATA[model_name](np.random.default_rng(seed), n, d)
 
 
 def _global_size(result, n: int) -> int:
@@ -173,14 +183,14 @@ def _collective_rows(log) -> list:
     cases += [("logistic", logistic, n, 4) for n in (10_000, 100_000, 1_000_003)]
     cases += [("logistic", logistic, 10_000, d) for d in (2, 16, 64)]
     rows = []
-    for kind, model, n, d in cases:
+    for model_name, model, n, d in cases:
         cache.clear()
-        result = blr_fit(model, _data(kind, n, d), rng_key=random.PRNGKey(0), progress_bar=False, mesh=DEVICES,
+        result = blr_fit(model, _data(model_name, n, d), rng_key=random.PRNGKey(0), progress_bar=False, mesh=DEVICES,
                          refine=False)
         texts = [c.as_text() for b in cache._CACHE.values() for s in b.sharded.values() for c in s._compiled.values()]
         found = [collectives(t) for t in texts]
         row = {
-            "model": kind, "N": n, "D": d, "global_floats": _global_size(result, n),
+            "model": model_name, "N": n, "D": d, "global_floats": _global_size(result, n),
             "per_step": [max(f["per_step"][0] for f in found), max(f["per_step"][1] for f in found)],
             "per_chunk": [max(f["per_chunk"][0] for f in found), max(f["per_chunk"][1] for f in found)],
             "kinds": sorted({k for f in found for k in f["kinds"]}),
