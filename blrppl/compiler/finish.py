@@ -64,6 +64,7 @@ def finish_plan(inputs: SiteInputs, found: Dependencies, estimates: Estimates, o
     plan = Plan(
         blocks=tuple(blocks.values()), factors=tuple(factors), order=order, subsampled=options.subsampled, tied=tied,
         barren=tuple(inputs.barren),
+        event_ndims=tuple((n, int(r.event_ndim)) for n, r in inputs.records.items() if not r.observed),
     )
     return plan, fns, inputs.data, estimates.init_values, graph
 

@@ -524,6 +524,9 @@ class Plan:
         barren: latent sites left out of the fit because no other site reads them
             (:func:`blrppl.compiler.dependencies.barren_latents`): integrated out exactly, drawn
             from the model given the others.
+        event_ndims: ``(site, event dims)`` of every latent site as the model samples it (its
+            distribution's ``event_dim``; the dims before them are batch dims, plates'
+            among them), for a guide whose sites match the model's.
     """
 
     blocks: tuple
@@ -533,6 +536,7 @@ class Plan:
     subsampled: tuple = ()
     tied: tuple = ()
     barren: tuple = ()
+    event_ndims: tuple = ()
 
     @property
     def local_blocks(self) -> tuple:

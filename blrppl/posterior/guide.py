@@ -13,6 +13,12 @@ parameters with the family's ``nat_from_view`` and draws:
   the guide's log density is exact (``psis_diagnostic`` needs it);
 * a point block as a ``Delta`` at its (transformed) mean.
 
+Every site of the guide has the event dims of the model's site (``Plan.event_ndims``): where
+q's distribution of a single site does not split along the model's batch dims (a dense
+Gaussian over a plated site) it is drawn at an auxiliary site ``_blr_site_{name}`` and the
+site is a ``Delta`` at the draw, as numpyro's autoguides do, so that numpyro's ELBOs
+(``Trace_ELBO(...).loss(key, {}, model, result.guide, ...)``) accept the guide.
+
 ``numpyro.param`` sites of the model are not guide sites: their fitted values are in the
 parameters under their own names, which ``Predictive`` substitutes into the model.
 """
@@ -56,15 +62,25 @@ def plan_params(plan, nat: dict) -> dict:
 
 
 def _site_value(block, u):
-    """Block variable (value layout) → site value (constrained), with log|det J|."""
+    """Block variable (value layout) → site value (constrained), with log|det J| (per element
+    of the transform's batch: a scalar for no transform)."""
     if block.transform is None:
         return u, jnp.zeros(())
     x = block.transform(u)
-    return x, jnp.sum(block.transform.log_abs_det_jacobian(u, x))
+    return x, block.transform.log_abs_det_jacobian(u, x)
 
 
-def _delta(value, log_density=0.0):
-    return dist.Delta(value, log_density=log_density, event_dim=jnp.ndim(value))
+def _delta(value, log_density=0.0, event_dim: int | None = None):
+    """A point mass at a site's value with ``event_dim`` of the model's site (all the value's
+    dims by default); ``log_density`` summed down to its batch shape (the value's dims before
+    the event dims)."""
+    ndim = jnp.ndim(value)
+    event_dim = ndim if event_dim is None else min(event_dim, ndim)
+    log_density = jnp.asarray(log_density)
+    batch = jnp.shape(value)[: ndim - event_dim]
+    if jnp.ndim(log_density) > len(batch):
+        log_density = jnp.sum(log_density, axis=tuple(range(len(batch), jnp.ndim(log_density))))
+    return dist.Delta(value, log_density=log_density, event_dim=event_dim)
 
 
 class PlanGuide:
@@ -83,6 +99,10 @@ class PlanGuide:
         self.plan = plan
         self.params = params or {}
 
+    def _event_dim(self, site: str):
+        """The model's event dims at ``site`` (None: unknown, all the value's dims)."""
+        return dict(self.plan.event_ndims).get(site)
+
     def __call__(self, *args, **kwargs):
         if self.plan is None:
             raise BLRError("the guide is not fitted yet: call BLR.init or BLR.run first")
@@ -94,7 +114,7 @@ class PlanGuide:
             if b.point:
                 u = b.to_site(view.mean)
                 value, _ = _site_value(b, u)
-                out[b.name] = numpyro.sample(b.name, _delta(value))
+                out[b.name] = numpyro.sample(b.name, _delta(value, event_dim=self._event_dim(b.name)))
             elif b.chain:
                 # whole chains at an auxiliary site (forward filtering, backward sampling), each
                 # site a point mass at its states
@@ -103,7 +123,7 @@ class PlanGuide:
                     infer={"is_auxiliary": True},
                 )
                 for name, value in b.chain_site_values(b.family.flat(chains)).items():
-                    out[name] = numpyro.sample(name, _delta(value))
+                    out[name] = numpyro.sample(name, _delta(value, event_dim=self._event_dim(name)))
             elif b.members and b.discrete:
                 # the joint state at an auxiliary site, its members as point masses at their values
                 state = numpyro.sample(
@@ -112,7 +132,7 @@ class PlanGuide:
                 )
                 table = jnp.asarray(b.joint_states)
                 for i, m in enumerate(b.members):
-                    out[m.name] = numpyro.sample(m.name, _delta(table[state, i]))
+                    out[m.name] = numpyro.sample(m.name, _delta(table[state, i], event_dim=self._event_dim(m.name)))
             elif b.members:
                 joint = (
                     b.family.to_numpyro(b.family.nat_from_view(view))
@@ -122,12 +142,25 @@ class PlanGuide:
                 x = numpyro.sample(JOINT_SITE, joint, infer={"is_auxiliary": True})
                 for m in b.members:
                     value, ldj = _site_value(m, b.split(x)[m.name])
-                    out[m.name] = numpyro.sample(m.name, _delta(value, -ldj))
+                    out[m.name] = numpyro.sample(m.name, _delta(value, -ldj, self._event_dim(m.name)))
             else:
-                nat = b.family.nat_from_view(view)
-                site_ndim = len(b.site_shape if b.site_shape is not None else b.value_shape)
-                out[b.name] = numpyro.sample(b.name, site_distribution(b, nat, site_ndim))
+                out[b.name] = self._single(b, view)
         return out
+
+    def _single(self, block, view):
+        """A single-site block's draw at its site. Where the model's site has fewer event dims
+        than q's distribution (a site in a plate, or batched, under a q whose density does not
+        split along those dims), q is drawn at an auxiliary site and the site is a point mass
+        at the draw with the model's event dims, as numpyro's autoguides do: the guide's log
+        density stays q's, and the sites' shapes match the model's (numpyro's ELBOs check)."""
+        nat = block.family.nat_from_view(view)
+        site_ndim = len(block.site_shape if block.site_shape is not None else block.value_shape)
+        q = site_distribution(block, nat, site_ndim)
+        event_dim = self._event_dim(block.name)
+        if event_dim is None or event_dim >= q.event_dim:
+            return numpyro.sample(block.name, q)
+        value = numpyro.sample(f"_blr_site_{block.name}", q, infer={"is_auxiliary": True})
+        return numpyro.sample(block.name, _delta(value, event_dim=event_dim))
 
     def _view(self, block):
         """The block's view from its parameters (``numpyro.param``, so that substituted
