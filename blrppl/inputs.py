@@ -473,9 +473,10 @@ def as_mesh(mesh):
 
 def _mixture_families(families: Mapping, structure) -> tuple:
     """``families=`` with its mixtures read off: ``(families, mixtures)``, every site asked
-    for ``"gaussian-mixture"`` or ``("gaussian-mixture", K)`` given the Gaussian its
-    mixture starts from (:mod:`blrppl.engine.mixture`: diagonal, a block of its own; with
-    ``structure="joint"`` dense, merged into the joint block) and listed as ``(site, K)``.
+    for ``"gaussian-mixture"`` or ``("gaussian-mixture", K)`` listed as ``(site, K)`` and given
+    the Gaussian its mixture starts from (:mod:`blrppl.engine.mixture`): by default none (the
+    block the fit gives it), with ``structure="joint"`` dense, merged into the joint block,
+    with ``structure="mean-field"`` diagonal, a block of its own.
 
     Raises:
         BLRError: a tuple that is not ``("gaussian-mixture", K)`` with K a positive integer,
@@ -500,7 +501,8 @@ def _mixture_families(families: Mapping, structure) -> tuple:
                 f"(e.g. ('{NAME}', 4)), or '{NAME}' for {DEFAULT_COMPONENTS} components",
                 site=site if isinstance(site, str) else None,
             )
-        out[site] = "gaussian" if structure == "joint" else "gaussian-diag"
+        if structure is not None:  # (by default the fit's own block, see blrppl.engine.mixture)
+            out[site] = "gaussian" if structure == "joint" else "gaussian-diag"
         mixtures.append((site, int(count)))
     return out, tuple(sorted(mixtures))
 

@@ -7,8 +7,10 @@ mixture candidate of :mod:`blrppl.families.gaussian_mixture` holds them, at the 
 components' Monte Carlo gradients per step. Like a grid (:mod:`blrppl.engine.grid`), it is
 an option of ``families=`` handled above the compiler, in three stages:
 
-1. the fit as asked with each mixture site's block a diagonal Gaussian on its
-   unconstrained space (``families={"x": "gaussian-diag"}``): the single-component fit;
+1. the fit as asked, each mixture site in the Gaussian block the fit gives it (its own,
+   or a joint block with the sites it is correlated with), or else a diagonal Gaussian of
+   its own on its unconstrained space (``families={"x": "gaussian-diag"}``; always so with
+   ``structure="mean-field"``): the single-component fit;
 2. from it, the mixture's start (:func:`blrppl.families.gaussian_mixture.spread_start`),
    then ``num_steps`` steps of the mixture's rule
    (:func:`blrppl.families.gaussian_mixture.mixture_step`), jitted in chunks of
@@ -105,20 +107,60 @@ def mixture_fit(program, args, kwargs, options, key):
         start = b.family.view(prepared.state.nat[name]).mean
         var = b.family.marginal_variance(view)
         dense = gm.dense_components(tuple(jnp.shape(view.mean)))
-        nat[name] = gm.spread_start(view.mean, var, start, counts[name], jax.random.fold_in(k_start, i), dense)
+        cov = b.family.view_covariance(view) if dense else None
+        nat[name] = gm.spread_start(view.mean, var, start, counts[name], jax.random.fold_in(k_start, i), dense, cov)
     log_joint = _log_joint(density, blocks, others, data)
     nat, elbo, moved, rejected = _run_mixture(log_joint, base.nat, nat, options, k_run)
+    kept = {n: gm.drop_floored(v) for n, v in nat.items()}
+    nat, dropped = {n: v[0] for n, v in kept.items()}, sum(v[1] for v in kept.values())
     entropy_rest = sum(float(jnp.sum(b.family.entropy(base.nat[b.name]))) for b in others)
     elbo = elbo + entropy_rest
     return _package(
-        prepared, base, blocks, counts, nat, (elbo, moved, rejected), log_joint, k_diag, time.perf_counter() - t0
+        prepared, base, blocks, counts, nat, (elbo, moved, rejected, dropped), log_joint, k_diag, time.perf_counter() - t0
     )
 
 
 def _prepare_base(program, args, kwargs, options, key, counts):
-    """The single fit's prepared state, a discrete mixture site refused by name."""
+    """The single fit's prepared state, a discrete mixture site refused by name. A mixture
+    site keeps the Gaussian block the fit gives it (its own, or a joint block with the sites
+    it is correlated with: the mixture then contains the single fit); a site the fit gives
+    another family or layout (:func:`_needs_own_block`) is fitted again as a diagonal
+    Gaussian of its own."""
+    prepared = _prepare_named(program, args, kwargs, options, key, counts)
+    own = sorted(s for s in counts if _needs_own_block(prepared.plan, s))
+    if own:
+        families = {**options.families_dict, **{s: "gaussian-diag" for s in own}}
+        options = dataclasses.replace(options, families=tuple(sorted(families.items())))
+        prepared = _prepare_named(program, args, kwargs, options, key, counts)
+    if prepared.plan.subsampled or prepared.bundle.density is None:
+        raise BLRError(
+            "families= asks a Gaussian mixture: its steps read the model's density at all the data, which a fit "
+            "with subsampled plates or prior= does not have; fit without them or without the mixture",
+            site=next(iter(counts)),
+        )
+    return prepared
+
+
+def _needs_own_block(plan, site: str) -> bool:
+    """Whether the fit's block of ``site`` is no Gaussian the mixture can start from: another
+    family (a conjugate Gamma, Beta, ...), a structured Gaussian (a chain's, banded, an
+    arrowhead, IVON's), or a site that is not a vector in a dense block of its own (a scalar,
+    whose dense layout is a vector of one, or a site with plate axes): the mixture's
+    components are laid out as the site's values."""
+    block = next((b for b in plan.blocks if site in b.sites), None)
+    if block is None or block.discrete or block.point or block.param:
+        return False  # (refused by name in _mixture_blocks)
+    family = block.family
+    return (
+        not family.gaussian or block.chain or block.local is not None or family.banded or family.arrowhead
+        or family.reparam_curvature
+        or (not block.members and family.dense_event and (bool(block.batch_shape) or len(block.value_shape) != 1))
+    )
+
+
+def _prepare_named(program, args, kwargs, options, key, counts):
     try:
-        prepared = prepare(program, args, kwargs, options, key)
+        return prepare(program, args, kwargs, options, key)
     except FamilyError as err:
         if err.site in counts:
             raise FamilyError(
@@ -127,13 +169,6 @@ def _prepare_base(program, args, kwargs, options, key, counts):
                 site=err.site,
             ) from err
         raise
-    if prepared.plan.subsampled or prepared.bundle.density is None:
-        raise BLRError(
-            "families= asks a Gaussian mixture: its steps read the model's density at all the data, which a fit "
-            "with subsampled plates or prior= does not have; fit without them or without the mixture",
-            site=next(iter(counts)),
-        )
-    return prepared
 
 
 def _mixture_blocks(plan, asked: dict, density) -> tuple:
@@ -278,14 +313,16 @@ def _exported(block, nat) -> dict:
 def _package(prepared, base, blocks, counts, nat, run, log_joint, key, run_time):
     """The result: the single fit's, with the mixture blocks in its plan, its natural
     parameters and its posteriors, the mixture's ELBOs and diagnostics (``run``: the ELBOs,
-    the components re-spread and the steps rejected, :func:`_run_mixture`'s)."""
-    elbo, moved, rejected = run
+    the components re-spread and the steps rejected, :func:`_run_mixture`'s, and the
+    components dropped at the end, :func:`blrppl.families.gaussian_mixture.drop_floored`)."""
+    elbo, moved, rejected, dropped = run
     plan = prepared.plan
     others = [b for b in prepared.bundle.density.drawn if b.name not in blocks]
     new_blocks, posterior, all_nat = [], dict(base.posterior), dict(base.nat)
     for b in plan.blocks:
         if b.name in blocks:
-            family = gm.GaussianMixture(counts[b.name], tuple(jnp.shape(nat[b.name].mean)[1:]))
+            # (K: the components left at the end, gm.drop_floored)
+            family = gm.GaussianMixture(int(jnp.shape(nat[b.name].logits)[0]), tuple(jnp.shape(nat[b.name].mean)[1:]))
             b = dataclasses.replace(b, family=family, kind=f"{gm.NAME}({family.num_components})")
             all_nat[b.name] = nat[b.name]
             posterior.update(_exported(b, nat[b.name]))
@@ -306,6 +343,7 @@ def _package(prepared, base, blocks, counts, nat, run, log_joint, key, run_time)
            "the ELBO still moved over the last window of steps, or there were too few steps to compare two: "
            "more num_steps may help")
         + f"; {moved} component(s) re-spread by the collapse guard"
+        + (f"; {dropped} component(s) at the weights' floor dropped" if dropped else "")
         + (f"; {rejected} step(s) with a non-finite result not taken" if rejected else "")
         + f") from the single Gaussian's fit ({base.message.split('; ')[0]})"
     )

@@ -205,10 +205,13 @@ def mixture_candidates(first, options, key) -> list:
     size = sum(b.size for b in {id(eligible[s]): eligible[s] for s in sites}.values())
     if not sites or size > MIXTURE_MAX_DIM or options.mixtures:
         return []
-    family = "gaussian" if options.structure == "joint" else "gaussian-diag"
+    # (by default each site keeps the first fit's block, which the mixture then contains,
+    # blrppl.engine.mixture; with structure= the structure's Gaussian)
+    family = {None: None, "joint": "gaussian"}.get(options.structure, "gaussian-diag")
+    asked = {s: family for s in sites} if family is not None else {}
     fit_options = dataclasses.replace(
         options,
-        families=tuple(sorted({**families, **{s: family for s in sites}}.items())),
+        families=tuple(sorted({**families, **asked}.items())),
         mixtures=tuple(sorted((s, MIXTURE_COMPONENTS) for s in sites)),
     )
     change = "families={" + ", ".join(f"'{s}': ('gaussian-mixture', {MIXTURE_COMPONENTS})" for s in sites) + "}"

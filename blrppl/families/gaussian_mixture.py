@@ -52,7 +52,8 @@ Two components that meet (every coordinate of their means within :data:`MERGE_SD
 heavier's sds and their sds within 10 % of each other) hold one shape twice; the fit re-spreads the lighter one
 (:func:`respread`) in the first half of its steps, at a draw of the heavier over-dispersed by
 :data:`SPREAD`, with half their joint weight each: if there is another mode it may find it,
-if there is none it comes back.
+if there is none it comes back. At the end the components still at the floor are dropped
+(:func:`drop_floored`).
 
 *Start* (:func:`spread_start`): component 0 at the single-component fit's q, the others in
 antithetic pairs at over-dispersed points x₀ ± :data:`SPREAD` · w ⊙ z_k about the point x₀
@@ -61,7 +62,8 @@ key and w the larger of the single Gaussian's sd and the sd at which ``blr_fit``
 Gaussians start (1 on the unconstrained space): a single Gaussian fitted to a multimodal
 posterior sits in one mode, with an sd that says nothing of where the others are, and the
 pairs put components on both sides of the start. Each starts with the single Gaussian's
-variances, all with equal weights.
+variances (dense components: its precision matrix, where the single fit held the block's
+correlations), all with equal weights.
 """
 
 from __future__ import annotations
@@ -351,6 +353,29 @@ def floor_weights(logits):
     return jnp.log(jnp.where(low, MIN_WEIGHT, w * scale))
 
 
+def drop_floored(nat: MixtureNat) -> tuple:
+    """``(nat, how many components were dropped)``: the fit's end without the components held
+    at the weight floor (see the module), the other weights renormalised; the heaviest is
+    always kept. On the host.
+
+    The weights' steps have the fixed point π_k ∝ exp(E_{q_k}[log p − log q_k]) (components
+    apart), so a component the floor holds is one whose expected log ratio is over
+    log(1/:data:`MIN_WEIGHT`) below the others': dropping it lowers the optimal bound
+    log Σ_k exp(E_{q_k}[log p − log q_k]) by at most K · MIN_WEIGHT nats, while keeping it at
+    the floor costs MIN_WEIGHT times its whole shortfall, which for a component stranded on
+    a ridge of the posterior (a start far out along a strongly correlated pair) is millions
+    of nats."""
+    w = np.asarray(jax.nn.softmax(nat.logits), dtype=float)
+    keep = w > 1.5 * MIN_WEIGHT
+    keep[int(np.argmax(w))] = True
+    if keep.all():
+        return nat, 0
+    logits = np.log(w[keep] / w[keep].sum())
+    dtype = nat.mean.dtype
+    out = MixtureNat(jnp.asarray(logits, dtype), nat.mean[keep], nat.prec[keep])
+    return out, int((~keep).sum())
+
+
 def mixture_step(nat: MixtureNat, log_p, key, rho, num_draws: int) -> tuple:
     """One step of the rule: ``(new nat, ELBO estimate Σ_k π_k E_{q_k}[−F])``.
 
@@ -368,11 +393,13 @@ def mixture_step(nat: MixtureNat, log_p, key, rho, num_draws: int) -> tuple:
     return mixture_update(nat, f_mean, grad, hess, rho), elbo
 
 
-def spread_start(mean, var, start, num_components: int, key, dense: bool = False) -> MixtureNat:
+def spread_start(mean, var, start, num_components: int, key, dense: bool = False, cov=None) -> MixtureNat:
     """The start (see the module): component 0 at (``mean``, ``var``), the others in
     antithetic pairs ``start ± SPREAD · w ⊙ z`` about the single fit's own starting point
     ``start``, all with variances ``var`` (``dense``: as diagonal precision matrices of
-    the flattened values) and equal weights."""
+    the flattened values, or the precision of ``cov``, the single fit's covariance matrix
+    when it held one: the mixture then contains the single fit, its correlations kept) and
+    equal weights."""
     dtype = jnp.result_type(mean)
     width = jnp.maximum(jnp.sqrt(var), START_SD)
     pairs = jax.random.normal(key, ((num_components) // 2,) + jnp.shape(mean), dtype)
@@ -380,8 +407,14 @@ def spread_start(mean, var, start, num_components: int, key, dense: bool = False
     means = jnp.concatenate([mean[None], start[None] + SPREAD * width[None] * z])
     prec = jnp.broadcast_to(1.0 / var, means.shape).astype(dtype)
     if dense:
-        means, prec = means.reshape(num_components, -1), jax.vmap(jnp.diag)(prec.reshape(num_components, -1))
-    return MixtureNat(jnp.zeros((num_components,), dtype), means.astype(dtype), prec)
+        means = means.reshape(num_components, -1)
+        d = means.shape[1]
+        if cov is not None and jnp.shape(cov) == (d, d):
+            full = jnp.linalg.inv(jnp.asarray(cov, dtype))
+            prec = jnp.broadcast_to(0.5 * (full + full.T), (num_components, d, d))
+        else:
+            prec = jax.vmap(jnp.diag)(prec.reshape(num_components, -1))
+    return MixtureNat(jnp.zeros((num_components,), dtype), means.astype(dtype), prec.astype(dtype))
 
 
 def respread(nat: MixtureNat, key) -> tuple:

@@ -21,7 +21,7 @@ import numpyro
 import numpyro.distributions as dist
 import pytest
 from jax import random
-from numpyro.infer import Predictive
+from numpyro.infer import Predictive, Trace_ELBO
 
 import blrppl
 from blrppl import blr_fit
@@ -156,7 +156,8 @@ def test_export_draws_guide_and_summary():
     np.testing.assert_array_equal(y, kept)
     post = r.posterior["s"]
     assert isinstance(post, dist.TransformedDistribution) and isinstance(post.base_dist, dist.MixtureSameFamily)
-    assert r.plan.block("s").kind == "gaussian-mixture(4)"
+    # (the fit's own block of s, here joint with mu; components at the weights' floor dropped)
+    assert next(b for b in r.plan.blocks if "s" in b.sites).kind.startswith("gaussian-mixture(")
     draws = r.sample(random.PRNGKey(2), 2000)
     assert draws["s"].shape == (2000,) and draws["mu"].shape == (2000,)
     log_s = np.log(np.asarray(draws["s"]))
@@ -257,3 +258,37 @@ def test_num_steps_caps_the_mixture_and_a_mixture_is_no_online_prior():
     assert "'theta': weights" in mix.message and not mix.converged
     with pytest.raises(blrppl.OnlinePriorError, match="theta.*is a Gaussian mixture.*cannot read yet"):
         blr_fit(bimodal, {"y": 4.0}, prior=mix, progress_bar=False)
+
+
+def trend(year, y=None):
+    alpha = numpyro.sample("alpha", dist.Normal(0.0, 100.0))
+    beta = numpyro.sample("beta", dist.Normal(0.0, 1.0))
+    sigma = numpyro.sample("sigma", dist.HalfNormal(2.0))
+    with numpyro.plate("years", year.shape[0]):
+        numpyro.sample("y", dist.Normal(alpha + beta * year, sigma), obs=y)
+
+
+@quiet
+def test_the_mixture_contains_the_single_fit_of_a_correlated_block():
+    """A trend over calendar years (an uncentred covariate: α and β correlated at about
+    −0.9999, as in posteriordb's kilpisjarvi): the default fit holds (α, β, σ) in one dense
+    block. The mixture asked for its sites is over that block, starting from its precision
+    matrix, and its components held at the weights' floor are dropped at the end, so its
+    ELBO is at least the single Gaussian's. Before, the sites were split into diagonal
+    blocks and a component stranded on the ridge kept the floor's weight: numpyro's
+    ``Trace_ELBO`` of the mixture was −36,343 against the single fit's −103 on the bench's
+    kilpisjarvi. Both bounds here are ``Trace_ELBO`` estimates from 4,000 draws, with
+    standard errors of about 0.01 nats; 0.1 is several of them."""
+    rng = np.random.default_rng(0)
+    year = np.arange(1952.0, 2014.0)
+    data = {"year": year, "y": -30.0 + 0.02 * year + 0.6 * rng.normal(size=year.size)}
+    single = blr_fit(trend, data, rng_key=random.PRNGKey(0), progress_bar=False, refine=False)
+    mix = blr_fit(trend, data, families={"alpha": "gaussian-mixture", "beta": "gaussian-mixture"},
+                  rng_key=random.PRNGKey(0), progress_bar=False, num_steps=300)
+    block = next(b for b in mix.plan.blocks if "alpha" in b.sites)
+    assert block.kind.startswith("gaussian-mixture(") and set(block.sites) >= {"alpha", "beta"}
+    elbo = {
+        name: -float(Trace_ELBO(num_particles=4000).loss(random.PRNGKey(1), {}, trend, r.guide, **data))
+        for name, r in (("single", single), ("mixture", mix))
+    }
+    assert elbo["mixture"] > elbo["single"] - 0.1, elbo

@@ -161,8 +161,9 @@ def test_summary_reports_every_scalar(capsys):
 
 def test_mixture_spellings_are_read_into_the_options():
     """``families=`` may ask a Gaussian mixture by name (4 components) or as (name, K): the
-    site is listed with its K and given the diagonal Gaussian its mixture starts from; the
-    user's dict is not changed."""
+    site is listed with its K and given the Gaussian its mixture starts from (none by
+    default: the block the fit gives it; with structure= the structure's); the user's dict
+    is not changed."""
     from blrppl.inputs import fit_options
 
     asked = {"a": "gaussian-mixture", "b": ("gaussian-mixture", 3), "c": "gaussian-diag"}
@@ -170,7 +171,13 @@ def test_mixture_spellings_are_read_into_the_options():
     options = fit_options(families=asked)
     assert asked == kept
     assert options.mixtures == (("a", 4), ("b", 3))
-    assert options.families_dict == {"a": "gaussian-diag", "b": "gaussian-diag", "c": "gaussian-diag"}
+    assert options.families_dict == {"c": "gaussian-diag"}
+    assert fit_options(families=asked, structure="mean-field").families_dict == {
+        "a": "gaussian-diag", "b": "gaussian-diag", "c": "gaussian-diag"
+    }
+    assert fit_options(families=asked, structure="joint").families_dict == {
+        "a": "gaussian", "b": "gaussian", "c": "gaussian-diag"
+    }
     assert fit_options(families={"c": "gaussian-diag"}).mixtures == ()
 
 

@@ -282,8 +282,9 @@ def _mixture_changes(first, options, grid_asked=False):
 def test_a_mixture_is_offered_on_the_sites_the_narrow_check_flags():
     """The bimodal model's θ flagged narrow (the posterior wider than q along it: q in one mode,
     or between them) and the advice naming more starts: a mixture of MIXTURE_COMPONENTS
-    components over θ is a candidate, after the starts, its block a diagonal Gaussian as
-    ``families=("gaussian-mixture", K)`` asks; with ``structure="joint"`` a dense one."""
+    components over θ is a candidate, after the starts, its block the first fit's (no family
+    set: the mixture contains the first fit); with ``structure="joint"`` a dense one, with
+    ``structure="mean-field"`` a diagonal one."""
     from blrppl.api import plan_of
 
     plan = plan_of(bimodal, {"y": 4.0})
@@ -294,9 +295,11 @@ def test_a_mixture_is_offered_on_the_sites_the_narrow_check_flags():
     assert any(c.startswith("start ") for c in changes[:-1])
     (cand,) = _mixture_changes(first, fit_options())
     assert cand.options.mixtures == (("theta", K),)
-    assert cand.options.families_dict == {"theta": "gaussian-diag"}
+    assert cand.options.families_dict == {}
     (joint,) = _mixture_changes(first, fit_options(structure="joint"))
     assert joint.options.families_dict == {"theta": "gaussian"}
+    (apart,) = _mixture_changes(first, fit_options(structure="mean-field"))
+    assert apart.options.families_dict == {"theta": "gaussian-diag"}
 
 
 def test_the_mixture_covers_the_flagged_sites_only():

@@ -214,3 +214,35 @@ def test_dense_start_and_respread():
     # (equal weights: either of the twins moves, the other and the third stay)
     stayed = [np.allclose(moved.mean[i], twin.mean[i]) for i in range(3)]
     assert count == 1 and stayed[2] and stayed[:2].count(True) == 1
+
+
+def test_drop_floored_removes_the_components_the_floor_holds_and_renormalises():
+    # weights 0.6, 0.399 and the floor's 0.001: the third goes, the others keep their ratio
+    w = np.array([0.6, 0.399, gm.MIN_WEIGHT])
+    nat = gm.MixtureNat(jnp.log(jnp.asarray(w)), jnp.arange(3.0)[:, None], jnp.ones((3, 1)))
+    out, dropped = gm.drop_floored(nat)
+    assert dropped == 1
+    np.testing.assert_allclose(np.exp(out.logits), [0.6 / 0.999, 0.399 / 0.999], rtol=1e-12)
+    np.testing.assert_array_equal(np.asarray(out.mean), [[0.0], [1.0]])
+    # nothing at the floor: unchanged
+    same, none = gm.drop_floored(gm.MixtureNat(jnp.log(jnp.asarray([0.5, 0.5])), jnp.zeros((2, 1)), jnp.ones((2, 1))))
+    assert none == 0 and same.logits.shape == (2,)
+    # every weight but one at the floor (a mixture of one Gaussian in effect): the heaviest stays
+    w = np.array([gm.MIN_WEIGHT, 1 - 2 * gm.MIN_WEIGHT, gm.MIN_WEIGHT])
+    one, two = gm.drop_floored(gm.MixtureNat(jnp.log(jnp.asarray(w)), jnp.arange(3.0)[:, None], jnp.ones((3, 1))))
+    assert two == 2 and np.asarray(one.mean).tolist() == [[1.0]] and float(one.logits[0]) == pytest.approx(0.0)
+
+
+def test_dense_start_takes_the_single_fits_precision_matrix():
+    # a strongly correlated pair: every dense component starts with the single fit's precision,
+    # so the start contains the single fit (component 0 is it), correlations and all
+    cov = jnp.array([[1.0, 0.99], [0.99, 1.0]])
+    mean, var = jnp.array([0.5, -0.5]), jnp.diagonal(cov)
+    nat = gm.spread_start(mean, var, jnp.zeros(2), 4, random.PRNGKey(0), dense=True, cov=cov)
+    assert nat.prec.shape == (4, 2, 2)
+    for k in range(4):
+        np.testing.assert_allclose(np.asarray(nat.prec[k]) @ np.asarray(cov), np.eye(2), atol=1e-9)
+    np.testing.assert_allclose(np.asarray(nat.mean[0]), [0.5, -0.5])
+    # without a covariance matrix: the diagonal precisions of the variances, as before
+    diag = gm.spread_start(mean, var, jnp.zeros(2), 4, random.PRNGKey(0), dense=True)
+    np.testing.assert_allclose(np.asarray(diag.prec[0]), np.eye(2))
