@@ -83,6 +83,11 @@ class MethodResult:
     #: BLR: wall seconds of a second ``blr_fit`` on the same model and data (the compiled fit
     #: reused: tracing from the cache, initialisation, the loop, the posterior export)
     refit_time: float = float("nan")
+    #: BLR: a step's marginal wall seconds (:func:`step_cost`) and the refit's fixed cost, its
+    #: wall seconds less its steps' marginal cost (the model's trace and cache lookup, the start,
+    #: the loop's dispatch, the diagnostics, the export; a refined fit's candidates too)
+    step_time: float = float("nan")
+    refit_fixed: float = float("nan")
     #: PSIS k̂ of the method's q (BLR: ``result.diagnostics``; SVI: numpyro's psis_diagnostic)
     khat: float = float("nan")
     #: BLR: the curvature estimator of each block with Monte Carlo messages
@@ -157,14 +162,37 @@ def fit_blr(bm: BenchModel, num_steps: int | None = None) -> MethodResult:
     # (building the posterior distributions) is counted as run time
     run_time = max(wall - r.compile_time, r.run_time)
     t0 = time.perf_counter()
-    blr_fit(bm.model, bm.data, progress_bar=False, **kwargs)
+    again = blr_fit(bm.model, bm.data, progress_bar=False, **kwargs)
     refit = time.perf_counter() - t0
+    step = step_cost(bm.model, bm.data, kwargs)
     return MethodResult(
         "blr", r.compile_time, run_time, float(elbo[-1]) if len(elbo) else float("nan"), int(r.num_steps),
         None, list(zip(times.tolist(), elbo.tolist())), summary, kept, converged=bool(r.converged),
-        refit_time=refit, khat=float(r.diagnostics.khat), curvature=_curvatures(r.plan, kwargs),
+        refit_time=refit, step_time=step, refit_fixed=refit - int(again.num_steps) * step, khat=float(r.diagnostics.khat), curvature=_curvatures(r.plan, kwargs),
         refinements=[tuple(x) for x in r.refinements], first_fit=_first_fit(bm, kwargs) if r.refinements else {},
     )
+
+
+#: the steps of the longer of the two runs :func:`step_cost` compares (the shorter takes one)
+MARGINAL_STEPS = 11
+
+
+def step_cost(model, data, kwargs: dict, steps: int = MARGINAL_STEPS, repeats: int = 3) -> float:
+    """A step's marginal wall seconds in a refit (the compiled fit reused): the loop's run
+    time of ``steps`` steps less that of one step, each the fastest of ``repeats`` runs (a
+    shared machine only adds time), over ``steps`` − 1; the runs neither stop early
+    (``tol=1e-30``) nor refine. What a refit costs besides its steps (:attr:`MethodResult.refit_fixed`)
+    is its wall time less its steps times this."""
+    def fastest(n):
+        runs = [
+            blr_fit(model, data, progress_bar=False, **{**kwargs, "num_steps": n, "tol": 1e-30, "refine": False})
+            for _ in range(repeats)
+        ]
+        return min(x.run_time for x in runs), int(runs[-1].num_steps)
+
+    one, _ = fastest(1)
+    many, taken = fastest(steps)
+    return max(many - one, 0.0) / max(taken - 1, 1)
 
 
 def _first_fit(bm: BenchModel, kwargs: dict) -> dict:

@@ -82,6 +82,38 @@ def test_shortfalls_name_the_model_and_reason():
     assert "over 0.1" not in line and line.endswith("without compilation BLR refits in 0.25 s, NUTS runs 29 s.")
 
 
+def test_summary_shows_a_refits_step_cost_and_fixed_cost():
+    run = _run(0.05, 2.0, 8.0)
+    run.accuracy["nuts"] = {"max_mean_err_sd": 0.0, "sd_ratio_min": 1.0, "sd_ratio_max": 1.0}
+    run.results["blr"].refit_time = 0.25
+    # (a refit of 0.25 s whose 20 steps cost 10 ms each: 50 ms fixed)
+    run.results["blr"].step_time, run.results["blr"].refit_fixed = 0.01, 0.25 - 20 * 0.01
+    text = report.markdown([run])
+    assert "| BLR refit s | BLR step ms | BLR refit fixed ms | NUTS run s |" in text
+    assert "| 0.25 | 10 | 50 | 7 |" in text
+    # (not measured: dashes)
+    run.results["blr"].step_time = run.results["blr"].refit_fixed = float("nan")
+    assert "| 0.25 | – | – | 7 |" in report.markdown([run])
+
+
+def test_step_cost_is_the_marginal_run_time_of_a_step(monkeypatch):
+    # each run's loop: 3 ms of dispatch and 2 ms per step, plus noise the fastest of three removes
+    calls = []
+
+    class Fit:
+        def __init__(self, n, noise):
+            self.num_steps, self.run_time = n, 0.003 + 0.002 * n + noise
+
+    def fake_fit(model, data, progress_bar, num_steps, tol, refine, **kw):
+        calls.append((num_steps, tol, refine))
+        return Fit(num_steps, 0.001 * (len(calls) % 3))
+
+    monkeypatch.setattr(runner, "blr_fit", fake_fit)
+    assert runner.step_cost(None, {}, {}) == pytest.approx(0.002)
+    assert {c[0] for c in calls} == {1, runner.MARGINAL_STEPS}
+    assert all(tol == 1e-30 and refine is False for _, tol, refine in calls)
+
+
 def test_report_sections_for_first_fits_sites_and_the_hand_written_loop():
     run = _run(0.05, 2.0, 8.0)
     run.accuracy["nuts"] = {"max_mean_err_sd": 0.0, "sd_ratio_min": 1.0, "sd_ratio_max": 1.0}
