@@ -16,7 +16,15 @@ one mixture over the joint block), for K = 1, 4, 8; NUTS runs one chain of
 log-likelihood, the mean over test points of log (1/S) Σ_s N(y | f(x; w_s), NOISE²) over S
 posterior draws (:data:`DRAWS`), and its time. The table goes to ``<out>/mixtures-bench.md``.
 
-Not a test: it runs for a minute or two.
+A second table (:func:`bound_rows`) puts the mixture beside the single Gaussian on every model
+of the main bench (issue 53: the mixture contains the single component, so its ELBO should be
+at least the single Gaussian's): each model's first fit (``refine=False``), then a mixture of
+:data:`BOUND_COMPONENTS` over every site of its global Gaussian blocks (at most
+:data:`blrppl.engine.refine.MIXTURE_MAX_DIM` scalars, as the refinement's candidate), both scored
+by numpyro's own ``Trace_ELBO`` on ``result.guide`` with :data:`BOUND_DRAWS` draws (one
+estimator for both; its standard error is printed beside it).
+
+Not a test: the first table runs for a minute or two, the second for about ten.
 """
 
 from __future__ import annotations
@@ -43,6 +51,9 @@ COMPONENTS = (1, 4, 8)
 #: the data sets (and the fits' keys): a held-out score of one data set has the test set's noise
 SEEDS = (0, 1, 2)
 SITES = ("w_in", "b_in", "w_out", "b_out")
+#: the mixtures' components and the ELBO's draws of the bound table
+BOUND_COMPONENTS = 4
+BOUND_DRAWS = 4000
 
 
 def network(w, x):
@@ -152,19 +163,90 @@ def run(components=COMPONENTS, seeds=SEEDS, log=print) -> list:
     return rows
 
 
+def _elbo(model, data, guide, key) -> tuple:
+    """numpyro's ``Trace_ELBO`` of ``guide`` (mean, standard error), from :data:`BOUND_DRAWS`
+    single-draw estimates."""
+    from numpyro.infer import Trace_ELBO
+
+    args, kwargs = (data, {}) if isinstance(data, tuple) else ((), data)
+    loss = jax.vmap(lambda k: Trace_ELBO().loss(k, {}, model, guide, *args, **kwargs))
+    values = -np.asarray(loss(random.split(key, BOUND_DRAWS)), dtype=float)
+    return float(values.mean()), float(values.std() / np.sqrt(values.size))
+
+
+def bound_rows(names=None, log=print) -> list:
+    """The second table's rows (see the module): per bench model, the single Gaussian's and the
+    mixture's ELBO (numpyro's ``Trace_ELBO``), their PSIS k̂ and the mixture's sites."""
+    from blrppl import blr_fit
+    from blrppl.bench import models, posteriordb
+    from blrppl.engine.refine import MIXTURE_MAX_DIM, mixture_sites
+
+    rows = []
+    for name in names or posteriordb.names() + models.names():
+        bm = models.load(name)
+        options = dict(bm.blr_kwargs)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            single = blr_fit(bm.model, bm.data, progress_bar=False, refine=False, rng_key=random.PRNGKey(0), **options)
+            eligible = mixture_sites(single.plan, dict(options.get("families") or {}))
+            size = sum(b.size for b in {id(b): b for b in eligible.values()}.values())
+            row = {"model": name, "sites": tuple(eligible), "size": size}
+            if not eligible or size > MIXTURE_MAX_DIM:
+                rows.append({**row, "single": _elbo(bm.model, bm.data, single.guide, random.PRNGKey(1))})
+                log(f"  {name}: no mixture ({size} scalars in global Gaussian blocks)")
+                continue
+            families = {**(options.pop("families", None) or {}), **{s: ("gaussian-mixture", BOUND_COMPONENTS) for s in eligible}}
+            t0 = time.perf_counter()
+            mixture = blr_fit(bm.model, bm.data, progress_bar=False, rng_key=random.PRNGKey(0), families=families, **options)
+            seconds = time.perf_counter() - t0
+        row.update(
+            single=_elbo(bm.model, bm.data, single.guide, random.PRNGKey(1)),
+            mixture=_elbo(bm.model, bm.data, mixture.guide, random.PRNGKey(1)),
+            khat=(float(single.diagnostics.khat), float(mixture.diagnostics.khat)), seconds=seconds,
+            components=[b.family.num_components for b in mixture.plan.blocks if b.family.name == "gaussian-mixture"],
+        )
+        rows.append(row)
+        log(f"  {name}: ELBO single {row['single'][0]:.3f}, mixture {row['mixture'][0]:.3f}")
+    return rows
+
+
+def bound_table(rows: list) -> str:
+    lines = [
+        f"| model | mixture's sites (scalars) | ELBO, single Gaussian | ELBO, mixture of {BOUND_COMPONENTS} | "
+        "difference (± 2 se) | components kept | PSIS k̂ single / mixture | mixture s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        single = f"{r['single'][0]:.3f} ± {r['single'][1]:.3f}"
+        if "mixture" not in r:
+            lines.append(f"| {r['model']} | none ({r['size']} scalars) | {single} | | | | | |")
+            continue
+        diff = r["mixture"][0] - r["single"][0]
+        se = 2 * float(np.hypot(r["mixture"][1], r["single"][1]))
+        lines.append(
+            f"| {r['model']} | {', '.join(r['sites'])} ({r['size']}) | {single} | {r['mixture'][0]:.3f} ± "
+            f"{r['mixture'][1]:.3f} | {diff:+.3f} ± {se:.3f} | {', '.join(map(str, r['components']))} | "
+            f"{r['khat'][0]:.2f} / {r['khat'][1]:.2f} | {r['seconds']:.1f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m blrppl.bench --mixtures", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="bench-out")
     p.add_argument("--float32", action="store_true", help="run in float32 (default float64)")
+    p.add_argument("--bounds-only", action="store_true", help="only the bound table over the bench models")
     args = p.parse_args(argv)
     if not args.float32:
         numpyro.enable_x64()
     print("Gaussian mixtures on a two-hidden-unit Bayesian network (held-out predictive log-likelihood):", flush=True)
-    rows = run(log=lambda s: print(s, flush=True))
+    rows = [] if args.bounds_only else run(log=lambda s: print(s, flush=True))
+    print("the mixture's ELBO beside the single Gaussian's on every bench model:", flush=True)
+    bounds = bound_rows(log=lambda s: print(s, flush=True))
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "mixtures-bench.md"
-    path.write_text(table(rows))
+    path.write_text((table(rows) + "\n" if rows else "") + bound_table(bounds))
     print(f"wrote {path}", flush=True)
     return 0
 

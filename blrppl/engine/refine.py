@@ -194,12 +194,7 @@ def mixture_candidates(first, options, key) -> list:
     Gaussian blocks, while they hold at most :data:`MIXTURE_MAX_DIM` scalars in all. Sites the
     user gave a family keep it."""
     plan, families = first.plan, options.families_dict
-    eligible = {
-        s: b for b in plan.blocks
-        if b.family.gaussian and not (b.discrete or b.point or b.param or b.chain or b.family.reparam_curvature)
-        and b.local is None and not b.family.banded and not b.family.arrowhead
-        for s in (b.sites or (b.name,)) if s not in families
-    }
+    eligible = mixture_sites(plan, families)
     narrow = [w.site for w in (first.diagnostics.narrow or ()) if w.site in eligible]
     sites = tuple(dict.fromkeys(narrow)) or tuple(eligible)
     size = sum(b.size for b in {id(eligible[s]): eligible[s] for s in sites}.values())
@@ -216,6 +211,18 @@ def mixture_candidates(first, options, key) -> list:
     )
     change = "families={" + ", ".join(f"'{s}': ('gaussian-mixture', {MIXTURE_COMPONENTS})" for s in sites) + "}"
     return [Candidate(change, fit_options, key)]
+
+
+def mixture_sites(plan, families=()) -> dict:
+    """Site → its block, for every site of the plan's global Gaussian blocks a mixture can
+    start from (unstructured, drawn, not a point, a chain's or IVON's), those the user gave a
+    family (``families``) left out."""
+    return {
+        s: b for b in plan.blocks
+        if b.family.gaussian and not (b.discrete or b.point or b.param or b.chain or b.family.reparam_curvature)
+        and b.local is None and not b.family.banded and not b.family.arrowhead
+        for s in (b.sites or (b.name,)) if s not in families
+    }
 
 
 def hyperparameters(plan) -> tuple:
