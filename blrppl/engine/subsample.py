@@ -6,7 +6,12 @@ A plate declared ``numpyro.plate(name, N, subsample_size=M)`` makes every latent
 
 1. takes the next minibatch B of M indices of every subsampled plate from a random
    reshuffling of its N elements (a fresh permutation every ⌊N/M⌋ steps: each element is
-   visited once per epoch, no index twice within a step or an epoch);
+   visited once per epoch, no index twice within a step or an epoch). The permutation is
+   never stored: it is a keyed bijection of [0, N) (:func:`permuted`, a Feistel network
+   over the smallest domain of 4^h ≥ N elements, walked back into [0, N) by cycle
+   walking; Black & Rogaway 2002), so the state holds its round keys, not N indices, and a
+   step computes the M positions it needs: memory O(M), not O(N), for plates read from
+   disk (:class:`blrppl.HostRows`);
 2. re-runs the model with B substituted for the plate's subsample (:class:`MinibatchData`),
    so numpyro scales every site inside the plate by N/M;
 3. **local step**: gathers λ_b[B] of each local block and sets it, with ρ = 1, to the sum of
@@ -54,6 +59,8 @@ from blrppl.model.functions import MinibatchData
 #: forgetting rate κ and delay τ of the default global step size ρ_t = (t + τ)^−κ
 SVI_KAPPA = 0.7
 SVI_TAU = 10.0
+#: rounds of the keyed permutation behind random reshuffling (:func:`permuted`)
+ROUNDS = 8
 
 
 def svi_rate(t, kappa: float = SVI_KAPPA, tau: float = SVI_TAU):
@@ -66,7 +73,8 @@ class MinibatchState(NamedTuple):
     """What subsampling adds to the carried state.
 
     Attributes:
-        order: plate → the current epoch's permutation of ``arange(N)`` (int32).
+        order: plate → the round keys of the current epoch's permutation of ``arange(N)``
+            (uint32, :data:`ROUNDS`; :func:`permuted`).
         indices: plate → the minibatch of the last step (int32, length M).
         average: global block → average of its natural parameters, weights ∝ t + 1, over
             the current segment of steps [2^k − 1, t].
@@ -84,12 +92,12 @@ class MinibatchState(NamedTuple):
 
 
 def initial_minibatch_state(plan, nat) -> MinibatchState:
-    """Identity orders (reshuffled at the first step), empty average (built on the host: a
+    """Zero round keys (new ones drawn at the first step), empty average (built on the host: a
     fit's start compiles nothing)."""
     dtype = jnp.result_type(float)
     glob = {b.name: nat[b.name] for b in plan.blocks if b.local is None}
     return MinibatchState(
-        order={p.name: host_array(np.arange(p.size), np.int32) for p in plan.subsampled},
+        order={p.name: host_array(np.zeros(ROUNDS), np.uint32) for p in plan.subsampled},
         indices={p.name: host_array(np.arange(p.subsample_size), np.int32) for p in plan.subsampled},
         average=glob,
         weight=host_array(0.0, dtype),
@@ -116,20 +124,54 @@ def tail_average(mb: MinibatchState, t, nat: dict) -> MinibatchState:
     return mb._replace(average=average, weight=weight, previous=previous, previous_weight=previous_weight)
 
 
+def _mix(x):
+    """A uint32 → uint32 mixing function (MurmurHash3's finaliser): each output bit depends on
+    every input bit."""
+    x = x ^ (x >> 16)
+    x = x * np.uint32(0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = x * np.uint32(0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+def _feistel(x, keys, half: int):
+    """A keyed bijection of [0, 4^half) (uint32): :data:`ROUNDS` Feistel rounds over the two
+    halves of ``2 · half`` bits."""
+    mask = np.uint32((1 << half) - 1)
+    left, right = x >> np.uint32(half), x & mask
+    for r in range(ROUNDS):
+        left, right = right, left ^ (_mix(right ^ keys[r]) & mask)
+    return (left << np.uint32(half)) | right
+
+
+def permuted(positions, keys, n: int):
+    """π(positions) for the permutation π of [0, ``n``) that the round keys ``keys`` (uint32,
+    :data:`ROUNDS`) name: the Feistel bijection of the smallest [0, 4^h) holding ``n``,
+    applied again to a value until it falls in [0, n) (cycle walking: the walk from a value
+    in [0, n) returns to [0, n) at a unique value, so π is a bijection; 4^h < 4n, so the walk
+    takes fewer than 4 rounds on average). Int32 positions in, int32 values out."""
+    half = max(1, (max(int(n) - 1, 1).bit_length() + 1) // 2)
+    keys = jnp.asarray(keys, jnp.uint32)
+    first = _feistel(jnp.asarray(positions).astype(jnp.uint32), keys, half)
+
+    def walk(x):
+        return jnp.where(x >= n, _feistel(x, keys, half), x)
+
+    return jax.lax.while_loop(lambda x: jnp.any(x >= n), walk, first).astype(jnp.int32)
+
+
 def draw_minibatch(plan, order: dict, step, key):
-    """Random reshuffling: at the start of each epoch (every ⌊N/M⌋ steps) a fresh permutation;
-    the minibatch is its next M entries. Returns (orders, indices)."""
+    """Random reshuffling: at the start of each epoch (every ⌊N/M⌋ steps) new round keys of a
+    permutation (:func:`permuted`); the minibatch is the permutation at the epoch's next M
+    positions. Returns (round keys, indices)."""
     keys = jax.random.split(key, max(len(plan.subsampled), 1))
     new_order, indices = {}, {}
     for p, k in zip(plan.subsampled, keys):
         pos = jnp.mod(step, p.steps_per_epoch)
-        perm = jax.lax.cond(
-            pos == 0,
-            lambda k=k, p=p: jax.random.permutation(k, p.size).astype(jnp.int32),
-            lambda p=p: order[p.name],
-        )
-        new_order[p.name] = perm
-        indices[p.name] = jax.lax.dynamic_slice(perm, (pos * p.subsample_size,), (p.subsample_size,))
+        rounds = jnp.where(pos == 0, jax.random.bits(k, (ROUNDS,), jnp.uint32), order[p.name])
+        new_order[p.name] = rounds
+        positions = pos * p.subsample_size + jnp.arange(p.subsample_size, dtype=jnp.int32)
+        indices[p.name] = permuted(positions, rounds, p.size)
     return new_order, indices
 
 

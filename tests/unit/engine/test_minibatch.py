@@ -35,7 +35,7 @@ from blrppl.model.program import ModelProgram
 from blrppl import families as fam
 from blrppl.api import blr_fit
 from blrppl.engine.step import initial_state, make_step
-from blrppl.engine.subsample import SVI_KAPPA, SVI_TAU, draw_minibatch, svi_rate
+from blrppl.engine.subsample import ROUNDS, SVI_KAPPA, SVI_TAU, draw_minibatch, permuted, svi_rate
 from blrppl.errors import BLRError, ObservedDataError, UnsupportedFactorError
 from blrppl.model.trace import subsampled_plates, trace_model
 from blrppl.compiler.pipeline import compile_model
@@ -55,14 +55,25 @@ def engine(model, data):
     return plan, jax.jit(step), dyn
 
 
-def one_step(plan, step, dyn, nat, order, t):
+#: round keys of an epoch's permutation (engine.subsample.permuted), set by the tests
+ROUND_KEYS = np.arange(1, ROUNDS + 1, dtype=np.uint32) * np.uint32(0x9E3779B9)
+
+
+def epoch_order(n: int) -> np.ndarray:
+    """The epoch's order of a plate of ``n`` elements under :data:`ROUND_KEYS`."""
+    order = np.asarray(permuted(jnp.arange(n, dtype=jnp.int32), ROUND_KEYS, n))
+    assert sorted(order.tolist()) == list(range(n))
+    return order
+
+
+def one_step(plan, step, dyn, nat, t):
     """One step at step count ``t`` (> 0: the local step runs) with ρ = 1 and the plate's
-    epoch order fixed to ``order`` (no reshuffle unless t is an epoch start)."""
+    epoch order that of :data:`ROUND_KEYS` (no reshuffle unless t is an epoch start)."""
     state = initial_state(nat, jax.random.key(5), plan)
     (p,) = plan.subsampled
     state = state._replace(
         step=jnp.asarray(t, jnp.int32),
-        minibatch=state.minibatch._replace(order={p.name: jnp.asarray(order, jnp.int32)}),
+        minibatch=state.minibatch._replace(order={p.name: jnp.asarray(ROUND_KEYS)}),
     )
     rho = {n: jnp.asarray(1.0) for n in plan.order}
     return step(state, dyn, rho)[0]
@@ -102,8 +113,8 @@ def test_gaussian_local_step_by_hand():
             fam.GaussianView(jnp.asarray(c)[:, None], jnp.full((6, 1, 1), 0.5))
         ),
     }
-    order = np.array([4, 0, 5, 2, 1, 3])
-    new = one_step(plan, step, dyn, nat, order, t=1)
+    order = epoch_order(6)
+    new = one_step(plan, step, dyn, nat, t=1)
     batch = order[2:4]
     assert np.array_equal(np.asarray(new.minibatch.indices["data"]), batch)
     eta1, eta2 = np.asarray(new.nat["z"].eta1)[:, 0], np.asarray(new.nat["z"].eta2)[:, 0, 0]
@@ -143,8 +154,8 @@ def test_discrete_local_step_by_hand():
         "p": fam.Beta().nat_from_view(fam.BetaView(jnp.asarray(4.0), jnp.asarray(5.0))),
         "z": fam.BernoulliNat(jnp.asarray(old_logit)),
     }
-    order = np.array([1, 4, 0, 5, 3, 2])
-    new = one_step(plan, step, dyn, nat, order, t=1)
+    order = epoch_order(6)
+    new = one_step(plan, step, dyn, nat, t=1)
     batch = order[3:6]
     logit = np.asarray(new.nat["z"].logit)
     rest = np.setdiff1d(np.arange(6), batch)
@@ -171,7 +182,7 @@ def test_first_step_leaves_locals_and_default_rate():
         "p": fam.Beta().nat_from_view(fam.BetaView(jnp.asarray(4.0), jnp.asarray(5.0))),
         "z": fam.BernoulliNat(jnp.asarray(old_logit)),
     }
-    new = one_step(plan, step, dyn, nat, np.arange(6), t=0)
+    new = one_step(plan, step, dyn, nat, t=0)
     np.testing.assert_array_equal(np.asarray(new.nat["z"].logit), old_logit)
     batch = np.asarray(new.minibatch.indices["data"])
     r = 1 / (1 + np.exp(-old_logit[batch]))
@@ -185,7 +196,7 @@ def test_random_reshuffling_visits_each_element_once_per_epoch():
     plan, _, _ = engine(bernoulli_local, {"x": X6})
     (p,) = plan.subsampled
     assert (p.size, p.subsample_size, p.steps_per_epoch) == (6, 3, 2)
-    order = {p.name: jnp.arange(6, dtype=jnp.int32)}
+    order = {p.name: jnp.zeros(ROUNDS, jnp.uint32)}
     seen = []
     key = jax.random.key(3)
     for t in range(6):
@@ -196,6 +207,28 @@ def test_random_reshuffling_visits_each_element_once_per_epoch():
     for e in epochs:
         assert sorted(e.tolist()) == list(range(6))
     assert any(not np.array_equal(epochs[0], e) for e in epochs[1:])
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 16, 17, 1000, 4097])
+def test_the_epochs_permutation_is_a_bijection_that_the_keys_change(n):
+    """The keyed permutation (a Feistel network over [0, 4^h), cycle walking back into
+    [0, n)) takes every element of [0, n) once, whatever n; other keys give another order."""
+    order = epoch_order(n)
+    other = np.asarray(permuted(jnp.arange(n, dtype=jnp.int32), ROUND_KEYS + np.uint32(1), n))
+    assert sorted(other.tolist()) == list(range(n))
+    if n >= 7:
+        assert not np.array_equal(order, other)
+
+
+def test_the_epochs_permutation_is_close_to_uniform():
+    """Over 12,000 keys each of the 120 orders of 5 elements comes up 100 times in
+    expectation (sd 10): every one between 60 and 140 (4 sds), and each element first with
+    frequency 1/5 within 0.02 (5 sds of a binomial proportion)."""
+    keys = jax.random.bits(jax.random.key(1), (12_000, ROUNDS), jnp.uint32)
+    orders = np.asarray(jax.jit(jax.vmap(lambda k: permuted(jnp.arange(5, dtype=jnp.int32), k, 5)))(keys))
+    counts = np.unique(orders, axis=0, return_counts=True)[1]
+    assert counts.size == 120 and counts.min() > 60 and counts.max() < 140
+    np.testing.assert_allclose(np.bincount(orders[:, 0], minlength=5) / 12_000, 0.2, atol=0.02)
 
 
 # ---------------------------------------------------------------------------------------
