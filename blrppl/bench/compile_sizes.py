@@ -100,9 +100,9 @@ def measure(names, log=print, timeout: float = 1800) -> list:
 
 def default_names() -> list:
     """The AR(2) at :data:`AR2_SITES`, the baseball model and every bench model."""
-    from blrppl.bench.__main__ import all_models
+    from blrppl.bench import models, posteriordb
 
-    return [f"ar2:{n}" for n in AR2_SITES] + ["baseball_pooled"] + all_models()
+    return [f"ar2:{n}" for n in AR2_SITES] + ["baseball_pooled"] + posteriordb.names() + models.names()
 
 
 def markdown(rows) -> str:
