@@ -66,6 +66,10 @@ def parse(argv=None):
     p.add_argument("--scaling-max", type=int, default=1_000_000, help="largest N of the scaling study")
     p.add_argument("--site-sizes", default="10,100,1000",
                    help="per-step site counts of the AR(2) compile-time study (comma-separated)")
+    p.add_argument("--compile-sizes", action="store_true",
+                   help="only the compiled step's size (jaxpr equations, HLO ops) and the compile time of the AR(2) "
+                   "loop at 100/1,000/10,000 sites, the baseball model and every bench model, each in a fresh process "
+                   "(blrppl.bench.compile_sizes); the table goes to <out>/compile_sizes.md")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--float32", action="store_true", help="run in float32 (default float64)")
     p.add_argument("--deep", action="store_true",
@@ -107,6 +111,13 @@ def main(argv=None) -> int:
         return mixtures.main(["--out", args.out] + (["--float32"] if args.float32 else []))
     if not args.float32:
         numpyro.enable_x64()
+    if args.compile_sizes:
+        from blrppl.bench import compile_sizes
+
+        out = pathlib.Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        compile_sizes.main(out / "compile_sizes.md", args.model)
+        return 0
     _fresh_compilation_cache()
     from blrppl.bench import models, report, runner
 

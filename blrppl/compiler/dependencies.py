@@ -40,6 +40,7 @@ def _dependencies(functions, data, records, rules, site_init) -> tuple:
     (``functions``: :attr:`blrppl.compiler.stages.SiteInputs.functions`)."""
     fns = functions(site_init)
     elementwise: dict = {}
+    reads_cache: dict = {}
 
     def all_args(values, data):
         sites = fns.sites(tuple(records), values, data)
@@ -62,7 +63,7 @@ def _dependencies(functions, data, records, rules, site_init) -> tuple:
             if not records[name].is_factor:
                 base, leaves, tree = distribution_leaves(site)
                 # (only the leaves its density reads: not a field kept for sampling)
-                read = log_prob_reads(base, leaves, tree, site["value"])
+                read = log_prob_reads(base, leaves, tree, site["value"], reads_cache)
                 args.update({f"leaf:{i}": leaf for i, leaf in enumerate(leaves) if i in read})
                 items = _elementwise_items(base, leaves)
                 loc = _location_leaf(base, leaves)

@@ -33,6 +33,7 @@ from blrppl.compiler.blocks import block_init_values as _block_init_values
 from blrppl.compiler.pipeline import reverse_only_error
 from blrppl.graph import host_rows
 from blrppl.graph.data import DataSpec, host_array
+from blrppl.runtime.collection import fewer_full_collections
 from blrppl.runtime.counting import background_compilations, xla_compilations
 from blrppl.graph.derivatives import is_no_reverse_error, is_reverse_only_error, reverse_only_mode
 from blrppl.model.checks import check_plate_sizes
@@ -90,7 +91,7 @@ def prepare(program, args, kwargs, options: FitOptions, rng_key, prior=None, ini
     Tracing and compilation hold :data:`COMPILE_LOCK` (numpyro's effect handlers keep a
     process-wide stack, so two models cannot be traced at once).
     """
-    with COMPILE_LOCK:
+    with COMPILE_LOCK, fewer_full_collections():
         return _prepare_locked(program, args, kwargs, options, rng_key, prior, init_values, start)
 
 

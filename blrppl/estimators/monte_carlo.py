@@ -30,7 +30,7 @@ import numpy as np
 
 from blrppl.estimators.registry import Estimator, EstimatorChoice, register_estimator
 from blrppl.families.gaussian_ivon import reparam_curvature
-from blrppl.graph.derivatives import hvp
+from blrppl.graph.derivatives import grad_and_hvps
 
 #: draws from q, L ≈ (1/S) Σ_s log f(x_s) with x_s = m + chol(Σ) ε_s and fresh ε_s per step
 MONTE_CARLO = register_estimator(
@@ -183,13 +183,13 @@ def monte_carlo_elementwise(
         def per_element(xn, rest):
             return elements({**rest, n: xn})
 
-        grads = jax.vmap(jax.grad(f_n))(xs, others)
-        g = jnp.mean(jax.vmap(block.to_canonical)(grads), 0)
         estimator = auto_curvature(block) if curvature == "auto" else curvature
         if estimator == "gauss-newton":
+            grads = jax.vmap(jax.grad(f_n))(xs, others)
             h = _gauss_newton(block, per_element, xs, others)
         else:
-            h = _curvature(estimator, block, view, f_n, xs, others, grads, probe_key)
+            grads, h = _curvature(estimator, block, view, f_n, xs, others, probe_key)
+        g = jnp.mean(jax.vmap(block.to_canonical)(grads), 0)
         # control variate: E[x − m] = 0, so subtracting Ĥ·mean(x − m) removes the part of
         # the gradient's noise that is linear in the draws (exact for quadratic log f)
         dx = jnp.mean(jax.vmap(block.to_canonical)(xs), 0) - view.mean
@@ -239,39 +239,47 @@ def _gauss_newton(block, per_element, xs, others):
     return -jnp.mean(jnp.sum(jnp.square(jac), axis=1), 0)
 
 
-def _curvature(estimator, block, view, f_n, xs, others, grads, key):
-    """Mean over draws of the curvature estimate of F in block ``block`` (canonical layout:
-    (*B, D, D) for dense blocks, the value shape for diagonal ones)."""
-    if block.family.dense_event:
+def _curvature(estimator, block, view, f_n, xs, others, key):
+    """``(gradient of F at each draw, mean over draws of the curvature estimate of F)`` in
+    block ``block`` (canonical layout: (*B, D, D) for dense blocks, the value shape for
+    diagonal ones). The Hessian-vector products of the exact and Hutchinson estimates come
+    with the gradient from one linearisation of it per draw
+    (:func:`blrppl.graph.derivatives.grad_and_hvps`: the model's density is traced once for
+    both, not once for the gradient and again for the products)."""
+    if estimator == "stein":
+        grads = jax.vmap(jax.grad(f_n))(xs, others)
+        if not block.family.dense_event:
+            return grads, jnp.mean(grads * (xs - view.mean) / view.var, 0)
+        dx = jax.vmap(block.to_canonical)(xs) - view.mean
+        prec_dx = jnp.linalg.solve(view.cov, dx[..., None])[..., 0]
+        gc = jax.vmap(block.to_canonical)(grads)
+        h = jnp.einsum("s...i,s...j->...ij", prec_dx, gc) / xs.shape[0]
+        return grads, 0.5 * (h + jnp.swapaxes(h, -1, -2))
+    if block.family.dense_event and estimator != "diagonal":
         dim = view.mean.shape[-1]
         bshape = view.mean.shape[:-1]
-        if estimator == "stein":
-            dx = jax.vmap(block.to_canonical)(xs) - view.mean
-            prec_dx = jnp.linalg.solve(view.cov, dx[..., None])[..., 0]
-            gc = jax.vmap(block.to_canonical)(grads)
-            h = jnp.einsum("s...i,s...j->...ij", prec_dx, gc) / xs.shape[0]
-            return 0.5 * (h + jnp.swapaxes(h, -1, -2))
-        if estimator == "diagonal":
-            z = jax.random.rademacher(key, xs.shape, dtype=xs.dtype)
-            hz = jax.vmap(lambda x, r, t: hvp(lambda y: f_n(y, r), x, t))(xs, others, z)
-            diag = jnp.mean(jax.vmap(block.to_canonical)(z * hz), 0)
-            return diag[..., None] * jnp.eye(dim, dtype=diag.dtype)
         eye = jnp.eye(dim, dtype=view.mean.dtype)
         basis = jnp.broadcast_to(eye.reshape((dim,) + (1,) * len(bshape) + (dim,)), (dim,) + bshape + (dim,))
         basis = jax.vmap(block.to_site)(basis)
 
-        def hess_cols(x, r):
-            cols = jax.vmap(lambda t: hvp(lambda y: f_n(y, r), x, t))(basis)
-            return jax.vmap(block.to_canonical)(cols)  # (D, *B, D): column j of each plate's H
+        def grad_and_cols(x, r):
+            g, cols = grad_and_hvps(lambda y: f_n(y, r), x, basis)
+            return g, jax.vmap(block.to_canonical)(cols)  # (D, *B, D): column j of each plate's H
 
-        cols = jnp.mean(jax.vmap(hess_cols)(xs, others), 0)
-        return jnp.moveaxis(cols, 0, -1)
-    # diagonal Gaussian: elementwise curvature
-    if estimator == "stein":
-        return jnp.mean(grads * (xs - view.mean) / view.var, 0)
+        grads, cols = jax.vmap(grad_and_cols)(xs, others)
+        return grads, jnp.moveaxis(jnp.mean(cols, 0), 0, -1)
+    # Hutchinson's diagonal: E_z[z ⊙ ∇²F z]
     z = jax.random.rademacher(key, xs.shape, dtype=xs.dtype)
-    hz = jax.vmap(lambda x, r, t: hvp(lambda y: f_n(y, r), x, t))(xs, others, z)
-    return jnp.mean(z * hz, 0)
+
+    def grad_and_hz(x, r, t):
+        g, hz = grad_and_hvps(lambda y: f_n(y, r), x, t[None])
+        return g, hz[0]
+
+    grads, hz = jax.vmap(grad_and_hz)(xs, others, z)
+    if not block.family.dense_event:
+        return grads, jnp.mean(z * hz, 0)
+    diag = jnp.mean(jax.vmap(block.to_canonical)(z * hz), 0)
+    return grads, diag[..., None] * jnp.eye(view.mean.shape[-1], dtype=diag.dtype)
 
 
 def elementwise_bijection(transform):

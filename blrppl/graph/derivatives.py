@@ -57,6 +57,17 @@ def hvp(f, x, t):
     return jax.jvp(jax.grad(f), (x,), (t,))[1]
 
 
+def grad_and_hvps(f, x, ts):
+    """``(∇f(x), ∇²f(x) t for each t along the leading axis of ts)``: one linearisation of
+    ``jax.grad(f)`` at x (forward over reverse: the gradient is its primal output, so ``f`` is
+    traced once for the gradient and every product), or in reverse-only mode the gradient
+    and :func:`hvp` of each t."""
+    if reverse_only():
+        return jax.grad(f)(x), jax.vmap(lambda t: hvp(f, x, t))(ts)
+    g, products = jax.linearize(jax.grad(f), x)
+    return g, jax.vmap(products)(ts)
+
+
 def hessian_of_grad(fn, x, has_aux: bool = False):
     """The Jacobian of a gradient function ``fn`` at ``x`` (the Hessian): ``jax.jacfwd``, or in
     reverse-only mode ``jax.jacrev``."""

@@ -99,7 +99,8 @@ def _member_items(stack: Stack, entries: dict) -> tuple:
     per_member = []
     for m in stack.members:
         base, leaves, _ = distribution_leaves(entries[m])
-        per_member.append(_aligned(leaves, base, stack.batch_shape) + [jnp.asarray(entries[m]["value"])])
+        value = entries[m]["value"]
+        per_member.append(_aligned(leaves, base, stack.batch_shape) + [value if isinstance(value, jax.Array) else jnp.asarray(value)])
     return tuple(jnp.stack(items) for items in zip(*per_member))
 
 
@@ -109,6 +110,8 @@ def _aligned(leaves, base, batch_shape: tuple) -> list:
     for a scalar ``Normal``): stacked over the members, they broadcast against the stacked
     values as each member's leaves broadcast against its own value."""
     extra = (1,) * (len(batch_shape) - len(base.batch_shape))
+    if not extra:  # (nothing to add: no reshape traced per member and leaf)
+        return [x if isinstance(x, jax.Array) else jnp.asarray(x) for x in leaves]
     return [jnp.reshape(jnp.asarray(x), extra + jnp.shape(x)) for x in leaves]
 
 

@@ -250,28 +250,52 @@ def distribution_leaves(site: dict):
     return base, leaves, tree
 
 
-def log_prob_reads(base, leaves, tree: CanonicalTree, value) -> frozenset:
+def log_prob_reads(base, leaves, tree: CanonicalTree, value, cache: dict | None = None) -> frozenset:
     """The positions (canonical order) of the leaves a distribution's ``log_prob`` reads.
 
     numpyro keeps fields its density never uses (a ``StudentT`` holds a ``Chi2`` of its
     ``df`` for sampling): such a leaf is not a parameter of the factor, and counting it
     would give a Student-t with a latent ``df`` four projections instead of two. Read off
     the density's program (dead-code elimination); every leaf when it cannot be traced.
+
+    Args:
+        base, leaves, tree: the unwrapped distribution, its leaves in canonical order and
+            the tree that rebuilds it (:func:`distribution_leaves`).
+        value: the site's value.
+        cache: a dict for the answers found so far, keyed by the distribution's structure
+            (its type, tree and the leaves' and value's shapes and dtypes, all the density's
+            program depends on): sites of one structure (one per step of a Python loop) are
+            read once.
     """
     everything = frozenset(range(len(leaves)))
 
     def aval(x):
         return jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
 
+    avals = [aval(x) for x in leaves]
+    key = None
+    if cache is not None:
+        key = (type(base), tree.treedef, tree.order, tuple((a.shape, a.dtype) for a in avals),
+               jnp.shape(value), jnp.result_type(value))
+        try:
+            if key in cache:
+                return cache[key]
+        except (TypeError, ValueError):  # (a tree whose static fields are arrays: not hashable)
+            key = None
+
     def density(ls, v):
         return jnp.sum(tree.unflatten(ls).log_prob(v))
 
     try:
-        closed = jax.make_jaxpr(density)([aval(x) for x in leaves], aval(value))
+        closed = jax.make_jaxpr(density)(avals, aval(value))
     except Exception:  # noqa: BLE001 - a density that does not trace abstractly: keep every leaf
-        return everything
-    _, used = dce(closed.jaxpr, [True])
-    return frozenset(i for i in everything if used[i])
+        found = everything
+    else:
+        _, used = dce(closed.jaxpr, [True])
+        found = frozenset(i for i in everything if used[i])
+    if key is not None:
+        cache[key] = found
+    return found
 
 
 def projection_args(links) -> Callable:

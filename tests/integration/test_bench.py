@@ -478,3 +478,38 @@ def test_mixtures_bench_scores_draws_by_their_held_out_predictive():
     np.testing.assert_allclose(mixtures.predictive_log_likelihood(draws, x, y), expected, rtol=1e-10)
     text = mixtures.table([{"method": "NUTS", "lpd": -0.5, "seconds": 2.0, "khat": float("nan"), "bound": float("nan")}])
     assert text.splitlines()[2] == "| 0 | NUTS | -0.500 |  |  | 2.0 |"
+
+
+# ------------------------------------------------------------ compile sizes (issue 55)
+
+
+def test_compile_sizes_counts_the_step_program():
+    """The step's size is counted from its own program: a larger loop body, more equations
+    and HLO operations."""
+    import jax.numpy as jnp
+
+    from blrppl.bench import compile_sizes
+
+    small = compile_sizes.step_size(lambda x: jnp.sin(x) + 1.0, jnp.ones(3))
+    large = compile_sizes.step_size(lambda x: jnp.sin(jnp.cos(jnp.exp(x) * 2.0)) + jnp.sum(x), jnp.ones(3))
+    assert 0 < small["jaxpr_equations"] < large["jaxpr_equations"]
+    assert 0 < small["hlo_operations"] < large["hlo_operations"]
+
+
+def test_compile_sizes_table_and_models():
+    from blrppl.bench import compile_sizes
+
+    names = compile_sizes.default_names()
+    assert names[:4] == ["ar2:100", "ar2:1000", "ar2:10000", "baseball_pooled"]
+    assert set(models.names()) <= set(names)
+    rows = [
+        {"model": "ar2:100", "compile": 2.5, "model_runs": 2, "xla_compilations": 48, "jaxpr_equations": 1164,
+         "hlo_operations": 2183},
+        {"model": "baseball_pooled", "compile": float("nan"), "error": "did not finish"},
+    ]
+    text = compile_sizes.markdown(rows).splitlines()
+    assert text[2] == "| AR(2) loop, 100 sites | 2.50 | 2 | 48 | 1164 | 2183 |"
+    assert "failed: did not finish" in text[3]
+    # (the baseball model as NumPyro writes it traces with its data)
+    records = trace_model(compile_sizes.baseball_pooled, (), compile_sizes.baseball_data(), random.PRNGKey(0))[0]
+    assert {"m", "kappa", "phi", "obs"} <= set(records)
