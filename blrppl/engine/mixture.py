@@ -101,18 +101,22 @@ def mixture_fit(program, args, kwargs, options, key):
     data = model_data(plan, prepared.dyn_data)
     others = [b for b in density.drawn if b.name not in blocks]
     k_start, k_run, k_diag = jax.random.split(jax.random.fold_in(key, 53), 3)
-    nat = {}
+    start = {}
     for i, (name, b) in enumerate(blocks.items()):
         view = b.family.view(base.nat[name])
-        start = b.family.view(prepared.state.nat[name]).mean
+        where = b.family.view(prepared.state.nat[name]).mean
         var = b.family.marginal_variance(view)
         dense = gm.dense_components(tuple(jnp.shape(view.mean)))
         cov = b.family.view_covariance(view) if dense else None
-        nat[name] = gm.spread_start(view.mean, var, start, counts[name], jax.random.fold_in(k_start, i), dense, cov)
+        start[name] = gm.spread_start(view.mean, var, where, counts[name], jax.random.fold_in(k_start, i), dense, cov)
     log_joint = _log_joint(density, blocks, others, data)
-    nat, elbo, moved, rejected = _run_mixture(log_joint, base.nat, nat, options, k_run)
+    nat, elbo, moved, rejected = _run_mixture(log_joint, base.nat, start, options, k_run)
+    # (the single fit's component alone left: a Gaussian whose optimum the single fit is, taken
+    # as it is rather than a Monte Carlo step's noise away from it)
+    alone = {n for n, v in nat.items() if gm.kept_components(v).tolist() == [True] + [False] * (len(v.logits) - 1)}
     kept = {n: gm.drop_floored(v) for n, v in nat.items()}
     nat, dropped = {n: v[0] for n, v in kept.items()}, sum(v[1] for v in kept.values())
+    nat = {n: gm.first_component(start[n]) if n in alone else v for n, v in nat.items()}
     entropy_rest = sum(float(jnp.sum(b.family.entropy(base.nat[b.name]))) for b in others)
     elbo = elbo + entropy_rest
     return _package(

@@ -53,7 +53,9 @@ heavier's sds and their sds within 10 % of each other) hold one shape twice; the
 (:func:`respread`) in the first half of its steps, at a draw of the heavier over-dispersed by
 :data:`SPREAD`, with half their joint weight each: if there is another mode it may find it,
 if there is none it comes back. At the end the components still at the floor are dropped
-(:func:`drop_floored`).
+(:func:`drop_floored`); where the single Gaussian's component (the start's first) is the one
+left, it is the single Gaussian's fit itself (the optimum of a one-component mixture,
+:func:`first_component`), not a Monte Carlo step's noise away from it.
 
 *Start* (:func:`spread_start`): component 0 at the single-component fit's q, the others in
 antithetic pairs at over-dispersed points x₀ ± :data:`SPREAD` · w ⊙ z_k about the point x₀
@@ -359,6 +361,15 @@ def floor_weights(logits):
     return jnp.log(jnp.where(low, MIN_WEIGHT, w * scale))
 
 
+def kept_components(nat: MixtureNat) -> np.ndarray:
+    """Which components :func:`drop_floored` keeps (a boolean mask, on the host): those above
+    the weights' floor, and the heaviest."""
+    w = np.asarray(jax.nn.softmax(nat.logits), dtype=float)
+    keep = w > 1.5 * MIN_WEIGHT
+    keep[int(np.argmax(w))] = True
+    return keep
+
+
 def drop_floored(nat: MixtureNat) -> tuple:
     """``(nat, how many components were dropped)``: the fit's end without the components held
     at the weight floor (see the module), the other weights renormalised; the heaviest is
@@ -372,14 +383,19 @@ def drop_floored(nat: MixtureNat) -> tuple:
     a ridge of the posterior (a start far out along a strongly correlated pair) is millions
     of nats."""
     w = np.asarray(jax.nn.softmax(nat.logits), dtype=float)
-    keep = w > 1.5 * MIN_WEIGHT
-    keep[int(np.argmax(w))] = True
+    keep = kept_components(nat)
     if keep.all():
         return nat, 0
     logits = np.log(w[keep] / w[keep].sum())
     dtype = nat.mean.dtype
     out = MixtureNat(jnp.asarray(logits, dtype), nat.mean[keep], nat.prec[keep])
     return out, int((~keep).sum())
+
+
+def first_component(nat: MixtureNat) -> MixtureNat:
+    """The mixture of ``nat``'s first component alone (weight 1): of a start
+    (:func:`spread_start`), the single Gaussian's fit."""
+    return MixtureNat(jnp.zeros((1,), nat.logits.dtype), nat.mean[:1], nat.prec[:1])
 
 
 def mixture_step(nat: MixtureNat, log_p, key, rho, num_draws: int) -> tuple:

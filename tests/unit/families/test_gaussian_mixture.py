@@ -246,3 +246,11 @@ def test_dense_start_takes_the_single_fits_precision_matrix():
     # without a covariance matrix: the diagonal precisions of the variances, as before
     diag = gm.spread_start(mean, var, jnp.zeros(2), 4, random.PRNGKey(0), dense=True)
     np.testing.assert_allclose(np.asarray(diag.prec[0]), np.eye(2))
+
+
+def test_kept_components_and_the_first_component():
+    w = np.array([0.6, gm.MIN_WEIGHT, 0.399])
+    nat = gm.MixtureNat(jnp.log(jnp.asarray(w)), jnp.arange(3.0)[:, None], jnp.ones((3, 1)))
+    assert gm.kept_components(nat).tolist() == [True, False, True]
+    first = gm.first_component(nat)
+    assert first.logits.tolist() == [0.0] and first.mean.tolist() == [[0.0]] and first.prec.shape == (1, 1)
