@@ -101,7 +101,9 @@ class PlanGuide:
 
     def _event_dim(self, site: str):
         """The model's event dims at ``site`` (None: unknown, all the value's dims)."""
-        return dict(self.plan.event_ndims).get(site)
+        if getattr(self, "_events", (None,))[0] is not self.plan:  # (made once per plan)
+            self._events = (self.plan, dict(self.plan.event_ndims))
+        return self._events[1].get(site)
 
     def __call__(self, *args, **kwargs):
         if self.plan is None:
