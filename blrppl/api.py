@@ -19,6 +19,7 @@ from blrppl.engine.refine import refine as refine_fit, summary as refine_summary
 from blrppl.engine.run import run
 from blrppl.engine.state import BLRState
 from blrppl.errors import BLRError, MeshError, out_of_memory_as_error
+from blrppl.engine.processes import spans_processes
 from blrppl.model.program import ModelProgram
 from blrppl.inputs import (
     as_key, fit_options, host_fold_in, host_split, model_arguments, refine_options, refuse_transformation,
@@ -136,11 +137,19 @@ def blr_fit(
         t0 = time.perf_counter()
         result, held = fit(options, key)
         refinements = []
-        if refine and prior is None and not options.mixtures:  # (a mixture is its own remedy)
+        # (a mixture is its own remedy; over several processes the remedies, grids and mixtures among
+        # them, are not run: see _check_fit_kind)
+        over_processes = options.mesh is not None and spans_processes(options.mesh)
+        if refine and prior is None and not options.mixtures and not over_processes:
             result, held, refinements = refine_fit(
                 fit, result, held, options, key, time.perf_counter() - t0, refine_budget, grid_asked
             )
     result.refinements = refinements
+    if refine and over_processes:
+        held = [_with_tried(w, (
+            "the refinement's remedies (other starts, grids, mixtures) do not run over several processes yet: "
+            "fit on one process's devices to try them"
+        )) for w in held]
     if refinements:
         tried = refine_summary(refinements)
         result.message += "; " + tried
@@ -160,6 +169,14 @@ def _check_fit_kind(options, prior, grid_asked: bool) -> None:
             "families=('gaussian-mixture', K) works with one start, without prior= and without scales on a grid; "
             f"got {'prior=' if prior is not None else 'a grid' if grid_asked else f'num_starts={options.num_starts}'}",
             site=options.mixtures[0][0],
+        )
+    if options.mesh is not None and spans_processes(options.mesh) and (options.mixtures or grid_asked):
+        site = options.mixtures[0][0] if options.mixtures else grid_sites(options.families_dict)[0]
+        raise MeshError(
+            "a mixture family or scales on a grid do not run over several processes yet (their weights read the "
+            "model's density on the host, which holds this process's rows only): fit on one process's devices "
+            "(mesh= of jax.local_devices()), or drop the family",
+            site=site,
         )
     if grid_asked and (prior is not None or options.num_starts > 1):
         raise BLRError(

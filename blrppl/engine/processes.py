@@ -25,10 +25,16 @@ the data come from and how the host reads what a chunk returns:
   process (:func:`replicated`). The first state is process 0's, sent to the others
   (:func:`same_start`): every process then steps the same state and stops at the same step.
 
+The rows a process holds are those of the model's largest plate; its other plates (groups,
+with a group index per row) are the same in every process, and their latents are global
+blocks, replicated. The diagnostics that read the data (PSIS k̂'s log-weights, the narrow-q
+check) run over the mesh too (:meth:`blrppl.engine.sharding.ShardedChunk.diagnostic`).
+
 What a fit over several processes refuses (:func:`check_processes`): blocks with one entry
 per datum (local latents, enumerated assignments; their starting values would be those of
 this process's rows), subsampled plates (their plate's size is declared, not read off the
-data) and a mesh whose devices are not grouped by process.
+data) and a mesh whose devices are not grouped by process; ``blr_fit`` refuses mixture
+families and grids over several processes, and does not run its refinement there.
 """
 
 from __future__ import annotations

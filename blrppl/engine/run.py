@@ -67,9 +67,6 @@ def _diagnose(prepared, outcome, nat, grid_weights=None) -> Diagnostics:
             khat=-math.inf, num_draws=0, note="one conjugate block in closed form: no draws needed",
             bound=float(elbo[-1]), **base,
         )
-    if _spans_processes(prepared):
-        why = "a fit over several processes (each process holds its own rows of the data)"
-        return Diagnostics(khat=math.nan, num_draws=0, note=f"not computed: {why}", **base)
     key = host_fold_in(outcome.state.rng_key, 7)
     if grid_weights is not None:
         log_weights = np.asarray(grid_weights(nat, model_data(plan, prepared.dyn_data), key))
@@ -78,7 +75,7 @@ def _diagnose(prepared, outcome, nat, grid_weights=None) -> Diagnostics:
             bound=importance_bound(log_weights), **base
         )
     try:
-        log_weights, at_draws, sd = bundle.log_weights_read(nat, model_data(plan, prepared.dyn_data), key)
+        log_weights, at_draws, sd = _log_weights_read(prepared, nat, key)
         log_weights = np.asarray(log_weights)
     except Exception as exc:
         if not is_out_of_memory(exc):
@@ -106,6 +103,28 @@ def _diagnose(prepared, outcome, nat, grid_weights=None) -> Diagnostics:
     return diagnostics._replace(widths=found, narrow=flagged(found))
 
 
+def _log_weights_read(prepared, nat, key) -> tuple:
+    """``(log_weights, at_draws, sd)`` of :meth:`blrppl.engine.build.CompiledFit.log_weights_read`;
+    over several processes, computed over the mesh on every process's rows (the host holds
+    this process's only: :mod:`blrppl.engine.processes`)."""
+    bundle = prepared.bundle
+    if not _spans_processes(prepared):
+        return bundle.log_weights_read(nat, model_data(prepared.plan, prepared.dyn_data), key)
+    read = functools.partial(model_data, prepared.plan)
+    out = prepared.chunk.diagnostic(bundle.log_weights_fn, nat, prepared.dyn_data, read, key)
+    return out if bundle.narrow_sites else (out, None, None)
+
+
+def _narrow_draws(prepared, nat, key):
+    """The narrow-q check's draws (:meth:`blrppl.engine.build.CompiledFit.narrow`), over the
+    mesh over several processes (see :func:`_log_weights_read`)."""
+    bundle = prepared.bundle
+    if not _spans_processes(prepared) or bundle.narrow_fn is None:
+        return bundle.narrow(nat, model_data(prepared.plan, prepared.dyn_data), key)
+    read = functools.partial(model_data, prepared.plan)
+    return prepared.chunk.diagnostic(bundle.narrow_fn, nat, prepared.dyn_data, read, key)
+
+
 def _spans_processes(prepared) -> bool:
     """Whether the fit runs over several processes' devices (:mod:`blrppl.engine.processes`):
     its data on the host are this process's rows only."""
@@ -125,7 +144,7 @@ def _narrow_widths(prepared, nat, key, diagnostics, read) -> tuple:
         if found is not None:
             return found
     try:
-        out = bundle.narrow(nat, model_data(prepared.plan, prepared.dyn_data), key)
+        out = _narrow_draws(prepared, nat, key)
     except Exception as exc:
         if not is_out_of_memory(exc):
             raise

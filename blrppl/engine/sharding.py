@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import jax
 import numpy as np
+import numpyro
 from jax.sharding import NamedSharding, PartitionSpec
 
 from blrppl.engine import processes
@@ -113,13 +114,17 @@ class ShardedChunk:
         self.axis = mesh.axis_names[0]
         # (a plate of fewer elements than devices, a mixture's components, is not split)
         self.sizes = frozenset(n for n in plate_sizes(records) if n >= mesh.size)
+        self.processes = processes.spans_processes(mesh)
+        if self.processes:
+            # (the rows each process holds are those of its largest plate, split even when they are
+            # fewer than the devices; the model's other plates, its groups, are the same in every
+            # process and replicated, as are their latents)
+            self.sizes = frozenset({max(plate_sizes(records))})
         self.blocks = {b: s & self.sizes for b, s in block_axes(plan, records).items() if s & self.sizes}
         self.replicated = NamedSharding(mesh, PartitionSpec())
         self._compiled: dict = {}
-        self.processes = processes.spans_processes(mesh)
+        self._diagnostics: dict = {}
         if self.processes:
-            # (a process's own rows may be fewer than the devices: its largest plate is split anyway)
-            self.sizes |= {max(plate_sizes(records))}
             processes.check_processes(plan, records, mesh, self.blocks)
 
     def place(self, data) -> tuple:
@@ -226,6 +231,34 @@ class ShardedChunk:
             found = self._compiled[key] = compile_lowered(lower(traced), options)
         return found
 
+    def diagnostic(self, fn, nat, placed, axes, key):
+        """``fn(nat, model data, key)``, a program of the fit's diagnostics (PSIS k̂'s
+        log-weights, the narrow-q check's draws), over the mesh on the data placed by
+        :meth:`place` (``placed``: what the model functions read of them): every global sum
+        over the data all-reduced as in the chunk, its outputs replicated and returned on the
+        default device (over several processes: this process's copy, the same in every
+        process). Compiled once per ``fn`` and the data's structure, shapes and shardings."""
+        if self.processes:
+            nat, key = processes.replicated((nat, key), self.replicated)
+        else:
+            nat, key = jax.device_put((nat, key), self.replicated)
+        leaves, tree = jax.tree.flatten((nat, placed, key))
+        found_key = (fn, tree, tuple(jax.typeof(x) for x in leaves), tuple(x.sharding for x in leaves), axes)
+        program = self._diagnostics.get(found_key)
+        if program is None:
+
+            def sliced(nat, data, key):
+                model_data, previous, statistics = split_run_data(data)
+                model_data = self._sliced(model_data, axes)
+                return fn(nat, RunData(model_data, previous, statistics) if isinstance(data, RunData) else model_data, key)
+
+            program = self._diagnostics[found_key] = jax.jit(sliced, out_shardings=self.replicated)
+        with numpyro.validation_enabled(False):
+            out = program(nat, placed, key)
+        if self.processes:
+            return processes.local_values(out)
+        return jax.device_put(out, jax.devices()[0])
+
     def run(self, state, placed, axes, steps_left, rho, history, tol):
         """The chunk over the mesh on data placed by :meth:`place`; its outputs on the
         default device (over several processes: on one of this process's devices)."""
@@ -256,10 +289,21 @@ class MeshChunk:
         """Whether the mesh holds several processes' devices (:mod:`blrppl.engine.processes`)."""
         return self.programs.processes
 
-    def __call__(self, state, data, steps_left, rho, history, tol):
+    def _place(self, data) -> tuple:
         if self._placed is None or self._placed[0] is not data:
             self._placed = (data, *self.programs.place(data))
-        _, placed, axes = self._placed
+        return self._placed[1:]
+
+    def diagnostic(self, fn, nat, data, read, key):
+        """A diagnostics' program ``fn(nat, model data, key)`` over the mesh, on the fit's
+        ``data`` as placed for its chunks (``read``: what of the placed run data the model
+        functions read, :func:`blrppl.engine.build.model_data`): see
+        :meth:`ShardedChunk.diagnostic`."""
+        placed, axes = self._place(data)
+        return self.programs.diagnostic(fn, nat, read(placed), axes, key)
+
+    def __call__(self, state, data, steps_left, rho, history, tol):
+        placed, axes = self._place(data)
         if self.programs.processes and state is not self._last:
             state = processes.same_start(state)  # (a fit's start, or a restart: process 0's)
         out = self.programs.run(state, placed, axes, steps_left, rho, history, tol)

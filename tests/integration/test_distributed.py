@@ -25,6 +25,7 @@ import importlib.util
 import os
 import pathlib
 import sys
+import warnings
 
 import jax
 import numpy as np
@@ -100,3 +101,26 @@ def test_two_processes_of_one_device_each_and_unequal_shares(monkeypatch):
         assert out["unchanged"]
         assert out["refused"] is not None and "theta" in out["refused"] and "one entry per datum" in out["refused"]
         assert out["counted"] is not None and "X.shape[0]" in out["counted"]
+
+    # group effects in a plate of 8 are replicated, not split with the rows: the posterior is the
+    # one-process fit's; k̂ reads the model's density at q's draws over both processes' rows (the
+    # same draws: the one-process k̂ to rounding; from one process's rows it is another number)
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        g, y = (np.concatenate(parts) for parts in zip(worker.grouped_rows(0), worker.grouped_rows(1)))
+        one = worker.posterior(
+            blr_fit(worker.grouped, (g, y), rng_key=random.PRNGKey(0), progress_bar=False, refine=False),
+            ("mu", "theta"),
+        )
+    assert one["khat"] > 0.7  # (q is poor here: the warning's case)
+    for out in outs:
+        got = out["grouped"]
+        assert got["steps"] == one["steps"]
+        for site in ("mu", "theta"):
+            _close(got[site][0], one[site][0])
+            _close(got[site][1], one[site][1])
+        assert abs(got["khat"] - one["khat"]) < 1e-6
+        (poor,) = [w for w in out["grouped_warnings"] if "poor approximation" in w]
+        assert "do not run over several processes" in poor
+        assert "'mu'" in out["mixture"] and "several processes" in out["mixture"]
+        assert "'tau'" in out["grid"] and "several processes" in out["grid"]
