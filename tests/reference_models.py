@@ -148,6 +148,7 @@ DATA_SEEDS = {
     "imputed_logistic": 20240513,
     "eight_schools": None,  # a fixed published table (Rubin 1981)
     "crossed_glmm": 20240551,
+    "oceanic_gp": 10,  # (the data of the bench's gp_poisson)
 }
 
 
@@ -473,6 +474,31 @@ def simplex_data(seed=DATA_SEEDS["simplex"]):
     return {"centers": SIMPLEX_CENTERS, "y": y}
 
 
+def oceanic_gp_model(dist_matrix, log_pop, tools=None):
+    """A Gaussian-process prior over a 10 × 10 distance matrix with a Poisson likelihood
+    (Statistical Rethinking's tools of Oceanic societies, on simulated islands): the rate is
+    a P^b / g · exp(k), k ~ MVN(0, η² exp(−ρ² D²) + 0.01 I)."""
+    n = dist_matrix.shape[0]
+    etasq = numpyro.sample("etasq", dist.Exponential(2.0))
+    rhosq = numpyro.sample("rhosq", dist.Exponential(0.5))
+    cov = etasq * jnp.exp(-rhosq * dist_matrix**2) + 0.01 * jnp.eye(n)
+    k = numpyro.sample("k", dist.MultivariateNormal(jnp.zeros(n), covariance_matrix=cov))
+    a = numpyro.sample("a", dist.Exponential(1.0))
+    b = numpyro.sample("b", dist.Exponential(1.0))
+    g = numpyro.sample("g", dist.Exponential(1.0))
+    with numpyro.plate("society", n):
+        numpyro.sample("tools", dist.Poisson(a * jnp.exp(b * log_pop) / g * jnp.exp(k)), obs=tools)
+
+
+def oceanic_gp_data(seed=DATA_SEEDS["oceanic_gp"]):
+    rng = np.random.default_rng(seed)
+    xy = rng.uniform(0.0, 5.0, size=(10, 2))
+    dist_matrix = np.sqrt(((xy[:, None] - xy[None]) ** 2).sum(-1))
+    log_pop = rng.normal(8.0, 1.5, size=10)
+    k = rng.multivariate_normal(np.zeros(10), 0.2 * np.exp(-0.5 * dist_matrix**2) + 0.01 * np.eye(10))
+    return {"dist_matrix": dist_matrix, "log_pop": log_pop, "tools": rng.poisson(1.2 * np.exp(0.25 * log_pop) * np.exp(k))}
+
+
 def horseshoe_data(seed=DATA_SEEDS["horseshoe"]):
     rng = np.random.default_rng(seed)
     N, D = 100, 32
@@ -688,6 +714,7 @@ MODELS = {
     "imputed_logistic": (imputed_logistic_model, imputed_logistic_data),
     "eight_schools": (eight_schools_model, eight_schools_data),
     "crossed_glmm": (crossed_glmm_model, crossed_glmm_data),
+    "oceanic_gp": (oceanic_gp_model, oceanic_gp_data),
 }
 
 #: name → (model, data function) of models whose reference is not a NUTS run of the model

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import numpyro
@@ -192,6 +193,76 @@ def bnn_model(X, y=None):
         numpyro.sample("y", dist.Normal(h @ w2, 0.1), obs=y)
 
 
+# The four fits issue 55 found slower than NUTS (written as NumPyro users write them).
+
+
+def gp_poisson_model(dist_matrix, log_pop, tools=None):
+    """A Gaussian-process prior over a 10 × 10 distance matrix with a Poisson likelihood (the
+    tools-of-Oceanic-societies model of McElreath's Statistical Rethinking, on simulated
+    islands): k ~ MVN(0, η² exp(−ρ² D²) + 0.01 I), tools ~ Poisson(a P^b / g · exp(k))."""
+    n = dist_matrix.shape[0]
+    etasq = numpyro.sample("etasq", dist.Exponential(2.0))
+    rhosq = numpyro.sample("rhosq", dist.Exponential(0.5))
+    cov = etasq * jnp.exp(-rhosq * dist_matrix**2) + 0.01 * jnp.eye(n)
+    k = numpyro.sample("k", dist.MultivariateNormal(jnp.zeros(n), covariance_matrix=cov))
+    a = numpyro.sample("a", dist.Exponential(1.0))
+    b = numpyro.sample("b", dist.Exponential(1.0))
+    g = numpyro.sample("g", dist.Exponential(1.0))
+    rate = a * jnp.exp(b * log_pop) / g * jnp.exp(k)
+    with numpyro.plate("society", n):
+        numpyro.sample("tools", dist.Poisson(rate), obs=tools)
+
+
+def lkj_slopes_model(cafe, afternoon, wait=None):
+    """Varying intercepts and slopes with an LKJ prior on their correlation (the cafés of
+    Statistical Rethinking, simulated): (a_j, b_j) ~ MVN((a, b), diag(σ) R diag(σ))."""
+    num_cafes = int(np.max(cafe)) + 1
+    a = numpyro.sample("a", dist.Normal(5.0, 2.0))
+    b = numpyro.sample("b", dist.Normal(-1.0, 0.5))
+    sigma_cafe = numpyro.sample("sigma_cafe", dist.Exponential(1.0).expand([2]).to_event(1))
+    chol_corr = numpyro.sample("chol_corr", dist.LKJCholesky(2, 2.0))
+    scale_tril = sigma_cafe[:, None] * chol_corr
+    with numpyro.plate("cafes", num_cafes):
+        ab = numpyro.sample("ab", dist.MultivariateNormal(jnp.stack([a, b]), scale_tril=scale_tril))
+    sigma = numpyro.sample("sigma", dist.Exponential(1.0))
+    with numpyro.plate("visits", cafe.shape[0]):
+        numpyro.sample("wait", dist.Normal(ab[cafe, 0] + ab[cafe, 1] * afternoon, sigma), obs=wait)
+
+
+def ordered_logistic_model(X, y=None):
+    """An ordered logistic regression (4 ordered categories): cutpoints ordered by
+    ``OrderedTransform``, β ~ N(0, 1)."""
+    beta = numpyro.sample("beta", dist.Normal(0.0, 1.0).expand([X.shape[1]]).to_event(1))
+    cutpoints = numpyro.sample(
+        "cutpoints",
+        dist.TransformedDistribution(dist.Normal(0.0, 5.0).expand([3]).to_event(1), dist.transforms.OrderedTransform()),
+    )
+    with numpyro.plate("n", X.shape[0]):
+        numpyro.sample("y", dist.OrderedLogistic(X @ beta, cutpoints), obs=y)
+
+
+def semi_supervised_hmm_model(num_categories, num_words, supervised_categories, supervised_words, unsupervised_words):
+    """NumPyro's semi-supervised HMM: transition and emission probabilities with Dirichlet
+    priors, the labelled sequence scored directly and the unlabelled one by the forward
+    algorithm (``lax.scan``) in a ``numpyro.factor``."""
+    from jax.scipy.special import logsumexp
+
+    with numpyro.plate("prob_plate", num_categories):
+        transition_prob = numpyro.sample("transition_prob", dist.Dirichlet(jnp.ones(num_categories)))
+        emission_prob = numpyro.sample("emission_prob", dist.Dirichlet(jnp.ones(num_words)))
+    numpyro.sample("supervised_categories", dist.Categorical(transition_prob[supervised_categories[:-1]]),
+                   obs=supervised_categories[1:])
+    numpyro.sample("supervised_words", dist.Categorical(emission_prob[supervised_categories]), obs=supervised_words)
+    log_trans, log_emit = jnp.log(transition_prob), jnp.log(emission_prob)
+
+    def forward(log_prob, word):
+        return logsumexp(log_prob[:, None] + log_trans, axis=0) + log_emit[:, word], None
+
+    init = log_trans[supervised_categories[-1]] + log_emit[:, unsupervised_words[0]]
+    log_prob, _ = jax.lax.scan(forward, init, unsupervised_words[1:])
+    numpyro.factor("forward_log_prob", logsumexp(log_prob))
+
+
 # ---------------------------------------------------------------------- builders
 
 
@@ -350,6 +421,66 @@ def bnn():
     return BenchModel(
         "bnn", bnn_model, {"X": X, "y": y}, representable=False,
         note="multimodal (hidden-unit sign flips and permutations): a Gaussian covers one mode, NUTS mixes between them",
+    )
+
+
+@_bench
+def gp_poisson():
+    rng = np.random.default_rng(10)
+    xy = rng.uniform(0.0, 5.0, size=(10, 2))
+    dist_matrix = np.sqrt(((xy[:, None] - xy[None]) ** 2).sum(-1))
+    log_pop = rng.normal(8.0, 1.5, size=10)
+    k = rng.multivariate_normal(np.zeros(10), 0.2 * np.exp(-0.5 * dist_matrix**2) + 0.01 * np.eye(10))
+    tools = rng.poisson(1.2 * np.exp(0.25 * log_pop) * np.exp(k))
+    return BenchModel(
+        "gp_poisson", gp_poisson_model, {"dist_matrix": dist_matrix, "log_pop": log_pop, "tools": tools},
+        note="GP prior over a 10 × 10 distance matrix, Poisson counts (issue 55: 324 s unconverged against NUTS's 40 s)",
+    )
+
+
+@_bench
+def lkj_slopes():
+    rng = np.random.default_rng(11)
+    cafes, visits = 20, 10
+    ab = rng.multivariate_normal([3.5, -1.0], [[1.0, -0.35], [-0.35, 0.25]], size=cafes)
+    cafe = np.repeat(np.arange(cafes), visits)
+    afternoon = np.tile(np.arange(2), cafes * visits // 2)
+    wait = ab[cafe, 0] + ab[cafe, 1] * afternoon + 0.5 * rng.normal(size=cafes * visits)
+    return BenchModel(
+        "lkj_slopes", lkj_slopes_model, {"cafe": cafe, "afternoon": afternoon, "wait": wait},
+        note="varying slopes, LKJ(2) correlation (issue 55: 117 s against NUTS's 38 s)",
+    )
+
+
+@_bench
+def ordered_logistic():
+    rng = np.random.default_rng(12)
+    X = rng.normal(size=(10_000, 3))
+    latent = X @ np.array([1.0, -0.5, 0.3]) + rng.logistic(size=10_000)
+    return BenchModel(
+        "ordered_logistic", ordered_logistic_model, {"X": X, "y": np.digitize(latent, [-1.0, 0.0, 1.5])},
+        note="ordered logistic on 10⁴ rows (issue 55: 108 s against NUTS's 68 s)",
+    )
+
+
+@_bench
+def semi_supervised_hmm():
+    rng = np.random.default_rng(13)
+    num_categories, num_words = 3, 10
+    trans = rng.dirichlet(np.ones(num_categories) * 2.0, size=num_categories) * 0.4 + 0.6 * np.eye(num_categories)
+    emit = rng.dirichlet(np.ones(num_words) * 0.5, size=num_categories)
+    states = [0]
+    for _ in range(599):
+        states.append(rng.choice(num_categories, p=trans[states[-1]]))
+    states = np.array(states)
+    words = np.array([rng.choice(num_words, p=emit[s]) for s in states])
+    data = {
+        "num_categories": num_categories, "num_words": num_words, "supervised_categories": states[:100],
+        "supervised_words": words[:100], "unsupervised_words": words[100:],
+    }
+    return BenchModel(
+        "semi_supervised_hmm", semi_supervised_hmm_model, data,
+        note="NumPyro's semi-supervised HMM, forward algorithm in a scan (issue 55: 36 s)",
     )
 
 

@@ -114,7 +114,9 @@ class MethodResult:
 
 def accuracy(estimate: dict, reference: dict) -> dict:
     """Largest |mean − ref mean| / ref sd and the range of sd / ref sd over ``reference``'s
-    parameters (NaN when a parameter is missing)."""
+    parameters (NaN when a parameter is missing). Parameters the reference holds fixed (sd 0:
+    the unit diagonal of an LKJ Cholesky factor, its zero upper triangle) are left out."""
+    reference = {k: (m, s) for k, (m, s) in reference.items() if s > 0}
     if not reference:
         return {"max_mean_err_sd": float("nan"), "sd_ratio_min": float("nan"), "sd_ratio_max": float("nan")}
     errs, ratios = [], []

@@ -61,6 +61,9 @@ MIN_DAMPING = 2.0**-60
 SEARCH_FLOOR = 2.0**-20
 #: a fit's last ELBO this many times its best's magnitude below the best: it diverged
 DIVERGED_FALL = 10.0
+#: a fresh start with a chunk in more than this fraction of whose steps some block found no
+#: valid update is stuck (see :func:`run_loop`'s ``give_up``)
+STUCK_FRACTION = 0.8
 
 
 def diverged_from(elbo) -> int | None:
@@ -92,6 +95,9 @@ class LoopOutcome(NamedTuple):
     valid: np.ndarray | None = None
     #: the step (counted from 1) whose state a diverged run returns instead of its last
     restored: int | None = None
+    #: a run told to ``give_up`` stopped after a chunk in most of whose steps some block found
+    #: no valid update (:data:`STUCK_FRACTION`)
+    stuck: bool = False
 
 
 def drop_slack(elbo) -> float:
@@ -302,10 +308,16 @@ def _accepted_or_rejected(st, new, accept, probe, ends, best_damping):
 
 def run_loop(
     chunk_fn, state: BLRState, data, rho, tol: float, num_steps: int, chunk_size: int, progress_bar: bool,
-    window: int = 0,
+    window: int = 0, give_up: bool = False,
 ):
     """Run chunks until convergence (relative tolerance ``tol``), a stop, or ``num_steps``; a
-    run whose ELBO diverged returns its best state (:func:`diverged_from`).
+    run whose ELBO diverged returns its best state (:func:`diverged_from`). With ``give_up``
+    (a fresh start that may be started again narrower), a chunk in more than
+    :data:`STUCK_FRACTION` of whose steps some block found no valid update ends the run
+    (``stuck``): a Gaussian block started with unit variances where its Monte Carlo messages
+    overflow (a Poisson rate a·P^b with b on a log scale and populations of 10³–10⁴) drifted
+    off in its first hundred steps, then kept its parameters in 900 of the next 900 and ended
+    775 posterior sds away.
 
     Ctrl-C stops the run at the next chunk boundary with ``KeyboardInterrupt``
     (:func:`blrppl.engine.interrupt.deferred_interrupts`), even where Python would drop it; so
@@ -315,6 +327,7 @@ def run_loop(
     tol = host_array(tol, jnp.result_type(float))
     elbos, valid, total, stop, invalid, proper, rejected = [], [], 0, CONTINUE, 0, {}, 0
     best = None  # (ELBO, natural parameters, step counted from 1) of Monte Carlo fits
+    stuck = False
     bar = _progress_bar(num_steps) if progress_bar else None
     try:
         with deferred_interrupts() as interrupt:
@@ -341,6 +354,9 @@ def run_loop(
                         bar.set_postfix(elbo=f"{float(elbos[-1][-1]):.4g}")
                 if n == 0 and stop == CONTINUE:
                     break
+                if give_up and stop == CONTINUE and int(inv) > STUCK_FRACTION * n:
+                    stuck = True
+                    break
     finally:
         if bar is not None:
             bar.close()
@@ -348,7 +364,7 @@ def run_loop(
     improper = tuple(k for k, v in proper.items() if not bool(v))
     outcome = LoopOutcome(
         state, elbo, total, stop in (CONVERGED, STATIONARY), stop, invalid, improper, rejected,
-        np.concatenate(valid) if valid else np.zeros((0,), bool),
+        np.concatenate(valid) if valid else np.zeros((0,), bool), stuck=stuck,
     )
     return restored_best(outcome, best)
 

@@ -184,8 +184,9 @@ def _infinite_khat_note(diagnostics) -> str | None:
 def run(prepared: Prepared, state: BLRState, num_steps: int, progress_bar: bool, grid_scales: int | None = None) -> BLRResult:
     """Run the jitted loop from ``state`` and package the result.
 
-    A fresh start from which no step size keeps the ELBO finite is started again with its
-    Gaussian blocks narrowed (:func:`narrowed`): with unit variances on a log scale, a
+    A fresh start from which no step size keeps the ELBO finite, or with a chunk in most of
+    whose steps no valid update was found (:data:`blrppl.engine.loop.STUCK_FRACTION`), is started
+    again with its Gaussian blocks narrowed (:func:`narrowed`): with unit variances on a log scale, a
     Weibull's (y/λ)^k overflows at the quadrature's outer nodes (k = 2e^4.5, λ = 2e^−4.5),
     its expectation is infinite, and the fit stopped after 0 steps. So is one whose Monte Carlo
     ELBO diverged (:func:`blrppl.engine.loop.diverged_from`; the run returned its best state):
@@ -194,22 +195,26 @@ def run(prepared: Prepared, state: BLRState, num_steps: int, progress_bar: bool,
     :func:`finish`)."""
     bundle = prepared.bundle
     t1 = time.perf_counter()
-    outcome = run_loop(
-        prepared.run_chunk, state, prepared.dyn_data, prepared.rho, prepared.tol, num_steps, prepared.chunk_size,
-        progress_bar, bundle.window,
-    )
-    first, fresh = outcome, int(state.step) == 0
-    for _ in range(NARROWED_STARTS if fresh else 0):
-        stuck = outcome.num_steps == 0 and outcome.stop == NONFINITE
+    restarts = NARROWED_STARTS if int(state.step) == 0 else 0
+
+    def loop(state, attempt):
+        # (the last start runs to its end, stuck or not)
+        return run_loop(
+            prepared.run_chunk, state, prepared.dyn_data, prepared.rho, prepared.tol, num_steps, prepared.chunk_size,
+            progress_bar, bundle.window, give_up=attempt < restarts,
+        )
+
+    outcome = first = loop(state, 0)
+    for attempt in range(1, restarts + 1):
+        stuck = (outcome.num_steps == 0 and outcome.stop == NONFINITE) or outcome.stuck
         if not stuck and outcome.restored is None:
             break
         state = narrowed(prepared.plan, state)
-        outcome = run_loop(
-            prepared.run_chunk, state, prepared.dyn_data, prepared.rho, prepared.tol, num_steps, prepared.chunk_size,
-            progress_bar, bundle.window,
-        )
+        outcome = loop(state, attempt)
     if outcome.num_steps == 0 and outcome.stop == NONFINITE:
         outcome = first  # (no narrowed start took a step either: the model's own start is returned)
+    if outcome.stuck:  # (the model's own start, cut short, and no narrowed start better: run on from it)
+        outcome = loop(outcome.state, restarts)
     jax.block_until_ready(outcome.state)
     t2 = time.perf_counter()
     budget.check(f"after {outcome.num_steps} steps, before its diagnostics")

@@ -78,9 +78,12 @@ NUTS_SEEDS = {
     "imputed_logistic": 115,
     "eight_schools": 116,
     "crossed_glmm": 151,
+    "oceanic_gp": 152,
 }
 #: per-model overrides of the NUTS settings above
 NUTS_SETTINGS = {
+    # (a funnel of the GP's scale: divergences at the default acceptance)
+    "oceanic_gp": {"num_warmup": 3000, "target_accept_prob": 0.995},
     # w non-centred around its conditional posterior (rm.horseshoe_noncentred_model): no funnel
     # left, but heavy-tailed lambdas; long runs for ESS > 5000 on every parameter
     "horseshoe": {"num_warmup": 3000, "num_samples": 10000, "target_accept_prob": 0.99},

@@ -47,6 +47,14 @@ def test_accuracy_worst_parameter_dominates_and_missing_is_nan():
     assert math.isnan(runner.accuracy({"a": (0.0, 1.0)}, {})["max_mean_err_sd"])
 
 
+def test_accuracy_leaves_out_what_the_reference_holds_fixed():
+    """An LKJ Cholesky factor's [0, 0] element is 1 in every draw (sd 0): it is no measure of
+    accuracy, and dividing by its sd would fail."""
+    reference = {"L[1,1]": (1.0, 0.0), "L[2,1]": (0.3, 0.2)}
+    acc = runner.accuracy({"L[1,1]": (1.0, 0.0), "L[2,1]": (0.4, 0.1)}, reference)
+    assert acc["max_mean_err_sd"] == pytest.approx(0.5) and acc["sd_ratio_max"] == pytest.approx(0.5)
+
+
 def _run(err, blr_total, nuts_total):
     blr = runner.MethodResult("blr", compile_time=blr_total / 2, run_time=blr_total / 2)
     nuts = runner.MethodResult("nuts", compile_time=1.0, run_time=nuts_total - 1.0)

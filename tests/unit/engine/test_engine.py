@@ -288,3 +288,26 @@ def test_a_run_that_did_not_diverge_keeps_its_last_state():
     state = initial_state({"x": jnp.asarray(-9.0)}, jax.random.key(0))._replace(damping=jnp.asarray(1.0))
     outcome = engine_loop.run_loop(chunk, state, None, {}, 1e-8, 1, 5, False, 4)
     assert outcome.restored is None and float(outcome.state.nat["x"]) == pytest.approx(4.0)
+
+
+def _mostly_stuck_step(state, data, rho):
+    """A step in which some block finds no valid update except at every 10th step (its Monte
+    Carlo-like ELBO climbs by 10 a step: never converged)."""
+    from blrppl.engine.step import BLRInfo
+
+    info = BLRInfo(elbo=10.0 * state.step, valid=state.step % 10 == 0, proper={})
+    return state._replace(step=state.step + 1, elbo=info.elbo), info
+
+
+@pytest.mark.parametrize("give_up, steps, stuck", [(True, 10, True), (False, 30, False)])
+def test_a_fresh_start_stuck_for_most_of_a_chunk_gives_up(give_up, steps, stuck):
+    """With ``give_up`` (a fresh start that may start again narrower) the run ends after the
+    first chunk in more than 80 % of whose steps some block found no valid update (9 of its
+    10); without it the run goes on to its ``num_steps``."""
+    from blrppl.engine.step import initial_state
+
+    chunk = jax.jit(engine_loop.make_chunk(_mostly_stuck_step, 10, 4))
+    state = initial_state({"x": jnp.asarray(0.0)}, jax.random.key(0))._replace(damping=jnp.asarray(1.0))
+    outcome = engine_loop.run_loop(chunk, state, None, {}, 1e-8, 30, 10, False, 4, give_up=give_up)
+    assert outcome.num_steps == steps and outcome.stuck is stuck
+    assert outcome.invalid_steps == steps - steps // 10 and not outcome.converged
