@@ -29,6 +29,7 @@ from blrppl.runtime.compile import compiler_options
 from blrppl.graph.plan import SubsampledPlate
 from blrppl.runtime.program_store import compile_program, jit as store_jit, program_key
 from blrppl.graph.stable import Stabilise
+from blrppl.model import host_eval
 from blrppl.model.fingerprint import program_fingerprint
 from blrppl.model.checks import (
     LooseLatents,
@@ -106,9 +107,11 @@ class ModelTracer:
 
     def __call__(self, dyn, rng_key):
         if self.eager:
+            # (on the host: NumPy for the operations it rounds as XLA does, each other one
+            # bound eagerly; eval_jaxpr would dispatch, and compile once per shape, each)
             closed = self._traced.jaxpr
-            outs = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *jax.tree.leaves((dyn, rng_key)))
-            return jax.tree.unflatten(jax.tree.structure(self._traced.out_info), outs)
+            outs = host_eval.run(closed.jaxpr, closed.consts, jax.tree.leaves((dyn, rng_key)))
+            return jax.tree.unflatten(jax.tree.structure(self._traced.out_info), jax.device_put(outs))
         if self._compiled is None:
             options = compiler_options(dyn)
             spec = self.spec
