@@ -208,7 +208,8 @@ def bind(eqn, values: list) -> list:
 
 
 def _is_key(x) -> bool:
-    return jax.dtypes.issubdtype(getattr(x, "dtype", np.float64), jax.dtypes.prng_key)
+    """Whether ``x`` is an array of random keys (never a NumPy array: checked first, cheaply)."""
+    return not isinstance(x, np.ndarray) and jax.dtypes.issubdtype(getattr(x, "dtype", np.float64), jax.dtypes.prng_key)
 
 
 def _host(x):
