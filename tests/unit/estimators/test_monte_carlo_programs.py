@@ -47,9 +47,9 @@ def _data():
     return {"at_bats": jnp.full(HITS.shape, 45.0), "hits": jnp.asarray(HITS)}
 
 
-def _density_traces(monkeypatch, site: str) -> int:
-    """How many times the step's program traces the density of ``site`` (any number of
-    sites at once counts once)."""
+def _density_traces(monkeypatch, site: str) -> tuple:
+    """``(plan, traces)``: the plan, and how many times the step's program traces the density
+    of ``site`` (a run of several sites at once counts once)."""
     kernel, state = blr_kernel(partially_pooled, _data(), rng_key=random.PRNGKey(0))
     real = functions.ModelFunctions.log_probs
     calls = []
