@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from blrppl.engine.state import BLRInfo, BLRState, initial_state  # noqa: F401 (re-exported)
 from blrppl.estimators.enumeration import expected_log_factors, is_jacobian
+from blrppl.estimators.monte_carlo import curvature_for
 from blrppl.estimators.registry import estimator_of
 from blrppl.moments.linearised import base_values
 from blrppl.graph.data import split_run_data
@@ -157,7 +158,10 @@ def make_objective(plan, fns, curvature="auto"):
     ``curvature`` is the estimator of Monte Carlo messages to Gaussian blocks
     (:data:`blrppl.estimators.monte_carlo.CURVATURES`), whose surrogate terms have value zero
     and the messages as their gradient; None builds the values alone (the ELBO's: no
-    gradient or Hessian estimate is computed only to be multiplied by zero).
+    gradient or Hessian estimate is computed only to be multiplied by zero). The objective's
+    ``targets`` (None: all) are the blocks whose messages its gradient is taken for: the
+    surrogates of the others (zero, with no gradient there) are not built; ``values=False``
+    (with ``targets``): only its gradient is read, not its value.
 
     ``data`` may be a :class:`blrppl.graph.data.RunData`: in an online fit it carries the
     previous posterior's natural parameters, read by the ``"<block>:previous"``
@@ -168,14 +172,14 @@ def make_objective(plan, fns, curvature="auto"):
     """
     blocks = {b.name: b for b in plan.blocks}
 
-    def objective(views, data, factor_names=None, key=None):
+    def objective(views, data, factor_names=None, key=None, targets=None, values=True):
         run = data
         data, previous, statistics = split_run_data(data)
         factors = [f for f in plan.factors if factor_names is None or f.name in factor_names]
         total = expected_log_factors(
             fns,
             [f for f in factors if not is_previous_posterior(f) and not f.spec.from_statistics],
-            blocks, views, run if fns.stacks else data, key, curvature,
+            blocks, views, run if fns.stacks else data, key, curvature_for(curvature, targets, values),
         )
         for f in factors:
             if is_previous_posterior(f):
@@ -422,8 +426,11 @@ def _make_messages(plan, objective, constant, constant_grads):
         views = views_of(plan, nat) if views is None else views
         wanted = set().union(*(factors_of[n] for n in names)) if names else set()
 
+        # (the value is read by the Newton solves of point blocks only)
+        values = any(blocks[n].point for n in names)
+
         def obj(sub):
-            return objective({**views, **sub}, data, wanted, key)
+            return objective({**views, **sub}, data, wanted, key, names, values)
 
         smooth = [n for n in names if not blocks[n].point]
         # one conjugate block alone, with no batch dims (a batched block's elements may be

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -74,9 +75,10 @@ def tensor_gauss_hermite(num_nodes: int, d: int):
     return grid, weights
 
 
-def sample_block(block, view, key, num_samples: int):
+def sample_block(block, view, key, num_samples: int, eps=None):
     """Reparameterised draws of a Gaussian block in its site layout (block space); a point
-    (delta-method) block is its mean."""
+    (delta-method) block is its mean. ``eps``: the block's standard normal draws, shape
+    ``(num_samples, *view.mean.shape)`` (None: drawn here from ``key``)."""
     if block.point:
         mean = block.to_site(view.mean)
         return jnp.broadcast_to(mean, (num_samples,) + mean.shape)
@@ -84,13 +86,45 @@ def sample_block(block, view, key, num_samples: int):
         # Gamma, Beta, Dirichlet: implicit reparameterisation (jax.random.gamma is
         # differentiable in its shape); the family's Fisher solve turns ∇_view into ∇_μ
         return block.family.sample(block.family.nat_from_view(view), key, (num_samples,))
-    if not block.family.dense_event:
+    if eps is None:
         eps = jax.random.normal(key, (num_samples,) + view.mean.shape, view.mean.dtype)
+    if not block.family.dense_event:
         return view.mean + jnp.sqrt(view.var) * eps
     chol = jnp.linalg.cholesky(view.cov)
-    eps = jax.random.normal(key, (num_samples,) + view.mean.shape, view.mean.dtype)
     x = view.mean + jnp.einsum("...ij,s...j->s...i", chol, eps)
     return jax.vmap(block.to_site)(x)
+
+
+def standard_normals(keys, shapes, dtype) -> list:
+    """``[jax.random.normal(k, shape, dtype) for k, shape in zip(keys, shapes)]`` from one
+    draw mapped over the keys (each key's first ``prod(shape)`` numbers of a flat draw of the
+    largest size): one random-number program in the step instead of one per block, each of
+    which (a threefry hash and an inverse error function) is a few hundred operations for
+    XLA to compile. Under JAX's default threefry (``jax_threefry_partitionable``) each
+    number depends only on its key and its position, so these are the numbers the separate
+    draws give; otherwise they are other, equally independent, standard normal draws.
+    Shapes of very different sizes are drawn apart (the mapped draw would make each key
+    draw as many as the largest)."""
+    sizes = [math.prod(shape) for shape in shapes]
+    if len(shapes) < 2 or max(sizes) * len(sizes) > 2 * sum(sizes):
+        return [jax.random.normal(k, shape, dtype) for k, shape in zip(keys, shapes)]
+    flat = jax.vmap(lambda k: jax.random.normal(k, (max(sizes),), dtype))(jnp.stack(list(keys)))
+    return [jnp.reshape(flat[i, :size], shape) for i, (size, shape) in enumerate(zip(sizes, shapes))]
+
+
+def draw_blocks(names, blocks, views, keys, num_samples: int) -> dict:
+    """:func:`sample_block` of each block of ``names`` (its key from ``keys``), the standard
+    normals of the Gaussian blocks among them drawn at once (:func:`standard_normals`)."""
+    normal = [
+        n for n in names
+        if blocks[n].family.gaussian and not blocks[n].point and views[n].mean.dtype == views[names[0]].mean.dtype
+    ]
+    key_of = dict(zip(names, keys))
+    eps = dict(zip(normal, standard_normals(
+        [key_of[n] for n in normal], [(num_samples,) + views[n].mean.shape for n in normal],
+        views[normal[0]].mean.dtype if normal else None,
+    ))) if normal else {}
+    return {n: sample_block(blocks[n], views[n], key_of[n], num_samples, eps.get(n)) for n in names}
 
 
 def marginal_moments(block, view):
@@ -100,6 +134,29 @@ def marginal_moments(block, view):
 
 #: curvature estimators of Monte Carlo messages to Gaussian blocks
 CURVATURES = ("auto", "reparam", "hessian", "diagonal", "gauss-newton", "stein")
+
+
+class Curvature(NamedTuple):
+    """A curvature estimator (one of :data:`CURVATURES`), the blocks whose messages are
+    wanted and whether the objective's value is: a step's message program for one block
+    builds the surrogate of that block only (the other blocks' surrogates would have no
+    gradient there, yet their gradients and Hessians at every draw would be traced into
+    each block's program), and without ``values`` not the factor's sample mean either (with
+    explicit curvature it carries no gradient: the program would trace the model's density
+    at the draws twice more, for XLA to remove)."""
+
+    estimator: str
+    targets: frozenset
+    values: bool = True
+
+
+def curvature_for(curvature, targets, values: bool = True):
+    """``curvature`` (an estimator's name, or None: values only) restricted to the blocks
+    ``targets`` (None: every Gaussian neighbour, and the values), as the Monte Carlo
+    estimator reads it."""
+    if curvature is None or targets is None:
+        return curvature
+    return Curvature(curvature, frozenset(targets), values)
 #: ``"auto"``: dense Gaussian blocks of at most this many scalars per plate element get the
 #: exact Hessian at each draw; larger ones the Stein estimate
 AUTO_HESSIAN_DIM = 64
@@ -134,7 +191,14 @@ def monte_carlo_elementwise(
     * ``"gauss-newton"``: −Σ_i ∇ log f_i ∇ log f_iᵀ over the elements i of the factors
       (empirical Fisher, negative semi-definite by construction, biased);
     * ``"stein"``: Σ⁻¹(x − m)∇Fᵀ symmetrised (no second derivatives).
+
+    ``curvature`` may also be a :class:`Curvature`: the surrogate is then built for its
+    ``targets`` only (the draws, and so the estimates, are the same as for all blocks), and
+    without its ``values`` the sample means are zeros (their gradient is zero).
     """
+    targets, values = None, True
+    if isinstance(curvature, Curvature):
+        curvature, targets, values = curvature
     cont = []
     for f in factors:
         cont += [n for n in f.neighbours if n not in f.discrete and n not in cont]
@@ -145,17 +209,14 @@ def monte_carlo_elementwise(
     live = views
     if explicit:  # draws and estimates carry no gradient: the surrogate below does
         views = {**views, **{n: jax.lax.stop_gradient(views[n]) for n in gauss}}
-    draws = {n: sample_block(blocks[n], views[n], k, num_samples) for n, k in zip(cont, keys)}
+    draws = draw_blocks(cont, blocks, views, keys, num_samples)
     names = tuple(f.name for f in factors)
-
-    def one(x):
-        out = fns.log_probs(names, {**discrete_values, **x}, data)
-        return {n: lp for n, (lp, _) in out.items()}
-
-    per_sample = jax.vmap(one)(draws)
-    first = {n: d[0] for n, d in draws.items()}
-    scales = {n: sc for n, (_, sc) in fns.log_probs(names, {**discrete_values, **first}, data).items()}
-    els = {n: v.mean(0) for n, v in per_sample.items()}
+    if explicit and gauss and not values:
+        # (the objective is only differentiated: its value, a sum of these, is not read)
+        zero = {n: 0.0 for n in names}
+        els, scales = zero, dict.fromkeys(names)
+    else:
+        els, scales = _sample_means(fns, names, discrete_values, draws, data)
     if not explicit or not gauss:
         return els, scales, 0.0
     els = {n: jax.lax.stop_gradient(v) for n, v in els.items()}
@@ -167,10 +228,11 @@ def monte_carlo_elementwise(
     def total(x):
         return jnp.sum(elements(x))
 
-    reparam = [n for n in gauss if blocks[n].family.reparam_curvature]
+    wanted = [n for n in gauss if targets is None or n in targets]
+    reparam = [n for n in wanted if blocks[n].family.reparam_curvature]
     correction = _reparam_surrogate(reparam, blocks, views, live, draws, total) if reparam else 0.0
     probe_key = keys[-1]
-    for n in gauss:
+    for n in wanted:
         if n in reparam:
             continue
         block, view = blocks[n], views[n]
@@ -196,6 +258,19 @@ def monte_carlo_elementwise(
         g = g - block.family.precision_times(h, dx)
         correction = correction + _surrogate(block, live[n], view, g, h)
     return els, scales, correction
+
+
+def _sample_means(fns, names, discrete_values, draws, data):
+    """``(els, scales)``: each site's log-density averaged over the draws (batch shape of
+    the site), and its scale (the sites' scales do not depend on the draws: the first's,
+    from the same mapped run of the model)."""
+
+    def one(x):
+        return fns.log_probs(names, {**discrete_values, **x}, data)
+
+    per_sample = jax.vmap(one)(draws)
+    els = {n: lp.mean(0) for n, (lp, _) in per_sample.items()}
+    return els, {n: None if sc is None else sc[0] for n, (_, sc) in per_sample.items()}
 
 
 def _reparam_surrogate(names, blocks, views, live, draws, total):

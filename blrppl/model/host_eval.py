@@ -24,6 +24,51 @@ _BINARY = {
 _UNARY = {"neg": np.negative, "abs": np.abs, "sign": np.sign, "floor": np.floor, "ceil": np.ceil}
 
 
+def _integer_pow(x, y: int):
+    """``x ** y`` by the products XLA's lowering of ``integer_pow`` takes (binary
+    exponentiation), so the same roundings."""
+    acc, base, n = None, x, abs(y)
+    while n:
+        if n & 1:
+            acc = base if acc is None else acc * base
+        n >>= 1
+        if n:
+            base = base * base
+    acc = np.ones_like(x) if acc is None else acc
+    return 1 / acc if y < 0 else acc
+
+
+def _short_sum(values, p):
+    """``reduce_sum`` over at most two elements per output, or of integers, as XLA sums them:
+    one element is itself (a reduction over a dimension of size one is a reshape), two are
+    added to the zero the reduction starts from (which makes −0.0 + −0.0 zero), in the one
+    order addition of two numbers has."""
+    x = values[0]
+    axes = tuple(p["axes"])
+    if not np.issubdtype(x.dtype, np.inexact):
+        return np.sum(x, axis=axes, dtype=x.dtype)
+    kept = [d for d in range(x.ndim) if d not in axes]
+    flat = np.transpose(x, kept + list(axes)).reshape([x.shape[d] for d in kept] + [-1])
+    if flat.shape[-1] > 2:
+        return None
+    if flat.shape[-1] == 0:
+        return np.zeros(flat.shape[:-1], x.dtype)
+    return flat[..., 0] if flat.shape[-1] == 1 else (np.zeros((), x.dtype) + flat[..., 0]) + flat[..., 1]
+
+
+#: primitives whose NumPy version rounds as XLA's does (IEEE operations, exact results)
+_EXACT = {
+    "div": lambda v, p: np.true_divide(*v),
+    "sqrt": lambda v, p: np.sqrt(v[0]),
+    "square": lambda v, p: v[0] * v[0],
+    "integer_pow": lambda v, p: _integer_pow(v[0], p["y"]) if p["y"] >= 0 or np.issubdtype(v[0].dtype, np.inexact) else None,
+    "is_finite": lambda v, p: np.isfinite(v[0]),
+    "reduce_and": lambda v, p: np.all(v[0], axis=tuple(p["axes"])),
+    "reduce_or": lambda v, p: np.any(v[0], axis=tuple(p["axes"])),
+    "reduce_sum": _short_sum,
+}
+
+
 def _logical(name, a, b):
     if a.dtype == bool and b.dtype == bool:
         return {"and": np.logical_and, "or": np.logical_or, "xor": np.logical_xor}[name](a, b)
@@ -33,6 +78,13 @@ def _logical(name, a, b):
 def evaluate(eqn, values: list):
     """The outputs of ``eqn`` at the NumPy ``values`` of its inputs, or None when the
     primitive (or this use of it) has no NumPy version here."""
+    if any(_is_key(v) for v in values):  # (random keys: no NumPy dtype holds them)
+        return None
+    with np.errstate(all="ignore"):  # (XLA's infinities and NaNs, without NumPy's warnings)
+        return _evaluate(eqn, values)
+
+
+def _evaluate(eqn, values: list):
     name, p = eqn.primitive.name, eqn.params
     out_aval = eqn.outvars[0].aval if eqn.outvars else None
     dtype = getattr(out_aval, "dtype", None)
@@ -51,6 +103,8 @@ def evaluate(eqn, values: list):
             out = np.trunc(np.true_divide(a, b))  # (XLA's integer division rounds toward zero)
         elif name == "rem" and np.issubdtype(dtype, np.integer):
             out = np.fmod(*values)
+        elif name in _EXACT:
+            out = _EXACT[name](values, p)
         elif name == "select_n":
             which = values[0].astype(int)
             out = np.choose(which, [np.broadcast_to(c, shape) for c in values[1:]])
@@ -85,7 +139,7 @@ def evaluate(eqn, values: list):
             out = dynamic_slice(values[0], values[1:], p["slice_sizes"])
         else:
             return None
-    except (TypeError, ValueError, IndexError):
+    except (TypeError, ValueError, IndexError, KeyError):
         return None
     if out is None:
         return None
@@ -153,6 +207,16 @@ def bind(eqn, values: list) -> list:
     return list(out) if eqn.primitive.multiple_results else [out]
 
 
+def _is_key(x) -> bool:
+    """Whether ``x`` is an array of random keys (never a NumPy array: checked first, cheaply)."""
+    return not isinstance(x, np.ndarray) and jax.dtypes.issubdtype(getattr(x, "dtype", np.float64), jax.dtypes.prng_key)
+
+
+def _host(x):
+    """``x`` as a NumPy array; a random key (no NumPy dtype holds it) as it is."""
+    return x if _is_key(x) else np.asarray(x)
+
+
 #: call-like primitives whose body :func:`run` evaluates in place
 _CALLS = ("pjit", "jit", "closed_call", "core_call")
 
@@ -171,16 +235,16 @@ def run(jaxpr, consts, args) -> list:
         return env[v]
 
     for var, x in zip(jaxpr.constvars, consts):
-        env[var] = np.asarray(x)
+        env[var] = _host(x)
     for var, x in zip(jaxpr.invars, args):
-        env[var] = np.asarray(x)
+        env[var] = _host(x)
     for eqn in jaxpr.eqns:
         ins = [read(v) for v in eqn.invars]
         inner = eqn.params.get("jaxpr") if eqn.primitive.name in _CALLS else None
         if inner is not None:
             outs = run(getattr(inner, "jaxpr", inner), getattr(inner, "consts", ()), ins)
         else:
-            outs = evaluate(eqn, ins) or [np.asarray(o) for o in bind(eqn, ins)]
+            outs = evaluate(eqn, ins) or [_host(o) for o in bind(eqn, ins)]
         for var, x in zip(eqn.outvars, outs):
             env[var] = x
     return [read(v) for v in jaxpr.outvars]

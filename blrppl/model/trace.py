@@ -22,7 +22,6 @@ from numpyro import validation_enabled as numpyro_validation
 from numpyro.distributions import constraints
 from numpyro.distributions.transforms import biject_to
 from numpyro.primitives import Messenger
-from jax.extend import core as jex_core
 
 from blrppl.errors import ModelTraceError, UnsupportedFactorError, UnsupportedLatentError
 from blrppl.graph.data import STORED_STATIC_BYTES, DataSpec
@@ -30,6 +29,8 @@ from blrppl.runtime.compile import compiler_options
 from blrppl.graph.plan import SubsampledPlate
 from blrppl.runtime.program_store import compile_program, jit as store_jit, program_key
 from blrppl.graph.stable import Stabilise
+from blrppl.model import host_eval
+from blrppl.model.fingerprint import program_fingerprint
 from blrppl.model.checks import (
     LooseLatents,
     argument_checks,
@@ -106,9 +107,11 @@ class ModelTracer:
 
     def __call__(self, dyn, rng_key):
         if self.eager:
+            # (on the host: NumPy for the operations it rounds as XLA does, each other one
+            # bound eagerly; eval_jaxpr would dispatch, and compile once per shape, each)
             closed = self._traced.jaxpr
-            outs = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *jax.tree.leaves((dyn, rng_key)))
-            return jax.tree.unflatten(jax.tree.structure(self._traced.out_info), outs)
+            outs = host_eval.run(closed.jaxpr, closed.consts, jax.tree.leaves((dyn, rng_key)))
+            return jax.tree.unflatten(jax.tree.structure(self._traced.out_info), jax.device_put(outs))
         if self._compiled is None:
             options = compiler_options(dyn)
             spec = self.spec
@@ -156,41 +159,6 @@ def _static_value(x):
     if arr.dtype == object:
         return repr(x)
     return (str(arr.dtype), arr.shape, hashlib.blake2b(np.ascontiguousarray(arr).tobytes(), digest_size=8).hexdigest())
-
-
-def program_fingerprint(closed_jaxpr, extra: str = "") -> str:
-    """A hash of a traced program: its printed equations, and the bytes of every constant
-    and literal it holds (sub-programs included), and ``extra`` (what the program reads
-    outside its operations)."""
-    digest = hashlib.blake2b(digest_size=20)
-    digest.update(str(closed_jaxpr.jaxpr).encode())
-    digest.update(extra.encode())
-
-    def add(value):
-        arr = np.asarray(value)
-        digest.update(f"{arr.dtype}{arr.shape}".encode())
-        digest.update(arr.tobytes() if arr.dtype != object else repr(value).encode())
-
-    for c in closed_jaxpr.consts:
-        if jax.dtypes.issubdtype(getattr(c, "dtype", np.float64), jax.dtypes.prng_key):
-            c = jax.random.key_data(c)
-        add(c)
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            for v in eqn.invars:
-                if isinstance(v, jex_core.Literal):
-                    add(v.val)
-            for param in eqn.params.values():
-                for sub in param if isinstance(param, (tuple, list)) else (param,):
-                    inner = getattr(sub, "jaxpr", sub)
-                    if hasattr(inner, "eqns"):
-                        walk(inner)
-                    for c in getattr(sub, "consts", ()):
-                        add(c)
-
-    walk(closed_jaxpr.jaxpr)
-    return digest.hexdigest()
 
 
 def trace_program(model, args=(), kwargs=None, rng_key=None, init_strategy=None) -> ModelTracer:

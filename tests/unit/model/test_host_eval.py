@@ -50,3 +50,60 @@ def test_stack_is_numpy():
     assert eqn.primitive.name == "stack"
     out = host_eval.evaluate(eqn, [np.arange(3.0), -np.arange(3.0)])
     np.testing.assert_array_equal(out[0], np.stack([np.arange(3.0), -np.arange(3.0)], axis=1))
+
+
+#: operations NumPy rounds as XLA does: evaluated on the host (a model's run of one site per
+#: step holds thousands of them; bound one by one, each shape was an XLA compilation)
+EXACT = {
+    "div": lambda x, y: x / y,
+    "sqrt": lambda x, y: jnp.sqrt(jnp.abs(x)),
+    "square": lambda x, y: jnp.square(x),
+    "integer_pow 2": lambda x, y: x**2,
+    "integer_pow 7": lambda x, y: x**7,
+    "integer_pow -3": lambda x, y: x ** (-3),
+    "is_finite": lambda x, y: jnp.isfinite(x / y),
+    "reduce_and": lambda x, y: jnp.all(x > y, axis=1),
+    "reduce_or": lambda x, y: jnp.any(x > y),
+    "reduce_sum of pairs": lambda x, y: jnp.sum(x[:, :2], axis=1),
+    "reduce_sum of one": lambda x, y: jnp.sum(x[:, :1], axis=1),
+    "reduce_sum of integers": lambda x, y: jnp.sum((x > 0).astype(jnp.int32)),
+}
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("name", sorted(EXACT))
+def test_exact_operations_agree_with_jax_bit_for_bit(name, dtype):
+    """Random operands, zeros of both signs and a zero divisor: the same bits as JAX's, and
+    no primitive bound."""
+    rng = np.random.default_rng(0)
+    x = (rng.normal(size=(5, 3)) * 3.0).astype(dtype)
+    x[0, :2] = [-0.0, -0.0]
+    x[1, 0] = 0.0
+    y = rng.normal(size=(5, 3)).astype(dtype)
+    y[2, 1] = 0.0
+    closed = jax.make_jaxpr(EXACT[name])(x, y)
+    bound = []
+    real = host_eval.bind
+    try:
+        host_eval.bind = lambda eqn, values: bound.append(eqn.primitive.name) or real(eqn, values)
+        got = host_eval.run(closed.jaxpr, closed.consts, [x, y])
+    finally:
+        host_eval.bind = real
+    want = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, x, y)
+    assert not [b for b in bound if b != "pjit"], bound
+    for g, w in zip(got, want):
+        w = np.asarray(w)
+        assert g.dtype == w.dtype and g.shape == w.shape
+        np.testing.assert_array_equal(np.atleast_1d(g).view(np.uint8), np.atleast_1d(w).view(np.uint8))
+
+
+def test_long_sums_and_keys_are_bound():
+    """A float sum of more than two elements (NumPy's order of additions is not XLA's) and
+    operations on random keys are left to JAX."""
+    closed = jax.make_jaxpr(lambda x: jnp.sum(x))(np.ones(5))
+    assert host_eval.evaluate(closed.jaxpr.eqns[-1], [np.ones(5)]) is None
+    key = jax.random.key(0)
+    closed = jax.make_jaxpr(lambda k: jax.random.split(k)[0])(key)
+    got = host_eval.run(closed.jaxpr, closed.consts, [key])
+    want = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, key)
+    np.testing.assert_array_equal(jax.random.key_data(got[0]), jax.random.key_data(want[0]))

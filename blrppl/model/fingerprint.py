@@ -1,0 +1,104 @@
+"""The fingerprint of a traced program: the key of its compiled fits, in this process and in
+the program store across processes.
+
+It hashes what the program's printed equations show (each equation's primitive, its
+parameters, its variables numbered in order of appearance with their types, sub-programs
+recursively) and the bytes of every constant and literal, written straight into the hash
+equation by equation. Printing the whole program first (``str(jaxpr)``, JAX's
+pretty-printer) took most of the fingerprint's time and grew with the program: a model
+written with one site per step of a Python loop holds tens of equations per site.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+
+import jax
+import numpy as np
+from jax.extend import core as jex_core
+
+#: a parameter's printed object address, which differs from process to process
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+def program_fingerprint(closed_jaxpr, extra: str = "") -> str:
+    """A hash of a traced program: its equations (primitives, parameters, variables and their
+    types), the bytes of every constant and literal it holds (sub-programs included), and
+    ``extra`` (what the program reads outside its operations)."""
+    digest = hashlib.blake2b(digest_size=20)
+    digest.update(extra.encode())
+    writer = _Writer(digest)
+    for c in closed_jaxpr.consts:
+        if jax.dtypes.issubdtype(getattr(c, "dtype", np.float64), jax.dtypes.prng_key):
+            c = jax.random.key_data(c)
+        writer.value(c)
+    writer.jaxpr(closed_jaxpr.jaxpr)
+    return digest.hexdigest()
+
+
+class _Writer:
+    """Writes a program's structure into a hash (see the module docstring)."""
+
+    def __init__(self, digest):
+        self.digest = digest
+        self.names: dict = {}
+        self.types: dict = {}
+
+    def value(self, value) -> None:
+        """A constant's or literal's dtype, shape and bytes."""
+        arr = np.asarray(value)
+        self.digest.update(f"{arr.dtype}{arr.shape}".encode())
+        self.digest.update(arr.tobytes() if arr.dtype != object else repr(value).encode())
+
+    def variables(self, variables) -> str:
+        """Variables as their numbers in order of appearance and their types; literals by
+        their value (written into the hash)."""
+        out = []
+        for v in variables:
+            if isinstance(v, jex_core.Literal):
+                self.value(v.val)
+                out.append(f"L{self._type(v.aval)}")
+                continue
+            number = self.names.get(v)
+            if number is None:
+                number = self.names[v] = len(self.names)
+            out.append(f"{number}:{self._type(v.aval)}")
+        return " ".join(out)
+
+    def _type(self, aval) -> str:
+        try:
+            text = self.types.get(aval)
+        except TypeError:  # (an unhashable type)
+            return str(aval)
+        if text is None:
+            text = self.types[aval] = str(aval)
+        return text
+
+    def jaxpr(self, jaxpr) -> None:
+        """A program: its binders, equations and outputs."""
+        update = self.digest.update
+        update(f"{{{self.variables(jaxpr.constvars)};{self.variables(jaxpr.invars)}.".encode())
+        for eqn in jaxpr.eqns:
+            update(f"{self.variables(eqn.outvars)}={eqn.primitive.name}[".encode())
+            for name in sorted(eqn.params):
+                update(f"{name}=".encode())
+                self.parameter(eqn.params[name])
+            update(f"]{self.variables(eqn.invars)};".encode())
+        update(f"in {self.variables(jaxpr.outvars)}}}".encode())
+
+    def parameter(self, param) -> None:
+        """A parameter: sub-programs written as programs (their constants' bytes too), other
+        values as printed (object addresses masked, sets sorted)."""
+        subs = param if isinstance(param, (tuple, list)) else (param,)
+        if subs and all(hasattr(getattr(s, "jaxpr", s), "eqns") for s in subs):
+            for sub in subs:
+                for c in getattr(sub, "consts", ()):
+                    self.value(c)
+                self.jaxpr(getattr(sub, "jaxpr", sub))
+            return
+        if isinstance(param, frozenset):
+            text = f"frozenset({{{', '.join(repr(e) for e in sorted(param, key=repr))}}})"
+        else:
+            text = _ADDRESS.sub(" at 0x", str(param))
+        self.digest.update(f"{text},".encode())
