@@ -83,7 +83,7 @@ NUTS_SEEDS = {
 #: per-model overrides of the NUTS settings above
 NUTS_SETTINGS = {
     # (a funnel of the GP's scale: divergences at the default acceptance)
-    "oceanic_gp": {"num_warmup": 3000, "target_accept_prob": 0.995},
+    "oceanic_gp": {"num_warmup": 3000, "num_samples": 10000, "target_accept_prob": 0.995},
     # w non-centred around its conditional posterior (rm.horseshoe_noncentred_model): no funnel
     # left, but heavy-tailed lambdas; long runs for ESS > 5000 on every parameter
     "horseshoe": {"num_warmup": 3000, "num_samples": 10000, "target_accept_prob": 0.99},
