@@ -105,7 +105,7 @@ def mixture_fit(program, args, kwargs, options, key):
     density = prepared.bundle.density
     data = model_data(plan, prepared.dyn_data)
     others = [b for b in density.drawn if b.name not in blocks]
-    refit = {b.name: b for b in others if _refittable(b, base.nat[b.name])}
+    refit = _refitted_blocks(plan, blocks, [b for b in others if _refittable(b, base.nat[b.name])])
     others = [b for b in others if b.name not in refit]
     k_start, k_run, k_diag = jax.random.split(jax.random.fold_in(key, 53), 3)
     start = {}
@@ -132,6 +132,23 @@ def mixture_fit(program, args, kwargs, options, key):
         prepared, base, (blocks, refit), counts, (nat, refitted), (elbo, moved, rejected, dropped), log_joint, k_diag,
         time.perf_counter() - t0,
     )
+
+
+def _refitted_blocks(plan, mixtures: dict, candidates: list) -> dict:
+    """name → block of the ``candidates`` (:func:`_refittable`) that a mixture can move: those
+    that share a factor with a mixture block or with another such candidate. The others' q given
+    the mixture is the single fit's (no factor joins them to it), which a Monte Carlo refit would
+    only blur."""
+    by_name = {b.name: b for b in candidates}
+    reached, frontier = set(mixtures), list(mixtures)
+    while frontier:
+        name = frontier.pop()
+        for factor in plan.factors:
+            if name in factor.neighbours:
+                new = [n for n in factor.neighbours if n in by_name and n not in reached]
+                reached.update(new)
+                frontier.extend(new)
+    return {n: b for n, b in by_name.items() if n in reached}
 
 
 def _refittable(block, nat) -> bool:
