@@ -284,3 +284,13 @@ def test_gaussians_as_one_component_and_back(dtype):
         np.testing.assert_allclose(gm.component_entropy(nat), jnp.sum(family.entropy(family_nat)), rtol=rtol)
     batched = GaussianView(jnp.zeros((2, 3), dtype), jnp.broadcast_to(cov, (2, 3, 3)))
     assert gm.as_component(batched) is None
+
+
+def test_a_dense_precision_past_the_dtypes_precision_is_not_valid():
+    """A dense component whose precision is singular to the dtype's precision (its Cholesky
+    factor can still come out finite) is not valid: the step that made it is not taken."""
+    mean = jnp.zeros((1, 2))
+    assert gm.mixture_is_valid(gm.MixtureNat(jnp.zeros(1), mean, jnp.diag(jnp.array([1.0, 1e10]))[None]))
+    assert not gm.mixture_is_valid(gm.MixtureNat(jnp.zeros(1), mean, jnp.diag(jnp.array([1.0, 1e20]))[None]))
+    f32 = gm.MixtureNat(jnp.zeros(1, jnp.float32), mean.astype(jnp.float32), jnp.diag(jnp.array([1.0, 1e10], jnp.float32))[None])
+    assert not gm.mixture_is_valid(f32)
