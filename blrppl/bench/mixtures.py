@@ -24,6 +24,18 @@ at least the single Gaussian's): each model's first fit (``refine=False``), then
 by numpyro's own ``Trace_ELBO`` on ``result.guide`` with :data:`BOUND_DRAWS` draws (one
 estimator for both; its standard error is printed beside it).
 
+A third table (``--heavy-tails``, :func:`heavy_tail_rows`) puts the mixture beside the single
+Gaussian on models whose coefficients have heavy-tailed scales (issue 53: coefficients within
+0.2 NUTS sd and sds within 0.75–1.33× of NUTS's): NumPyro's horseshoe regression with a normal
+likelihood (:func:`horseshoe_regression`, as its example writes it) and the eight schools with a
+half-Cauchy scale (:func:`eight_schools`). For each, the single Gaussian (``refine=False``) and
+mixtures over the coefficients' or the scales' sites, each scored by its coefficients' largest and
+mean |mean error| in NUTS sds and the range of their sd ratios (and the global scale's, on its
+logarithm: a half-Cauchy scale's posterior sd need not exist), from :data:`HEAVY_DRAWS` draws of
+``result.sample`` (deterministic sites included), against NUTS (:data:`HEAVY_CHAINS` chains of
+:data:`HEAVY_WARMUP` + :data:`HEAVY_SAMPLES`, target acceptance 0.99; the eight schools sampled
+non-centred, the same posterior).
+
 Not a test: the first table runs for a minute or two, the second for about ten.
 """
 
@@ -231,14 +243,196 @@ def bound_table(rows: list) -> str:
     return "\n".join(lines) + "\n"
 
 
+# ------------------------------------------------------------------ heavy-tailed scales (issue 53)
+
+#: NUTS's reference for the heavy-tail table: chains, warm-up and kept draws per chain
+HEAVY_CHAINS = 4
+HEAVY_WARMUP = 1000
+HEAVY_SAMPLES = 1000
+#: draws of each fit's q behind its moments
+HEAVY_DRAWS = 20000
+#: the issue's tolerances: |mean error| in NUTS sds, and the sd ratios' range
+MEAN_TOL = 0.2
+SD_RANGE = (0.75, 1.33)
+
+
+def horseshoe_regression(X, Y=None):
+    """NumPyro's horseshoe regression with a normal likelihood (its example's form): local
+    scales ``lambdas`` and a global ``tau``, half-Cauchy; coefficients ``betas`` = tau ·
+    lambdas · ``unscaled_betas`` (non-centred); the noise's precision ``prec_obs`` ~ Gamma(3, 1)."""
+    d = X.shape[1]
+    lambdas = numpyro.sample("lambdas", dist.HalfCauchy(jnp.ones(d)))
+    tau = numpyro.sample("tau", dist.HalfCauchy(jnp.ones(1)))
+    unscaled = numpyro.sample("unscaled_betas", dist.Normal(0.0, jnp.ones(d)))
+    betas = numpyro.deterministic("betas", tau * lambdas * unscaled)
+    prec_obs = numpyro.sample("prec_obs", dist.Gamma(3.0, 1.0))
+    numpyro.sample("Y", dist.Normal(X @ betas, 1.0 / jnp.sqrt(prec_obs)), obs=Y)
+
+
+def horseshoe_data(n: int = 100, d: int = 32, noise: float = 0.05) -> dict:
+    """The example's data: standard normal covariates, the response 2 x₀ − x₁ + 0.5 x₂ centred,
+    plus noise of sd ``noise``."""
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(n, d))
+    Y = X[:, :3] @ np.array([2.0, -1.0, 0.5])
+    return {"X": X, "Y": Y - Y.mean() + noise * rng.normal(size=n)}
+
+
+def eight_schools(sigma, y=None):
+    """The eight schools, centred: θ_j ~ N(μ, τ²), μ ~ N(0, 5²), τ ~ half-Cauchy(5)."""
+    mu = numpyro.sample("mu", dist.Normal(0.0, 5.0))
+    tau = numpyro.sample("tau", dist.HalfCauchy(5.0))
+    with numpyro.plate("J", sigma.shape[0]):
+        theta = numpyro.sample("theta", dist.Normal(mu, tau))
+        numpyro.sample("obs", dist.Normal(theta, sigma), obs=y)
+
+
+def eight_schools_noncentred(sigma, y=None):
+    """The same posterior over (μ, τ, θ), θ = μ + τ θ̃: what NUTS samples."""
+    mu = numpyro.sample("mu", dist.Normal(0.0, 5.0))
+    tau = numpyro.sample("tau", dist.HalfCauchy(5.0))
+    with numpyro.plate("J", sigma.shape[0]):
+        raw = numpyro.sample("theta_raw", dist.Normal(0.0, 1.0))
+        theta = numpyro.deterministic("theta", mu + tau * raw)
+        numpyro.sample("obs", dist.Normal(theta, sigma), obs=y)
+
+
+EIGHT_SCHOOLS = {
+    "sigma": np.array([15.0, 10.0, 16.0, 11.0, 9.0, 11.0, 10.0, 18.0]),
+    "y": np.array([28.0, 8.0, -3.0, 7.0, -1.0, 1.0, 18.0, 12.0]),
+}
+
+
+def _mix(k: int, *sites) -> dict:
+    return {"families": {s: ("gaussian-mixture", k) for s in sites}}
+
+
+#: name → (model, the model NUTS samples, data, coefficient sites, scale sites, fits: label → options)
+HEAVY_MODELS = {
+    "horseshoe regression (NumPyro's example, N = 100, D = 32)": (
+        horseshoe_regression, horseshoe_regression, horseshoe_data(), ("betas",), ("tau",),
+        {
+            "single Gaussian": {"refine": False},
+            "mixture K = 4 on unscaled_betas": _mix(4, "unscaled_betas"),
+            "mixture K = 8 on unscaled_betas": _mix(8, "unscaled_betas"),
+            "mixture K = 4 on lambdas": _mix(4, "lambdas"),
+            "mixture K = 4 on tau": _mix(4, "tau"),
+            "mixtures K = 4 on lambdas, tau, unscaled_betas": _mix(4, "lambdas", "tau", "unscaled_betas"),
+        },
+    ),
+    "eight schools (tau ~ HalfCauchy(5))": (
+        eight_schools, eight_schools_noncentred, EIGHT_SCHOOLS, ("mu", "theta"), ("tau",),
+        {
+            "single Gaussian": {"refine": False},
+            "mixture K = 4 on theta (joint block)": _mix(4, "theta"),
+            "mixture K = 8 on theta (joint block)": _mix(8, "theta"),
+            "single Gaussian, mean-field": {"refine": False, "structure": "mean-field"},
+            "mixture K = 8 on theta, mean-field": {**_mix(8, "theta"), "structure": "mean-field"},
+        },
+    ),
+}
+
+
+def _flat_moments(draws: dict, sites, scales=()) -> dict:
+    """``site[i]`` → (mean, sd) of the draws (leading axis) of ``sites``, flattened; of the
+    logarithm of those in ``scales`` (a half-Cauchy scale's posterior sd need not exist)."""
+    out = {}
+    for s in sites:
+        v = np.asarray(draws[s], dtype=float).reshape(np.shape(draws[s])[0], -1)
+        v = np.log(v) if s in scales else v
+        for i in range(v.shape[1]):
+            out[f"{s}[{i}]"] = (float(v[:, i].mean()), float(v[:, i].std()))
+    return out
+
+
+def _nuts_reference(model, data, sites, scales) -> tuple:
+    """(moments of ``sites`` by NUTS (of the logarithms of ``scales``), its divergences, its time)."""
+    from numpyro.infer import MCMC, NUTS
+
+    t0 = time.perf_counter()
+    mcmc = MCMC(
+        NUTS(model, target_accept_prob=0.99), num_warmup=HEAVY_WARMUP, num_samples=HEAVY_SAMPLES,
+        num_chains=HEAVY_CHAINS, chain_method="sequential", progress_bar=False,
+    )
+    mcmc.run(random.PRNGKey(0), extra_fields=("diverging",), **data)
+    divergences = int(np.sum(np.asarray(mcmc.get_extra_fields()["diverging"])))
+    return _flat_moments(mcmc.get_samples(), sites, scales), divergences, time.perf_counter() - t0
+
+
+def _scores(moments: dict, ref: dict, names) -> dict:
+    """The largest and mean |mean error| in NUTS sds and the sd ratios' range over ``names``."""
+    err = np.array([abs(moments[n][0] - ref[n][0]) / ref[n][1] for n in names])
+    ratio = np.array([moments[n][1] / ref[n][1] for n in names])
+    inside = (err <= MEAN_TOL) & (ratio >= SD_RANGE[0]) & (ratio <= SD_RANGE[1])
+    return {"max": float(err.max()), "mean": float(err.mean()), "ratio": (float(ratio.min()), float(ratio.max())),
+            "inside": int(inside.sum()), "count": int(err.size)}
+
+
+def heavy_tail_rows(log=print) -> list:
+    """The heavy-tail table's rows (see the module): per model, NUTS and every fit's scores on
+    the coefficients and on the scales."""
+    from blrppl import blr_fit
+
+    rows = []
+    for name, (model, sampler, data, coefs, scales, fits) in HEAVY_MODELS.items():
+        ref, divergences, nuts_s = _nuts_reference(sampler, data, coefs + scales, scales)
+        log(f"  {name}: NUTS {nuts_s:.0f} s, {divergences} divergences")
+        rows.append({"model": name, "fit": f"NUTS ({HEAVY_CHAINS} × {HEAVY_WARMUP} + {HEAVY_SAMPLES}, "
+                     f"{divergences} divergent)", "seconds": nuts_s})
+        coef_names = [n for n in ref if n.split("[")[0] in coefs]
+        scale_names = [n for n in ref if n.split("[")[0] in scales]
+        for label, options in fits.items():
+            t0 = time.perf_counter()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # (a poor-q warning: the table reports k̂)
+                result = blr_fit(model, data, rng_key=random.PRNGKey(0), progress_bar=False, **options)
+            seconds = time.perf_counter() - t0
+            moments = _flat_moments(result.sample(random.PRNGKey(1), HEAVY_DRAWS), coefs + scales, scales)
+            rows.append({
+                "model": name, "fit": label, "seconds": seconds, "khat": float(result.diagnostics.khat),
+                "coefs": _scores(moments, ref, coef_names), "scales": _scores(moments, ref, scale_names),
+            })
+            c = rows[-1]["coefs"]
+            log(f"    {label}: coefficients max {c['max']:.2f} sd, ratios {c['ratio'][0]:.2f}-{c['ratio'][1]:.2f}")
+    return rows
+
+
+def heavy_tail_table(rows: list) -> str:
+    lines = [
+        "| model | fit | coefficients: max / mean \\|mean error\\| (NUTS sd) | coefficients: sd ratio | within "
+        "tolerance | log scale: \\|mean error\\| / sd ratio | PSIS k̂ | time (s) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "coefs" not in r:
+            lines.append(f"| {r['model']} | {r['fit']} | | | | | | {r['seconds']:.0f} |")
+            continue
+        c, s = r["coefs"], r["scales"]
+        lines.append(
+            f"| {r['model']} | {r['fit']} | {c['max']:.2f} / {c['mean']:.2f} | {c['ratio'][0]:.2f}–{c['ratio'][1]:.2f} "
+            f"| {c['inside']} of {c['count']} | {s['max']:.2f} / {s['ratio'][0]:.2f} | {r['khat']:.2f} "
+            f"| {r['seconds']:.1f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m blrppl.bench --mixtures", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="bench-out")
     p.add_argument("--float32", action="store_true", help="run in float32 (default float64)")
     p.add_argument("--bounds-only", action="store_true", help="only the bound table over the bench models")
+    p.add_argument("--heavy-tails", action="store_true", help="only the heavy-tailed scales' table (horseshoe, eight schools)")
     args = p.parse_args(argv)
     if not args.float32:
         numpyro.enable_x64()
+    if args.heavy_tails:
+        print("Gaussian mixtures on models with heavy-tailed scales, against NUTS:", flush=True)
+        text = heavy_tail_table(heavy_tail_rows(log=lambda s: print(s, flush=True)))
+        path = pathlib.Path(args.out) / "mixtures-heavy-tails.md"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        print(text + f"wrote {path}", flush=True)
+        return 0
     print("Gaussian mixtures on a two-hidden-unit Bayesian network (held-out predictive log-likelihood):", flush=True)
     rows = [] if args.bounds_only else run(log=lambda s: print(s, flush=True))
     print("the mixture's ELBO beside the single Gaussian's on every bench model:", flush=True)

@@ -31,10 +31,15 @@ start), whose sites' posteriors are then the mixture's marginals (each site's sc
 ``MixtureSameFamily`` too) and whose draws keep the mixture's coupling. Several sites
 asked in one joint block make one mixture, of the largest K asked.
 
-This first increment fits the mixture blocks with the rest of q held at the single fit's:
-the other latents' blocks are drawn from it at every step (one draw per step, shared by the
-mixture's draws) and are not fitted again given the mixture. A mixture site must be
-continuous, not a point, and the plan free of subsampled plates and ``prior=``.
+The other latents' plain Gaussian blocks (dense over one vector, or diagonal: those the
+mixture does not hold) are fitted again given the mixture: the mixture's rule steps each as a
+mixture of one component (:func:`blrppl.families.gaussian_mixture.as_component`: its steps
+are then the learning rule's Gaussian steps, by Monte Carlo) in the same loop, with the
+mixtures drawn from their current q, and the result holds them in their own family. The
+other blocks (a conjugate Gamma, Beta, ..., a chain's, a local block, IVON's, tied rows) keep
+the single fit's q: they are drawn from it at every step (one draw per step, shared by the
+mixture's draws). A mixture site must be continuous, not a point, and the plan free of
+subsampled plates and ``prior=``.
 """
 
 from __future__ import annotations
@@ -100,6 +105,8 @@ def mixture_fit(program, args, kwargs, options, key):
     density = prepared.bundle.density
     data = model_data(plan, prepared.dyn_data)
     others = [b for b in density.drawn if b.name not in blocks]
+    refit = _refitted_blocks(plan, blocks, [b for b in others if _refittable(b, base.nat[b.name])])
+    others = [b for b in others if b.name not in refit]
     k_start, k_run, k_diag = jax.random.split(jax.random.fold_in(key, 53), 3)
     start = {}
     for i, (name, b) in enumerate(blocks.items()):
@@ -109,8 +116,10 @@ def mixture_fit(program, args, kwargs, options, key):
         dense = gm.dense_components(tuple(jnp.shape(view.mean)))
         cov = b.family.view_covariance(view) if dense else None
         start[name] = gm.spread_start(view.mean, var, where, counts[name], jax.random.fold_in(k_start, i), dense, cov)
-    log_joint = _log_joint(density, blocks, others, data)
+    start.update({n: gm.as_component(b.family.view(base.nat[n])) for n, b in refit.items()})
+    log_joint = _log_joint(density, {**blocks, **refit}, others, data)
     nat, elbo, moved, rejected = _run_mixture(log_joint, base.nat, start, options, k_run)
+    refitted = {n: nat.pop(n) for n in refit}  # (the other Gaussians, fitted again given the mixtures)
     # (the single fit's component alone left: a Gaussian whose optimum the single fit is, taken
     # as it is rather than a Monte Carlo step's noise away from it)
     alone = {n for n, v in nat.items() if gm.kept_components(v).tolist() == [True] + [False] * (len(v.logits) - 1)}
@@ -120,8 +129,38 @@ def mixture_fit(program, args, kwargs, options, key):
     entropy_rest = sum(float(jnp.sum(b.family.entropy(base.nat[b.name]))) for b in others)
     elbo = elbo + entropy_rest
     return _package(
-        prepared, base, blocks, counts, nat, (elbo, moved, rejected, dropped), log_joint, k_diag, time.perf_counter() - t0
+        prepared, base, (blocks, refit), counts, (nat, refitted), (elbo, moved, rejected, dropped), log_joint, k_diag,
+        time.perf_counter() - t0,
     )
+
+
+def _refitted_blocks(plan, mixtures: dict, candidates: list) -> dict:
+    """name → block of the ``candidates`` (:func:`_refittable`) that a mixture can move: those
+    that share a factor with a mixture block or with another such candidate. The others' q given
+    the mixture is the single fit's (no factor joins them to it), which a Monte Carlo refit would
+    only blur."""
+    by_name = {b.name: b for b in candidates}
+    reached, frontier = set(mixtures), list(mixtures)
+    while frontier:
+        name = frontier.pop()
+        for factor in plan.factors:
+            if name in factor.neighbours:
+                new = [n for n in factor.neighbours if n in by_name and n not in reached]
+                reached.update(new)
+                frontier.extend(new)
+    return {n: b for n, b in by_name.items() if n in reached}
+
+
+def _refittable(block, nat) -> bool:
+    """Whether a drawn block that holds no mixture is fitted again given the mixtures: a plain
+    Gaussian (dense over one vector, or diagonal) on its own, which the mixture's rule steps as a
+    mixture of one component (:func:`blrppl.families.gaussian_mixture.as_component`); the
+    others (a conjugate Gamma, Beta, ..., a chain's, a local block, IVON's, tied rows) keep the
+    single fit's q."""
+    family = block.family
+    if not family.gaussian or block.chain or block.local is not None or family.reparam_curvature or family.tied_rows:
+        return False
+    return gm.as_component(family.view(nat)) is not None
 
 
 def _prepare_base(program, args, kwargs, options, key, counts):
@@ -249,6 +288,8 @@ def _run_mixture(log_joint, rest_nat: dict, nat: dict, options, key) -> tuple:
 
             new[n], e = gm.mixture_step(nat[n], log_p, jax.random.fold_in(k_steps, i), rho, NUM_DRAWS)
             elbo = e if i == 0 else elbo  # (one block's estimate: with several, each holds the others' draws)
+        # (a one-component block's entropy, in closed form, beside the first block's estimate)
+        elbo = elbo + sum(gm.component_entropy(nat[n]) for n in names[1:] if nat[n].logits.shape[0] == 1)
         ok = jnp.isfinite(elbo) & jnp.all(jnp.stack([gm.mixture_is_valid(new[n]) for n in names]))
         kept = jax.tree.map(lambda a, b: jnp.where(ok & (t < total), a, b), new, nat)
         return kept, (elbo, ~ok & (t < total))
@@ -314,14 +355,28 @@ def _exported(block, nat) -> dict:
     return out
 
 
-def _package(prepared, base, blocks, counts, nat, run, log_joint, key, run_time):
+def _exported_gaussian(block, nat, before: dict) -> dict:
+    """site → posterior of a refitted Gaussian block's sites (each member's marginal in a joint
+    block), each with the event dims of its posterior in ``before`` (the single fit's)."""
+    if not block.members:
+        return {block.name: site_distribution(block, nat, len(before[block.name].event_shape))}
+    return {
+        m.name: site_distribution(m, m.family.nat_from_view(view), len(before[m.name].event_shape))
+        for m, view in block.member_views(block.family.view(nat))
+    }
+
+
+def _package(prepared, base, stepped, counts, fitted, run, log_joint, key, run_time):
     """The result: the single fit's, with the mixture blocks in its plan, its natural
-    parameters and its posteriors, the mixture's ELBOs and diagnostics (``run``: the ELBOs,
-    the components re-spread and the steps rejected, :func:`_run_mixture`'s, and the
-    components dropped at the end, :func:`blrppl.families.gaussian_mixture.drop_floored`)."""
+    parameters and its posteriors, the other Gaussians fitted again given them, the mixture's
+    ELBOs and diagnostics (``stepped``: the mixture blocks and the refitted ones, ``fitted``
+    their parameters, the refitted ones' as one-component mixtures; ``run``: the ELBOs, the
+    components re-spread and the steps rejected, :func:`_run_mixture`'s, and the components
+    dropped at the end, :func:`blrppl.families.gaussian_mixture.drop_floored`)."""
+    (blocks, refit), (nat, refitted) = stepped, fitted
     elbo, moved, rejected, dropped = run
     plan = prepared.plan
-    others = [b for b in prepared.bundle.density.drawn if b.name not in blocks]
+    others = [b for b in prepared.bundle.density.drawn if b.name not in blocks and b.name not in refit]
     new_blocks, posterior, all_nat = [], dict(base.posterior), dict(base.nat)
     for b in plan.blocks:
         if b.name in blocks:
@@ -330,10 +385,13 @@ def _package(prepared, base, blocks, counts, nat, run, log_joint, key, run_time)
             b = dataclasses.replace(b, family=family, kind=f"{gm.NAME}({family.num_components})")
             all_nat[b.name] = nat[b.name]
             posterior.update(_exported(b, nat[b.name]))
+        elif b.name in refit:
+            all_nat[b.name] = b.family.nat_from_view(gm.component_view(refitted[b.name], type(b.family).view_type))
+            posterior.update(_exported_gaussian(b, all_nat[b.name], base.posterior))
         new_blocks.append(b)
     new_plan = dataclasses.replace(plan, blocks=tuple(new_blocks))
     budget.check("before the mixture's diagnostics")
-    khat, ess, bound, num = _diagnose(log_joint, base.nat, others, blocks, nat, key)
+    khat, ess, bound, num = _diagnose(log_joint, base.nat, others, {**blocks, **refit}, {**nat, **refitted}, key)
     diagnostics = base.diagnostics._replace(
         khat=khat, ess=ess, bound=bound, num_draws=num, widths=(), narrow=(), bulk=None, note=""
     )
@@ -351,8 +409,10 @@ def _package(prepared, base, blocks, counts, nat, run, log_joint, key, run_time)
         + (f"; {rejected} step(s) with a non-finite result not taken" if rejected else "")
         + f") from the single Gaussian's fit ({base.message.split('; ')[0]})"
     )
+    if refit:
+        message += f"; the other Gaussian blocks ({', '.join(refit)}) fitted again given the mixture"
     if others:
-        message += "; the other latents keep the single Gaussian fit's q"
+        message += "; " + ("the others" if refit else "the other latents") + " keep the single Gaussian fit's q"
     if diagnostics.poor():
         warnings.warn(
             f"blr_fit: the Gaussian mixture may be a poor approximation of the posterior (PSIS k-hat = {khat:.2f}, "

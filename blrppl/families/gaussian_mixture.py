@@ -78,9 +78,11 @@ import jax.numpy as jnp
 import numpy as np
 import numpyro.distributions as dist
 from numpyro.distributions.transforms import ReshapeTransform
+from numpyro.distributions.util import cholesky_of_inverse
 from jax.scipy.special import logsumexp
 
 from blrppl.families.base import Family
+from blrppl.families.gaussian import DiagGaussianView, GaussianView
 from blrppl.families.gaussian_ivon import positive_average
 
 #: the family name ``families=`` uses (an option handled above the compiler, as ``"grid"``)
@@ -207,10 +209,17 @@ def _as_nat(view: MixtureView) -> MixtureNat:
 
 
 def mixture_is_valid(nat: MixtureNat) -> jax.Array:
-    """Scalar bool: every parameter finite and every precision positive (definite)."""
+    """Scalar bool: every parameter finite and every precision positive (definite); a dense
+    precision also within the dtype's precision of singular (the squared ratio of its Cholesky
+    factor's largest and smallest diagonal, a lower bound of its condition number, below 1/eps:
+    past it a Cholesky factor can come out finite for a matrix that is not positive definite,
+    as a 32-dim precision of the horseshoe's local scales did, eigenvalues from −1e17 to 1e44)."""
     finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in nat]))
     if is_dense(nat):
-        return finite & jnp.all(jnp.isfinite(jnp.linalg.cholesky(nat.prec)))
+        diag = jnp.diagonal(jnp.linalg.cholesky(nat.prec), axis1=-2, axis2=-1)
+        eps = jnp.finfo(nat.prec.dtype).eps
+        conditioned = jnp.all((jnp.max(diag, -1) / jnp.min(diag, -1)) ** 2 < 1.0 / eps)
+        return finite & jnp.all(jnp.isfinite(diag)) & conditioned
     return finite & jnp.all(nat.prec > 0)
 
 
@@ -218,7 +227,9 @@ def mixture_distribution(nat: MixtureNat) -> dist.Distribution:
     """The mixture as a numpyro ``MixtureSameFamily`` of ``Normal(...).to_event`` (diagonal
     components) or ``MultivariateNormal`` (dense ones), of event shape the block's value shape."""
     if is_dense(nat):
-        comp = dist.MultivariateNormal(nat.mean, precision_matrix=nat.prec)
+        # (from the precision's Cholesky factor, as blrppl's dense Gaussian: a precision held
+        # valid by its Cholesky factor can fail numpyro's eigenvalue check when ill-conditioned)
+        comp = dist.MultivariateNormal(nat.mean, scale_tril=cholesky_of_inverse(nat.prec))
     else:
         comp = dist.Normal(nat.mean, jax.lax.rsqrt(nat.prec)).to_event(nat.mean.ndim - 1)
     return dist.MixtureSameFamily(dist.Categorical(logits=nat.logits), comp)
@@ -461,3 +472,33 @@ def respread(nat: MixtureNat, key) -> tuple:
                 break
     dtype = nat.mean.dtype
     return MixtureNat(*(jnp.asarray(a, dtype) for a in (logits, mean, prec))), moved
+
+
+def as_component(view) -> MixtureNat | None:
+    """A Gaussian's view as a mixture of one component (weight 1), or None where it is no
+    plain Gaussian: a :class:`~blrppl.families.gaussian.DiagGaussianView` (diagonal
+    precisions of its shape) or a :class:`~blrppl.families.gaussian.GaussianView` of one
+    vector (a dense precision; with plate axes, several covariances: None)."""
+    if isinstance(view, DiagGaussianView):
+        mean = jnp.asarray(view.mean)
+        return MixtureNat(jnp.zeros((1,), mean.dtype), mean[None], (1.0 / view.var)[None])
+    if isinstance(view, GaussianView) and jnp.ndim(view.mean) == 1:
+        prec = jnp.linalg.inv(view.cov)
+        return MixtureNat(jnp.zeros((1,), view.mean.dtype), view.mean[None], (0.5 * (prec + prec.T))[None])
+    return None
+
+
+def component_view(nat: MixtureNat, view_type: type):
+    """The inverse of :func:`as_component`: a one-component mixture as the Gaussian's view of
+    type ``view_type``."""
+    if view_type is DiagGaussianView:
+        return DiagGaussianView(nat.mean[0], 1.0 / nat.prec[0])
+    cov = jnp.linalg.inv(nat.prec[0])
+    return GaussianView(nat.mean[0], 0.5 * (cov + cov.T))
+
+
+def component_entropy(nat: MixtureNat) -> jax.Array:
+    """The entropy of a one-component mixture (a Gaussian): ½ (d (1 + log 2π) − log |S|)."""
+    d = nat.mean[0].size
+    log_det = jnp.linalg.slogdet(nat.prec[0])[1] if is_dense(nat) else jnp.sum(jnp.log(nat.prec[0]))
+    return 0.5 * (d * (1.0 + jnp.log(2 * jnp.pi)) - log_det)

@@ -254,3 +254,43 @@ def test_kept_components_and_the_first_component():
     assert gm.kept_components(nat).tolist() == [True, False, True]
     first = gm.first_component(nat)
     assert first.logits.tolist() == [0.0] and first.mean.tolist() == [[0.0]] and first.prec.shape == (1, 1)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float64, jnp.float32])
+def test_gaussians_as_one_component_and_back(dtype):
+    """A dense and a diagonal Gaussian as a mixture of one component (the blocks the mixture's
+    fit refits given the mixture) and back: the same mean and covariance, the mixture's
+    density and entropy the Gaussian's; a dense block with plate axes is not one."""
+    from blrppl.families.gaussian import DiagGaussianView, GaussianDense, GaussianDiag, GaussianView
+
+    cov = jnp.array([[2.0, 0.6, 0.0], [0.6, 1.0, -0.3], [0.0, -0.3, 0.5]], dtype)
+    views = [
+        (GaussianDense(3), GaussianView(jnp.array([0.5, -1.0, 2.0], dtype), cov)),
+        (GaussianDiag(), DiagGaussianView(jnp.array([[0.5, -1.0], [0.0, 3.0]], dtype), jnp.array([[2.0, 0.5], [1.0, 4.0]], dtype))),
+    ]
+    rtol = 1e-12 if dtype == jnp.float64 else 1e-5
+    x = jnp.array([0.1, -0.4, 1.5], dtype)
+    for family, view in views:
+        nat = gm.as_component(view)
+        assert nat.logits.shape == (1,) and nat.mean.dtype == dtype and gm.mixture_is_valid(nat)
+        back = gm.component_view(nat, type(view))
+        for a, b in zip(back, view):
+            np.testing.assert_allclose(a, b, rtol=rtol, atol=rtol)
+        family_nat = family.nat_from_view(view)
+        point = x if isinstance(view, GaussianView) else x[:2].reshape(1, 2) + jnp.zeros((2, 2), dtype)
+        np.testing.assert_allclose(
+            gm.mixture_log_prob(nat, point), jnp.sum(family.log_prob(family_nat, point)), rtol=rtol
+        )
+        np.testing.assert_allclose(gm.component_entropy(nat), jnp.sum(family.entropy(family_nat)), rtol=rtol)
+    batched = GaussianView(jnp.zeros((2, 3), dtype), jnp.broadcast_to(cov, (2, 3, 3)))
+    assert gm.as_component(batched) is None
+
+
+def test_a_dense_precision_past_the_dtypes_precision_is_not_valid():
+    """A dense component whose precision is singular to the dtype's precision (its Cholesky
+    factor can still come out finite) is not valid: the step that made it is not taken."""
+    mean = jnp.zeros((1, 2))
+    assert gm.mixture_is_valid(gm.MixtureNat(jnp.zeros(1), mean, jnp.diag(jnp.array([1.0, 1e10]))[None]))
+    assert not gm.mixture_is_valid(gm.MixtureNat(jnp.zeros(1), mean, jnp.diag(jnp.array([1.0, 1e20]))[None]))
+    f32 = gm.MixtureNat(jnp.zeros(1, jnp.float32), mean.astype(jnp.float32), jnp.diag(jnp.array([1.0, 1e10], jnp.float32))[None])
+    assert not gm.mixture_is_valid(f32)
