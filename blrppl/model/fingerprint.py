@@ -99,6 +99,26 @@ class _Writer:
             return
         if isinstance(param, frozenset):
             text = f"frozenset({{{', '.join(repr(e) for e in sorted(param, key=repr))}}})"
+        elif _user_function(param) is not None:
+            text = _user_function(param)
         else:
             text = _ADDRESS.sub(" at 0x", str(param))
         self.digest.update(f"{text},".encode())
+
+
+def _user_function(param) -> str | None:
+    """The identity of a user's function that a parameter wraps (a ``jax.custom_vjp`` rule's
+    backward pass: JAX's wrapper of it prints only its name, ``<lambda>`` for most), or None
+    for any other parameter. Two rules of the same name and program are other functions, and
+    a compiled fit of one must not serve the other (a rule JAX cannot differentiate twice was
+    fitted with the rule of a model traced before it): the identity is the function object's
+    in this process (the fingerprint of such a model differs from process to process, and its
+    fits are compiled again in each). JAX's own functions (the memoized thunks it wraps around
+    every rule) are left to their printed form."""
+    core = getattr(param, "f", None)
+    if core is None or not hasattr(param, "transforms") or not callable(core):
+        return None
+    module = getattr(core, "__module__", None) or ""
+    if module == "jax" or module.startswith(("jax.", "jaxlib")):
+        return None
+    return f"{module}.{getattr(core, '__qualname__', type(core).__name__)}@{id(core)}"

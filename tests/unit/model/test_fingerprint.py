@@ -92,3 +92,32 @@ def test_fingerprint_is_the_same_in_another_process():
         [sys.executable, "-c", _IN_PROCESS], capture_output=True, text=True, check=True, cwd=root, env=env
     )
     assert out.stdout.split()[-1] == here
+
+
+def _rule(backward):
+    @jax.custom_vjp
+    def link(x):
+        return jnp.logaddexp(x, 0.0)
+
+    link.defvjp(lambda x: (link(x), x), backward)
+    return link
+
+
+def _linked(link):
+    def model(y):
+        s = numpyro.sample("s", dist.HalfNormal(1.0))
+        numpyro.sample("y", dist.Poisson(link(s)), obs=y)
+
+    return model
+
+
+def test_custom_vjp_rules_of_the_same_name_and_program_differ():
+    """Two ``jax.custom_vjp`` functions with the same primal program and backward passes both
+    named ``<lambda>`` (JAX prints only the name): one fit's compiled program served the other,
+    whose rule JAX cannot differentiate twice, and the fit ran instead of naming it. The same
+    rule traced twice keeps its fingerprint (its fits are reused in this process)."""
+    plain = _rule(lambda x, g: (g * jax.nn.sigmoid(x),))
+    looped = _rule(lambda x, g: (g * jax.lax.while_loop(lambda c: c[1] < 3, lambda c: (jax.nn.sigmoid(x), c[1] + 1), (x, 0))[0],))
+    y = jnp.ones(5)
+    prints = [trace_program(_linked(f), (y,), {}, random.PRNGKey(0)).fingerprint for f in (plain, looped, plain)]
+    assert prints[0] != prints[1] and prints[0] == prints[2]
