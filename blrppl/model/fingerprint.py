@@ -108,15 +108,17 @@ class _Writer:
 
 def _user_function(param) -> str | None:
     """The identity of a user's function that a parameter wraps (a ``jax.custom_vjp`` rule's
-    backward pass: JAX's wrapper of it prints only its name, ``<lambda>`` for most), or None
-    for any other parameter. Two rules of the same name and program are other functions, and
-    a compiled fit of one must not serve the other (a rule JAX cannot differentiate twice was
-    fitted with the rule of a model traced before it): the identity is the function object's
-    in this process (the fingerprint of such a model differs from process to process, and its
-    fits are compiled again in each). JAX's own functions (the memoized thunks it wraps around
-    every rule) are left to their printed form."""
-    core = getattr(param, "f", None)
-    if core is None or not hasattr(param, "transforms") or not callable(core):
+    backward pass: JAX's wrapper of it prints only its name, ``<lambda>`` for most; the
+    function of a ``jax.pure_callback`` or ``io_callback``, printed with its address), or None
+    for any other parameter. Two functions of the same name are other functions, and a
+    compiled fit of one must not serve the other (a rule JAX cannot differentiate twice was
+    fitted with the rule of a model traced before it; a callback closing over another value
+    would have run the first one's): the identity is the function object's in this process
+    (the fingerprint of such a model differs from process to process, and its fits are
+    compiled again in each). JAX's own functions (the memoized thunks it wraps around every
+    rule) are left to their printed form."""
+    core = getattr(param, "f", None) if hasattr(param, "transforms") else getattr(param, "callback_func", None)
+    if core is None or not callable(core):
         return None
     module = getattr(core, "__module__", None) or ""
     if module == "jax" or module.startswith(("jax.", "jaxlib")):

@@ -121,3 +121,29 @@ def test_custom_vjp_rules_of_the_same_name_and_program_differ():
     y = jnp.ones(5)
     prints = [trace_program(_linked(f), (y,), {}, random.PRNGKey(0)).fingerprint for f in (plain, looped, plain)]
     assert prints[0] != prints[1] and prints[0] == prints[2]
+
+
+def _scaled_by(c):
+    def scaled(x):
+        return np.asarray(x * c, dtype=np.float32)
+
+    return scaled
+
+
+def _called(callback):
+    def model(y):
+        s = numpyro.sample("s", dist.Normal(0.0, 1.0))
+        mean = jax.pure_callback(callback, jax.ShapeDtypeStruct((), jnp.float32), s)
+        numpyro.sample("y", dist.Normal(mean, 1.0), obs=y)
+
+    return model
+
+
+def test_callbacks_of_the_same_name_differ():
+    """Two ``jax.pure_callback`` functions of one name closing over other values (printed
+    with their addresses, which the fingerprint masks): they shared a fingerprint, and a fit
+    of one would have run the other's function."""
+    once, twice = _scaled_by(1.0), _scaled_by(2.0)
+    y = jnp.ones(3)
+    prints = [trace_program(_called(f), (y,), {}, random.PRNGKey(0)).fingerprint for f in (once, twice, once)]
+    assert prints[0] != prints[1] and prints[0] == prints[2]
