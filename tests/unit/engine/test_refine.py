@@ -72,6 +72,17 @@ def test_a_reliable_candidate_beats_a_higher_unreliable_bound(monkeypatch):
     assert [r.change for r in refinements] == ["as asked", "c0", "c1"]
 
 
+def test_a_bound_without_a_finite_mean_ranks_below_one_with(monkeypatch):
+    """With no reliable candidate, one whose k̂ is 1 or more (importance ratios without a
+    finite mean: its bound is no estimate) ranks below one with k̂ under 1, whatever its
+    bound: NumPyro's semi-supervised HMM kept a mean-field candidate (k̂ 1.46, bound −1384.4)
+    over its first fit (k̂ 0.77, −1385.8), and its means went from 0.12 to 0.31 NUTS sd off."""
+    first = _result(0.77, -1385.8, ess=0.05)
+    no_mean = _result(1.46, -1384.4, ess=0.05)
+    result, _, refinements, _ = _run(monkeypatch, first, [no_mean])
+    assert result is first and [r.kept for r in refinements] == [True, False]
+
+
 def test_the_first_fit_is_kept_when_no_candidate_ranks_above_it(monkeypatch):
     first = _result(0.6, -12.0, ess=0.1)
     worse = _result(0.6, -12.5)
