@@ -129,6 +129,8 @@ import numpy as np
 import numpyro
 import numpyro.distributions as dist
 
+from blrppl.bench import models as bench_models
+
 DATA_SEEDS = {
     "logistic": 20240501,
     "poisson": 20240502,
@@ -475,28 +477,15 @@ def simplex_data(seed=DATA_SEEDS["simplex"]):
 
 
 def oceanic_gp_model(dist_matrix, log_pop, tools=None):
-    """A Gaussian-process prior over a 10 × 10 distance matrix with a Poisson likelihood
-    (Statistical Rethinking's tools of Oceanic societies, on simulated islands): the rate is
-    a P^b / g · exp(k), k ~ MVN(0, η² exp(−ρ² D²) + 0.01 I)."""
-    n = dist_matrix.shape[0]
-    etasq = numpyro.sample("etasq", dist.Exponential(2.0))
-    rhosq = numpyro.sample("rhosq", dist.Exponential(0.5))
-    cov = etasq * jnp.exp(-rhosq * dist_matrix**2) + 0.01 * jnp.eye(n)
-    k = numpyro.sample("k", dist.MultivariateNormal(jnp.zeros(n), covariance_matrix=cov))
-    a = numpyro.sample("a", dist.Exponential(1.0))
-    b = numpyro.sample("b", dist.Exponential(1.0))
-    g = numpyro.sample("g", dist.Exponential(1.0))
-    with numpyro.plate("society", n):
-        numpyro.sample("tools", dist.Poisson(a * jnp.exp(b * log_pop) / g * jnp.exp(k)), obs=tools)
+    """The bench's GP prior over a 10 × 10 distance matrix with a Poisson likelihood
+    (:func:`blrppl.bench.models.gp_poisson_model`: Statistical Rethinking's tools of Oceanic
+    societies, on simulated islands)."""
+    return bench_models.gp_poisson_model(dist_matrix, log_pop, tools)
 
 
-def oceanic_gp_data(seed=DATA_SEEDS["oceanic_gp"]):
-    rng = np.random.default_rng(seed)
-    xy = rng.uniform(0.0, 5.0, size=(10, 2))
-    dist_matrix = np.sqrt(((xy[:, None] - xy[None]) ** 2).sum(-1))
-    log_pop = rng.normal(8.0, 1.5, size=10)
-    k = rng.multivariate_normal(np.zeros(10), 0.2 * np.exp(-0.5 * dist_matrix**2) + 0.01 * np.eye(10))
-    return {"dist_matrix": dist_matrix, "log_pop": log_pop, "tools": rng.poisson(1.2 * np.exp(0.25 * log_pop) * np.exp(k))}
+def oceanic_gp_data():
+    """The bench's data of it (:func:`blrppl.bench.models.gp_poisson`, numpy seed 10)."""
+    return dict(bench_models.load("gp_poisson").data)
 
 
 def horseshoe_data(seed=DATA_SEEDS["horseshoe"]):

@@ -28,7 +28,7 @@ A third table (``--heavy-tails``, :func:`heavy_tail_rows`) puts the mixture besi
 Gaussian on models whose coefficients have heavy-tailed scales (issue 53: coefficients within
 0.2 NUTS sd and sds within 0.75–1.33× of NUTS's): NumPyro's horseshoe regression with a normal
 likelihood (:func:`horseshoe_regression`, as its example writes it) and the eight schools with a
-half-Cauchy scale (:func:`eight_schools`). For each, the single Gaussian (``refine=False``) and
+half-Cauchy scale (:func:`blrppl.bench.models.eight_schools_model`). For each, the single Gaussian (``refine=False``) and
 mixtures over the coefficients' or the scales' sites, each scored by its coefficients' largest and
 mean |mean error| in NUTS sds and the range of their sd ratios (and the global scale's, on its
 logarithm: a half-Cauchy scale's posterior sd need not exist), from :data:`HEAVY_DRAWS` draws of
@@ -52,6 +52,8 @@ import numpy as np
 import numpyro
 import numpyro.distributions as dist
 from jax import random
+
+from blrppl.bench import models
 
 NOISE = 0.15
 N_TRAIN = 40
@@ -190,7 +192,7 @@ def bound_rows(names=None, log=print) -> list:
     """The second table's rows (see the module): per bench model, the single Gaussian's and the
     mixture's ELBO (numpyro's ``Trace_ELBO``), their PSIS k̂ and the mixture's sites."""
     from blrppl import blr_fit
-    from blrppl.bench import models, posteriordb
+    from blrppl.bench import posteriordb
     from blrppl.engine.refine import MIXTURE_MAX_DIM, mixture_sites
 
     rows = []
@@ -278,15 +280,6 @@ def horseshoe_data(n: int = 100, d: int = 32, noise: float = 0.05) -> dict:
     return {"X": X, "Y": Y - Y.mean() + noise * rng.normal(size=n)}
 
 
-def eight_schools(sigma, y=None):
-    """The eight schools, centred: θ_j ~ N(μ, τ²), μ ~ N(0, 5²), τ ~ half-Cauchy(5)."""
-    mu = numpyro.sample("mu", dist.Normal(0.0, 5.0))
-    tau = numpyro.sample("tau", dist.HalfCauchy(5.0))
-    with numpyro.plate("J", sigma.shape[0]):
-        theta = numpyro.sample("theta", dist.Normal(mu, tau))
-        numpyro.sample("obs", dist.Normal(theta, sigma), obs=y)
-
-
 def eight_schools_noncentred(sigma, y=None):
     """The same posterior over (μ, τ, θ), θ = μ + τ θ̃: what NUTS samples."""
     mu = numpyro.sample("mu", dist.Normal(0.0, 5.0))
@@ -321,7 +314,7 @@ HEAVY_MODELS = {
         },
     ),
     "eight schools (tau ~ HalfCauchy(5))": (
-        eight_schools, eight_schools_noncentred, EIGHT_SCHOOLS, ("mu", "theta"), ("tau",),
+        models.eight_schools_model, eight_schools_noncentred, EIGHT_SCHOOLS, ("mu", "theta"), ("tau",),
         {
             "single Gaussian": {"refine": False},
             "mixture K = 4 on theta (joint block)": _mix(4, "theta"),

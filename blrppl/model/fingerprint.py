@@ -97,11 +97,10 @@ class _Writer:
                     self.value(c)
                 self.jaxpr(getattr(sub, "jaxpr", sub))
             return
+        text = _user_function(param)
         if isinstance(param, frozenset):
             text = f"frozenset({{{', '.join(repr(e) for e in sorted(param, key=repr))}}})"
-        elif _user_function(param) is not None:
-            text = _user_function(param)
-        else:
+        elif text is None:
             text = _ADDRESS.sub(" at 0x", str(param))
         self.digest.update(f"{text},".encode())
 
