@@ -462,7 +462,9 @@ def as_mesh(mesh):
             f"mesh= must be a jax.sharding.Mesh of one axis or a device count (an int), not {type(mesh).__name__}"
         )
     devices = jax.devices()
-    if not 1 <= int(mesh) <= len(devices):
+    if int(mesh) < 1:
+        raise MeshError(f"mesh={int(mesh)}: give a device count of at least 1 (or a jax.sharding.Mesh)")
+    if int(mesh) > len(devices):
         raise MeshError(
             f"mesh={int(mesh)} devices, but JAX sees {len(devices)} ({devices[0].platform}): give at most "
             f"{len(devices)} (on a CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N before JAX starts "
