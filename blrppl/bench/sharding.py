@@ -5,11 +5,12 @@ A new process with 8 forced host devices (``--xla_force_host_platform_device_cou
 float64) fits:
 
 * **collectives**: a conjugate Normal mean, a VMP Gaussian mixture (assignments enumerated
-  per datum) and a logistic regression (quadrature) over the 8-device mesh, at several N and,
-  for the regression, several numbers of coefficients D. For each compiled chunk it reads
-  the optimised program (:func:`collectives`): the all-reduces inside the loop's body (run
-  every step) and outside it (run once a chunk), their count and the bytes of their
-  results. A global block's message is a sum over the data, so the bytes per step should not
+  per datum; in the default and the parallel schedule) and a logistic regression
+  (quadrature) over the 8-device mesh, at several N and, for the regression, several numbers
+  of coefficients D. For each compiled chunk it reads the optimised program
+  (:func:`collectives`): the all-reduces inside the loop's body (run every step, but those in
+  a conditional's branch) and outside it (run once a chunk), their count and the bytes of
+  their results. A global block's message is a sum over the data, so the bytes per step should not
   depend on N, and should grow with the size of the global natural parameters (D + D² for
   the regression's dense Gaussian), not faster;
 * **step time**: the logistic regression at N = 10⁶, D = 10 on 1 device (no mesh) and on
@@ -72,7 +73,9 @@ def _computations(text: str) -> tuple[dict, str]:
     return comps, entry
 
 
-def _reachable(comps: dict, roots) -> set:
+def _reachable(comps: dict, roots, branches: bool = True) -> set:
+    """The computations ``roots`` call, directly or not (with ``branches=False``, not through
+    a conditional's branches: those every run of the roots runs)."""
     seen, todo = set(), list(roots)
     while todo:
         c = todo.pop()
@@ -80,7 +83,12 @@ def _reachable(comps: dict, roots) -> set:
             continue
         seen.add(c)
         for line in comps[c]:
-            todo += _CALLED.findall(line)
+            called = _CALLED.findall(line)
+            if not branches and " conditional(" in line:
+                called = [n for n in called if not re.search(r"(true|false)_computation=%" + re.escape(n) + r"\b", line)]
+                todo += called
+                continue
+            todo += called
             for group in _BRANCHES.findall(line):
                 todo += [s.strip().lstrip("%") for s in group.split(",")]
     return seen
@@ -89,11 +97,13 @@ def _reachable(comps: dict, roots) -> set:
 def collectives(text: str) -> dict:
     """The collectives of a compiled program (its optimised HLO text): count and result bytes
     of those in the body of a ``while`` loop (``per_step``: the fit's steps) and of the others
-    (``per_chunk``), and their kinds."""
+    (``per_chunk``), how many of the loop's sit in a conditional's branch (``conditional``:
+    run in the steps that take that branch only), and their kinds."""
     comps, _ = _computations(text)
     bodies = [b for lines in comps.values() for line in lines for b in re.findall(r"body=%([\w.\-]+)", line)]
     in_loop = _reachable(comps, bodies)
-    out = {"per_step": [0, 0], "per_chunk": [0, 0], "kinds": set()}
+    always = _reachable(comps, bodies, branches=False)
+    out = {"per_step": [0, 0], "per_chunk": [0, 0], "conditional": 0, "kinds": set()}
     for name, lines in comps.items():
         for line in lines:
             m = _COLLECTIVE.search(line)
@@ -101,6 +111,7 @@ def collectives(text: str) -> dict:
                 where = out["per_step" if name in in_loop else "per_chunk"]
                 where[0] += 1
                 where[1] += _shape_bytes(m.group(1))
+                out["conditional"] += int(name in in_loop and name not in always)
                 out["kinds"].add(m.group(2))
     out["kinds"] = sorted(out["kinds"])
     return out
@@ -178,20 +189,22 @@ def _collective_rows(log) -> list:
     from blrppl.engine import cache
 
     normal_mean, mixture, logistic = _models()
-    cases = [("normal_mean", normal_mean, n, 1) for n in (10_000, 1_000_003)]
-    cases += [("mixture", mixture, n, 1) for n in (10_000, 100_003)]
-    cases += [("logistic", logistic, n, 4) for n in (10_000, 100_000, 1_000_003)]
-    cases += [("logistic", logistic, 10_000, d) for d in (2, 16, 64)]
+    cases = [("normal_mean", normal_mean, n, 1, None) for n in (10_000, 1_000_003)]
+    cases += [("mixture", mixture, n, 1, schedule) for schedule in (None, "parallel") for n in (10_000, 100_003)]
+    cases += [("logistic", logistic, n, 4, None) for n in (10_000, 100_000, 1_000_003)]
+    cases += [("logistic", logistic, 10_000, d, None) for d in (2, 16, 64)]
     rows = []
-    for model_name, model, n, d in cases:
+    for model_name, model, n, d, schedule in cases:
         cache.clear()
         result = blr_fit(model, _data(model_name, n, d), rng_key=random.PRNGKey(0), progress_bar=False, mesh=DEVICES,
-                         refine=False)
+                         refine=False, schedule=schedule, num_steps=200)
         texts = [c.as_text() for b in cache._CACHE.values() for s in b.sharded.values() for c in s._compiled.values()]
         found = [collectives(t) for t in texts]
         row = {
             "model": model_name, "N": n, "D": d, "global_floats": _global_size(result, n),
+            "schedule": schedule or "sequential (default)",
             "per_step": [max(f["per_step"][0] for f in found), max(f["per_step"][1] for f in found)],
+            "conditional": max(f["conditional"] for f in found),
             "per_chunk": [max(f["per_chunk"][0] for f in found), max(f["per_chunk"][1] for f in found)],
             "kinds": sorted({k for f in found for k in f["kinds"]}),
         }
@@ -248,13 +261,14 @@ def markdown(out: dict) -> str:
         f"Collectives of each compiled chunk over {DEVICES} forced host devices (float64): those in the loop's "
         "body run every step, the others once a chunk of steps. What the figures show: docs/scaling.md.",
         "",
-        "| model | N | D | global natural parameters (floats) | all-reduces per step | bytes per step | "
-        "collectives per chunk | bytes per chunk | kinds |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| model | schedule | N | D | global natural parameters (floats) | all-reduces per step (in a branch) | "
+        "bytes per step | collectives per chunk | bytes per chunk | kinds |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in out["collectives"]:
         lines.append(
-            f"| {r['model']} | {r['N']:,} | {r['D']} | {r['global_floats']} | {r['per_step'][0]} | {r['per_step'][1]:,} | "
+            f"| {r['model']} | {r['schedule']} | {r['N']:,} | {r['D']} | {r['global_floats']} | "
+            f"{r['per_step'][0]} ({r['conditional']}) | {r['per_step'][1]:,} | "
             f"{r['per_chunk'][0]} | {r['per_chunk'][1]:,} | {', '.join(r['kinds'])} |"
         )
     lines += [

@@ -22,7 +22,7 @@ from blrppl import families as fam
 from blrppl.engine.cache import stored_fit_key
 from blrppl.engine.loop import history_size, make_chunk
 from blrppl.engine.state import initial_state, start_nat
-from blrppl.engine.step import make_step, with_views
+from blrppl.engine.step import make_step
 from blrppl.engine.subsample import svi_rate
 from blrppl.estimators import gram
 from blrppl.estimators.registry import estimator_of
@@ -75,6 +75,7 @@ class CompiledFit:
     chunk_fn: Callable | None = None  # the chunk before compilation (traceable inside a user's jit)
     #: the step ``(state, data, rho) -> (state, info)`` the chunk runs (:mod:`blrppl.engine.kernel`)
     step_fn: Callable | None = None
+    carry_fn: Callable | None = None  # (state, data) → the state a run's loop carries (make_step)
     elbo_fn: Callable | None = None  # jitted ELBO(nat, data, key)
     #: online fits: the blocks whose prior is the previous posterior (run-time data)
     online: tuple = ()
@@ -360,7 +361,7 @@ def compile_fit(program, records, data_spec, dyn_data, tracer, options, prior_sp
         # windows of whole epochs (the longest plate's), at least MC_WINDOW steps
         epoch = max(p.steps_per_epoch for p in plan.subsampled)
         window = epoch * -(-MC_WINDOW // epoch)
-    step, elbo_fn, _ = make_step(
+    step, elbo_fn, _, carry = make_step(
         plan,
         fns,
         options.schedule or default_schedule(plan),
@@ -380,11 +381,12 @@ def compile_fit(program, records, data_spec, dyn_data, tracer, options, prior_sp
         # statistics that read no data are computed inside the programs (XLA folds them):
         # no program of their own to compile before the first step
         step, elbo_fn = _with_statistics(step, constant), _with_statistics(elbo_fn, constant)
+        carry = carry if carry is None else _with_statistics(carry, constant)
     exact_block = one_exact_block(plan)
     chunk = make_chunk(
         step, chunk_size, window, epoch, rate_fn, () if plan.subsampled else tuple(plan.order),
         elbo_fn=None if plan.subsampled else elbo_fn, exact_block=exact_block,
-        views_fn=None if plan.subsampled else functools.partial(with_views, plan),
+        views_fn=carry,
         first_search=_first_search(plan, window, default_rate),
     )
     init_shapes = {
@@ -429,7 +431,7 @@ def compile_fit(program, records, data_spec, dyn_data, tracer, options, prior_sp
     posterior_fn = posterior_builder(plan, records, _COMPILER.submit)
     bundle = CompiledFit(
         tracer, plan, graph, init_fn, None, posterior_fn, window,
-        chunk_fn=chunk, step_fn=step, elbo_fn=_jit(elbo_fn), online=online, statistics_fn=statistics_fn,
+        chunk_fn=chunk, step_fn=step, carry_fn=carry, elbo_fn=_jit(elbo_fn), online=online, statistics_fn=statistics_fn,
         density=density, log_weights_fn=log_weights_fn, weighted_draws_fn=weighted_draws_fn, tables_fn=tables_fn,
         stored_key=fit_key,
         dense_work=dense_work, narrow_fn=narrow_fn, narrow_sites=tuple(narrow_sites), chunk_options=chunk_options,

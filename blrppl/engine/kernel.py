@@ -25,7 +25,6 @@ import numpyro
 
 from blrppl.compiler.online import online_blocks
 from blrppl.engine.state import BLRInfo, BLRState, initial_state, start_nat
-from blrppl.engine.step import with_views
 from blrppl.errors import BLRError, InitValueError, TransformationError
 from blrppl.graph.data import host_array
 from blrppl.graph.plan import Plan
@@ -226,8 +225,10 @@ def fit_kernel(prepared, start_from_values: Callable | None = None) -> BLRKernel
     plan, data = prepared.plan, prepared.kernel_data
     bound = bind_step(prepared.bundle.step_fn, prepared.dyn_data, prepared.rho)
     blocks = {b.name for b in plan.blocks}
-    # the state carries its views as inside the fit's loop (each step forms the next ones)
-    carry_views = None if plan.subsampled else jax.jit(lambda s: with_views(plan, s))
+    # the state carries its views (and a parallel step's messages) as inside the fit's loop
+    # (each step forms the next ones)
+    carry = prepared.bundle.carry_fn
+    carry_views = None if carry is None else jax.jit(lambda s: carry(s, prepared.dyn_data))
 
     def kernel_init(position=None, rng_key=None) -> BLRState:
         if position is None:
@@ -251,7 +252,7 @@ def fit_kernel(prepared, start_from_values: Callable | None = None) -> BLRKernel
             )
         if rng_key is not None:
             state = state._replace(rng_key=as_key(rng_key))
-        state = state._replace(views=None, entropies=None)
+        state = state._replace(views=None, entropies=None, messages=None)
         return state if carry_views is None else carry_views(state)
 
     def step(state: BLRState) -> tuple[BLRState, BLRInfo]:

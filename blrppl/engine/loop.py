@@ -135,10 +135,11 @@ def make_chunk(
     With ``elbo_fn`` (exact ELBOs), a state whose ELBO is unknown (NaN: a fresh start) has it
     computed before the first step, so that backtracking checks that step too. With
     ``exact_block`` (the plan's only block, conjugate: one step at ρ = 1 is its exact
-    posterior) the run converges after one such step. With ``views_fn`` (a state → the
-    state with its views, :func:`blrppl.engine.step.with_views`) the loop carries each
-    block's view from step to step (formed once per chunk, then at the end of each step);
-    the chunk returns the state without them.
+    posterior) the run converges after one such step. With ``views_fn`` (``(state, data)`` →
+    the state with its views, and the messages a parallel step computes ahead: the ``carry``
+    of :func:`blrppl.engine.step.make_step`) the loop carries each block's view (and
+    messages) from step to step (formed once per chunk, then at the end of each step); the
+    chunk returns the state without them.
 
     The chunk also returns whether each of its steps was valid (every block found a valid
     update) and, for Monte Carlo ELBOs (``window`` > 0, no minibatches), the best state it
@@ -180,7 +181,7 @@ def make_chunk(
             )
 
         if views_fn is not None:
-            state = views_fn(state)
+            state = views_fn(state, data)
         # the kernel's step (blrppl.engine.kernel): the rule with this chunk's data and ρ bound
         kernel_step = bind_step(step, data, rho)
 
@@ -224,7 +225,7 @@ def make_chunk(
         zero = jnp.zeros((), jnp.int32)
         init = (state, zero, buf, zero, zero, history, proper0, zero, search0, valid_buf, best0)
         state, n, buf, stop, invalid, history, proper, undone, _, valid_buf, best = jax.lax.while_loop(cond, body, init)
-        state = state._replace(views=None, entropies=None)
+        state = state._replace(views=None, entropies=None, messages=None)
         return state, buf, n, stop, invalid, history, proper, undone, valid_buf, best
 
     return chunk

@@ -128,7 +128,9 @@ class Categorical(Family):
         return CategoricalNat(g[..., :-1] - g[..., -1:])
 
     def is_valid(self, nat: CategoricalNat) -> jax.Array:
-        return jnp.all(jnp.isfinite(nat.logits))
+        # (a count, not a logical AND: over a mesh a per-datum block's check then joins the
+        # step's sums in one all-reduce)
+        return jnp.sum(jnp.where(jnp.isfinite(nat.logits), 0.0, 1.0)) == 0
 
     def sample(self, nat: CategoricalNat, rng_key: jax.Array, sample_shape: tuple[int, ...] = ()) -> jax.Array:
         """Integer draws in {0, …, K − 1} (not reparameterisable)."""
@@ -203,7 +205,7 @@ class Bernoulli(Family):
         return BernoulliNat(g[..., 1] - g[..., 0])
 
     def is_valid(self, nat: BernoulliNat) -> jax.Array:
-        return jnp.all(jnp.isfinite(nat.logit))
+        return jnp.sum(jnp.where(jnp.isfinite(nat.logit), 0.0, 1.0)) == 0  # (see Categorical.is_valid)
 
     def sample(self, nat: BernoulliNat, rng_key: jax.Array, sample_shape: tuple[int, ...] = ()) -> jax.Array:
         """Integer draws in {0, 1} (not reparameterisable)."""

@@ -9,15 +9,18 @@ four models on one device and on the 8-device mesh, every plate's size indivisib
 * a Gaussian mixture whose assignments are enumerated local blocks (VMP), N = 203;
 * a logistic regression (quadrature), N = 301;
 * normal means with a local latent per datum fitted by minibatches (``subsample_size``),
-  N = 1,003 in batches of 100.
+  N = 1,003 in batches of 100;
+* the mixture again, its blocks updated in parallel (``schedule="parallel"``).
 
 The sharded program sums the same terms in another order (per-device partial sums, then the
 all-reduce), so the fits agree to rounding: 1e-10 relative to the parameter's size, far
 above float64's 1e-16 per operation times a few thousand operations per sum, far below any
 change of the fit. The compiled chunks are read as well: inside the loop at least one
 all-reduce (the global sums), arrays of one device's share of a plate's rows (the work is
-split), no all-gather nor all-to-all (no step gathers the data or the per-datum blocks), and
-fewer bytes all-reduced per step than one float per datum.
+split), no all-gather nor all-to-all (no step gathers the data or the per-datum blocks),
+fewer bytes all-reduced per step than one float per datum, and one all-reduce run at every
+step where each step reads the messages the previous one computed (one global block, or the
+parallel schedule).
 """
 
 from __future__ import annotations
@@ -78,6 +81,8 @@ CASES = {
     "mixture": (mixture, (np.array([-5.0, 0.0, 6.0])[z] + 0.7 * rng.normal(size=203),), {}),
     "logistic": (logistic, (X, (rng.random(301) < 1 / (1 + np.exp(-X @ np.array([1.0, -0.5, 0.2])))).astype(float)), {}),
     "minibatch": (minibatch_means, (2.0 + rng.normal(size=1003),), {"num_steps": 150}),
+    "mixture, parallel": (mixture, (np.array([-5.0, 0.0, 6.0])[z] + 0.7 * rng.normal(size=203),),
+                          {"schedule": "parallel", "num_steps": 40}),
 }
 
 
@@ -111,7 +116,9 @@ def collectives(result_cache):
                     shape = re.match(r"\s*%\S+ = f\d+\[([0-9,]*)\]", line)
                     if shape and per_device & set(shape.group(1).split(",")):
                         ops["per-device"] += 1
-                ops["per-step bytes"] = sharding_bench.collectives(compiled.as_text())["per_step"][1]
+                found = sharding_bench.collectives(compiled.as_text())
+                ops["per-step bytes"] = found["per_step"][1]
+                ops["every step"] = found["per_step"][0] - found["conditional"]
                 counts.append(ops)
     return counts
 
@@ -190,10 +197,10 @@ def _assert_same(one, mesh):
 def test_fits_over_eight_devices_equal_the_one_device_fits(tmp_path):
     flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     out = run_in_new_process(SCRIPT, tmp_path, XLA_FLAGS=flags.strip(), JAX_ENABLE_X64="1")
-    for name in ("conjugate", "mixture", "logistic", "minibatch"):
+    for name in ("conjugate", "mixture", "logistic", "minibatch", "mixture, parallel"):
         assert out[name]["one"]["steps"] > 0, name
         _assert_same(out[name]["one"], out[name]["mesh"])
-    assert len(out["collectives"]) >= 4
+    assert len(out["collectives"]) >= 5
     for counts in out["collectives"]:
         assert counts["all-reduce"] >= 1, counts
         assert counts["all-gather"] == 0 and counts["all-to-all"] == 0, counts
@@ -205,6 +212,12 @@ def test_fits_over_eight_devices_equal_the_one_device_fits(tmp_path):
     full, minibatch = out["collectives"][:3], out["collectives"][3]
     assert all(0 < c["per-step bytes"] < 8 * 203 for c in full), full
     assert 0 < minibatch["per-step bytes"] < 8 * 1003, minibatch
+    # one all-reduce a step carries every sum of the step (the messages the next step reads,
+    # the ELBO, the checks over per-datum blocks: blrppl.engine.step.one_pass_of), where
+    # the one global block is updated (conjugate, logistic) or all blocks at once (the
+    # parallel schedule); others run only in the steps that take a conditional's branch
+    conjugate, _, logistic = full
+    assert conjugate["every step"] == logistic["every step"] == out["collectives"][4]["every step"] == 1, out
     _close(out["svi"]["one"], out["svi"]["mesh"])
     assert out["reloaded"]["loaded"] > 0
     for a, b in zip(out["reloaded"]["nat"]["mu"], out["conjugate"]["one"]["nat"]["mu"]):

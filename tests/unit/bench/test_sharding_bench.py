@@ -59,8 +59,18 @@ def test_collectives_inside_the_loop_are_per_step_and_the_entrys_per_chunk():
     assert found["per_step"] == [3, 288 + 8 + 3200]
     assert found["per_chunk"] == [1, 8]
     assert found["kinds"] == ["all-gather", "all-reduce"]
+    assert found["conditional"] == 1  # (the gather: run by the steps that take its branch only)
+
+
+def test_a_conditional_with_true_and_false_computations_is_conditional():
+    program = PROGRAM.replace(
+        "branch_computations={%gather_branch, %plain_branch}",
+        "true_computation=%gather_branch, false_computation=%plain_branch",
+    )
+    found = collectives(program)
+    assert found["per_step"] == [3, 288 + 8 + 3200] and found["conditional"] == 1
 
 
 def test_a_program_without_collectives_has_none():
     found = collectives(PROGRAM.replace("all-reduce", "add").replace("all-gather", "broadcast"))
-    assert found == {"per_step": [0, 0], "per_chunk": [0, 0], "kinds": []}
+    assert found == {"per_step": [0, 0], "per_chunk": [0, 0], "conditional": 0, "kinds": []}

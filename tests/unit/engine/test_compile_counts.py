@@ -177,7 +177,7 @@ def _splits_in_step(model, data):
 
     records, spec, dyn, _ = trace_model(model, (), data, jax.random.key(0))
     plan, fns, dyn, init, _ = compile_model(ModelProgram(model), records, spec, dyn, rng_key=jax.random.key(1))
-    step, _, _ = make_step(plan, fns, "sequential")
+    step, _, _, _ = make_step(plan, fns, "sequential")
     nat = {b.name: init_nat(b, init[b.name]) for b in plan.blocks}
     rho = {n: jnp.asarray(1.0) for n in plan.order}
     jaxpr = jax.make_jaxpr(step)(initial_state(nat, jax.random.key(2)), dyn, rho)

@@ -45,13 +45,13 @@ def captured():
     got = {}
 
     def counting_make_step(*args, **kwargs):
-        step, elbo_fn, messages = engine_step.make_step(*args, **kwargs)
+        step, elbo_fn, messages, carry = engine_step.make_step(*args, **kwargs)
 
         def counting_step(*step_args, **step_kwargs):
             traces["count"] += 1
             return step(*step_args, **step_kwargs)
 
-        return counting_step, elbo_fn, messages
+        return counting_step, elbo_fn, messages, carry
 
     def capturing_make_chunk(step, chunk_size, *rest, **options):
         chunk = engine_loop.make_chunk(step, chunk_size, *rest, **options)

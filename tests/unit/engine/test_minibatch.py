@@ -51,7 +51,7 @@ def engine(model, data):
     plan, fns, dyn, _, _ = compile_model(
         ModelProgram(model), records, spec, dyn, rng_key=jax.random.key(1), subsampled=subsampled_plates(records)
     )
-    step, _, _ = make_step(plan, fns, "sequential")
+    step, _, _, _ = make_step(plan, fns, "sequential")
     return plan, jax.jit(step), dyn
 
 

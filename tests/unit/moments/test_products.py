@@ -210,7 +210,7 @@ def test_factor_model_steps_equal_with_and_without_the_contraction(monkeypatch):
     for n in ("X", "C"):
         init_values[n] = init_values[n] + rng.normal(size=np.shape(init_values[n]))
     nat = {b.name: init_nat(b.full, init_values[b.name], None) for b in plan.blocks}
-    step, elbo, messages = make_step(plan, fns, "sequential")
+    step, elbo, messages, _ = make_step(plan, fns, "sequential")
     state = initial_state(nat, random.PRNGKey(2), plan)
     rho = {b: jnp.asarray(0.5) for b in plan.order}
     state = jax.jit(lambda s: jax.lax.fori_loop(0, 3, lambda _, s: step(s, dyn, rho)[0], s))(state)
