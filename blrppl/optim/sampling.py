@@ -79,12 +79,21 @@ def standard_noise(params, key, num_samples=None):
     Returns:
         A pytree like ``params``: each leaf of the leaf's dtype and shape (after the leading
         axes of ``num_samples``).
+
+    Raises:
+        OptimizerSettingError: a leaf that is not floating-point, or a bad ``num_samples``.
     """
     leaves, treedef = jax.tree.flatten(params)
     shape = _leading(num_samples)
     groups: dict = {}  # dtype -> the indices of its leaves, in pytree order
-    for i, leaf in enumerate(leaves):
-        groups.setdefault(jnp.result_type(leaf), []).append(i)
+    for i, (path, leaf) in enumerate(jax.tree_util.tree_leaves_with_path(params)):
+        dtype = jnp.result_type(leaf)
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise OptimizerSettingError(
+                f"standard_noise draws floating-point parameters; {jax.tree_util.keystr(path) or 'the parameters'} "
+                f"is of dtype {dtype}: cast it (jnp.asarray(x, jnp.float32)) or keep it out of the pytree"
+            )
+        groups.setdefault(dtype, []).append(i)
     key = as_key(key, "key")
     keys = [key] if len(groups) == 1 else list(jax.random.split(key, len(groups)))
     noise = [None] * len(leaves)

@@ -126,3 +126,5 @@ def test_typed_keys_and_draws_of_the_wrong_shape():
         optim.sample_parameters(state, params, {"w1": eps["w1"]})
     with pytest.raises(optim.OptimizerSettingError, match="num_samples"):
         optim.standard_noise(params, key, 0)
+    with pytest.raises(optim.OptimizerSettingError, match=r"\['steps'\] is of dtype int32"):
+        optim.standard_noise({"w": params["w1"], "steps": jnp.zeros(2, jnp.int32)}, key)
