@@ -1,15 +1,20 @@
 """The digits bench's pieces (blrppl.bench.deep) on small synthetic data: the two Adam losses,
-the IVON optimiser's settings picked on held-out training data, and the alternating timer."""
+the minibatch protocol (epochs of shuffled batches, the cosine decay, each method's settings
+picked on held-out training data), the scores of a diverged run, and the alternating timer."""
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax import random
 
 from blrppl.bench import deep
+from blrppl.optim.sampling import find_state
 
 
 def small_data(n=60, d=8, seed=0):
@@ -22,7 +27,7 @@ def small_data(n=60, d=8, seed=0):
 
 def test_plain_adam_loss_is_the_mean_cross_entropy_and_map_adds_the_prior():
     x, y = small_data()
-    params = deep._initial_params(x.shape[1])
+    params = deep.initial_params(x.shape[1])
     params = jax.tree.map(lambda v: v + 0.1, params)  # (non-zero biases)
     logits = np.asarray(deep.mlp(params, x))
     logp = logits - np.log(np.exp(logits).sum(1, keepdims=True))
@@ -30,23 +35,80 @@ def test_plain_adam_loss_is_the_mean_cross_entropy_and_map_adds_the_prior():
     np.testing.assert_allclose(float(deep.cross_entropy(params, x, y)), want, rtol=1e-12)
     square = sum(float(np.sum(np.asarray(v) ** 2)) for v in jax.tree.leaves(params))
     np.testing.assert_allclose(float(deep.cross_entropy(params, x, y, 1.0)), want + 0.5 * square / len(y), rtol=1e-12)
+    # a minibatch's loss: the prior over the training set's size, not the batch's
+    np.testing.assert_allclose(float(deep.cross_entropy(params, x, y, 1.0, size=600)),
+                               want + 0.5 * square / 600, rtol=1e-12)
 
 
-def test_ivon_settings_are_picked_on_held_out_training_data(monkeypatch):
-    """The grid's best held-out NLL, each fit on the rest of the training set: the NLL of each
-    grid point recomputed here from a fit on the first 80 % (no test set is passed)."""
-    monkeypatch.setattr(deep, "IVON_GRID", {"learning_rate": (0.01, 0.3), "hess_init": (1.0,)})
-    monkeypatch.setattr(deep, "NOISE_BLOCK", 3)  # 7 steps: two blocks of 3 and one of 1
-    monkeypatch.setattr(deep, "DRAWS", 20)
-    x, y = small_data()
-    chosen, table = deep.select_ivon_settings((x, y), steps=7)
-    assert set(table) == {(0.01, 1.0), (0.3, 1.0)}
-    assert table[(chosen["learning_rate"], chosen["hess_init"])] == min(table.values())
-    train_all = deep._ivon_run(x[:48], y[:48], 7, deep.IVON_SETTINGS)
-    mean, state = train_all(deep._initial_params(8), random.PRNGKey(1), 0.3, 1.0)
-    assert int(state.count) == 7
-    probs = deep._model_average(state, mean, random.PRNGKey(2), x[48:])
-    np.testing.assert_allclose(table[(0.3, 1.0)], deep.scores(probs, np.asarray(y[48:]), 0.0)["nll"], rtol=1e-12)
+def test_an_epoch_is_a_permutation_cut_into_whole_batches():
+    order = np.asarray(deep.epoch_batches(random.PRNGKey(3), 300, 128))
+    assert order.shape == (2, 128)
+    assert len(np.unique(order)) == 256 and order.min() >= 0 and order.max() < 300
+    other = np.asarray(deep.epoch_batches(random.PRNGKey(4), 300, 128))
+    assert not np.array_equal(order, other)  # each epoch its own order
+
+
+@pytest.mark.parametrize("cosine", [0.0, 1.0])
+def test_annealed_scales_the_updates_by_a_cosine_decay_or_not_at_all(cosine):
+    opt = deep.annealed(optax.sgd(0.5), cosine, total=8)
+    params = jnp.zeros(3)
+    state = opt.init(params)
+    for t in range(10):
+        grads = jnp.array([1.0, -2.0, 3.0])
+        updates, state = opt.update(grads, state, params)
+        fraction = min(t / 8, 1.0)
+        scale = 1.0 - cosine + cosine * 0.5 * (1.0 + math.cos(math.pi * fraction))
+        np.testing.assert_allclose(np.asarray(updates), -0.5 * scale * np.asarray(grads), rtol=1e-12, atol=1e-15)
+
+
+def test_ivon_trainer_takes_a_step_per_minibatch_and_keeps_its_settings():
+    x, y = small_data(n=300)
+    init, train = deep._ivon_trainer(x, y, epochs=3)
+    hyper = {"learning_rate": 0.3, "hess_init": 2.0, "cosine": 1.0}
+    carry = train(init(deep.initial_params(8), **hyper), random.PRNGKey(1), **hyper)
+    state = find_state(carry[1])  # (the IVON state inside the chain with the decay)
+    assert int(state.count) == 3 * 2  # two batches of 128 an epoch
+    assert state.posterior.ess == 300 and state.posterior.weight_decay == pytest.approx(1.0 / 300)
+    assert all(np.isfinite(np.asarray(v)).all() for v in jax.tree.leaves(carry))
+
+
+def test_settings_are_picked_on_held_out_training_data_and_diverged_points_skipped(monkeypatch):
+    """A fake method whose held-out probabilities depend on its setting alone (NaN for one: a
+    diverged run): the grid's best finite NLL is picked, every point fitted on the first 80 %."""
+    x, y = small_data(n=50)
+    seen = []
+
+    def trainer(x_fit, y_fit, epochs):
+        seen.append((len(y_fit), epochs))
+        return (lambda params, sharpness: sharpness), (lambda carry, key, sharpness: carry)
+
+    def probs(sharpness, key, x_held):
+        right = jax.nn.one_hot(np.asarray(y[40:]), 10)  # the held-out labels, weighted by sharpness
+        logits = jnp.where(sharpness > 5.0, jnp.nan, sharpness * right)
+        return jax.nn.softmax(logits)
+
+    method = deep.Method(trainer, {"sharpness": (0.5, 2.0, 4.0, 9.0)}, probs)
+    chosen, table = deep.select(method, (x, y), epochs=4)
+    assert seen == [(40, 4)]  # built once, on the first 40 of 50 points
+    assert chosen == {"sharpness": 4.0}
+    assert np.isnan(table[(("sharpness", 9.0),)])
+    nll = -np.log(np.exp(2.0) / (np.exp(2.0) + 9.0))
+    np.testing.assert_allclose(table[(("sharpness", 2.0),)], nll, rtol=1e-6)
+
+
+def test_select_says_so_when_every_point_diverged():
+    x, y = small_data(n=50)
+    method = deep.Method(lambda *a: (lambda p, s: s, lambda c, k, s: c), {"s": (1.0,)},
+                         lambda c, k, xh: jnp.full((len(xh), 10), jnp.nan))
+    with pytest.raises(RuntimeError, match="diverged"):
+        deep.select(method, (x, y), epochs=1)
+
+
+def test_a_diverged_run_scores_nan_not_a_perfect_calibration():
+    probs = np.full((4, 10), np.nan)
+    out = deep.scores(probs, np.arange(4), 0.001)
+    assert np.isnan(out["nll"]) and np.isnan(out["ece"]) and np.isnan(out["accuracy"])
+    assert deep._cell([out], "nll") == "diverged"
 
 
 def test_timing_alternates_the_methods_and_reports_the_spread(monkeypatch):
