@@ -4,16 +4,19 @@
 Two benchmarks, each a markdown table written to ``<out>/deep-learning-bench.md``:
 
 * **digits**: a multilayer perceptron (64 → 32 tanh → 10) on scikit-learn's digits (1,797 8 × 8
-  images, 1,347 for training and 450 for testing), N(0, 1) priors on its 2,410 weights, trained
-  full batch by Adam (optax, on the mean cross-entropy alone as deep-learning users train, and on
-  it with the prior: the MAP of the same model), by NumPyro's SVI with ``AutoNormal``, by
-  ``blr_fit`` (IVON blocks: :mod:`blrppl.compiler.large_blocks`) and by the IVON optimiser
-  (:func:`blrppl.optim.ivon` on the network's loss, no model; its α and h₀ picked on a held-out
-  fifth of the training set): test accuracy, test negative log-likelihood and expected calibration
-  error (15 bins) of the predictive class probabilities (the model average over 200 draws of the
-  posterior for SVI and the learning rule), and the time per epoch (one full-batch step: the run's
-  time after compilation over its steps; Adam's two runs and the IVON optimiser's are timed in
-  turn, several times, and the median and range reported);
+  images, 1,347 for training and 450 for testing). Adam (optax, on the mean cross-entropy alone as
+  deep-learning users train, and on it with the N(0, 1) prior: the MAP), and the IVON optimiser
+  (:func:`blrppl.optim.ivon` on the network's loss, no model) are trained by one protocol: a fixed
+  budget of :data:`EPOCHS` epochs of shuffled minibatches of :data:`BATCH`, each method's settings
+  (:data:`METHODS`: the learning rate, constant or decayed to 0 by a cosine, IVON's h₀) picked by
+  the NLL on a held-out fifth of the training set (:func:`select`; the test set is not read), then
+  trained on the whole training set with three seeds. NumPyro's SVI with ``AutoNormal`` and
+  ``blr_fit`` (IVON blocks: :mod:`blrppl.compiler.large_blocks`) fit the model with N(0, 1) priors
+  on its 2,410 weights full batch for :data:`STEPS` steps. Reported: test accuracy, negative
+  log-likelihood and expected calibration error (15 bins) of the predictive class probabilities
+  (the model average over 200 posterior draws for SVI, ``blr_fit`` and IVON; the mean and range
+  over the seeds), and the time per step (a run's time after compilation over its steps; Adam's
+  two runs and IVON's are timed in turn, several times, median and range reported);
 * **in-between**: a two-layer regression network with its weights as sample sites
   (1,153 weights, two clusters of 50 points) by ``blr_fit`` and by NUTS: the predictive sd at the
   clusters' centres and between them.
@@ -197,16 +200,27 @@ def _adam_trainer(x, y, epochs, prior_precision, batch=BATCH):
 IVON_SETTINGS = {"beta2": 0.999}
 
 
+#: the IVON optimiser's standard normal draws are drawn about this many steps at a time
+#: (threefry on the CPU costs per call: docs/deep-learning.md, "Benchmark")
+NOISE_STEPS = 50
+
+
+def noise_span(epochs: int, per_epoch: int) -> int:
+    """The epochs whose draws one call makes: the largest divisor of ``epochs`` whose steps are at
+    most :data:`NOISE_STEPS` (one epoch when an epoch alone has more)."""
+    return max(d for d in range(1, epochs + 1) if epochs % d == 0 and (d == 1 or d * per_epoch <= NOISE_STEPS))
+
+
 def _ivon_trainer(x, y, epochs, batch=BATCH):
     """``(init, train)`` of the IVON optimiser as :func:`_adam_trainer`'s (hyperparameters
-    ``learning_rate`` α, ``hess_init`` h₀ and ``cosine``): one weight draw per step, an epoch's
-    draws by one call of ``standard_noise``."""
+    ``learning_rate`` α, ``hess_init`` h₀ and ``cosine``): one weight draw per step, the draws of
+    :func:`noise_span` epochs by one call of ``standard_noise``."""
     import optax
 
     from blrppl import optim
 
     x, y, n = jnp.asarray(x), jnp.asarray(y), len(y)
-    total = epochs * (n // batch)
+    total, span = epochs * (n // batch), noise_span(epochs, n // batch)
     value_and_grad = optim.value_and_grad(lambda p, idx: cross_entropy(p, x[idx], y[idx]))
 
     def make(learning_rate, hess_init, cosine):
@@ -226,12 +240,13 @@ def _ivon_trainer(x, y, epochs, batch=BATCH):
             u, s = opt.update(g, s, p, noise=noise)
             return (optax.apply_updates(p, u), s), None
 
-        def epoch(carry, k):
+        def block(carry, k):  # `span` epochs, their draws by one call
             k_order, k_noise = random.split(k)
-            order = epoch_batches(k_order, n, batch)
+            order = jax.vmap(lambda key: epoch_batches(key, n, batch))(random.split(k_order, span))
+            order = order.reshape(-1, batch)
             return jax.lax.scan(step, carry, (order, optim.standard_noise(carry[0], k_noise, len(order))))[0], None
 
-        return jax.lax.scan(epoch, carry, random.split(key, epochs))[0]
+        return jax.lax.scan(block, carry, random.split(key, epochs // span))[0]
 
     return jax.jit(init), jax.jit(train)
 
@@ -261,8 +276,9 @@ class Method(NamedTuple):
 
 #: the grids searched on held-out training data (:func:`select`); ``cosine`` 0: a constant
 #: learning rate, 1: a cosine decay to 0 over the run (:func:`annealed`)
-ADAM_GRID = {"learning_rate": (3e-4, 1e-3, 3e-3, 1e-2, 3e-2), "cosine": (0.0, 1.0)}
-IVON_GRID = {"learning_rate": (0.1, 0.3, 1.0, 3.0, 10.0), "hess_init": (0.3, 1.0, 3.0, 10.0, 30.0), "cosine": (0.0, 1.0)}
+ADAM_GRID = {"learning_rate": (1e-3, 3e-3, 1e-2, 3e-2, 0.1), "cosine": (0.0, 1.0)}
+IVON_GRID = {"learning_rate": (0.3, 1.0, 3.0, 10.0, 30.0, 100.0), "hess_init": (0.3, 1.0, 3.0, 10.0, 30.0),
+             "cosine": (0.0, 1.0)}
 #: the minibatch protocol's methods (rows of the digits table), each with its grid
 METHODS = {
     "Adam": Method(partial(_adam_trainer, prior_precision=0.0), ADAM_GRID, _point_probs),

@@ -126,3 +126,8 @@ def test_timing_alternates_the_methods_and_reports_the_spread(monkeypatch):
         # every run took 0.5 s of the fake clock over 10 steps: 50 ms a step
         assert out[name]["epoch_ms"] == pytest.approx(50.0)
         assert out[name]["epoch_ms_min"] == pytest.approx(50.0) and out[name]["epoch_ms_max"] == pytest.approx(50.0)
+
+
+@pytest.mark.parametrize("epochs, per_epoch, span", [(100, 10, 5), (3, 2, 3), (7, 10, 1), (10, 80, 1), (12, 6, 6)])
+def test_ivon_draws_the_noise_of_whole_epochs_about_fifty_steps_at_a_time(epochs, per_epoch, span):
+    assert deep.noise_span(epochs, per_epoch) == span
