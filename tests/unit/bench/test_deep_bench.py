@@ -131,3 +131,15 @@ def test_timing_alternates_the_methods_and_reports_the_spread(monkeypatch):
 @pytest.mark.parametrize("epochs, per_epoch, span", [(100, 10, 5), (3, 2, 3), (7, 10, 1), (10, 80, 1), (12, 6, 6)])
 def test_ivon_draws_the_noise_of_whole_epochs_about_fifty_steps_at_a_time(epochs, per_epoch, span):
     assert deep.noise_span(epochs, per_epoch) == span
+
+
+def test_report_gives_the_seeds_range_and_a_time_ratio_only_to_rows_timed_with_adam():
+    adam = [{"accuracy": 0.9, "nll": 0.2, "ece": 0.05, "epoch_ms": 0.5, "epoch_ms_min": 0.4, "epoch_ms_max": 0.6},
+            {"accuracy": 0.8, "nll": 0.4, "ece": 0.07, "epoch_ms": np.nan}]
+    ivon = [{"accuracy": 0.9, "nll": 0.1, "ece": 0.03, "epoch_ms": 0.75, "epoch_ms_min": 0.7, "epoch_ms_max": 0.8}]
+    full = [{"accuracy": 0.9, "nll": 0.3, "ece": 0.09, "epoch_ms": 5.0}]
+    text = deep.report({"Adam": adam, "IVON": ivon, "SVI": full}, {}, {"IVON": {(("a", 1.0),): 0.5}})
+    rows = {line.split(" | ")[0][2:]: line.split(" | ") for line in text.splitlines() if line.startswith("| ")}
+    assert rows["Adam"][2] == "0.300 (0.200–0.400)"  # mean over the seeds, their range
+    assert rows["IVON"][5] == "1.50" and rows["SVI"][5] == ""
+    assert "| 0.5000 | a = 1 |" in text
