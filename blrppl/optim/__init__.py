@@ -6,7 +6,8 @@ Public names:
 * :func:`ivon` — the IVON optimiser (Shen et al. 2024): an ``optax`` gradient
   transformation fitting a diagonal Gaussian posterior, with its :class:`IVONState`.
 * :func:`sample_parameters` — a step's weight samples and their noise, which ``update``
-  takes with the gradients there; :func:`value_and_grad` draws them and takes the gradients.
+  takes with the gradients there; :func:`value_and_grad` draws them and takes the gradients;
+  :func:`standard_noise` — their standard normal draws (one call per dtype, not per leaf).
 * :func:`predictive` — the network's outputs at draws from the posterior (their mean is
   the Bayesian model average); :func:`posterior_stddev` — the posterior's spread.
 * :class:`OptimizerSettingError` — a setting out of range (a :class:`blrppl.BLRError`).
@@ -16,7 +17,14 @@ loaded on first use).
 """
 
 from blrppl.optim.ivon import IVONState, ivon
-from blrppl.optim.sampling import find_state, posterior_stddev, predictive, sample_parameters, value_and_grad
+from blrppl.optim.sampling import (
+    find_state,
+    posterior_stddev,
+    predictive,
+    sample_parameters,
+    standard_noise,
+    value_and_grad,
+)
 from blrppl.optim.settings import OptimizerSettingError, PosteriorSettings
 
 __all__ = [
@@ -28,5 +36,6 @@ __all__ = [
     "posterior_stddev",
     "predictive",
     "sample_parameters",
+    "standard_noise",
     "value_and_grad",
 ]
