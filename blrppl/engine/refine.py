@@ -22,7 +22,8 @@ order:
   (``families={"tau": "grid"}``, :mod:`blrppl.engine.grid`): INLA's scheme, which turns
   centred eight schools exact;
 * the other structure: ``structure="joint"`` when the plan fits several dense Gaussian
-  blocks apart, ``"mean-field"`` when it fitted one joint block;
+  blocks apart (a joint block is not split: mean-field is a restriction of it, its optimum no
+  closer to the posterior);
 * an over-dispersed start: the fit started from a draw of the first fit's q with its spread
   widened :data:`OVERDISPERSION` times on the unconstrained scale (a start far from the
   first fit's mode, where another mode may lie that PSIS cannot see from q's draws);
@@ -32,6 +33,11 @@ order:
   sites the diagnostics point at (:func:`mixture_candidates`): where the advice names more
   starts, the posterior may have several modes, which one Gaussian misses whichever start it
   takes; the mixture's fit computes its own k̂ and bound, by which it is ranked like the rest.
+
+A start that finds the first fit's optimum again (:func:`same_optimum`) while no start has
+found another ends the starts, and the mixture too unless the first fit points at mass q
+misses (k̂ ≥ 1, or sites the narrow-q check flags): :func:`skip_reason`; those are listed with
+a ``"not run: ..."`` note.
 
 A remedy that would override an option the user gave is not tried (``structure=`` given, a
 scale already in ``families=``, ``num_starts`` > 1, ``prior=``, scales already on a grid, or a
@@ -49,7 +55,9 @@ unless a candidate ranks above it.
 The refinement is bounded by ``refine_budget`` (default 5: :data:`blrppl.inputs.REFINE_BUDGET`,
 which says why) times the first fit's time T, T counted as at least :data:`MIN_UNIT` (6 s: a fit
 from the cache skips the compilation its remedies pay): a candidate is started only while the
-time the refinement has spent plus T (the next candidate's expected cost) is at most that budget, and a
+time the refinement has spent plus its expected cost (:func:`expected_cost`: a start reruns the
+first fit's steps, a mixture :data:`MIXTURE_COMPONENTS` times them, anything else costs T) is at
+most that budget (one past it is passed over, and a cheaper one after it may start), and a
 grid, whose fits are many, stops at the budget's end (the random walk reference's two scales
 took 590 s against a first fit of 6 s), and so does a single fit (another structure or start),
 after its compilation, at its loop's chunk boundaries and before its diagnostics
