@@ -266,7 +266,9 @@ def hyperparameters(plan) -> tuple:
     return tuple(
         m.name for b in plan.blocks
         if not (b.discrete or b.point or b.param or b.chain) and b.local is None and b.family.gaussian
-        for m in (b.members or (b,)) if m.size == 1 and m.transform is not None
+        for m in (b.members or (b,))
+        # (a value of one scalar: a 2 × 2 LKJ Cholesky factor has one free scalar but a matrix value)
+        if m.size == 1 and m.transform is not None and math.prod(m.value_shape if m.site_shape is None else m.site_shape) == 1
     )
 
 

@@ -529,3 +529,43 @@ def test_same_optimum_reads_the_means_in_sds_and_the_bounds():
     assert not refine_mod.same_optimum(first, fit(1.0 - y, 0))
     lower = types.SimpleNamespace(nat=first.nat, diagnostics=first.diagnostics._replace(bound=first.diagnostics.bound - 5.0))
     assert not refine_mod.same_optimum(first, lower)
+
+
+def _slopes(scales_as_vector):
+    """Varying intercepts and slopes with an LKJ(2) correlation, their scales a vector site (as
+    Statistical Rethinking's cafés write them) or one scalar."""
+
+    def model(group, x, y=None):
+        if scales_as_vector:
+            scale = numpyro.sample("sigma_group", dist.Exponential(1.0).expand([2]).to_event(1))
+        else:
+            scale = numpyro.sample("sigma_group", dist.Exponential(1.0))
+        chol_corr = numpyro.sample("chol_corr", dist.LKJCholesky(2, 2.0))
+        scale_tril = (scale[:, None] if scales_as_vector else scale) * chol_corr
+        with numpyro.plate("groups", 10):
+            ab = numpyro.sample("ab", dist.MultivariateNormal(jnp.zeros(2), scale_tril=scale_tril))
+        with numpyro.plate("rows", group.shape[0]):
+            numpyro.sample("y", dist.Normal(ab[group, 0] + ab[group, 1] * x, 0.5), obs=y)
+
+    rng = np.random.default_rng(0)
+    group, x = np.repeat(np.arange(10), 4), np.tile([0.0, 1.0], 20)
+    return model, (group, x, rng.normal(size=40))
+
+
+def test_a_correlation_factor_is_no_grid_scale_and_the_advice_says_why():
+    """A 2 × 2 LKJ Cholesky factor has one free scalar but a matrix value, which a grid cannot
+    take: it is no hyperparameter for the refinement's grid, the funnel's grid does not name it,
+    and where no grid is offered the advice says which scale sites are not scalars and how to
+    write them (the LKJ varying slopes: no remedy was offered and the advice did not say why)."""
+    from blrppl.api import plan_of
+    from blrppl.engine.advice import named_remedies, poor_q_advice
+
+    plan = plan_of(*_slopes(True))
+    assert refine_mod.hyperparameters(plan) == ()
+    assert named_remedies(plan) == ((), False)
+    advice = poor_q_advice(plan)
+    assert "'sigma_group' (shape (2,)), 'chol_corr' (shape (2, 2)) are not" in advice, advice
+    assert "r ~ Beta(eta, eta), rho = 2 r - 1" in advice
+    scalar = plan_of(*_slopes(False))
+    assert refine_mod.hyperparameters(scalar) == ("sigma_group",)
+    assert "chol_corr" not in named_remedies(scalar)[0]
