@@ -268,7 +268,8 @@ def hyperparameters(plan) -> tuple:
         if not (b.discrete or b.point or b.param or b.chain) and b.local is None and b.family.gaussian
         for m in (b.members or (b,))
         # (a value of one scalar: a 2 × 2 LKJ Cholesky factor has one free scalar but a matrix value)
-        if m.size == 1 and m.transform is not None and math.prod(m.value_shape if m.site_shape is None else m.site_shape) == 1
+        if m.size == 1 and m.transform is not None
+        and math.prod(m.value_shape if m.site_shape is None else m.site_shape) == 1
     )
 
 
@@ -342,15 +343,16 @@ NOT_RUN = "not run: "
 
 
 def skip_reason(cand: Candidate, answered: set, first) -> str:
-    """Why ``cand`` is not run, given the remedies ``answered`` so far, or ''.
+    """Why ``cand`` is not run, given what the starts found so far (``answered``: :data:`SAME`,
+    :data:`OTHER`), or ''.
 
     A start found the first fit's optimum again (:func:`same_optimum`; the over-dispersed
     start, begun :data:`OVERDISPERSION` times q's spread away, is tried first) and none found
-    another: the other starts are not run, nor the mixture, whose components would sit at that one optimum,
-    unless the first fit points at mass q misses (its k̂ at least :data:`KHAT_NO_MEAN`, or
-    sites the narrow-q check flags). NumPyro's semi-supervised HMM: three more starts and the
-    mixture cost 2.5× and 5× its first fit, the starts' k̂ 0.75–0.86 and bounds within 0.5 nats
-    of its 0.77, the mixture stopped by the budget; the four-mode θ² model's first fit has k̂
+    another: the other starts are not run, nor the mixture, whose components would sit at that
+    one optimum, unless the first fit points at mass q misses (its k̂ at least :data:`KHAT_NO_MEAN`, or
+    sites the narrow-q check flags). NumPyro's semi-supervised HMM: its three more starts cost
+    2.1× its first fit and the mixture 2.5× before the budget cut it, the starts' k̂ 0.75–0.86
+    and bounds within 0.5 nats of its 0.77; the four-mode θ² model's first fit has k̂
     1.02, and its mixture is kept."""
     if answered != {SAME} or cand.remedy not in (START, MIXTURE):
         return ""

@@ -484,7 +484,8 @@ def test_a_candidates_expected_cost_is_what_it_reruns():
         for kind in (refine_mod.START, refine_mod.MIXTURE, refine_mod.GRID, refine_mod.STRUCTURE)
     }
     assert cost == {"start": 7.0, "mixture": 3.0 + 7.0 * refine_mod.MIXTURE_COMPONENTS, "grid": 10.0, "structure": 10.0}
-    assert refine_mod.expected_cost(refine_mod.Candidate("c", None, None, remedy="start"), _result(0.9, -1.0), 10.0) == 10.0
+    stand_in = refine_mod.Candidate("c", None, None, remedy="start")
+    assert refine_mod.expected_cost(stand_in, _result(0.9, -1.0), 10.0) == 10.0
 
 
 def test_a_mixture_past_the_budget_is_not_started_and_a_cheaper_candidate_after_it_is(monkeypatch):
@@ -527,7 +528,8 @@ def test_same_optimum_reads_the_means_in_sds_and_the_bounds():
     first = fit(y, 0)
     assert refine_mod.same_optimum(first, fit(y, 1))
     assert not refine_mod.same_optimum(first, fit(1.0 - y, 0))
-    lower = types.SimpleNamespace(nat=first.nat, diagnostics=first.diagnostics._replace(bound=first.diagnostics.bound - 5.0))
+    lower_bound = first.diagnostics._replace(bound=first.diagnostics.bound - 5.0)
+    lower = types.SimpleNamespace(nat=first.nat, diagnostics=lower_bound)
     assert not refine_mod.same_optimum(first, lower)
 
 
