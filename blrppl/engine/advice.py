@@ -223,7 +223,29 @@ def _funnel(plan):
     scale, names, count = funnels[0]
     shown = ", ".join(f"'{s}'" for s in scale)
     latents = f"'{names[0]}'" if len(names) == 1 else f"'{names[0]}' … '{names[-1]}'"
-    return shown, latents, count, _grid_scales([f[0] for f in funnels], sizes), words.get(scale, "scale")
+    # (a grid maps one scalar to a site's value: a 2 × 2 LKJ Cholesky factor has one free scalar
+    # but a matrix value, which it cannot take)
+    values = {s: math.prod(m.value_shape if m.site_shape is None else m.site_shape)
+              for b in plan.blocks for m in (b.members or (b,)) for s in m.sites}
+    return shown, latents, count, _grid_scales([f[0] for f in funnels], values), words.get(scale, "scale")
+
+
+def _no_grid_note(plan, scale: str) -> str:
+    """Why no grid is offered for a funnel's ``scale`` (its sites quoted, as :func:`_funnel`
+    shows them): the sites whose value is more than one scalar, which a grid cannot take, and
+    how to write them; '' when each is one scalar (a grid past its size, say)."""
+    values = {m.name: tuple(m.value_shape if m.site_shape is None else m.site_shape)
+              for b in plan.blocks for m in (b.members or (b,))}
+    wide = [s for s in values if f"'{s}'" in scale.split(", ") and math.prod(values[s]) != 1]
+    if not wide:
+        return ""
+    listed = ", ".join(f"'{s}' (shape {values[s]})" for s in wide)
+    return (
+        f" (a grid integrates sites whose value is one scalar, and {listed} {'is' if len(wide) == 1 else 'are'} not: "
+        "written as scalar sites, a vector of scales as one site per scale and a 2 × 2 correlation as "
+        "r ~ Beta(eta, eta), rho = 2 r - 1, they can be put on a grid, families={...: 'grid'}, at the cost of a "
+        "few dozen fits)"
+    )
 
 
 def _grid_scales(scales, sizes) -> tuple:
@@ -394,7 +416,7 @@ def _plan_advice(plan, num_starts: int) -> str:
         advice += (
             f"integrate {what} on a grid of fits with {'them' if others else 'it'} fixed, families={{{grid}}}, or "
             f"compare {'them' if others else 'it'} with NUTS"
-            if grid else f"compare the {word} with NUTS"
+            if grid else f"compare the {word} with NUTS" + _no_grid_note(plan, scale)
         )
     elif plan.conjugate and all(conj for _, conj in plan.conjugate):
         # (every factor closed-form: no Monte Carlo to replace, no joint block to merge into)

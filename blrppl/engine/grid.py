@@ -166,6 +166,16 @@ def _check_sites(sites, plan, records) -> list:
                 "scalar(s)" + (" and is discrete" if block is not None and block.discrete else ""),
                 site=site,
             )
+        if math.prod(record.value_shape) != 1:
+            # (a 2 × 2 LKJ Cholesky factor has one free scalar, and its bijection maps a vector of
+            # one, not a scalar, to a matrix: numpyro's transform raised an IndexError)
+            raise BLRError(
+                f"families={{'{site}': 'grid'}}: a grid integrates a latent whose value is one scalar; '{site}' "
+                f"has one free scalar but a value of shape {tuple(record.value_shape)} ({record.support}): write the "
+                "scalar as its own site (for a 2 × 2 correlation: r ~ Beta(eta, eta), rho = 2 r - 1, the LKJ(eta) "
+                "marginal) and put that on the grid",
+                site=site,
+            )
         out.append((block, biject_to(record.support)))
     return out
 

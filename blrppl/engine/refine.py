@@ -22,7 +22,8 @@ order:
   (``families={"tau": "grid"}``, :mod:`blrppl.engine.grid`): INLA's scheme, which turns
   centred eight schools exact;
 * the other structure: ``structure="joint"`` when the plan fits several dense Gaussian
-  blocks apart, ``"mean-field"`` when it fitted one joint block;
+  blocks apart (a joint block is not split: mean-field is a restriction of it, its optimum no
+  closer to the posterior);
 * an over-dispersed start: the fit started from a draw of the first fit's q with its spread
   widened :data:`OVERDISPERSION` times on the unconstrained scale (a start far from the
   first fit's mode, where another mode may lie that PSIS cannot see from q's draws);
@@ -32,6 +33,11 @@ order:
   sites the diagnostics point at (:func:`mixture_candidates`): where the advice names more
   starts, the posterior may have several modes, which one Gaussian misses whichever start it
   takes; the mixture's fit computes its own k̂ and bound, by which it is ranked like the rest.
+
+A start that finds the first fit's optimum again (:func:`same_optimum`) while no start has
+found another ends the starts, and the mixture too unless the first fit points at mass q
+misses (k̂ ≥ 1, or sites the narrow-q check flags): :func:`skip_reason`; those are listed with
+a ``"not run: ..."`` note.
 
 A remedy that would override an option the user gave is not tried (``structure=`` given, a
 scale already in ``families=``, ``num_starts`` > 1, ``prior=``, scales already on a grid, or a
@@ -49,7 +55,9 @@ unless a candidate ranks above it.
 The refinement is bounded by ``refine_budget`` (default 5: :data:`blrppl.inputs.REFINE_BUDGET`,
 which says why) times the first fit's time T, T counted as at least :data:`MIN_UNIT` (6 s: a fit
 from the cache skips the compilation its remedies pay): a candidate is started only while the
-time the refinement has spent plus T (the next candidate's expected cost) is at most that budget, and a
+time the refinement has spent plus its expected cost (:func:`expected_cost`: a start reruns the
+first fit's steps, a mixture :data:`MIXTURE_COMPONENTS` times them, anything else costs T) is at
+most that budget (one past it is passed over, and a cheaper one after it may start), and a
 grid, whose fits are many, stops at the budget's end (the random walk reference's two scales
 took 590 s against a first fit of 6 s), and so does a single fit (another structure or start),
 after its compilation, at its loop's chunk boundaries and before its diagnostics
@@ -65,6 +73,7 @@ import time
 from typing import Callable, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from blrppl.engine.advice import named_remedies
@@ -90,6 +99,17 @@ MIXTURE_COMPONENTS = 8
 #: gradients over them, and its diagonal components, without ``structure="joint"``, hold none
 #: of their correlations)
 MIXTURE_MAX_DIM = 100
+
+#: the remedies a :class:`Candidate` tries
+GRID, STRUCTURE, START, MIXTURE = "grid", "structure", "start", "mixture"
+
+#: what a start found (:func:`refine`): the first fit's optimum (:func:`same_optimum`), or another
+SAME, OTHER = "same optimum", "other optimum"
+
+#: two optima are one where their q's means differ by less than this many of the first fit's
+#: sds along every coordinate of its Gaussian blocks: an even mixture of two Gaussians of one
+#: sd is unimodal while their means are at most two sds apart
+SAME_OPTIMUM_SDS = 2.0
 
 #: seconds a first fit counts for at least in the budget: a first fit whose programs came from
 #: the cache skips its compilation, and its remedies' fits compile theirs (NumPyro's logit
@@ -130,6 +150,9 @@ class Candidate(NamedTuple):
     design: str | None = None
     #: the sites a grid candidate integrates (a grid over a subset of a fitted grid's is not tried)
     grid_sites: tuple = ()
+    #: the remedy it tries (:data:`GRID`, :data:`STRUCTURE`, :data:`START`, :data:`MIXTURE`): the
+    #: refinement stops a remedy once it is answered, and reads its expected cost by it
+    remedy: str = ""
 
 
 def candidates(first, options, key, grid_asked: bool) -> list:
@@ -158,23 +181,28 @@ def candidates(first, options, key, grid_asked: bool) -> list:
         fit_options = dataclasses.replace(options, families=tuple(sorted(grid.items())), num_starts=1)
         out.append(
             Candidate(change + (" (the hyperparameters)" if design else ""), fit_options, key, design=design,
-                      grid_sites=tuple(sites))
+                      grid_sites=tuple(sites), remedy=GRID)
         )
     if options.structure is None and generic and not grid_asked:
+        # (only the joint block, which holds what blocks apart drop; a joint block is not split:
+        # mean-field is a restriction of it, so its optimum is no closer to the posterior.
+        # NumPyro's semi-supervised HMM, one joint block: mean-field k̂ 1.46 against 0.77; the
+        # LKJ varying slopes: k̂ 1.01 and means 0.48 NUTS sd off against 0.94 and 0.08)
         dense = [b for b in plan.blocks if b.family.dense_event and not b.point]
         if len(dense) > 1:
-            out.append(Candidate("structure='joint'", dataclasses.replace(options, structure="joint"), key))
-        elif any(len(b.sites) > 1 for b in dense):
-            out.append(Candidate("structure='mean-field'", dataclasses.replace(options, structure="mean-field"), key))
+            out.append(Candidate("structure='joint'", dataclasses.replace(options, structure="joint"), key,
+                                 remedy=STRUCTURE))
     if options.num_starts == 1 and generic and not grid_asked:
         try:
             values = overdispersed_values(first.plan, first.nat, host_fold_in(key, 101))
         except Exception:  # (a family that cannot be drawn so: that start is not offered)
             values = {}
         if values:
-            out.append(Candidate(f"an over-dispersed start (q's spread × {OVERDISPERSION:g})", options, key, values))
+            out.append(Candidate(f"an over-dispersed start (q's spread × {OVERDISPERSION:g})", options, key, values,
+                                 remedy=START))
         out.extend(
-            Candidate(f"start {k} of num_starts={EXTRA_STARTS + 1}", options, host_fold_in(key, k), None, k)
+            Candidate(f"start {k} of num_starts={EXTRA_STARTS + 1}", options, host_fold_in(key, k), None, k,
+                      remedy=START)
             for k in range(1, EXTRA_STARTS + 1)
         )
         out.extend(mixture_candidates(first, options, key))
@@ -210,7 +238,7 @@ def mixture_candidates(first, options, key) -> list:
         mixtures=tuple(sorted((s, MIXTURE_COMPONENTS) for s in sites)),
     )
     change = "families={" + ", ".join(f"'{s}': ('gaussian-mixture', {MIXTURE_COMPONENTS})" for s in sites) + "}"
-    return [Candidate(change, fit_options, key)]
+    return [Candidate(change, fit_options, key, remedy=MIXTURE)]
 
 
 def mixture_sites(plan, families=()) -> dict:
@@ -238,7 +266,10 @@ def hyperparameters(plan) -> tuple:
     return tuple(
         m.name for b in plan.blocks
         if not (b.discrete or b.point or b.param or b.chain) and b.local is None and b.family.gaussian
-        for m in (b.members or (b,)) if m.size == 1 and m.transform is not None
+        for m in (b.members or (b,))
+        # (a value of one scalar: a 2 × 2 LKJ Cholesky factor has one free scalar but a matrix value)
+        if m.size == 1 and m.transform is not None
+        and math.prod(m.value_shape if m.site_shape is None else m.site_shape) == 1
     )
 
 
@@ -246,20 +277,31 @@ def overdispersed_values(plan, nat, key) -> dict:
     """Site → a starting value (constrained) for every latent in a Gaussian block: a draw x of
     q moved to m + :data:`OVERDISPERSION` · (x − m) (m: q's mean) on the block's unconstrained
     space; sites whose value is not finite there are left to the model's start."""
+    blocks = [
+        (i, b) for i, b in enumerate(plan.blocks)
+        if not (b.discrete or b.point or not b.family.gaussian or b.local is not None or b.name not in nat)
+    ]
+
+    def values(block_nat, key):
+        out = {}
+        for i, b in blocks:
+            x = b.family.sample(block_nat[b.name], jax.random.fold_in(key, i))
+            m = b.family.view(block_nat[b.name]).mean
+            u = m + OVERDISPERSION * (x - m)
+            parts = b.split(u) if b.members else {b.name: b.to_site(u)}
+            for member in b.members or (b,):
+                value = parts[member.name]
+                out[member.name] = member.transform(value) if member.transform is not None else value
+        return out
+
+    # (one compiled program: op by op, the draw, the split and the transforms of the semi-supervised
+    # HMM's 33 scalars took 1–2.7 s of dispatch and compilation, a third of a step's run)
+    drawn = jax.jit(values)({b.name: nat[b.name] for _, b in blocks}, key)
     out = {}
-    for i, b in enumerate(plan.blocks):
-        if b.discrete or b.point or not b.family.gaussian or b.local is not None or b.name not in nat:
-            continue
-        x = b.family.sample(nat[b.name], jax.random.fold_in(key, i))
-        m = b.family.view(nat[b.name]).mean
-        u = m + OVERDISPERSION * (x - m)
-        parts = b.split(u) if b.members else {b.name: b.to_site(u)}
-        for member in b.members or (b,):
-            value = parts[member.name]
-            value = member.transform(value) if member.transform is not None else value
-            value = np.asarray(value, dtype=float)
-            if np.all(np.isfinite(value)):
-                out[member.name] = value
+    for name, value in drawn.items():
+        value = np.asarray(value, dtype=float)
+        if np.all(np.isfinite(value)):
+            out[name] = value
     return out
 
 
@@ -279,16 +321,102 @@ def _rank(entry: Refinement, grid: bool) -> tuple:
     return (reliable, grid or entry.khat < KHAT_NO_MEAN, bound)
 
 
+def bound_se(d) -> float:
+    """The Monte Carlo standard error of the importance-weighted bound of diagnostics ``d``:
+    √((1/ESS − 1)/S) for S draws of relative ESS (0 where it cannot be read)."""
+    if d.num_draws and not math.isnan(d.ess) and d.ess > 0:
+        return math.sqrt(max(1.0 / d.ess - 1.0, 0.0) / d.num_draws)
+    return 0.0
+
+
 def _lower_bound(result, grid: bool = False) -> float:
     """The candidate's bound less two of its Monte Carlo standard errors (none for a grid's
     quadrature, whose ``ess`` is its product q's draws', nor for weights that are all equal)."""
     d = result.diagnostics
-    bound = d.bound
-    if math.isnan(bound) or grid:
-        return bound
-    if d.num_draws and not math.isnan(d.ess) and d.ess > 0:
-        bound -= 2.0 * math.sqrt(max(1.0 / d.ess - 1.0, 0.0) / d.num_draws)
-    return bound
+    if math.isnan(d.bound) or grid:
+        return d.bound
+    return d.bound - 2.0 * bound_se(d)
+
+
+#: the note of a candidate the refinement did not run (:func:`skip_reason`)
+NOT_RUN = "not run: "
+
+
+def skip_reason(cand: Candidate, answered: set, first) -> str:
+    """Why ``cand`` is not run, given what the starts found so far (``answered``: :data:`SAME`,
+    :data:`OTHER`), or ''.
+
+    A start found the first fit's optimum again (:func:`same_optimum`; the over-dispersed
+    start, begun :data:`OVERDISPERSION` times q's spread away, is tried first) and none found
+    another: the other starts are not run, nor the mixture, whose components would sit at that
+    one optimum, unless the first fit points at mass q misses (its k̂ at least :data:`KHAT_NO_MEAN`, or
+    sites the narrow-q check flags). NumPyro's semi-supervised HMM: its three more starts cost
+    2.1× its first fit and the mixture 2.5× before the budget cut it, the starts' k̂ 0.75–0.86
+    and bounds within 0.5 nats of its 0.77; the four-mode θ² model's first fit has k̂
+    1.02, and its mixture is kept."""
+    if answered != {SAME} or cand.remedy not in (START, MIXTURE):
+        return ""
+    if cand.remedy == START:
+        return "a start found the first fit's optimum again"
+    d = first.diagnostics
+    if d.khat >= KHAT_NO_MEAN or d.narrow:
+        return ""
+    return "the starts found one optimum, and the first fit's k-hat (< 1) and narrow-q check point at no mass q misses"
+
+
+def expected_cost(cand: Candidate, first, first_time: float) -> float:
+    """The seconds ``cand`` is expected to take, by what it reruns of the first fit (its
+    ``compile_time`` and ``run_time``; ``first_time`` its whole time): a start reuses the
+    compiled fit and reruns its steps; a mixture compiles its own steps and takes at least
+    :data:`MIXTURE_COMPONENTS` times the first fit's steps' time (its steps draw K × 16 of the
+    model's gradients: the LKJ varying slopes' took 11.5 times, the semi-supervised HMM's more
+    than 3 times, cut by the budget); any other candidate a first fit's time."""
+    compile_time, run_time = getattr(first, "compile_time", None), getattr(first, "run_time", None)
+    if not isinstance(run_time, float) or not isinstance(compile_time, float):
+        return first_time
+    run = max(first_time - compile_time, run_time)  # (the diagnostics and export included)
+    if cand.remedy == START:
+        return run
+    if cand.remedy == MIXTURE:
+        return compile_time + MIXTURE_COMPONENTS * run
+    return first_time
+
+
+def same_optimum(first, other) -> bool:
+    """Whether ``other`` (a fit of the first fit's plan from another start) found the first
+    fit's optimum: the means of every global Gaussian block within :data:`SAME_OPTIMUM_SDS` of
+    either fit's marginal sds along every coordinate (on the unconstrained scale; a wide q
+    between two modes and a narrow one at either are two optima), and their
+    importance-weighted bounds within two standard errors of their difference (a start that
+    settled at a worse optimum shows there are several: the θ² model with two modes per
+    coordinate, started 3 q sds out, settled 1.6–1.7 nats below the first fit with means within
+    its sds). False where no block can be compared so."""
+    names = [
+        b.name for b in first.plan.blocks
+        if b.family.gaussian and not (b.discrete or b.point) and b.local is None and b.name in first.nat
+    ]
+    again = getattr(other, "nat", {})
+    if not names or any(n not in again for n in names):
+        return False
+    gap = abs(other.diagnostics.bound - first.diagnostics.bound)
+    if not gap <= 2.0 * math.hypot(bound_se(first.diagnostics), bound_se(other.diagnostics)):
+        return False
+
+    def gaps(nat, nat_again):
+        out = {}
+        for n in names:
+            family = first.plan.block(n).family
+            view, moved = family.view(nat[n]), family.view(nat_again[n])
+            sd = jnp.sqrt(jnp.minimum(family.marginal_variance(view), family.marginal_variance(moved)))
+            out[n] = jnp.max(jnp.abs(moved.mean - view.mean) / sd)
+        return out
+
+    try:
+        # (one compiled program: op by op, a 33-scalar dense block's moments took 1–2 s)
+        found = jax.jit(gaps)({n: first.nat[n] for n in names}, {n: again[n] for n in names})
+    except Exception:  # (a family without marginal variances, or another layout: not compared)
+        return False
+    return all(bool(np.isfinite(g) and g < SAME_OPTIMUM_SDS) for g in map(float, found.values()))
 
 
 def refine(fit: Callable, first, held: list, options, key, first_time: float, budget: float, grid_asked: bool):
@@ -315,10 +443,15 @@ def refine(fit: Callable, first, held: list, options, key, first_time: float, bu
     fitted = [(Refinement("as asked", first.diagnostics.khat, first.diagnostics.bound, first_time), first, held, False)]
     spent, limit = 0.0, budget * max(first_time, MIN_UNIT)
     gridded: set = set()  # (the sites of the grids fitted so far)
+    answered: set = set()  # (what the starts found: SAME, the first fit's optimum, OTHER, another)
     for cand in candidates(first, options, key, grid_asked):
-        if spent + first_time > limit:
-            break
         if cand.grid_sites and set(cand.grid_sites) <= gridded:
+            continue
+        reason = skip_reason(cand, answered, first)
+        if reason:
+            fitted.append((Refinement(cand.change, math.nan, math.nan, 0.0, note=NOT_RUN + reason), None, [], False))
+            continue
+        if spent + expected_cost(cand, first, first_time) > limit:
             continue
         t0 = time.perf_counter()
         try:
@@ -338,6 +471,9 @@ def refine(fit: Callable, first, held: list, options, key, first_time: float, bu
         d = result.diagnostics
         grid = "'grid'" in cand.change
         gridded |= set(cand.grid_sites)
+        if cand.remedy == START and getattr(result, "converged", True):
+            # (one start at another optimum shows there are several: the rest run)
+            answered.add(SAME if same_optimum(first, result) else OTHER)
         fitted.append((Refinement(cand.change, d.khat, d.bound, seconds), result, caught, grid))
     # (a candidate that did not converge ranks below every one that did: the first fit did, and a
     # mixture stopped by num_steps before its ELBO settled would turn a converged fit into one
@@ -346,7 +482,7 @@ def refine(fit: Callable, first, held: list, options, key, first_time: float, bu
         ((bool(getattr(result, "converged", True)),) + _rank(entry._replace(bound=_lower_bound(result, grid)), grid), -i, i)
         for i, (entry, result, _, grid) in enumerate(fitted) if result is not None
     ]
-    if len(fitted) == 1:
+    if all(entry.note.startswith(NOT_RUN) for entry, *_rest in fitted[1:]):
         return first, held, []  # (no remedy applies, or the budget allowed none)
     best = max(scored)[2]  # (ties: the earlier fit, the first fit before any candidate)
     refinements = [entry._replace(kept=i == best) for i, (entry, *_rest) in enumerate(fitted)]
@@ -361,10 +497,13 @@ def summary(refinements: list) -> str:
         what = r.note or f"k-hat {r.khat:.2f}, bound {r.bound:.4g}, {r.time:.1f} s"
         return f"{r.change} ({what})" + (" [kept]" if r.kept else "")
 
-    first, tried = refinements[0], refinements[1:]
+    first = refinements[0]
+    tried = [r for r in refinements[1:] if not r.note.startswith(NOT_RUN)]
+    skipped = [r for r in refinements[1:] if r.note.startswith(NOT_RUN)]
     return (
         f"q was poor, so the fit tried {len(tried)} remed{'y' if len(tried) == 1 else 'ies'} and kept the one with the "
         "best importance-weighted bound (fits whose weights are reliable, k-hat ≤ 0.7 or a grid, first, then k-hat < 1): "
         "the fit as asked "
         f"({shown(first).split(' (', 1)[1]}; " + "; ".join(shown(r) for r in tried)
+        + "".join(f"; {r.change} ({r.note})" for r in skipped)
     )

@@ -382,3 +382,192 @@ def test_the_mixtures_steps_stop_at_the_budgets_end():
     with budget.deadline(None):  # (no deadline: the steps run)
         out, elbo, _, _ = mixture._run_mixture(log_joint, {}, nat, fit_options(num_steps=100), random.PRNGKey(1))
     assert elbo.shape == (100,) and np.all(np.isfinite(elbo))
+
+
+def _starts_run(monkeypatch, first, outcomes, same):
+    """Refine ``first`` over an over-dispersed start, three more starts and a mixture (stand-in
+    fits giving ``outcomes`` in turn), ``same(result)`` saying whether a start found the first
+    fit's optimum: ``(refinements, candidates fitted)``."""
+    cands = [refine_mod.Candidate("over-dispersed", None, None, remedy=refine_mod.START)]
+    cands += [refine_mod.Candidate(f"start {k}", None, None, start=k, remedy=refine_mod.START) for k in (1, 2, 3)]
+    cands += [refine_mod.Candidate("mixture", None, None, remedy=refine_mod.MIXTURE)]
+    monkeypatch.setattr(refine_mod, "candidates", lambda *a: cands)
+    monkeypatch.setattr(refine_mod, "same_optimum", lambda first, result: same(result))
+    calls = []
+
+    def fit(options, key, init_values=None, start=0, deadline=None, design=None):
+        calls.append(start)
+        return outcomes[len(calls) - 1], []
+
+    _, _, refinements = refine_mod.refine(fit, first, [], fit_options(), None, 1.0, 50.0, False)
+    ran = [r.change for r in refinements[1:] if not r.note.startswith(refine_mod.NOT_RUN)]
+    return refinements, ran
+
+
+def test_a_start_at_the_first_fits_optimum_ends_the_starts_and_the_mixture(monkeypatch):
+    """The semi-supervised HMM's case: q poor by a k̂ under 1 (0.77), no site flagged narrow,
+    and the over-dispersed start back at the first fit's optimum: the other starts and the
+    mixture are not run, and each is listed with why."""
+    first = _result(0.77, -1385.8, ess=0.1)
+    refinements, ran = _starts_run(monkeypatch, first, [_result(0.76, -1385.8, ess=0.1)] * 5, lambda r: True)
+    assert ran == ["over-dispersed"], refinements
+    skipped = {r.change: r.note for r in refinements[1:] if r.note.startswith(refine_mod.NOT_RUN)}
+    assert set(skipped) == {"start 1", "start 2", "start 3", "mixture"}, skipped
+    assert "optimum again" in skipped["start 1"] and "k-hat" in skipped["mixture"]
+    assert refinements[0].kept
+    message = refine_mod.summary(refinements)
+    assert "tried 1 remedy" in message and "mixture (not run: " in message, message
+
+
+def test_a_start_at_another_optimum_lets_the_rest_run(monkeypatch):
+    """The four-mode θ² model's case: the over-dispersed start settled elsewhere (another
+    optimum), so several optima are seen and every start and the mixture run, even after a
+    later start found the first fit's optimum again."""
+    first = _result(0.98, -5.0, ess=0.1)
+    other, again = _result(0.83, -6.6, ess=0.1), _result(0.9, -5.0, ess=0.1)
+    outcomes = [other, again, again, again, _result(0.5, -4.9)]
+    _, ran = _starts_run(monkeypatch, first, outcomes, lambda r: r is again)
+    assert ran == ["over-dispersed", "start 1", "start 2", "start 3", "mixture"]
+
+
+@pytest.mark.parametrize("khat, narrow", [(1.02, ()), (0.8, ("theta",))])
+def test_the_mixture_still_runs_where_the_first_fit_points_at_missed_mass(monkeypatch, khat, narrow):
+    """The starts all at one optimum, but the first fit's k̂ is 1 or more (importance ratios
+    without a finite mean), or the narrow-q check flags a site: the mixture is run (the starts
+    are not)."""
+    from blrppl.posterior.narrow import Width
+
+    first = _result(khat, -5.0, ess=0.1)
+    first.diagnostics = first.diagnostics._replace(narrow=tuple(Width(s, 2.0, 0.1, 0.3) for s in narrow))
+    _, ran = _starts_run(monkeypatch, first, [_result(khat, -5.0, ess=0.1)] * 5, lambda r: True)
+    assert ran == ["over-dispersed", "mixture"]
+
+
+def test_a_start_that_did_not_converge_answers_nothing(monkeypatch):
+    """A start stopped by num_steps= is no answer of where the starts lead: the others run."""
+    first = _result(0.8, -5.0, ess=0.1)
+    stopped = _result(0.8, -5.0, ess=0.1)
+    stopped.converged = False
+    _, ran = _starts_run(monkeypatch, first, [stopped] + [_result(0.8, -5.0, ess=0.1)] * 4, lambda r: True)
+    assert ran == ["over-dispersed", "start 1"]
+
+
+def test_a_joint_block_is_not_split_into_mean_field():
+    """One joint dense block (the semi-supervised HMM's Dirichlet rows, the LKJ varying slopes):
+    mean-field is a restriction of it, so no ``structure='mean-field'`` candidate; several blocks
+    apart still get ``structure='joint'``."""
+    from blrppl.api import plan_of
+
+    def two(x, y1, y2):
+        a = numpyro.sample("a", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
+        b = numpyro.sample("b", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
+        with numpyro.plate("n", len(x)):
+            numpyro.sample("y1", dist.Bernoulli(logits=a[0] + a[1] * x), obs=y1)
+            numpyro.sample("y2", dist.Bernoulli(logits=a[1] + b[0] + b[1] * x), obs=y2)
+
+    x = np.linspace(-1.0, 1.0, 20)
+    data = (x, (x > 0).astype(float), (x < 0.5).astype(float))
+    for structure, offered in ((None, []), ("mean-field", ["structure='joint'"])):
+        plan = plan_of(two, data, structure=structure)
+        first = types.SimpleNamespace(plan=plan, nat={}, diagnostics=_result(0.9, -1.0).diagnostics)
+        changes = [c.change for c in refine_mod.candidates(first, fit_options(), random.PRNGKey(0), False)]
+        assert [c for c in changes if c.startswith("structure=")] == offered, (structure, changes)
+
+
+def test_a_candidates_expected_cost_is_what_it_reruns():
+    """A first fit of 10 s, 3 of them compiling: a start reuses the compiled fit (7 s), the
+    mixture compiles and runs MIXTURE_COMPONENTS times the steps (3 + 7 K s), a grid or another
+    structure a whole first fit; a stand-in without its times counts as a first fit."""
+    first = types.SimpleNamespace(compile_time=3.0, run_time=6.5)
+    cost = {
+        kind: refine_mod.expected_cost(refine_mod.Candidate(kind, None, None, remedy=kind), first, 10.0)
+        for kind in (refine_mod.START, refine_mod.MIXTURE, refine_mod.GRID, refine_mod.STRUCTURE)
+    }
+    assert cost == {"start": 7.0, "mixture": 3.0 + 7.0 * refine_mod.MIXTURE_COMPONENTS, "grid": 10.0, "structure": 10.0}
+    stand_in = refine_mod.Candidate("c", None, None, remedy="start")
+    assert refine_mod.expected_cost(stand_in, _result(0.9, -1.0), 10.0) == 10.0
+
+
+def test_a_mixture_past_the_budget_is_not_started_and_a_cheaper_candidate_after_it_is(monkeypatch):
+    """Budget 5 × a first fit of 10 s (3 compiling): a mixture expected at 3 + 7 × 8 s is not
+    started, and the start listed after it (7 s) still is."""
+    first = _result(1.2, -5.0, ess=0.1)
+    first.compile_time, first.run_time = 3.0, 7.0
+    cands = [
+        refine_mod.Candidate("mixture", None, None, remedy=refine_mod.MIXTURE),
+        refine_mod.Candidate("start 1", None, None, start=1, remedy=refine_mod.START),
+    ]
+    monkeypatch.setattr(refine_mod, "candidates", lambda *a: cands)
+    monkeypatch.setattr(refine_mod, "same_optimum", lambda first, result: False)
+    calls = []
+
+    def fit(options, key, init_values=None, start=0, deadline=None, design=None):
+        calls.append(start)
+        return _result(1.1, -6.0), []
+
+    _, _, refinements = refine_mod.refine(fit, first, [], fit_options(), None, 10.0, 5.0, False)
+    assert calls == [1] and [r.change for r in refinements] == ["as asked", "start 1"]
+
+
+def test_same_optimum_reads_the_means_in_sds_and_the_bounds():
+    """Two fits of one logistic regression from two keys are one optimum; the fit of the data
+    with its labels flipped (coefficients of the other sign, many sds away) is another, and so
+    is a fit whose bound is 5 nats lower, its means the same."""
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(200, 3))
+    y = (rng.uniform(size=200) < 1 / (1 + np.exp(-X @ np.array([1.0, -0.5, 0.25])))).astype(float)
+
+    def logistic(X, y=None):
+        w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([X.shape[1]]).to_event(1))
+        with numpyro.plate("N", X.shape[0]):
+            numpyro.sample("y", dist.Bernoulli(logits=X @ w), obs=y)
+
+    def fit(labels, key):
+        return blr_fit(logistic, {"X": X, "y": labels}, rng_key=random.PRNGKey(key), progress_bar=False, refine=False)
+
+    first = fit(y, 0)
+    assert refine_mod.same_optimum(first, fit(y, 1))
+    assert not refine_mod.same_optimum(first, fit(1.0 - y, 0))
+    lower_bound = first.diagnostics._replace(bound=first.diagnostics.bound - 5.0)
+    lower = types.SimpleNamespace(nat=first.nat, diagnostics=lower_bound)
+    assert not refine_mod.same_optimum(first, lower)
+
+
+def _slopes(scales_as_vector):
+    """Varying intercepts and slopes with an LKJ(2) correlation, their scales a vector site (as
+    Statistical Rethinking's cafés write them) or one scalar."""
+
+    def model(group, x, y=None):
+        if scales_as_vector:
+            scale = numpyro.sample("sigma_group", dist.Exponential(1.0).expand([2]).to_event(1))
+        else:
+            scale = numpyro.sample("sigma_group", dist.Exponential(1.0))
+        chol_corr = numpyro.sample("chol_corr", dist.LKJCholesky(2, 2.0))
+        scale_tril = (scale[:, None] if scales_as_vector else scale) * chol_corr
+        with numpyro.plate("groups", 10):
+            ab = numpyro.sample("ab", dist.MultivariateNormal(jnp.zeros(2), scale_tril=scale_tril))
+        with numpyro.plate("rows", group.shape[0]):
+            numpyro.sample("y", dist.Normal(ab[group, 0] + ab[group, 1] * x, 0.5), obs=y)
+
+    rng = np.random.default_rng(0)
+    group, x = np.repeat(np.arange(10), 4), np.tile([0.0, 1.0], 20)
+    return model, (group, x, rng.normal(size=40))
+
+
+def test_a_correlation_factor_is_no_grid_scale_and_the_advice_says_why():
+    """A 2 × 2 LKJ Cholesky factor has one free scalar but a matrix value, which a grid cannot
+    take: it is no hyperparameter for the refinement's grid, the funnel's grid does not name it,
+    and where no grid is offered the advice says which scale sites are not scalars and how to
+    write them (the LKJ varying slopes: no remedy was offered and the advice did not say why)."""
+    from blrppl.api import plan_of
+    from blrppl.engine.advice import named_remedies, poor_q_advice
+
+    plan = plan_of(*_slopes(True))
+    assert refine_mod.hyperparameters(plan) == ()
+    assert named_remedies(plan) == ((), False)
+    advice = poor_q_advice(plan)
+    assert "'sigma_group' (shape (2,)), 'chol_corr' (shape (2, 2)) are not" in advice, advice
+    assert "r ~ Beta(eta, eta), rho = 2 r - 1" in advice
+    scalar = plan_of(*_slopes(False))
+    assert refine_mod.hyperparameters(scalar) == ("sigma_group",)
+    assert "chol_corr" not in named_remedies(scalar)[0]

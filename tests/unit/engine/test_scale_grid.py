@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import warnings
 
+import jax.numpy as jnp
 import numpy as np
 import numpyro
 import numpyro.distributions as dist
@@ -185,6 +186,21 @@ def test_a_pooled_beta_on_a_grid_reports_the_mixture_of_its_conjugate_fits():
 def test_grid_requests_it_cannot_serve_are_clear_errors(families, kwargs, match):
     with pytest.raises(BLRError, match=match):
         blr_fit(eight_schools, (J, SIGMA, Y), families=families, progress_bar=False, **kwargs)
+
+
+def test_a_matrix_with_one_free_scalar_on_a_grid_is_a_clear_error():
+    """A 2 × 2 LKJ Cholesky factor has one free scalar but a matrix value: the grid, which maps
+    one scalar to a site's value, refuses it by name and says how to write it (numpyro's
+    transform raised an IndexError from inside the grid)."""
+
+    def slopes(y):
+        L = numpyro.sample("L", dist.LKJCholesky(2, 2.0))
+        with numpyro.plate("n", y.shape[0]):
+            numpyro.sample("y", dist.MultivariateNormal(jnp.zeros(2), scale_tril=L), obs=y)
+
+    y = np.random.default_rng(0).normal(size=(20, 2))
+    with pytest.raises(BLRError, match=r"'L' has one free scalar but a value of shape \(2, 2\).*rho = 2 r - 1"):
+        blr_fit(slopes, (y,), families={"L": "grid"}, rng_key=random.PRNGKey(0), progress_bar=False)
 
 
 def test_more_scales_than_a_grid_holds_is_a_clear_error():
