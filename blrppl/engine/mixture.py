@@ -288,8 +288,13 @@ def _run_mixture(log_joint, rest_nat: dict, nat: dict, options, key) -> tuple:
 
             new[n], e = gm.mixture_step(nat[n], log_p, jax.random.fold_in(k_steps, i), rho, NUM_DRAWS)
             elbo = e if i == 0 else elbo  # (one block's estimate: with several, each holds the others' draws)
-        # (a one-component block's entropy, in closed form, beside the first block's estimate)
-        elbo = elbo + sum(gm.component_entropy(nat[n]) for n in names[1:] if nat[n].logits.shape[0] == 1)
+        # (the other blocks' entropies beside the first block's estimate: a one-component
+        # block's in closed form, a mixture's by draws of it)
+        elbo = elbo + sum(
+            gm.component_entropy(nat[n]) if nat[n].logits.shape[0] == 1
+            else gm.entropy_estimate(nat[n], jax.random.fold_in(k_rest, 1 + i), NUM_DRAWS)
+            for i, n in enumerate(names[1:])
+        )
         ok = jnp.isfinite(elbo) & jnp.all(jnp.stack([gm.mixture_is_valid(new[n]) for n in names]))
         kept = jax.tree.map(lambda a, b: jnp.where(ok & (t < total), a, b), new, nat)
         return kept, (elbo, ~ok & (t < total))

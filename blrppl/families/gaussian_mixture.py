@@ -497,6 +497,12 @@ def component_view(nat: MixtureNat, view_type: type):
     return GaussianView(nat.mean[0], 0.5 * (cov + cov.T))
 
 
+def entropy_estimate(nat: MixtureNat, key, num_draws: int) -> jax.Array:
+    """H(q) = −E_q[log q(x)] of a mixture (no closed form) by ``num_draws`` draws of q."""
+    draws = mixture_distribution(nat).sample(key, (num_draws,))
+    return -jnp.mean(jax.vmap(lambda x: mixture_log_prob(nat, x))(draws))
+
+
 def component_entropy(nat: MixtureNat) -> jax.Array:
     """The entropy of a one-component mixture (a Gaussian): ½ (d (1 + log 2π) − log |S|)."""
     d = nat.mean[0].size
