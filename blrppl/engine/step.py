@@ -426,25 +426,25 @@ def _messages_of_grads(blocks, nat, views, grads, diagonal) -> dict:
 
 def one_pass_of(plan, objective, schedule: str, constant=None):
     """A :class:`OnePass`, whose ``run(nat, views, data, key)`` gives
-    ``(Σ_i E_q[log f_i], {block: Σ_i λ̃_ib})``: the expected log factors (the ELBO less its entropies) and the messages of the blocks a step
-    reads first (every block in the ``parallel`` schedule, the first one in the
-    ``sequential``), at one q, from one pass over the data: the value and the gradient of
-    the objective whose surrogate terms are zero and carry the Monte Carlo messages.
+    ``(Σ_i E_q[log f_i], Ahead)``: the expected log factors (the ELBO less its entropies)
+    and the messages of the blocks a step reads first (every block in the ``parallel``
+    schedule, the first one in the ``sequential``), at one q, from one pass over the data:
+    the value and the gradient of the objective.
 
     A step then carries these messages at its q: its update λ' = (1 − ρ)λ + ρ λ̃(λ) reads
     them, and one pass at the updated q gives both the ELBO that accepts or undoes the step
     and the next step's first messages (a rejected step falls back to its state's). The
     iterates are those of messages computed when the step reads them; a step makes one pass
-    over the data fewer (the parallel schedule one instead of two; over a mesh, a model of
-    one global block sums one all-reduce a step instead of two: docs/scaling.md).
+    over the data fewer (over a mesh, one all-reduce a step where every message it reads was
+    computed so: docs/scaling.md).
 
     None (messages computed when read) for a plan with subsampled plates, factors taken
     apart as :func:`constant_factors` (the ELBO's value is formed otherwise there), factors
-    that draw (Monte Carlo messages taken from the draws of the ELBO's estimate: the fits of a
-    non-Gaussian factor by every curvature estimator came out with sds down to 0.83× the
-    exact ones, where messages drawn apart stay within 0.85–1.15×), or first blocks whose messages are not that gradient: point blocks
-    (Newton's method) and a lone conjugate block taken at its fixed view
-    (:func:`_fixed_view_block`).
+    that draw (Monte Carlo messages taken from the draws of the ELBO's estimate: the fits
+    of a non-Gaussian factor by every curvature estimator came out with sds down to 0.83×
+    the exact ones, where messages drawn apart stay within 0.85–1.15×), or first blocks
+    whose messages are not that gradient: point blocks (Newton's method) and a lone
+    conjugate block taken at its fixed view (:func:`_fixed_view_block`).
     """
     constant = constant_factors(plan) if constant is None else constant
     names = tuple(plan.order) if schedule == "parallel" else tuple(plan.order[:1])
