@@ -225,7 +225,7 @@ def fit_kernel(prepared, start_from_values: Callable | None = None) -> BLRKernel
     plan, data = prepared.plan, prepared.kernel_data
     bound = bind_step(prepared.bundle.step_fn, prepared.dyn_data, prepared.rho)
     blocks = {b.name for b in plan.blocks}
-    # the state carries its views (and a parallel step's messages) as inside the fit's loop
+    # the state carries its views (and the messages its step reads first) as inside the fit's loop
     # (each step forms the next ones)
     carry = prepared.bundle.carry_fn
     carry_views = None if carry is None else jax.jit(lambda s: carry(s, prepared.dyn_data))

@@ -136,7 +136,7 @@ def make_chunk(
     computed before the first step, so that backtracking checks that step too. With
     ``exact_block`` (the plan's only block, conjugate: one step at ρ = 1 is its exact
     posterior) the run converges after one such step. With ``views_fn`` (``(state, data)`` →
-    the state with its views, and the messages a parallel step computes ahead: the ``carry``
+    the state with its views, and the messages its step reads first: the ``carry``
     of :func:`blrppl.engine.step.make_step`) the loop carries each block's view (and
     messages) from step to step (formed once per chunk, then at the end of each step); the
     chunk returns the state without them.

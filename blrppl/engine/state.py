@@ -26,7 +26,7 @@ class BLRState(NamedTuple):
     ``nat`` (``views``, ``entropies``: :func:`blrppl.engine.step.views_and_entropies`),
     which a step forms at its end and the next one reads instead of forming them again (a
     chain's view is a forward–backward pass); None elsewhere (see
-    :func:`blrppl.engine.step.with_views`). A parallel step that computes the next step's
+    :func:`blrppl.engine.step.with_views`). A step that computes the next step's
     messages in the pass that computes its ELBO (:func:`blrppl.engine.step.one_pass_of`) also
     carries ``messages`` (:class:`Ahead`: Σ_i λ̃_ib at ``nat`` of the blocks it reads first;
     a rejected step falls back to the state it came from, with its messages); None
