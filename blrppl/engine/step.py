@@ -440,11 +440,12 @@ def one_pass_of(plan, objective, schedule: str, constant=None):
 
     None (messages computed when read) for a plan with subsampled plates, factors taken
     apart as :func:`constant_factors` (the ELBO's value is formed otherwise there), factors
-    that draw (Monte Carlo messages taken from the draws of the ELBO's estimate: the fits
-    of a non-Gaussian factor by every curvature estimator came out with sds down to 0.83×
-    the exact ones, where messages drawn apart stay within 0.85–1.15×), or first blocks
-    whose messages are not that gradient: point blocks (Newton's method) and a lone
-    conjugate block taken at its fixed view (:func:`_fixed_view_block`).
+    that draw (Monte Carlo messages: carried, they come from other draws than the messages
+    computed when read, which changes every fixed-key fit; no bias was found, the quartic
+    factor's sds 0.928 against 0.927 of the exact ones over 8 keys and 5 copies, but the
+    fixed-key tests of these fits are not yet checked against it), or first blocks whose
+    messages are not that gradient: point blocks (Newton's method) and a lone conjugate
+    block taken at its fixed view (:func:`_fixed_view_block`).
     """
     constant = constant_factors(plan) if constant is None else constant
     names = tuple(plan.order) if schedule == "parallel" else tuple(plan.order[:1])
