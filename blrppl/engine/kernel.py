@@ -228,7 +228,8 @@ def fit_kernel(prepared, start_from_values: Callable | None = None) -> BLRKernel
     # the state carries its views (and the messages its step reads first) as inside the fit's loop
     # (each step forms the next ones)
     carry = prepared.bundle.carry_fn
-    carry_views = None if carry is None else jax.jit(lambda s: carry(s, prepared.dyn_data))
+    # (the data an argument of the program, not a constant folded into it)
+    carry_views = None if carry is None else jax.jit(carry)
 
     def kernel_init(position=None, rng_key=None) -> BLRState:
         if position is None:
@@ -253,7 +254,7 @@ def fit_kernel(prepared, start_from_values: Callable | None = None) -> BLRKernel
         if rng_key is not None:
             state = state._replace(rng_key=as_key(rng_key))
         state = state._replace(views=None, entropies=None, messages=None)
-        return state if carry_views is None else carry_views(state)
+        return state if carry_views is None else carry_views(state, prepared.dyn_data)
 
     def step(state: BLRState) -> tuple[BLRState, BLRInfo]:
         # (as when the fit's loop is traced: the model's internal re-runs skip validation)
