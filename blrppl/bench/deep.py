@@ -8,9 +8,12 @@ Two benchmarks, each a markdown table written to ``<out>/deep-learning-bench.md`
   deep-learning users train, and on it with the N(0, 1) prior: the MAP), and the IVON optimiser
   (:func:`blrppl.optim.ivon` on the network's loss, no model) are trained by one protocol: a fixed
   budget of :data:`EPOCHS` epochs of shuffled minibatches of :data:`BATCH`, each method's settings
-  (:data:`METHODS`: the learning rate, constant or decayed to 0 by a cosine, IVON's h₀) picked by
-  the NLL on a held-out fifth of the training set (:func:`select`; the test set is not read), then
-  trained on the whole training set with three seeds. NumPyro's SVI with ``AutoNormal`` and
+  (:data:`METHODS`: the learning rate, constant or decayed to 0 by a cosine, IVON's h₀, and for the
+  MAP and IVON the prior precision, :data:`PRIORS`) picked by the NLL on a held-out fifth of the
+  training set (:func:`select`; the test set is not read), then trained on the whole training set
+  with three seeds. The same protocol also runs on :data:`SMALL_SUBSETS` disjoint training sets of
+  :data:`SMALL_IMAGES` images (minibatches of :data:`SMALL_BATCH`, :func:`small_data_rows`), where
+  a network memorises its data. NumPyro's SVI with ``AutoNormal`` and
   ``blr_fit`` (IVON blocks: :mod:`blrppl.compiler.large_blocks`) fit the model with N(0, 1) priors
   on its 2,410 weights full batch for :data:`STEPS` steps. Reported: test accuracy, negative
   log-likelihood and expected calibration error (15 bins) of the predictive class probabilities
@@ -211,9 +214,10 @@ def noise_span(epochs: int, per_epoch: int) -> int:
     return max(d for d in range(1, epochs + 1) if epochs % d == 0 and (d == 1 or d * per_epoch <= NOISE_STEPS))
 
 
-def _ivon_trainer(x, y, epochs, batch=BATCH):
+def _ivon_trainer(x, y, epochs, prior_precision=1.0, batch=BATCH):
     """``(init, train)`` of the IVON optimiser as :func:`_adam_trainer`'s (hyperparameters
-    ``learning_rate`` α, ``hess_init`` h₀ and ``cosine``): one weight draw per step, the draws of
+    ``learning_rate`` α, ``hess_init`` h₀ and ``cosine``; ``prior_precision`` the Gaussian
+    prior's precision, fixed in the program): one weight draw per step, the draws of
     :func:`noise_span` epochs by one call of ``standard_noise``."""
     import optax
 
@@ -224,7 +228,7 @@ def _ivon_trainer(x, y, epochs, batch=BATCH):
     value_and_grad = optim.value_and_grad(lambda p, idx: cross_entropy(p, x[idx], y[idx]))
 
     def make(learning_rate, hess_init, cosine):
-        ivon = optim.ivon(learning_rate=learning_rate, hess_init=hess_init, ess=n, prior_precision=1.0,
+        ivon = optim.ivon(learning_rate=learning_rate, hess_init=hess_init, ess=n, prior_precision=prior_precision,
                           **IVON_SETTINGS)
         return annealed(ivon, cosine, total)  # (α scales the mean's step alone: the same as α's schedule)
 
@@ -266,12 +270,27 @@ def _model_average(carry, key, x):
 
 
 class Method(NamedTuple):
-    """A row of the minibatch protocol: ``trainer(x, y, epochs) -> (init, train)``, the grid of
-    its hyperparameters (picked on held-out training data), and ``probs(carry, key, x)``."""
+    """A row of the minibatch protocol: ``trainer(x, y, epochs, **fixed) -> (init, train)``, the
+    grid of its hyperparameters (picked on held-out training data), ``probs(carry, key, x)``, and
+    the grid of the settings ``fixed`` in the trainer's program (one trainer built for each of
+    their points: the prior precision, which ``blrppl.optim.ivon`` checks when it is built)."""
 
     trainer: Callable
     grid: dict
     probs: Callable
+    fixed: dict = {}
+
+
+def split_settings(method: Method, hyper: dict) -> tuple:
+    """``(fixed, traced)``: a picked point's settings of the trainer's program and those its
+    ``init`` and ``train`` take."""
+    fixed = {k: v for k, v in hyper.items() if k in method.fixed}
+    return fixed, {k: v for k, v in hyper.items() if k not in method.fixed}
+
+
+def with_batch(method: Method, batch: int) -> Method:
+    """``method`` on minibatches of ``batch``."""
+    return method._replace(trainer=partial(method.trainer, batch=batch))
 
 
 #: the grids searched on held-out training data (:func:`select`); ``cosine`` 0: a constant
@@ -279,11 +298,14 @@ class Method(NamedTuple):
 ADAM_GRID = {"learning_rate": (1e-3, 3e-3, 1e-2, 3e-2, 0.1), "cosine": (0.0, 1.0)}
 IVON_GRID = {"learning_rate": (0.3, 1.0, 3.0, 10.0, 30.0, 100.0), "hess_init": (0.3, 1.0, 3.0, 10.0, 30.0),
              "cosine": (0.0, 1.0)}
-#: the minibatch protocol's methods (rows of the digits table), each with its grid
+#: the prior precisions τ searched for the MAP and IVON (a N(0, 1/τ) prior on every weight: the
+#: weight decay deep-learning users tune, δ = τ / n)
+PRIORS = {"prior_precision": (0.01, 0.1, 1.0)}
+#: the minibatch protocol's methods (rows of the digits table), each with its grids
 METHODS = {
     "Adam": Method(partial(_adam_trainer, prior_precision=0.0), ADAM_GRID, _point_probs),
-    "Adam (MAP)": Method(partial(_adam_trainer, prior_precision=1.0), ADAM_GRID, _point_probs),
-    "blrppl.optim.ivon": Method(_ivon_trainer, IVON_GRID, _model_average),
+    "Adam (MAP)": Method(_adam_trainer, ADAM_GRID, _point_probs, PRIORS),
+    "blrppl.optim.ivon": Method(_ivon_trainer, IVON_GRID, _model_average, PRIORS),
 }
 
 
@@ -297,15 +319,16 @@ def fit(method: Method, x, y, hyper: dict, epochs=EPOCHS, width=HIDDEN, seed=0, 
     """A method trained on ``(x, y)``: its final carry (seed: the starting weights, the batches'
     order and IVON's draws; ``trainer`` the ``(init, train)`` of ``method.trainer(x, y, epochs)``
     when already built)."""
-    init, train = trainer or method.trainer(x, y, epochs)
+    fixed, hyper = split_settings(method, hyper)
+    init, train = trainer or method.trainer(x, y, epochs, **fixed)
     keys = random.split(random.PRNGKey(seed))
     hyper = {k: jnp.float32(v) for k, v in hyper.items()}
     return train(init(initial_params(x.shape[1], width, keys[0]), **hyper), keys[1], **hyper)
 
 
 def select(method: Method, train, epochs=EPOCHS, width=HIDDEN, held_out=0.2):
-    """The point of ``method.grid`` with the best NLL on the last ``held_out`` part of the
-    training set, fitted on the rest (the test set is not read).
+    """The point of ``method.grid`` × ``method.fixed`` with the best NLL on the last ``held_out``
+    part of the training set, fitted on the rest (the test set is not read).
 
     Returns:
         ``(hyper, table)``: the chosen keyword dictionary and ``{tuple(sorted(point.items())):
@@ -313,28 +336,33 @@ def select(method: Method, train, epochs=EPOCHS, width=HIDDEN, held_out=0.2):
     """
     x, y = train
     cut = int(round(len(y) * (1.0 - held_out)))
-    table, trainer = {}, method.trainer(x[:cut], y[:cut], epochs)
-    for point in grid_points(method.grid):
-        carry = fit(method, x[:cut], y[:cut], point, epochs, width, trainer=trainer)
-        probs = method.probs(carry, random.PRNGKey(2), x[cut:])
-        table[tuple(sorted(point.items()))] = scores(probs, np.asarray(y[cut:]), 0.0)["nll"]
+    table = {}
+    for fixed in grid_points(method.fixed):
+        trainer = method.trainer(x[:cut], y[:cut], epochs, **fixed)
+        for point in grid_points(method.grid):
+            carry = fit(method, x[:cut], y[:cut], {**fixed, **point}, epochs, width, trainer=trainer)
+            probs = method.probs(carry, random.PRNGKey(2), x[cut:])
+            table[tuple(sorted({**fixed, **point}.items()))] = scores(probs, np.asarray(y[cut:]), 0.0)["nll"]
     finite = {k: v for k, v in table.items() if np.isfinite(v)}  # (a diverged run: NaN)
     if not finite:
         raise RuntimeError(f"every point of the grid diverged on the held-out data: {method.grid}")
     return dict(min(finite, key=finite.get)), table
 
 
-def timed_fit(method: Method, train, test, hyper: dict, epochs=EPOCHS, width=HIDDEN, seed=0) -> Timed:
-    """A method's run for :func:`time_alternately`: trained on ``train``, scored on ``test``."""
+def timed_fit(method: Method, train, test, hyper: dict, epochs=EPOCHS, width=HIDDEN, seed=0,
+              batch=BATCH) -> Timed:
+    """A method's run for :func:`time_alternately`: trained on ``train`` (``method``'s minibatches
+    of ``batch``), scored on ``test``."""
     (x, y), (xt, yt) = train, test
-    init, run = method.trainer(x, y, epochs)
+    fixed, hyper = split_settings(method, hyper)
+    init, run = method.trainer(x, y, epochs, **fixed)
     keys = random.split(random.PRNGKey(seed))
     hyper = {k: jnp.float32(v) for k, v in hyper.items()}
     start = init(initial_params(x.shape[1], width, keys[0]), **hyper)
     return Timed(
         lambda: jax.block_until_ready(run(start, keys[1], **hyper)),
         lambda carry, seconds: scores(method.probs(carry, random.PRNGKey(2), xt), np.asarray(yt), seconds),
-        epochs * (len(y) // BATCH),
+        epochs * (len(y) // batch),
     )
 
 
@@ -347,7 +375,8 @@ def trajectory(method: Method, train, test, hyper: dict, checkpoints=(10, 30, 10
         ``{epochs: scores}``.
     """
     (x, y), (xt, yt) = train, test
-    init, run = method.trainer(x, y, chunk)
+    fixed, hyper = split_settings(method, hyper)
+    init, run = method.trainer(x, y, chunk, **fixed)
     keys = random.split(random.PRNGKey(seed))
     hyper = {k: jnp.float32(v) for k, v in hyper.items()}
     carry = init(initial_params(x.shape[1], width, keys[0]), **hyper)
@@ -478,9 +507,44 @@ def _selection_lines(name: str, table: dict) -> list:
     return lines
 
 
-def report(digits: dict, between: dict, selection: dict | None = None) -> str:
+def report(digits: dict, between: dict, selection: dict | None = None, small: dict | None = None) -> str:
     """The markdown tables: ``digits`` maps a method to its runs' scores (a list, one per seed;
-    the first timed), ``selection`` a method to its held-out grid (:func:`select`)."""
+    the first timed), ``selection`` a method to its held-out grid (:func:`select`), ``small`` the
+    rows of :func:`small_data_rows`."""
+    lines = _digits_lines(digits)
+    if small:
+        lines += _small_lines(small)
+    for name, table in (selection or {}).items():
+        lines += _selection_lines(name, table)
+    lines += [
+        "",
+        "| method | sd at x = −1.5 | sd at x = 0 (between) | sd at x = 1.5 | time (s) |",
+        "|---|---|---|---|---|",
+    ]
+    for name, (sd, seconds) in between.items():
+        lines.append(f"| {name} | {sd[0]:.3f} | {sd[1]:.3f} | {sd[2]:.3f} | {seconds:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def _small_lines(small: dict) -> list:
+    """The small training sets' table: each method's test NLL / ECE on each subset (the mean over
+    its seeds), and their means over the subsets."""
+    subsets = small["subsets"]
+    head = " | ".join(f"images {lo}–{hi - 1}: NLL / ECE" for lo, hi, _ in subsets)
+    lines = ["", f"| method | {head} | mean NLL | mean ECE |", "|---|" + "---|" * (len(subsets) + 2)]
+    for name in subsets[0][2]:
+        cells, nll, ece = [], [], []
+        for _, _, rows in subsets:
+            runs = rows[name]
+            n, e = np.mean([r["nll"] for r in runs]), np.mean([r["ece"] for r in runs])
+            nll.append(n), ece.append(e)
+            cells.append(f"{n:.3f} / {e:.3f}" if np.isfinite(n) else "diverged")
+        lines.append(f"| {name} | {' | '.join(cells)} | {np.mean(nll):.3f} | {np.mean(ece):.3f} |")
+    return lines
+
+
+def _digits_lines(digits: dict) -> list:
+    """A digits table: each method's scores over its seeds, and its time per step."""
     lines = [
         "| method | test accuracy | test NLL | ECE | ms per step | × Adam | range (ms) |",
         "|---|---|---|---|---|---|---|",
@@ -495,41 +559,58 @@ def report(digits: dict, between: dict, selection: dict | None = None) -> str:
             f"| {name} | {_cell(runs, 'accuracy')} | {_cell(runs, 'nll')} | {_cell(runs, 'ece')} | "
             f"{s['epoch_ms']:.3f} | {ratio} | {spread} |"
         )
-    for name, table in (selection or {}).items():
-        lines += _selection_lines(name, table)
-    lines += [
-        "",
-        "| method | sd at x = −1.5 | sd at x = 0 (between) | sd at x = 1.5 | time (s) |",
-        "|---|---|---|---|---|",
-    ]
-    for name, (sd, seconds) in between.items():
-        lines.append(f"| {name} | {sd[0]:.3f} | {sd[1]:.3f} | {sd[2]:.3f} | {seconds:.1f} |")
-    return "\n".join(lines) + "\n"
+    return lines
 
 
-def minibatch_rows(train, test, epochs=EPOCHS, width=HIDDEN, seeds=3, repeats=REPEATS):
-    """The minibatch protocol's rows: each method of :data:`METHODS` with its grid's point picked
-    on held-out training data (:func:`select`), trained ``seeds`` times (seed 0 timed in turn with
-    the others, :func:`time_alternately`).
+def minibatch_rows(train, test, epochs=EPOCHS, width=HIDDEN, seeds=3, repeats=REPEATS, batch=BATCH):
+    """The minibatch protocol's rows: each method of :data:`METHODS` (on minibatches of ``batch``)
+    with its grids' point picked on held-out training data (:func:`select`), trained ``seeds``
+    times (seed 0 timed in turn with the others, :func:`time_alternately`).
 
     Returns:
         ``(rows, chosen, tables)``: ``{method: [scores of each seed]}``, the picked points and the
         held-out grids.
     """
+    methods = {name: with_batch(m, batch) for name, m in METHODS.items()}
     chosen, tables = {}, {}
-    for name, method in METHODS.items():
+    for name, method in methods.items():
         chosen[name], tables[name] = select(method, train, epochs, width)
     timed = time_alternately(
-        {name: timed_fit(m, train, test, chosen[name], epochs, width) for name, m in METHODS.items()}, repeats
+        {name: timed_fit(m, train, test, chosen[name], epochs, width, batch=batch) for name, m in methods.items()},
+        repeats,
     )
-    rows = {name: [timed[name]] for name in METHODS}
+    rows = {name: [timed[name]] for name in methods}
     (x, y), (xt, yt) = train, test
-    for name, method in METHODS.items():
-        trainer = method.trainer(x, y, epochs)
+    for name, method in methods.items():
+        trainer = method.trainer(x, y, epochs, **split_settings(method, chosen[name])[0])
         for seed in range(1, seeds):
             carry = fit(method, x, y, chosen[name], epochs, width, seed, trainer=trainer)
             rows[name].append(scores(method.probs(carry, random.PRNGKey(2), xt), np.asarray(yt), np.nan))
     return rows, chosen, tables
+
+
+#: the small training sets: disjoint runs of this many training images, minibatches of SMALL_BATCH
+SMALL_IMAGES, SMALL_BATCH, SMALL_SUBSETS = 300, 32, 4
+
+
+def small_data_rows(train, test, epochs=EPOCHS, width=HIDDEN, seeds=3, steps=STEPS, images=SMALL_IMAGES,
+                    subsets=SMALL_SUBSETS, batch=SMALL_BATCH) -> dict:
+    """The minibatch protocol (:func:`minibatch_rows`, settings picked again on each subset's
+    held-out fifth) and SVI on ``subsets`` disjoint runs of ``images`` training images: where a
+    network can memorise its data, and a posterior's average should pay.
+
+    Returns:
+        ``{"batch": batch, "subsets": [(first, stop, rows), ...]}``, ``rows`` as
+        :func:`minibatch_rows`' (its time a single run, not alternated) with SVI's row.
+    """
+    x, y = train
+    out = []
+    for first in range(0, images * subsets, images):
+        part = (x[first:first + images], y[first:first + images])
+        rows = minibatch_rows(part, test, epochs, width, seeds, repeats=1, batch=batch)[0]
+        rows["SVI AutoNormal (full batch)"] = [svi(part, test, steps)]
+        out.append((first, first + images, rows))
+    return {"batch": batch, "subsets": out}
 
 
 def main(argv=None):
@@ -544,14 +625,19 @@ def main(argv=None):
     p.add_argument("--nuts-samples", type=int, default=500, help="NUTS warm-up and draws (default 500)")
     p.add_argument("--repeats", type=int, default=REPEATS,
                    help=f"alternating timed runs of Adam and the IVON optimiser (default {REPEATS})")
+    p.add_argument("--small-subsets", type=int, default=SMALL_SUBSETS,
+                   help=f"disjoint training sets of {SMALL_IMAGES} images also fitted (default {SMALL_SUBSETS}; 0: none)")
     args = p.parse_args(argv)
     numpyro.enable_x64(False)
     train, test = digits_data()
     digits, chosen, tables = minibatch_rows(train, test, args.epochs, args.width, args.seeds, args.repeats)
     digits["SVI AutoNormal (full batch)"] = [svi(train, test, args.steps)]
     digits["blr_fit (IVON blocks, full batch)"] = [blr(train, test, args.steps)]
+    small = None
+    if args.small_subsets:
+        small = small_data_rows(train, test, args.epochs, args.width, args.seeds, args.steps, subsets=args.small_subsets)
     between = in_between(args.nuts_samples)
-    text = report(digits, between, tables)
+    text = report(digits, between, tables, small)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "deep-learning-bench.md").write_text(text)

@@ -143,3 +143,41 @@ def test_report_gives_the_seeds_range_and_a_time_ratio_only_to_rows_timed_with_a
     assert rows["Adam"][2] == "0.300 (0.200–0.400)"  # mean over the seeds, their range
     assert rows["IVON"][5] == "1.50" and rows["SVI"][5] == ""
     assert "| 0.5000 | a = 1 |" in text
+
+
+def test_a_setting_fixed_in_the_program_builds_one_trainer_per_value_and_is_picked_with_the_rest():
+    """The prior precision is fixed in a trainer's program: the held-out search builds one trainer
+    per value, fits every point of the other grid with it, and returns the best joint point, whose
+    fixed part goes to the trainer again when the pick is refitted."""
+    x, y = small_data(n=50)
+    built = []
+
+    def trainer(x_fit, y_fit, epochs, tau, batch=128):
+        built.append((len(y_fit), tau, batch))
+        return (lambda params, sharpness: sharpness * tau), (lambda carry, key, sharpness: carry)
+
+    def labelled(score, key, x_held):  # best where sharpness × tau is nearest 6
+        right = jax.nn.one_hot(np.asarray(y[40:]), 10)
+        return jax.nn.softmax(right * (10.0 - jnp.abs(score - 6.0)))
+
+    method = deep.with_batch(deep.Method(trainer, {"sharpness": (1.0, 2.0, 3.0)}, labelled, {"tau": (0.5, 3.0)}), 16)
+    chosen, table = deep.select(method, (x, y), epochs=2)
+    assert built == [(40, 0.5, 16), (40, 3.0, 16)]  # one trainer per fixed value, on the minibatches asked
+    assert len(table) == 6 and chosen == {"tau": 3.0, "sharpness": 2.0}
+    assert (("sharpness", 2.0), ("tau", 3.0)) in table
+    carry = deep.fit(method, x, y, chosen, epochs=2)
+    assert built[-1] == (50, 3.0, 16) and float(carry) == pytest.approx(6.0)
+
+
+def test_the_small_training_sets_table_gives_each_subsets_mean_and_their_mean():
+    def run(nll, ece):
+        return {"accuracy": 0.9, "nll": nll, "ece": ece, "epoch_ms": 1.0}
+
+    small = {"batch": 32, "subsets": [
+        (0, 300, {"Adam": [run(0.2, 0.02), run(0.4, 0.04)], "IVON": [run(0.1, 0.01)]}),
+        (300, 600, {"Adam": [run(0.5, 0.05)], "IVON": [run(np.nan, np.nan)]}),
+    ]}
+    text = "\n".join(deep._small_lines(small))
+    assert "| method | images 0–299: NLL / ECE | images 300–599: NLL / ECE | mean NLL | mean ECE |" in text
+    assert "| Adam | 0.300 / 0.030 | 0.500 / 0.050 | 0.400 | 0.040 |" in text
+    assert "| IVON | 0.100 / 0.010 | diverged | nan | nan |" in text
