@@ -154,7 +154,8 @@ class ModelProgram:
                 with lock or contextlib.nullcontext(), handlers.block():
                     wanted = names
                     if wanted is None:
-                        first = {name: x[0] for name, x in draws.items()}
+                        # (JAX arrays: numpyro's scan indexes a substituted value by its traced step)
+                        first = {name: jnp.asarray(x[0]) for name, x in draws.items()}
                         seeded = handlers.seed(handlers.substitute(self.model, data={**params, **first}), 0)
                         trace = handlers.trace(seeded).get_trace(*call_args, **call_kwargs)
                         wanted = [n for n, site in trace.items() if site["type"] == "deterministic"]

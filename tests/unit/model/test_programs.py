@@ -175,3 +175,28 @@ def test_one_site_per_time_step_equals_the_plate():
         np.testing.assert_allclose(loop.posterior[site].mean, plate.posterior[site].mean, rtol=1e-6)
         np.testing.assert_allclose(loop.posterior[site].variance, plate.posterior[site].variance, rtol=1e-5)
     np.testing.assert_allclose(loop.elbo[-1], plate.elbo[-1], rtol=1e-9)
+
+
+def test_a_scan_models_computed_sites_from_numpy_draws():
+    """Draws arrive as NumPy arrays (a grid's joint draws are): the model run that finds its
+    deterministic sites substitutes one draw, and numpyro's scan indexes a substituted value by
+    its traced step, which a NumPy array refuses. Before, ``result.sample`` then warned that the
+    model could not be run and returned no deterministic site."""
+    from blrppl.model.program import ModelProgram
+
+    def local_level(y):
+        sigma = numpyro.sample("sigma", dist.HalfNormal(1.0))
+
+        def step(prev, y_t):
+            level = numpyro.sample("level", dist.Normal(prev, 0.3))
+            numpyro.sample("y", dist.Normal(level, sigma), obs=y_t)
+            return level, level
+
+        _, levels = scan(step, 0.0, y)
+        numpyro.deterministic("last", levels[-1] * 2.0)
+
+    y = np.linspace(-1.0, 1.0, 6)
+    rng = np.random.default_rng(0)
+    draws = {"sigma": rng.uniform(0.5, 1.5, size=4), "level": rng.normal(size=(4, 6))}
+    out = ModelProgram(local_level).computed_sites((y,), {}, random.PRNGKey(0), draws, {}, None, [])
+    np.testing.assert_allclose(np.asarray(out["last"]), 2.0 * draws["level"][:, -1], rtol=1e-6)
