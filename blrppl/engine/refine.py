@@ -36,8 +36,9 @@ order:
 
 A start that finds the first fit's optimum again (:func:`same_optimum`) while no start has
 found another ends the starts, and the mixture too unless the first fit points at mass q
-misses (k̂ ≥ 1, or sites the narrow-q check flags): :func:`skip_reason`; those are listed with
-a ``"not run: ..."`` note.
+misses (k̂ ≥ 1, or sites the narrow-q check flags); a converged candidate whose own
+diagnostics are no longer poor ends the refinement (the question that started it is
+answered): :func:`skip_reason`; those are listed with a ``"not run: ..."`` note.
 
 A remedy that would override an option the user gave is not tried (``structure=`` given, a
 scale already in ``families=``, ``num_starts`` > 1, ``prior=``, scales already on a grid, or a
@@ -103,8 +104,9 @@ MIXTURE_MAX_DIM = 100
 #: the remedies a :class:`Candidate` tries
 GRID, STRUCTURE, START, MIXTURE = "grid", "structure", "start", "mixture"
 
-#: what a start found (:func:`refine`): the first fit's optimum (:func:`same_optimum`), or another
-SAME, OTHER = "same optimum", "other optimum"
+#: what a start found (:func:`refine`): the first fit's optimum (:func:`same_optimum`), or another;
+#: and that a candidate passed the diagnostics that started the refinement
+SAME, OTHER, PASSED = "same optimum", "other optimum", "passed"
 
 #: two optima are one where their q's means differ by less than this many of the first fit's
 #: sds along every coordinate of its Gaussian blocks: an even mixture of two Gaussians of one
@@ -343,8 +345,8 @@ NOT_RUN = "not run: "
 
 
 def skip_reason(cand: Candidate, answered: set, first) -> str:
-    """Why ``cand`` is not run, given what the starts found so far (``answered``: :data:`SAME`,
-    :data:`OTHER`), or ''.
+    """Why ``cand`` is not run, given what the candidates fitted so far found (``answered``:
+    :data:`SAME`, :data:`OTHER`, :data:`PASSED`), or ''.
 
     A start found the first fit's optimum again (:func:`same_optimum`; the over-dispersed
     start, begun :data:`OVERDISPERSION` times q's spread away, is tried first) and none found
@@ -353,7 +355,14 @@ def skip_reason(cand: Candidate, answered: set, first) -> str:
     sites the narrow-q check flags). NumPyro's semi-supervised HMM: its three more starts cost
     2.1× its first fit and the mixture 2.5× before the budget cut it, the starts' k̂ 0.75–0.86
     and bounds within 0.5 nats of its 0.77; the four-mode θ² model's first fit has k̂
-    1.02, and its mixture is kept."""
+    1.02, and its mixture is kept.
+
+    A candidate already fitted passed the diagnostics (:data:`PASSED`: converged, and its k̂,
+    importance ESS and narrow-q check no longer poor): no other candidate is run. Eight schools
+    with ``LocScaleReparam``: the grid over τ took its k̂ from 0.62 to 0.06, and the mixture
+    tried after it ran 20 s to the budget's end, against the grid's 11 s and NUTS's 7 s."""
+    if PASSED in answered:
+        return "a fit before it passed the diagnostics (k-hat, importance ESS, narrow-q check)"
     if answered != {SAME} or cand.remedy not in (START, MIXTURE):
         return ""
     if cand.remedy == START:
@@ -443,7 +452,7 @@ def refine(fit: Callable, first, held: list, options, key, first_time: float, bu
     fitted = [(Refinement("as asked", first.diagnostics.khat, first.diagnostics.bound, first_time), first, held, False)]
     spent, limit = 0.0, budget * max(first_time, MIN_UNIT)
     gridded: set = set()  # (the sites of the grids fitted so far)
-    answered: set = set()  # (what the starts found: SAME, the first fit's optimum, OTHER, another)
+    answered: set = set()  # (what the starts found: SAME, the first fit's optimum, OTHER, another; PASSED)
     for cand in candidates(first, options, key, grid_asked):
         if cand.grid_sites and set(cand.grid_sites) <= gridded:
             continue
@@ -474,6 +483,8 @@ def refine(fit: Callable, first, held: list, options, key, first_time: float, bu
         if cand.remedy == START and getattr(result, "converged", True):
             # (one start at another optimum shows there are several: the rest run)
             answered.add(SAME if same_optimum(first, result) else OTHER)
+        if getattr(result, "converged", True) and d is not None and not d.poor():
+            answered.add(PASSED)
         fitted.append((Refinement(cand.change, d.khat, d.bound, seconds), result, caught, grid))
     # (a candidate that did not converge ranks below every one that did: the first fit did, and a
     # mixture stopped by num_steps before its ELBO settled would turn a converged fit into one
