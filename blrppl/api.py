@@ -19,6 +19,7 @@ from blrppl.engine.refine import refine as refine_fit, summary as refine_summary
 from blrppl.engine.run import run
 from blrppl.engine.state import BLRState
 from blrppl.errors import BLRError, MeshError, out_of_memory_as_error
+from blrppl.graph.minibatches import BatchFeed, Minibatches, batches_note, refuse_options as refuse_minibatch_options
 from blrppl.engine.processes import spans_processes
 from blrppl.model.program import ModelProgram
 from blrppl.inputs import (
@@ -109,7 +110,8 @@ def blr_fit(
             the model has no plate to shard its data along.
     """
     refuse_transformation("blr_fit", data, rng_key)
-    args, kwargs = model_arguments(data)
+    batches = data if isinstance(data, Minibatches) else None
+    args, kwargs = model_arguments(data) if batches is None else ((), {})
     options = fit_options(
         num_steps=num_steps,
         learning_rate=learning_rate,
@@ -135,12 +137,12 @@ def blr_fit(
 
     with out_of_memory_as_error("the fit"):
         t0 = time.perf_counter()
-        result, held = fit(options, key)
+        result, held = fit(options, key) if batches is None else _minibatch_fit(program, batches, options, key, prior)
         refinements = []
         # (a mixture is its own remedy; over several processes the remedies, grids and mixtures among
-        # them, are not run: see _check_fit_kind)
+        # them, are not run: see _check_fit_kind; nor for an iterator's batches, which a second fit would need)
         over_processes = options.mesh is not None and spans_processes(options.mesh)
-        if refine and prior is None and not options.mixtures and not over_processes:
+        if refine and prior is None and not options.mixtures and not over_processes and batches is None:
             result, held, refinements = refine_fit(
                 fit, result, held, options, key, time.perf_counter() - t0, refine_budget, grid_asked
             )
@@ -157,7 +159,8 @@ def blr_fit(
     # (the fits' warnings, held while they ran, are given at the line that called blr_fit)
     for w in held:
         warnings.warn(w.message, stacklevel=2)
-    result.model_call = (program, args, kwargs)
+    # (an iterator's batches are not held: the model is not run at the draws, see _minibatch_fit)
+    result.model_call = (program, args, kwargs) if batches is None else None
     return result
 
 
@@ -184,6 +187,30 @@ def _check_fit_kind(options, prior, grid_asked: bool) -> None:
             f"got {'prior=' if prior is not None else f'num_starts={options.num_starts}'}",
             site=grid_sites(options.families_dict)[0],
         )
+
+
+def _minibatch_fit(program, batches: Minibatches, options, key, prior):
+    """The fit of a model on the minibatches of an iterable, one per step, each read ahead on
+    a host thread (:mod:`blrppl.graph.minibatches`), its warnings held: ``(result, held
+    warnings)``. The model is compiled for the first batch (step 0's). No refinement (its
+    candidate fits would need the batches again), and no deterministic sites or latents
+    integrated out in ``result.sample`` (they need the model run on data the iterator no
+    longer holds).
+
+    Raises:
+        MinibatchError: an option that needs several fits or the data at once (``num_starts``,
+            grids, mixtures, ``mesh=``), or a model or batch the iterator cannot feed.
+    """
+    refuse_minibatch_options(options, bool(grid_sites(options.families_dict)))
+    args, kwargs = batches.first()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        prepared = prepare(program, args, kwargs, options, key, prior, minibatch=True)
+        feed = BatchFeed.of_fit(batches, (args, kwargs), prepared)
+        result = run(prepared, prepared.state, options.num_steps, options.progress_bar, grid_scales=MAX_SCALES, feed=feed)
+    result.deterministic_sites = prepared.bundle.tracer.meta.get("deterministic")
+    result.message += f"; {batches_note(batches)}"
+    return result, caught
 
 
 def _with_tried(w, tried: str):

@@ -98,6 +98,8 @@ class LoopOutcome(NamedTuple):
     #: a run told to ``give_up`` stopped after a chunk in most of whose steps some block found
     #: no valid update (:data:`STUCK_FRACTION`)
     stuck: bool = False
+    #: the run's minibatch iterator (``feed``) ended before its last step
+    exhausted: bool = False
 
 
 def drop_slack(elbo) -> float:
@@ -309,7 +311,7 @@ def _accepted_or_rejected(st, new, accept, probe, ends, best_damping):
 
 def run_loop(
     chunk_fn, state: BLRState, data, rho, tol: float, num_steps: int, chunk_size: int, progress_bar: bool,
-    window: int = 0, give_up: bool = False,
+    window: int = 0, give_up: bool = False, feed=None,
 ):
     """Run chunks until convergence (relative tolerance ``tol``), a stop, or ``num_steps``; a
     run whose ELBO diverged returns its best state (:func:`diverged_from`). With ``give_up``
@@ -323,20 +325,31 @@ def run_loop(
     Ctrl-C stops the run at the next chunk boundary with ``KeyboardInterrupt``
     (:func:`blrppl.engine.interrupt.deferred_interrupts`), even where Python would drop it; so
     does a refinement candidate's deadline, with :class:`blrppl.engine.budget.OverBudget`.
+
+    With ``feed`` (a :class:`blrppl.graph.minibatches.BatchFeed`), every step is a chunk of
+    one step on the feed's next batch (``data`` unused), whose following batch the feed
+    reads on a host thread while the step runs; the run ends (``exhausted``) when the feed
+    has no batch left.
     """
     history = empty_history(window)
     tol = host_array(tol, jnp.result_type(float))
     elbos, valid, total, stop, invalid, proper, rejected = [], [], 0, CONTINUE, 0, {}, 0
     best = None  # (ELBO, natural parameters, step counted from 1) of Monte Carlo fits
-    stuck = False
+    stuck = exhausted = False
     bar = _progress_bar(num_steps) if progress_bar else None
     try:
         with deferred_interrupts() as interrupt:
             while total < num_steps and stop == CONTINUE:
                 interrupt.check()
                 budget.check(f"after {total} steps")
+                steps, chunk_data = num_steps - total, data
+                if feed is not None:
+                    steps, chunk_data = 1, feed.next(ahead=total + 1 < num_steps)
+                    if chunk_data is None:
+                        exhausted = True
+                        break
                 state, buf, n, stop_arr, inv, history, last_proper, rej, valid_buf, chunk_best = chunk_fn(
-                    state, data, host_array(num_steps - total, np.int32), rho, history, tol
+                    state, chunk_data, host_array(steps, np.int32), rho, history, tol
                 )
                 n = int(n)
                 rejected += int(rej)
@@ -365,7 +378,7 @@ def run_loop(
     improper = tuple(k for k, v in proper.items() if not bool(v))
     outcome = LoopOutcome(
         state, elbo, total, stop in (CONVERGED, STATIONARY), stop, invalid, improper, rejected,
-        np.concatenate(valid) if valid else np.zeros((0,), bool), stuck=stuck,
+        np.concatenate(valid) if valid else np.zeros((0,), bool), stuck=stuck, exhausted=exhausted,
     )
     return restored_best(outcome, best)
 
