@@ -18,7 +18,7 @@ from blrppl.engine.prepare import prepare
 from blrppl.engine.refine import refine as refine_fit, summary as refine_summary
 from blrppl.engine.run import run
 from blrppl.engine.state import BLRState
-from blrppl.errors import BLRError, MeshError, out_of_memory_as_error
+from blrppl.errors import BLRError, MeshError, MinibatchError, out_of_memory_as_error
 from blrppl.graph.minibatches import BatchFeed, Minibatches, batches_note, refuse_options as refuse_minibatch_options
 from blrppl.engine.processes import spans_processes
 from blrppl.model.program import ModelProgram
@@ -73,7 +73,8 @@ def blr_fit(
 
     Args:
         model: a NumPyro model.
-        data: its arguments: a dict of keyword arguments, a tuple of positional ones, or one array.
+        data: its arguments: a dict of keyword arguments, a tuple of positional ones, one array, or
+            a :class:`blrppl.Minibatches` (one batch a step; docs/scaling.md).
         num_steps: the most steps to run (default 1000).
         learning_rate: ρ, a float or a callable of the step number (default: per block).
         schedule: ``"sequential"`` or ``"parallel"`` (default: parallel for a plan with IVON
@@ -108,10 +109,11 @@ def blr_fit(
             :func:`blr_kernel` to drive the rule inside one's own jitted loop).
         MeshError: ``mesh=`` is not a mesh of one axis nor a count of devices there are, or
             the model has no plate to shard its data along.
+        MinibatchError: ``data`` is a :class:`blrppl.Minibatches` the fit cannot read (docs/api.md).
     """
     refuse_transformation("blr_fit", data, rng_key)
     batches = data if isinstance(data, Minibatches) else None
-    args, kwargs = model_arguments(data) if batches is None else ((), {})
+    args, kwargs = ((), {}) if batches else model_arguments(data)
     options = fit_options(
         num_steps=num_steps,
         learning_rate=learning_rate,
@@ -139,8 +141,7 @@ def blr_fit(
         t0 = time.perf_counter()
         result, held = fit(options, key) if batches is None else _minibatch_fit(program, batches, options, key, prior)
         refinements = []
-        # (a mixture is its own remedy; over several processes the remedies, grids and mixtures among
-        # them, are not run: see _check_fit_kind; nor for an iterator's batches, which a second fit would need)
+        # (not run: a mixture's (its own remedy), over several processes (_check_fit_kind), on batches read once)
         over_processes = options.mesh is not None and spans_processes(options.mesh)
         if refine and prior is None and not options.mixtures and not over_processes and batches is None:
             result, held, refinements = refine_fit(
@@ -159,8 +160,7 @@ def blr_fit(
     # (the fits' warnings, held while they ran, are given at the line that called blr_fit)
     for w in held:
         warnings.warn(w.message, stacklevel=2)
-    # (an iterator's batches are not held: the model is not run at the draws, see _minibatch_fit)
-    result.model_call = (program, args, kwargs) if batches is None else None
+    result.model_call = (program, args, kwargs) if batches is None else None  # (batches are not held)
     return result
 
 
@@ -202,6 +202,13 @@ def _minibatch_fit(program, batches: Minibatches, options, key, prior):
             grids, mixtures, ``mesh=``), or a model or batch the iterator cannot feed.
     """
     refuse_minibatch_options(options, bool(grid_sites(options.families_dict)))
+    if prior is not None:
+        # (an online fit of a subsampled plate does not compile yet, on arrays either: its run data
+        # hold the previous posterior beside the minibatch's arrays, which the minibatch step does not split)
+        raise MinibatchError(
+            "prior= (an online fit) does not combine with subsampled plates yet: fit the batches of both data sets "
+            "in one Minibatches (one fit), or fit without prior="
+        )
     args, kwargs = batches.first()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

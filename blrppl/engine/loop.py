@@ -365,7 +365,8 @@ def run_loop(
                 if bar is not None:
                     bar.update(n)
                     if n:
-                        bar.set_postfix(elbo=f"{float(elbos[-1][-1]):.4g}")
+                        # (a step per call with a feed: drawn at tqdm's pace, not at every step)
+                        bar.set_postfix(elbo=f"{float(elbos[-1][-1]):.4g}", refresh=feed is None)
                 if n == 0 and stop == CONTINUE:
                     break
                 if give_up and stop == CONTINUE and int(inv) > STUCK_FRACTION * n:

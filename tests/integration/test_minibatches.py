@@ -108,6 +108,7 @@ def test_a_generator_of_reshuffled_epochs_reaches_the_closed_form(data):
     assert batches.used == int(result.num_steps) and batches.used >= 4 * (N // M)
     assert "minibatches from the iterable" in result.message
     assert "not computed" in result.diagnostics.note  # (PSIS k-hat would need all the data)
+    assert result.sample(random.PRNGKey(1), 10)["w"].shape == (10, D)
 
 
 class Counting:
@@ -197,6 +198,8 @@ def test_bad_batches_raise_minibatch_errors_naming_the_argument(data):
         Minibatches(iter([first]), cycle=True)
     with pytest.raises(MinibatchError, match="num_starts"):
         blr_fit(model, Minibatches([first]), num_starts=2, progress_bar=False)
+    with pytest.raises(MinibatchError, match="prior="):
+        blr_fit(model, Minibatches([first]), prior=object(), progress_bar=False)
 
 
 def test_models_the_batches_cannot_feed_are_refused(data):
