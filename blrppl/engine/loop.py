@@ -317,7 +317,7 @@ def run_loop(
     run whose ELBO diverged returns its best state (:func:`diverged_from`). With ``give_up``
     (a fresh start that may be started again narrower), a chunk in more than
     :data:`STUCK_FRACTION` of whose steps some block found no valid update ends the run
-    (``stuck``): a Gaussian block started with unit variances where its Monte Carlo messages
+    (``stuck``; with a ``feed``, the last ``chunk_size`` steps): a Gaussian block started with unit variances where its Monte Carlo messages
     overflow (a Poisson rate a·P^b with b on a log scale and populations of 10³–10⁴) drifted
     off in its first hundred steps, then kept its parameters in 900 of the next 900 and ended
     775 posterior sds away.
@@ -336,6 +336,7 @@ def run_loop(
     elbos, valid, total, stop, invalid, proper, rejected = [], [], 0, CONTINUE, 0, {}, 0
     best = None  # (ELBO, natural parameters, step counted from 1) of Monte Carlo fits
     stuck = exhausted = False
+    span = [0, 0]  # (steps and invalid steps since the last stuck test: a chunk's, or chunk_size steps of a feed)
     bar = _progress_bar(num_steps) if progress_bar else None
     try:
         with deferred_interrupts() as interrupt:
@@ -369,9 +370,13 @@ def run_loop(
                         bar.set_postfix(elbo=f"{float(elbos[-1][-1]):.4g}", refresh=feed is None)
                 if n == 0 and stop == CONTINUE:
                     break
-                if give_up and stop == CONTINUE and int(inv) > STUCK_FRACTION * n:
+                span = [span[0] + n, span[1] + int(inv)]
+                if feed is not None and span[0] < chunk_size:
+                    continue  # (a feed's steps are tested for being stuck chunk_size at a time, as a chunk's)
+                if give_up and stop == CONTINUE and span[1] > STUCK_FRACTION * span[0]:
                     stuck = True
                     break
+                span = [0, 0]
     finally:
         if bar is not None:
             bar.close()

@@ -297,3 +297,18 @@ def test_a_data_loader_of_tensors_through_blr_run(data):
     assert "passes over it" in svi.result.message
     state, loss = svi.update(run.state, X[:M], y[:M])  # (then steps on batches of the same shapes)
     assert np.isfinite(loss) and int(state.step) == int(run.state.step) + 1
+
+
+def test_a_batch_with_a_nan_is_a_step_undone_not_a_new_start(data):
+    """Batches after the first are not checked as the first is: a NaN in one makes its step's ELBO
+    non-finite, and the step is undone; the fit goes on with the next batch (one invalid step is
+    not a stuck start, which would start the fit again and throw the batches read away)."""
+    X, y = data
+    listed = [(X[s:s + M], y[s:s + M]) for s in range(0, N, M)]
+    listed[3] = (listed[3][0], np.where(np.arange(M) == 5, np.nan, listed[3][1]))
+    batches = Minibatches(listed * 10, cycle=False)
+    result = blr_fit(model, batches, rng_key=random.PRNGKey(0), progress_bar=False)
+    assert int(result.num_steps) == batches.used == 100
+    assert int(result.diagnostics.rejected_steps) == 10
+    mean, sd = closed_form(X, y)
+    assert np.max(np.abs(np.asarray(result.posterior["w"].mean) - mean) / sd) < 1.0
