@@ -32,6 +32,7 @@ def plan_of(model, data=None, *, rng_key=None, **options):
     """The plan ``blr_fit(model, data, rng_key=rng_key, **options)`` fits, without compiling
     the fit: blocks, factors and estimators (``plan_of(...).describe()``)."""
     refuse_transformation("plan_of", data, rng_key)
+    _refuse_minibatches("plan_of", data)
     args, kwargs = model_arguments(data)
     options = fit_options(**options)
     k_trace, k_probe, _, _ = host_split(as_key(rng_key), 4)
@@ -189,6 +190,20 @@ def _check_fit_kind(options, prior, grid_asked: bool) -> None:
         )
 
 
+def _refuse_minibatches(entry: str, data) -> None:
+    """Refuse a :class:`blrppl.Minibatches` where one data set is bound (``plan_of``, ``blr_kernel``),
+    naming what takes it instead.
+
+    Raises:
+        MinibatchError: ``data`` is a :class:`blrppl.Minibatches`.
+    """
+    if isinstance(data, Minibatches):
+        raise MinibatchError(
+            f"{entry} takes one data set, not an iterable of minibatches (it would take a batch from it): fit the "
+            "iterable with blr_fit or BLR.run, or step BLR.update over it after BLR.init(key, Minibatches(...))"
+        )
+
+
 def _minibatch_fit(program, batches: Minibatches, options, key, prior):
     """The fit of a model on the minibatches of an iterable, one per step, each read ahead on
     a host thread (:mod:`blrppl.graph.minibatches`), its warnings held: ``(result, held
@@ -297,6 +312,7 @@ def blr_kernel(model: Callable, data=None, *, rng_key=None, prior: BLRResult | N
             its ``step`` called inside).
     """
     refuse_transformation("blr_kernel", data, rng_key)
+    _refuse_minibatches("blr_kernel", data)
     args, kwargs = model_arguments(data)
     options = fit_options(**options)
     if grid_sites(options.families_dict) or options.num_starts > 1 or options.mixtures:

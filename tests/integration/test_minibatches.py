@@ -35,7 +35,8 @@ import numpyro.distributions as dist
 import pytest
 from jax import random
 
-from blrppl import BLR, MinibatchError, Minibatches, blr_fit
+from blrppl import BLR, MinibatchError, Minibatches, blr_fit, blr_kernel
+from blrppl.api import plan_of
 from blrppl.engine import run as run_module
 
 N, D, M, NOISE = 2_000, 3, 200, 1.0
@@ -198,6 +199,10 @@ def test_bad_batches_raise_minibatch_errors_naming_the_argument(data):
         Minibatches(iter([first]), cycle=True)
     with pytest.raises(MinibatchError, match="num_starts"):
         blr_fit(model, Minibatches([first]), num_starts=2, progress_bar=False)
+    with pytest.raises(MinibatchError, match="blr_kernel takes one data set"):
+        blr_kernel(model, Minibatches([first]))
+    with pytest.raises(MinibatchError, match="plan_of takes one data set"):
+        plan_of(model, Minibatches([first]))
     with pytest.raises(MinibatchError, match="prior="):
         blr_fit(model, Minibatches([first]), prior=object(), progress_bar=False)
 
