@@ -58,6 +58,9 @@ class Minibatches:
             a DataLoader, which reshuffles) until the fit stops. Default: when ``batches`` is
             re-iterable (not itself an iterator); a one-shot iterator (a generator) ends the
             fit when it ends.
+        read_ahead: read each next batch on the host's reader thread while the step before it
+            runs (default); False: on the calling thread when its step asks for it (for an
+            iterator that must not be advanced from another thread).
 
     Attributes:
         used: the batches the fit's steps ran on.
@@ -77,7 +80,7 @@ class Minibatches:
         result = blr_fit(model, Minibatches(batches()), rng_key=random.PRNGKey(0), num_steps=N // M)
     """
 
-    def __init__(self, batches, cycle: bool | None = None):
+    def __init__(self, batches, cycle: bool | None = None, read_ahead: bool = True):
         if not isinstance(batches, collections.abc.Iterable):
             raise MinibatchError(
                 f"Minibatches takes an iterable of minibatches (a generator, a list, a DataLoader), not a "
@@ -92,6 +95,7 @@ class Minibatches:
             )
         self.batches = batches
         self.cycle = (not one_shot) if cycle is None else bool(cycle)
+        self.read_ahead = bool(read_ahead)
         self._iterator = None
         self._lock = threading.Lock()
         self.used = 0
@@ -209,7 +213,7 @@ class BatchFeed:
         if data is None:
             self.source.exhausted = True
             return None
-        if ahead:
+        if ahead and self.source.read_ahead:
             self._next = host_rows._READER.submit(self._read)
         self.source.used += 1
         if isinstance(data, tuple) and (self.previous or self.statistics is not None):

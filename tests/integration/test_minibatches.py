@@ -158,6 +158,15 @@ def test_the_next_batch_is_read_on_a_host_thread_while_the_step_runs(data, monke
     assert all(name.startswith("blrppl-rows") for name in source.threads[1:]), source.threads
 
 
+def test_without_read_ahead_every_batch_is_read_on_the_calling_thread(data):
+    X, y = data
+    source = Counting(epochs(X, y, 1))
+    result = blr_fit(model, Minibatches(source, read_ahead=False), rng_key=random.PRNGKey(0), num_steps=4,
+                     progress_bar=False)
+    assert int(result.num_steps) == source.taken == 4
+    assert set(source.threads) == {threading.main_thread().name}
+
+
 def test_an_iterator_that_ends_stops_the_fit_with_its_last_state(data):
     X, y = data
     batches = Minibatches(epochs(X, y, 1))
