@@ -229,7 +229,9 @@ def _minibatch_fit(program, batches: Minibatches, options, key, prior):
         warnings.simplefilter("always")
         prepared = prepare(program, args, kwargs, options, key, prior, minibatch=True)
         feed = BatchFeed.of_fit(batches, (args, kwargs), prepared)
-        result = run(prepared, prepared.state, options.num_steps, options.progress_bar, grid_scales=MAX_SCALES, feed=feed)
+        result = run(
+            prepared, prepared.state, options.num_steps, options.progress_bar, grid_scales=MAX_SCALES, feed=feed
+        )
     result.deterministic_sites = prepared.bundle.tracer.meta.get("deterministic")
     result.message += f"; {batches_note(batches)}"
     return result, caught

@@ -317,10 +317,10 @@ def run_loop(
     run whose ELBO diverged returns its best state (:func:`diverged_from`). With ``give_up``
     (a fresh start that may be started again narrower), a chunk in more than
     :data:`STUCK_FRACTION` of whose steps some block found no valid update ends the run
-    (``stuck``; with a ``feed``, the last ``chunk_size`` steps): a Gaussian block started with unit variances where its Monte Carlo messages
-    overflow (a Poisson rate a·P^b with b on a log scale and populations of 10³–10⁴) drifted
-    off in its first hundred steps, then kept its parameters in 900 of the next 900 and ended
-    775 posterior sds away.
+    (``stuck``; with a ``feed``, of ``chunk_size`` steps at a time): a Gaussian block started
+    with unit variances where its Monte Carlo messages overflow (a Poisson rate a·P^b with b
+    on a log scale and populations of 10³–10⁴) drifted off in its first hundred steps, then
+    kept its parameters in 900 of the next 900 and ended 775 posterior sds away.
 
     Ctrl-C stops the run at the next chunk boundary with ``KeyboardInterrupt``
     (:func:`blrppl.engine.interrupt.deferred_interrupts`), even where Python would drop it; so
