@@ -22,6 +22,8 @@ Public names:
   ``import blrppl.optim``: ``import blrppl`` does not import optax.
 * :class:`HostRows` — a subsampled plate's data read from the host (a ``numpy.memmap``) a
   minibatch at a time (docs/scaling.md).
+* :class:`Minibatches` — a subsampled plate's data as an iterable of minibatches (a generator,
+  a DataLoader), each read ahead on a host thread (docs/scaling.md).
 * the :class:`BLRError` hierarchy.
 """
 
@@ -37,6 +39,7 @@ from blrppl.errors import (
     InitValueError,
     MeshError,
     HostRowsError,
+    MinibatchError,
     MissingDependencyError,
     ModelTraceError,
     ObservedDataError,
@@ -51,6 +54,7 @@ from blrppl.errors import (
 )
 from blrppl.families import register_family, unregister_family
 from blrppl.graph.host_rows import HostRows
+from blrppl.graph.minibatches import Minibatches
 from blrppl.posterior.result import BLRResult
 from blrppl.rules import register_rule, unregister_rule
 from blrppl.svi import BLR, BLRRunResult
@@ -70,6 +74,8 @@ __all__ = [
     "MeshError",
     "HostRowsError",
     "HostRows",
+    "MinibatchError",
+    "Minibatches",
     "MissingDependencyError",
     "ModelTraceError",
     "ObservedDataError",

@@ -18,7 +18,8 @@ from blrppl.engine.prepare import prepare
 from blrppl.engine.refine import refine as refine_fit, summary as refine_summary
 from blrppl.engine.run import run
 from blrppl.engine.state import BLRState
-from blrppl.errors import BLRError, MeshError, out_of_memory_as_error
+from blrppl.errors import BLRError, MeshError, MinibatchError, out_of_memory_as_error
+from blrppl.graph.minibatches import BatchFeed, Minibatches, batches_note, refuse_options as refuse_minibatch_options
 from blrppl.engine.processes import spans_processes
 from blrppl.model.program import ModelProgram
 from blrppl.inputs import (
@@ -31,6 +32,7 @@ def plan_of(model, data=None, *, rng_key=None, **options):
     """The plan ``blr_fit(model, data, rng_key=rng_key, **options)`` fits, without compiling
     the fit: blocks, factors and estimators (``plan_of(...).describe()``)."""
     refuse_transformation("plan_of", data, rng_key)
+    _refuse_minibatches("plan_of", data)
     args, kwargs = model_arguments(data)
     options = fit_options(**options)
     k_trace, k_probe, _, _ = host_split(as_key(rng_key), 4)
@@ -72,7 +74,8 @@ def blr_fit(
 
     Args:
         model: a NumPyro model.
-        data: its arguments: a dict of keyword arguments, a tuple of positional ones, or one array.
+        data: its arguments: a dict of keyword arguments, a tuple of positional ones, one array, or
+            a :class:`blrppl.Minibatches` (one batch a step; docs/scaling.md).
         num_steps: the most steps to run (default 1000).
         learning_rate: ρ, a float or a callable of the step number (default: per block).
         schedule: ``"sequential"`` or ``"parallel"`` (default: parallel for a plan with IVON
@@ -107,9 +110,11 @@ def blr_fit(
             :func:`blr_kernel` to drive the rule inside one's own jitted loop).
         MeshError: ``mesh=`` is not a mesh of one axis nor a count of devices there are, or
             the model has no plate to shard its data along.
+        MinibatchError: ``data`` is a :class:`blrppl.Minibatches` the fit cannot read (docs/api.md).
     """
     refuse_transformation("blr_fit", data, rng_key)
-    args, kwargs = model_arguments(data)
+    batches = data if isinstance(data, Minibatches) else None
+    args, kwargs = ((), {}) if batches else model_arguments(data)
     options = fit_options(
         num_steps=num_steps,
         learning_rate=learning_rate,
@@ -135,12 +140,11 @@ def blr_fit(
 
     with out_of_memory_as_error("the fit"):
         t0 = time.perf_counter()
-        result, held = fit(options, key)
+        result, held = fit(options, key) if batches is None else _minibatch_fit(program, batches, options, key, prior)
         refinements = []
-        # (a mixture is its own remedy; over several processes the remedies, grids and mixtures among
-        # them, are not run: see _check_fit_kind)
+        # (not run: a mixture's (its own remedy), over several processes (_check_fit_kind), on batches read once)
         over_processes = options.mesh is not None and spans_processes(options.mesh)
-        if refine and prior is None and not options.mixtures and not over_processes:
+        if refine and prior is None and not options.mixtures and not over_processes and batches is None:
             result, held, refinements = refine_fit(
                 fit, result, held, options, key, time.perf_counter() - t0, refine_budget, grid_asked
             )
@@ -157,7 +161,7 @@ def blr_fit(
     # (the fits' warnings, held while they ran, are given at the line that called blr_fit)
     for w in held:
         warnings.warn(w.message, stacklevel=2)
-    result.model_call = (program, args, kwargs)
+    result.model_call = (program, args, kwargs) if batches is None else None  # (batches are not held)
     return result
 
 
@@ -184,6 +188,53 @@ def _check_fit_kind(options, prior, grid_asked: bool) -> None:
             f"got {'prior=' if prior is not None else f'num_starts={options.num_starts}'}",
             site=grid_sites(options.families_dict)[0],
         )
+
+
+def _refuse_minibatches(entry: str, data) -> None:
+    """Refuse a :class:`blrppl.Minibatches` where one data set is bound (``plan_of``, ``blr_kernel``),
+    naming what takes it instead.
+
+    Raises:
+        MinibatchError: ``data`` is a :class:`blrppl.Minibatches`.
+    """
+    if isinstance(data, Minibatches):
+        raise MinibatchError(
+            f"{entry} takes one data set, not an iterable of minibatches (it would take a batch from it): fit the "
+            "iterable with blr_fit or BLR.run, or step BLR.update over it after BLR.init(key, Minibatches(...))"
+        )
+
+
+def _minibatch_fit(program, batches: Minibatches, options, key, prior):
+    """The fit of a model on the minibatches of an iterable, one per step, each read ahead on
+    a host thread (:mod:`blrppl.graph.minibatches`), its warnings held: ``(result, held
+    warnings)``. The model is compiled for the first batch (step 0's). No refinement (its
+    candidate fits would need the batches again), and no deterministic sites or latents
+    integrated out in ``result.sample`` (they need the model run on data the iterator no
+    longer holds).
+
+    Raises:
+        MinibatchError: an option that needs several fits or the data at once (``num_starts``,
+            grids, mixtures, ``mesh=``), or a model or batch the iterator cannot feed.
+    """
+    refuse_minibatch_options(options, bool(grid_sites(options.families_dict)))
+    if prior is not None:
+        # (an online fit of a subsampled plate does not compile yet, on arrays either: its run data
+        # hold the previous posterior beside the minibatch's arrays, which the minibatch step does not split)
+        raise MinibatchError(
+            "prior= (an online fit) does not combine with subsampled plates yet: fit the batches of both data sets "
+            "in one Minibatches (one fit), or fit without prior="
+        )
+    args, kwargs = batches.first()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        prepared = prepare(program, args, kwargs, options, key, prior, minibatch=True)
+        feed = BatchFeed.of_fit(batches, (args, kwargs), prepared)
+        result = run(
+            prepared, prepared.state, options.num_steps, options.progress_bar, grid_scales=MAX_SCALES, feed=feed
+        )
+    result.deterministic_sites = prepared.bundle.tracer.meta.get("deterministic")
+    result.message += f"; {batches_note(batches)}"
+    return result, caught
 
 
 def _with_tried(w, tried: str):
@@ -263,6 +314,7 @@ def blr_kernel(model: Callable, data=None, *, rng_key=None, prior: BLRResult | N
             its ``step`` called inside).
     """
     refuse_transformation("blr_kernel", data, rng_key)
+    _refuse_minibatches("blr_kernel", data)
     args, kwargs = model_arguments(data)
     options = fit_options(**options)
     if grid_sites(options.families_dict) or options.num_starts > 1 or options.mixtures:

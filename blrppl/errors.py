@@ -92,6 +92,12 @@ class HostRowsError(ObservedDataError):
     indices, or built from something that has no rows."""
 
 
+class MinibatchError(ObservedDataError):
+    """A :class:`blrppl.Minibatches` iterable whose batches a fit cannot read: a batch of
+    another structure, shape or dtype than the first, an iterable that yields nothing, or a
+    model or option the minibatches of an iterator do not combine with."""
+
+
 class TransformationError(BLRError):
     """A fit was called under a JAX transformation (``jax.jit``, ``jax.vmap``, ``jax.grad``,
     ``lax.scan``, ...): a fit traces and compiles the model itself, on concrete data."""

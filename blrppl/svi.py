@@ -23,11 +23,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from blrppl.engine.grid import MAX_SCALES
+from blrppl.engine.grid import MAX_SCALES, grid_sites
 from blrppl.engine.prepare import prepare as prepare_fit
 from blrppl.engine.run import run as run_fit
 from blrppl.engine.state import BLRState
 from blrppl.errors import BLRError, UnsupportedGuideError, out_of_memory_as_error
+from blrppl.graph import minibatches
 from blrppl.graph.data import DataSpec, host_array, split_run_data
 from blrppl.model.program import ModelProgram
 from blrppl.model.trace import seeded_trace, trace_model
@@ -156,7 +157,7 @@ class BLR:
         self.result = None
 
     # -- setup ---------------------------------------------------------------------
-    def _setup(self, rng_key, args, kwargs, init_params, num_steps=DEFAULT_NUM_STEPS):
+    def _setup(self, rng_key, args, kwargs, init_params, num_steps=DEFAULT_NUM_STEPS, minibatch=False):
         options = dict(self.options)
         init_values = None
         if self._autoguide is not None:
@@ -177,9 +178,13 @@ class BLR:
         elif init_params:
             init_values = dict(init_params)
         checked = fit_options(num_steps=num_steps, **options)
+        if minibatch:
+            minibatches.refuse_options(checked, bool(grid_sites(checked.families_dict)))
         self._setup_with = (rng_key, num_steps)
         with out_of_memory_as_error("compiling the fit"):
-            self._prepared = prepare_fit(ModelProgram(self.model), args, kwargs, checked, rng_key, init_values=init_values)
+            self._prepared = prepare_fit(
+                ModelProgram(self.model), args, kwargs, checked, rng_key, init_values=init_values, minibatch=minibatch
+            )
         self._checked = _arrays_of(args, kwargs)
         if self._autoguide is None:
             self.guide.plan = self._prepared.plan
@@ -190,7 +195,9 @@ class BLR:
 
         Args:
             rng_key: a ``jax.random`` key.
-            *args, **kwargs: the model's arguments (the data).
+            *args, **kwargs: the model's arguments (the data), or one :class:`blrppl.Minibatches`:
+                the fit is compiled for its first batch (taken from it), and :meth:`update`
+                then takes batches of the same shapes.
             init_params: optional starting values: site → value for ``guide=None``, the
                 autoguide's location parameters (``'{site}_auto_loc'``, ``'auto_loc'``)
                 otherwise. Scales start at the defaults of :func:`blr_fit`.
@@ -200,8 +207,9 @@ class BLR:
                 ``init`` outside, then :meth:`update` inside one's own jitted loop.
         """
         refuse_transformation("BLR.init", rng_key, args, kwargs, init_params)
-        args, kwargs = call_arguments(args, kwargs)
-        prepared = self._setup(as_key(rng_key), args, kwargs, init_params)
+        batches = minibatches.lone(args, kwargs)
+        args, kwargs = call_arguments(args, kwargs) if batches is None else batches.first()
+        prepared = self._setup(as_key(rng_key), args, kwargs, init_params, minibatch=batches is not None)
         if self._autoguide is None:
             self.guide.params = plan_params(prepared.plan, prepared.state.nat)
         return prepared.state
@@ -360,7 +368,8 @@ class BLR:
         Args:
             rng_key: a ``jax.random`` key.
             num_steps: the most steps to run.
-            *args, **kwargs: the model's arguments.
+            *args, **kwargs: the model's arguments, or one :class:`blrppl.Minibatches`: a step
+                per batch, each read ahead on a host thread (docs/scaling.md).
             progress_bar: show a progress bar.
             stable_update, forward_mode_differentiation: accepted for compatibility with
                 ``SVI.run`` and ignored.
@@ -373,7 +382,12 @@ class BLR:
         """
         refuse_transformation("BLR.run", rng_key, args, kwargs, init_state, init_params)
         num_steps = fit_options(num_steps=num_steps).num_steps
-        if init_state is None or self._prepared is None:
+        batches, feed = minibatches.lone(args, kwargs), None
+        if batches is not None:
+            first = batches.first()
+            prepared = self._setup(as_key(rng_key), *first, init_params, num_steps, minibatch=True)
+            feed = minibatches.BatchFeed.of_fit(batches, first, prepared)
+        elif init_state is None or self._prepared is None:
             args, kwargs = call_arguments(args, kwargs)
             prepared = self._setup(as_key(rng_key), args, kwargs, init_params, num_steps)
         else:
@@ -385,7 +399,9 @@ class BLR:
             init_state = init_state._replace(elbo=jnp.full_like(init_state.elbo, jnp.nan))
         state = prepared.state if init_state is None else init_state
         with out_of_memory_as_error("the fit"):
-            result = run_fit(prepared, state, num_steps, progress_bar, grid_scales=MAX_SCALES)
+            result = run_fit(prepared, state, num_steps, progress_bar, grid_scales=MAX_SCALES, feed=feed)
+        if batches is not None:
+            result.message += f"; {minibatches.batches_note(batches)}"
         self.result = result
         params = self.get_params(result.state)
         if self._autoguide is None:

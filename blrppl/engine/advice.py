@@ -50,6 +50,12 @@ def stop_message(outcome, plan, window: int, tol: float, num_steps: int) -> str:
             "the data for NaN or infinite values and the priors for expectations that do not "
             "exist" + _zero_probability_hint(outcome, plan, ", and whether") + "; the last valid state is returned"
         )
+    elif getattr(outcome, "exhausted", False):
+        message = (
+            f"stopped after {outcome.num_steps} steps: the minibatch iterable (Minibatches) ended before "
+            f"num_steps={num_steps} and before the convergence test was met; the last state is returned (pass a "
+            "re-iterable, a list or a DataLoader, to cycle over it, or more batches)"
+        )
     elif outcome.stop == BAD_RATE:
         message = (
             f"stopped after {outcome.num_steps} steps: learning_rate(step) gave a step size that "

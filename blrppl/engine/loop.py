@@ -98,6 +98,8 @@ class LoopOutcome(NamedTuple):
     #: a run told to ``give_up`` stopped after a chunk in most of whose steps some block found
     #: no valid update (:data:`STUCK_FRACTION`)
     stuck: bool = False
+    #: the run's minibatch iterator (``feed``) ended before its last step
+    exhausted: bool = False
 
 
 def drop_slack(elbo) -> float:
@@ -309,34 +311,46 @@ def _accepted_or_rejected(st, new, accept, probe, ends, best_damping):
 
 def run_loop(
     chunk_fn, state: BLRState, data, rho, tol: float, num_steps: int, chunk_size: int, progress_bar: bool,
-    window: int = 0, give_up: bool = False,
+    window: int = 0, give_up: bool = False, feed=None,
 ):
     """Run chunks until convergence (relative tolerance ``tol``), a stop, or ``num_steps``; a
     run whose ELBO diverged returns its best state (:func:`diverged_from`). With ``give_up``
     (a fresh start that may be started again narrower), a chunk in more than
     :data:`STUCK_FRACTION` of whose steps some block found no valid update ends the run
-    (``stuck``): a Gaussian block started with unit variances where its Monte Carlo messages
-    overflow (a Poisson rate a·P^b with b on a log scale and populations of 10³–10⁴) drifted
-    off in its first hundred steps, then kept its parameters in 900 of the next 900 and ended
-    775 posterior sds away.
+    (``stuck``; with a ``feed``, of ``chunk_size`` steps at a time): a Gaussian block started
+    with unit variances where its Monte Carlo messages overflow (a Poisson rate a·P^b with b
+    on a log scale and populations of 10³–10⁴) drifted off in its first hundred steps, then
+    kept its parameters in 900 of the next 900 and ended 775 posterior sds away.
 
     Ctrl-C stops the run at the next chunk boundary with ``KeyboardInterrupt``
     (:func:`blrppl.engine.interrupt.deferred_interrupts`), even where Python would drop it; so
     does a refinement candidate's deadline, with :class:`blrppl.engine.budget.OverBudget`.
+
+    With ``feed`` (a :class:`blrppl.graph.minibatches.BatchFeed`), every step is a chunk of
+    one step on the feed's next batch (``data`` unused), whose following batch the feed
+    reads on a host thread while the step runs; the run ends (``exhausted``) when the feed
+    has no batch left.
     """
     history = empty_history(window)
     tol = host_array(tol, jnp.result_type(float))
     elbos, valid, total, stop, invalid, proper, rejected = [], [], 0, CONTINUE, 0, {}, 0
     best = None  # (ELBO, natural parameters, step counted from 1) of Monte Carlo fits
-    stuck = False
+    stuck = exhausted = False
+    span = [0, 0]  # (steps and invalid steps since the last stuck test: a chunk's, or chunk_size steps of a feed)
     bar = _progress_bar(num_steps) if progress_bar else None
     try:
         with deferred_interrupts() as interrupt:
             while total < num_steps and stop == CONTINUE:
                 interrupt.check()
                 budget.check(f"after {total} steps")
+                steps, chunk_data = num_steps - total, data
+                if feed is not None:
+                    steps, chunk_data = 1, feed.next(ahead=total + 1 < num_steps)
+                    if chunk_data is None:
+                        exhausted = True
+                        break
                 state, buf, n, stop_arr, inv, history, last_proper, rej, valid_buf, chunk_best = chunk_fn(
-                    state, data, host_array(num_steps - total, np.int32), rho, history, tol
+                    state, chunk_data, host_array(steps, np.int32), rho, history, tol
                 )
                 n = int(n)
                 rejected += int(rej)
@@ -352,12 +366,17 @@ def run_loop(
                 if bar is not None:
                     bar.update(n)
                     if n:
-                        bar.set_postfix(elbo=f"{float(elbos[-1][-1]):.4g}")
+                        # (a step per call with a feed: drawn at tqdm's pace, not at every step)
+                        bar.set_postfix(elbo=f"{float(elbos[-1][-1]):.4g}", refresh=feed is None)
                 if n == 0 and stop == CONTINUE:
                     break
-                if give_up and stop == CONTINUE and int(inv) > STUCK_FRACTION * n:
+                span = [span[0] + n, span[1] + int(inv)]
+                if feed is not None and span[0] < chunk_size:
+                    continue  # (a feed's steps are tested for being stuck chunk_size at a time, as a chunk's)
+                if give_up and stop == CONTINUE and span[1] > STUCK_FRACTION * span[0]:
                     stuck = True
                     break
+                span = [0, 0]
     finally:
         if bar is not None:
             bar.close()
@@ -365,7 +384,7 @@ def run_loop(
     improper = tuple(k for k, v in proper.items() if not bool(v))
     outcome = LoopOutcome(
         state, elbo, total, stop in (CONVERGED, STATIONARY), stop, invalid, improper, rejected,
-        np.concatenate(valid) if valid else np.zeros((0,), bool), stuck=stuck,
+        np.concatenate(valid) if valid else np.zeros((0,), bool), stuck=stuck, exhausted=exhausted,
     )
     return restored_best(outcome, best)
 

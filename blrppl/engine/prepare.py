@@ -27,7 +27,7 @@ from blrppl.engine.kernel import KernelData, start as kernel_start
 from blrppl.engine.loop import empty_history
 from blrppl.engine.sharding import check_plated, sharded_chunk
 from blrppl.engine.state import BLRState, start_nat
-from blrppl.errors import BLRError, InitValueError
+from blrppl.errors import BLRError, InitValueError, MinibatchError
 from blrppl.estimators.registry import estimator_of
 from blrppl.compiler.blocks import block_init_values as _block_init_values
 from blrppl.compiler.pipeline import reverse_only_error
@@ -78,7 +78,9 @@ class Prepared:
         return empty_history(self.bundle.window)
 
 
-def prepare(program, args, kwargs, options: FitOptions, rng_key, prior=None, init_values=None, start=0) -> Prepared:
+def prepare(
+    program, args, kwargs, options: FitOptions, rng_key, prior=None, init_values=None, start=0, minibatch=False
+) -> Prepared:
     """Trace and compile (or fetch from the cache) a model and build its first state.
 
     ``program`` is the model's :class:`blrppl.model.program.ModelProgram`, the engine's only
@@ -87,15 +89,18 @@ def prepare(program, args, kwargs, options: FitOptions, rng_key, prior=None, ini
     ``options`` the checked :class:`blrppl.inputs.FitOptions` and ``rng_key`` a typed key;
     ``init_values`` optionally maps sites to starting values in their constrained space;
     ``start`` numbers the starting point of fits with enumerated latents (0: an E-step
-    under the prior; others: k-means++ seeds, see :mod:`blrppl.engine.start`).
+    under the prior; others: k-means++ seeds, see :mod:`blrppl.engine.start`);
+    ``minibatch``: the arguments are one minibatch of a :class:`blrppl.Minibatches` (the
+    subsampled plates' data are not checked against the plates' sizes, and the model never
+    runs at them).
     Tracing and compilation hold :data:`COMPILE_LOCK` (numpyro's effect handlers keep a
     process-wide stack, so two models cannot be traced at once).
     """
     with COMPILE_LOCK, fewer_full_collections():
-        return _prepare_locked(program, args, kwargs, options, rng_key, prior, init_values, start)
+        return _prepare_locked(program, args, kwargs, options, rng_key, prior, init_values, start, minibatch)
 
 
-def _prepare_locked(program, args, kwargs, options, rng_key, prior, init_values, start) -> Prepared:
+def _prepare_locked(program, args, kwargs, options, rng_key, prior, init_values, start, minibatch=False) -> Prepared:
     """:func:`prepare` while holding :data:`COMPILE_LOCK`."""
     t0 = time.perf_counter()
     runs0, compilations0, background0 = model_runs(), xla_compilations(), background_compilations()
@@ -103,7 +108,7 @@ def _prepare_locked(program, args, kwargs, options, rng_key, prior, init_values,
     k_trace, k_probe, _, _ = host_split(rng_key, 4)
     prior_spec = None if prior is None else previous_spec(prior)
     bundle, key, records, data_spec, dyn_data, init_records = _fetch_or_compile(
-        program, args, kwargs, options, k_trace, k_probe, prior_spec
+        program, args, kwargs, options, k_trace, k_probe, prior_spec, minibatch
     )
     plan = bundle.plan
     block_values, given = _start_values(plan, init_records, init_values)
@@ -134,7 +139,7 @@ def _prepare_locked(program, args, kwargs, options, rng_key, prior, init_values,
     )
 
 
-def _fetch_or_compile(program, args, kwargs, options, k_trace, k_probe, prior_spec) -> tuple:
+def _fetch_or_compile(program, args, kwargs, options, k_trace, k_probe, prior_spec, minibatch=False) -> tuple:
     """Trace the model and fetch its compiled fit from the cache, or compile it:
     ``(bundle, cache key, records, data spec, array data, records to initialise from)``
     (the last at full plate sizes for a model with subsampled plates)."""
@@ -160,6 +165,9 @@ def _fetch_or_compile(program, args, kwargs, options, k_trace, k_probe, prior_sp
         check_plated(records, options.mesh)  # (before compiling a fit it would refuse)
     plates = subsampled_plates(records)
     init_records = records
+    if minibatch:
+        _check_minibatch(records, plates, tracer.spec.all_static)
+        plates = ()  # (a minibatch's rows are not the plates': the model never runs at their full sizes)
     if plates:
         check_plate_sizes(plates, args, kwargs, records)
     if plates and host_rows.in_data((args, kwargs)) and not _local_latents(records, plates):
@@ -187,6 +195,36 @@ def _fetch_or_compile(program, args, kwargs, options, k_trace, k_probe, prior_sp
     if plates:
         bundle.full_tracer = full_tracer
     return bundle, key, records, data_spec, dyn_data, init_records
+
+
+def _check_minibatch(records, plates, all_static: bool) -> None:
+    """Refuse a model that minibatches of a :class:`blrppl.Minibatches` cannot feed: no
+    subsampled plate, latents inside one (their elements would need the batch's row
+    numbers), or data used as concrete values (compiled into the fit).
+
+    Raises:
+        MinibatchError: naming the plate or site, and what to do instead.
+    """
+    if not plates:
+        raise MinibatchError(
+            "Minibatches feeds a subsampled plate a minibatch at a time, and the model has none: declare the data's "
+            "plate as numpyro.plate('n', N, subsample_size=M) with N the whole data set's size and M a batch's"
+        )
+    names = {p.name for p in plates}
+    local = [r.name for r in records.values() if not r.observed and any(p.name in names for p in r.plates)]
+    if local:
+        raise MinibatchError(
+            "a latent inside a subsampled plate needs the rows' numbers in the data set, which an iterator's "
+            "batches do not carry: pass the data as arrays (blr_fit(model, (X, y)), or HostRows for data on "
+            "disk) and index them with the plate's indices",
+            site=local[0],
+        )
+    if all_static:
+        raise MinibatchError(
+            "this model uses its data as concrete values (len(set(x)), a boolean mask, int() or `if` on them), so "
+            "its compiled fit holds each batch as constants: compute those values outside the model and pass "
+            "them as arguments, or pass the data as arrays"
+        )
 
 
 def _local_latents(records, plates) -> bool:

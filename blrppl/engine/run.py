@@ -181,7 +181,9 @@ def _infinite_khat_note(diagnostics) -> str | None:
     )
 
 
-def run(prepared: Prepared, state: BLRState, num_steps: int, progress_bar: bool, grid_scales: int | None = None) -> BLRResult:
+def run(
+    prepared: Prepared, state: BLRState, num_steps: int, progress_bar: bool, grid_scales: int | None = None, feed=None,
+) -> BLRResult:
     """Run the jitted loop from ``state`` and package the result.
 
     A fresh start from which no step size keeps the ELBO finite, or with a chunk in most of
@@ -192,7 +194,8 @@ def run(prepared: Prepared, state: BLRState, num_steps: int, progress_bar: bool,
     ELBO diverged (:func:`blrppl.engine.loop.diverged_from`; the run returned its best state):
     from unit variances on a log scale, a power law of populations up to 275,000 overflowed
     its messages. ``grid_scales``: the most scales a grid holds, for the advice (see
-    :func:`finish`)."""
+    :func:`finish`); ``feed``: the fit's minibatches from an iterator
+    (:class:`blrppl.graph.minibatches.BatchFeed`), one per step (a restart reads on)."""
     bundle = prepared.bundle
     t1 = time.perf_counter()
     restarts = NARROWED_STARTS if int(state.step) == 0 else 0
@@ -201,20 +204,24 @@ def run(prepared: Prepared, state: BLRState, num_steps: int, progress_bar: bool,
         # (the last start runs to its end, stuck or not)
         return run_loop(
             prepared.run_chunk, state, prepared.dyn_data, prepared.rho, prepared.tol, num_steps, prepared.chunk_size,
-            progress_bar, bundle.window, give_up=attempt < restarts,
+            progress_bar, bundle.window, give_up=attempt < restarts, feed=feed,
         )
 
-    outcome = first = loop(state, 0)
-    for attempt in range(1, restarts + 1):
-        stuck = (outcome.num_steps == 0 and outcome.stop == NONFINITE) or outcome.stuck
-        if not stuck and outcome.restored is None:
-            break
-        state = narrowed(prepared.plan, state)
-        outcome = loop(state, attempt)
-    if outcome.num_steps == 0 and outcome.stop == NONFINITE:
-        outcome = first  # (no narrowed start took a step either: the model's own start is returned)
-    if outcome.stuck:  # (the model's own start, cut short, and no narrowed start better: run on from it)
-        outcome = loop(outcome.state, restarts)
+    try:
+        outcome = first = loop(state, 0)
+        for attempt in range(1, restarts + 1):
+            stuck = (outcome.num_steps == 0 and outcome.stop == NONFINITE) or outcome.stuck
+            if outcome.exhausted or (not stuck and outcome.restored is None):
+                break
+            state = narrowed(prepared.plan, state)
+            outcome = loop(state, attempt)
+        if outcome.num_steps == 0 and outcome.stop == NONFINITE:
+            outcome = first  # (no narrowed start took a step either: the model's own start is returned)
+        if outcome.stuck and not outcome.exhausted:  # (the model's own start, cut short: run on from it)
+            outcome = loop(outcome.state, restarts)
+    finally:
+        if feed is not None:
+            feed.close()
     jax.block_until_ready(outcome.state)
     t2 = time.perf_counter()
     budget.check(f"after {outcome.num_steps} steps, before its diagnostics")

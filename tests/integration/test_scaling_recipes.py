@@ -13,7 +13,9 @@ holding its marker) and run unchanged, with a few lines appended that report its
   (see tests/integration/test_distributed.py for the tolerance);
 * **minibatches read from disk** (``HostRows``), in this process: the posterior is within 0.1
   posterior sd of the full-data closed form and its sds within 5 % (the minibatch fit's error
-  over whole epochs of a random reshuffling; see tests/integration/test_host_rows.py).
+  over whole epochs of a random reshuffling; see tests/integration/test_host_rows.py);
+* **minibatches from an iterator** (``Minibatches``, a generator of blocks read from disk), in this
+  process: the same checks (see tests/integration/test_minibatches.py).
 """
 
 from __future__ import annotations
@@ -174,3 +176,19 @@ def test_the_host_rows_recipe_fits_data_read_from_disk(tmp_path, monkeypatch):
     got_sd = np.sqrt(np.diag(np.asarray(q.covariance_matrix)))
     assert np.max(np.abs(np.asarray(q.mean) - mean) / sd) < 0.1
     np.testing.assert_allclose(got_sd, sd, rtol=0.05)
+
+
+def test_the_iterator_recipe_fits_batches_read_from_disk(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    names: dict = {}
+    exec(compile(recipe("Minibatches(batches("), "docs/scaling.md", "exec"), names)
+    result = names["result"]
+    X, y = np.load(tmp_path / "X.npy"), np.load(tmp_path / "y.npy")
+    precision = np.eye(X.shape[1]) + X.T @ X  # prior N(0, I), noise sd 1
+    cov = np.linalg.inv(precision)
+    mean, sd = cov @ (X.T @ y), np.sqrt(np.diag(cov))
+    q = result.posterior["w"]
+    got_sd = np.sqrt(np.diag(np.asarray(q.covariance_matrix)))
+    assert np.max(np.abs(np.asarray(q.mean) - mean) / sd) < 0.1
+    np.testing.assert_allclose(got_sd, sd, rtol=0.05)
+    assert "minibatches from the iterable" in result.message
