@@ -132,12 +132,8 @@ def make_chunk(
     within a window is dominated by that cancelled noise, so half its standard error would
     declare convergence while the global parameters are still several posterior sd away.
 
-    With ``elbo_fn`` and exact ELBOs (``window`` 0), a state whose ELBO is unknown (NaN: a
-    fresh start) has it computed before the first step, so that backtracking checks that step
-    too. A Monte Carlo ELBO (``window`` > 0) undoes no step for its value, so its chunk leaves
-    ``elbo_fn`` out (a second copy of the ELBO's program, 14 % of the Lorenz bridge's chunk,
-    docs/benchmarks.md): the steps and draws are the same; a first step that is not finite
-    then records the start's ELBO as NaN. With
+    With ``elbo_fn`` and exact ELBOs (``window`` 0: backtracking reads it), a fresh state's
+    ELBO (NaN) is computed before the first step; a Monte Carlo chunk has no such program. With
     ``exact_block`` (the plan's only block, conjugate: one step at ρ = 1 is its exact
     posterior) the run converges after one such step. With ``views_fn`` (``(state, data)`` →
     the state with its views, and the messages its step reads first: the ``carry``
