@@ -2,12 +2,14 @@
 a fresh process (``python -m blrppl.bench --compile-sizes``).
 
 For the AR(2) written with one site per step (:func:`blrppl.bench.runner.ar2_loop_model`) at
-several lengths, NumPyro's partially pooled baseball model, and every bench model: the
+several lengths, NumPyro's partially pooled baseball model, Inference Gym's convection Lorenz
+bridge (:func:`lorenz_bridge`, :func:`lorenz_bridge_scales`), and every bench model: the
 first fit's compile seconds (``result.compile_time``, ``refine=False``, no compilation cache),
-its model runs and XLA compilations, the number of equations of the step's program (JAX's
-jaxpr, sub-programs included) and the number of HLO operations of the step once XLA has
-optimised it (fusion bodies included). A program whose size grows with a model's sites,
-steps or scalars shows up in the last two columns.
+its run seconds, the whole fit's CPU seconds (all threads: on a shared machine the wall
+seconds are the load's as much as the fit's), its model runs and XLA compilations, the
+number of equations of the step's program (JAX's jaxpr, sub-programs included) and the
+number of HLO operations of the step once XLA has optimised it (fusion bodies included). A
+program whose size grows with a model's sites, steps or scalars shows up in the last two columns.
 """
 
 from __future__ import annotations
@@ -137,13 +139,13 @@ else:
     from blrppl.bench import models
     bm = models.load(name)
     model, data, kwargs = bm.model, bm.data, dict(bm.blr_kwargs)
-t0 = time.perf_counter()
+t0, c0 = time.perf_counter(), time.process_time()
 r = blr_fit(model, data, progress_bar=False, refine=False, rng_key=jax.random.PRNGKey(0), **kwargs)
-total = time.perf_counter() - t0
+total, cpu = time.perf_counter() - t0, time.process_time() - c0
 rule = {k: v for k, v in kwargs.items() if k in ("families", "structure", "point", "mc_curvature", "point_space")}
 kernel, state = blr_kernel(model, data, rng_key=jax.random.PRNGKey(0), **rule)
 print("RESULT" + json.dumps({
-    "compile": r.compile_time, "run": r.run_time, "total": total, "model_runs": r.compile_counts.model_runs,
+    "compile": r.compile_time, "run": r.run_time, "total": total, "cpu": cpu, "model_runs": r.compile_counts.model_runs,
     "xla_compilations": r.compile_counts.xla_compilations, **compile_sizes.step_size(kernel.step, state),
 }))
 """
@@ -187,16 +189,16 @@ def default_names() -> list:
 def markdown(rows) -> str:
     """The rows as a Markdown table."""
     lines = [
-        "| model | compile s | model runs | XLA compilations | step jaxpr equations | step HLO ops |",
-        "|---|---|---|---|---|---|",
+        "| model | compile s | run s | model runs | XLA compilations | step jaxpr equations | step HLO ops |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         model = r["model"].replace("ar2:", "AR(2) loop, ") + (" sites" if r["model"].startswith("ar2:") else "")
         if "error" in r:
-            lines.append(f"| {model} | failed: {r['error']} | | | | |")
+            lines.append(f"| {model} | failed: {r['error']} | | | | | |")
             continue
         lines.append(
-            f"| {model} | {r['compile']:.2f} | {r['model_runs']} | {r['xla_compilations']} | "
+            f"| {model} | {r['compile']:.2f} | {r['run']:.2f} | {r['model_runs']} | {r['xla_compilations']} | "
             f"{r['jaxpr_equations']} | {r['hlo_operations']} |"
         )
     return "\n".join(lines)
