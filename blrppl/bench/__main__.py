@@ -68,7 +68,8 @@ def parse(argv=None):
                    help="per-step site counts of the AR(2) compile-time study (comma-separated)")
     p.add_argument("--compile-sizes", action="store_true",
                    help="only the compiled step's size (jaxpr equations, HLO ops) and the compile time of the AR(2) "
-                   "loop at 100/1,000/10,000 sites, the baseball model and every bench model, each in a fresh process "
+                   "loop at 100/1,000/10,000 sites, the baseball model, the Lorenz bridges and every bench model, each in a "
+                   "fresh process "
                    "(blrppl.bench.compile_sizes); the table goes to <out>/compile_sizes.md")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--float32", action="store_true", help="run in float32 (default float64)")

@@ -2,19 +2,23 @@
 a fresh process (``python -m blrppl.bench --compile-sizes``).
 
 For the AR(2) written with one site per step (:func:`blrppl.bench.runner.ar2_loop_model`) at
-several lengths, NumPyro's partially pooled baseball model, and every bench model: the
+several lengths, NumPyro's partially pooled baseball model, Inference Gym's convection Lorenz
+bridge (:func:`lorenz_bridge`, :func:`lorenz_bridge_scales`), and every bench model: the
 first fit's compile seconds (``result.compile_time``, ``refine=False``, no compilation cache),
-its model runs and XLA compilations, the number of equations of the step's program (JAX's
-jaxpr, sub-programs included) and the number of HLO operations of the step once XLA has
-optimised it (fusion bodies included). A program whose size grows with a model's sites,
-steps or scalars shows up in the last two columns.
+its run seconds, the whole fit's CPU seconds (all threads: on a shared machine the wall
+seconds are the load's as much as the fit's), its model runs and XLA compilations, the
+number of equations of the step's program (JAX's jaxpr, sub-programs included) and the
+number of HLO operations of the step once XLA has optimised it (fusion bodies included). A
+program whose size grows with a model's sites, steps or scalars shows up in the last two columns.
 """
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 import numpyro
 import numpyro.distributions as dist
+from numpyro.contrib.control_flow import scan
 
 from blrppl.bench.runner import CACHE_ENV, _SCRIPT_HEADER, _in_new_process
 
@@ -43,6 +47,82 @@ def baseball_data() -> dict:
     return {"at_bats": np.full(hits.shape, 45.0), "hits": hits}
 
 
+#: the Lorenz bridge's settings (Inference Gym's ``ConvectionLorenzBridge``, after Ambrogioni,
+#: Hinne & van Gerven 2020, "Automatic structured variational inference"): Euler steps, their
+#: step size, the innovation and observation scales, and the steps observed at each end
+LORENZ_STEPS = 30
+LORENZ_STEP_SIZE = 0.02
+LORENZ_INNOVATION_SCALE = 0.1
+LORENZ_OBSERVATION_SCALE = 1.0
+LORENZ_OBSERVED_ENDS = 10
+
+
+def _lorenz_drift(state):
+    """The Lorenz system's velocity (σ = 10, ρ = 28, β = 8/3) at ``state`` (last axis x, y, z)."""
+    x, y, z = state[..., 0], state[..., 1], state[..., 2]
+    return jnp.stack([10.0 * (y - x), x * (28.0 - z) - y, x * y - 8.0 / 3.0 * z], axis=-1)
+
+
+def _lorenz_states(x0, obs, mask, innovation_scale, observation_scale, step_size):
+    """The Euler–Maruyama steps of the Lorenz system from ``x0`` as a NumPyro ``scan``: a latent
+    state ``x`` per step, its first coordinate observed as ``y`` where ``mask`` holds."""
+
+    def transition(state, inputs):
+        y_t, m_t = inputs
+        loc = state + step_size * _lorenz_drift(state)
+        x = numpyro.sample("x", dist.Normal(loc, jnp.sqrt(step_size) * innovation_scale).to_event(1))
+        numpyro.sample("y", dist.Normal(x[0], observation_scale).mask(m_t), obs=y_t)
+        return x, None
+
+    scan(transition, x0, (obs, mask))
+
+
+def lorenz_bridge(obs, mask, step_size=LORENZ_STEP_SIZE):
+    """Inference Gym's convection Lorenz bridge: the initial state ``x0`` ~ N(0, 1)³, then one
+    Euler step of the stochastic Lorenz system per observation, ``x[t]`` ~ N(x[t-1] + h f(x[t-1]),
+    √h · 0.1), the convection ``x[t][0]`` observed with sd 1 at the first and last steps
+    (``mask``; the middle ones are missing)."""
+    x0 = numpyro.sample("x0", dist.Normal(0.0, 1.0).expand([3]).to_event(1))
+    _lorenz_states(x0, obs, mask, LORENZ_INNOVATION_SCALE, LORENZ_OBSERVATION_SCALE, step_size)
+
+
+def lorenz_bridge_scales(obs, mask, step_size=LORENZ_STEP_SIZE):
+    """The Lorenz bridge with latent scales (Inference Gym's
+    ``ConvectionLorenzBridgeUnknownScales``): ``innovation_scale`` and ``observation_scale`` ~
+    LogNormal(−1, 1)."""
+    innovation_scale = numpyro.sample("innovation_scale", dist.LogNormal(-1.0, 1.0))
+    observation_scale = numpyro.sample("observation_scale", dist.LogNormal(-1.0, 1.0))
+    x0 = numpyro.sample("x0", dist.Normal(0.0, 1.0).expand([3]).to_event(1))
+    _lorenz_states(x0, obs, mask, innovation_scale, observation_scale, step_size)
+
+
+def lorenz_data(steps: int = LORENZ_STEPS, seed: int = 0) -> dict:
+    """A bridge simulated from the model with a fixed seed: ``obs`` (the convection at each
+    step, 0 where unobserved) and ``mask`` (the first and last ``min(10, steps // 3)`` steps)."""
+    rng = np.random.default_rng(seed)
+    h = LORENZ_STEP_SIZE
+    state = rng.normal(size=3)
+    obs = np.zeros(steps)
+    for t in range(steps):
+        x, y, z = state
+        drift = np.array([10.0 * (y - x), x * (28.0 - z) - y, x * y - 8.0 / 3.0 * z])
+        state = state + h * drift + np.sqrt(h) * LORENZ_INNOVATION_SCALE * rng.normal(size=3)
+        obs[t] = state[0] + LORENZ_OBSERVATION_SCALE * rng.normal()
+    ends = min(LORENZ_OBSERVED_ENDS, steps // 3)
+    mask = np.zeros(steps, dtype=bool)
+    mask[:ends] = True
+    mask[steps - ends:] = True
+    return {"obs": np.where(mask, obs, 0.0), "mask": mask}
+
+
+#: name → (model, data builder) of the models measured besides the bench models
+EXTRA_MODELS = {
+    "baseball_pooled": (baseball_pooled, baseball_data),
+    "lorenz_bridge": (lorenz_bridge, lorenz_data),
+    "lorenz_bridge_scales": (lorenz_bridge_scales, lorenz_data),
+}
+
+
 COMPILE_SIZE = _SCRIPT_HEADER + r"""
 import jax
 from blrppl import blr_fit, blr_kernel
@@ -52,19 +132,20 @@ kwargs = {}
 if name.startswith("ar2:"):
     from blrppl.bench.runner import ar2_data, ar2_loop_model
     model, data = ar2_loop_model, {"y": ar2_data(int(name.split(":")[1]))}
-elif name == "baseball_pooled":
-    model, data = compile_sizes.baseball_pooled, compile_sizes.baseball_data()
+elif name in compile_sizes.EXTRA_MODELS:
+    model, build = compile_sizes.EXTRA_MODELS[name]
+    data = build()
 else:
     from blrppl.bench import models
     bm = models.load(name)
     model, data, kwargs = bm.model, bm.data, dict(bm.blr_kwargs)
-t0 = time.perf_counter()
+t0, c0 = time.perf_counter(), time.process_time()
 r = blr_fit(model, data, progress_bar=False, refine=False, rng_key=jax.random.PRNGKey(0), **kwargs)
-total = time.perf_counter() - t0
+total, cpu = time.perf_counter() - t0, time.process_time() - c0
 rule = {k: v for k, v in kwargs.items() if k in ("families", "structure", "point", "mc_curvature", "point_space")}
 kernel, state = blr_kernel(model, data, rng_key=jax.random.PRNGKey(0), **rule)
 print("RESULT" + json.dumps({
-    "compile": r.compile_time, "total": total, "model_runs": r.compile_counts.model_runs,
+    "compile": r.compile_time, "run": r.run_time, "total": total, "cpu": cpu, "model_runs": r.compile_counts.model_runs,
     "xla_compilations": r.compile_counts.xla_compilations, **compile_sizes.step_size(kernel.step, state),
 }))
 """
@@ -99,25 +180,25 @@ def measure(names, log=print, timeout: float = 1800) -> list:
 
 
 def default_names() -> list:
-    """The AR(2) at :data:`AR2_SITES`, the baseball model and every bench model."""
+    """The AR(2) at :data:`AR2_SITES`, :data:`EXTRA_MODELS` and every bench model."""
     from blrppl.bench import models, posteriordb
 
-    return [f"ar2:{n}" for n in AR2_SITES] + ["baseball_pooled"] + posteriordb.names() + models.names()
+    return [f"ar2:{n}" for n in AR2_SITES] + list(EXTRA_MODELS) + posteriordb.names() + models.names()
 
 
 def markdown(rows) -> str:
     """The rows as a Markdown table."""
     lines = [
-        "| model | compile s | model runs | XLA compilations | step jaxpr equations | step HLO ops |",
-        "|---|---|---|---|---|---|",
+        "| model | compile s | run s | model runs | XLA compilations | step jaxpr equations | step HLO ops |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         model = r["model"].replace("ar2:", "AR(2) loop, ") + (" sites" if r["model"].startswith("ar2:") else "")
         if "error" in r:
-            lines.append(f"| {model} | failed: {r['error']} | | | | |")
+            lines.append(f"| {model} | failed: {r['error']} | | | | | |")
             continue
         lines.append(
-            f"| {model} | {r['compile']:.2f} | {r['model_runs']} | {r['xla_compilations']} | "
+            f"| {model} | {r['compile']:.2f} | {r['run']:.2f} | {r['model_runs']} | {r['xla_compilations']} | "
             f"{r['jaxpr_equations']} | {r['hlo_operations']} |"
         )
     return "\n".join(lines)

@@ -134,8 +134,8 @@ def make_chunk(
     within a window is dominated by that cancelled noise, so half its standard error would
     declare convergence while the global parameters are still several posterior sd away.
 
-    With ``elbo_fn`` (exact ELBOs), a state whose ELBO is unknown (NaN: a fresh start) has it
-    computed before the first step, so that backtracking checks that step too. With
+    With ``elbo_fn`` and exact ELBOs (``window`` 0: backtracking reads it), a fresh state's
+    ELBO (NaN) is computed before the first step; a Monte Carlo chunk has no such program. With
     ``exact_block`` (the plan's only block, conjugate: one step at ρ = 1 is its exact
     posterior) the run converges after one such step. With ``views_fn`` (``(state, data)`` →
     the state with its views, and the messages its step reads first: the ``carry``
@@ -174,7 +174,7 @@ def make_chunk(
             jnp.full((), -jnp.inf, jnp.result_type(state.elbo)),
             jnp.ones((), jnp.result_type(state.damping)),
         )
-        if elbo_fn is not None and exact_block is None:
+        if elbo_fn is not None and exact_block is None and not window:
             state = jax.lax.cond(
                 jnp.isnan(state.elbo),
                 lambda s: s._replace(elbo=jnp.asarray(elbo_fn(s.nat, data, s.rng_key), dtype)),

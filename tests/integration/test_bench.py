@@ -508,16 +508,23 @@ def test_compile_sizes_table_and_models():
     from blrppl.bench import compile_sizes
 
     names = compile_sizes.default_names()
-    assert names[:4] == ["ar2:100", "ar2:1000", "ar2:10000", "baseball_pooled"]
+    assert names[:6] == ["ar2:100", "ar2:1000", "ar2:10000", "baseball_pooled", "lorenz_bridge", "lorenz_bridge_scales"]
     assert set(models.names()) <= set(names)
     rows = [
-        {"model": "ar2:100", "compile": 2.5, "model_runs": 2, "xla_compilations": 48, "jaxpr_equations": 1164,
+        {"model": "ar2:100", "compile": 2.5, "run": 0.5, "model_runs": 2, "xla_compilations": 48, "jaxpr_equations": 1164,
          "hlo_operations": 2183},
         {"model": "baseball_pooled", "compile": float("nan"), "error": "did not finish"},
     ]
     text = compile_sizes.markdown(rows).splitlines()
-    assert text[2] == "| AR(2) loop, 100 sites | 2.50 | 2 | 48 | 1164 | 2183 |"
+    assert text[2] == "| AR(2) loop, 100 sites | 2.50 | 0.50 | 2 | 48 | 1164 | 2183 |"
     assert "failed: did not finish" in text[3]
     # (the baseball model as NumPyro writes it traces with its data)
     records = trace_model(compile_sizes.baseball_pooled, (), compile_sizes.baseball_data(), random.PRNGKey(0))[0]
     assert {"m", "kappa", "phi", "obs"} <= set(records)
+    # (the Lorenz bridge, a scan of Euler steps: a latent state per step, the convection
+    # observed at the first and last ten of its 30 steps)
+    data = compile_sizes.lorenz_data()
+    assert data["mask"].sum() == 20 and not data["mask"][10:20].any()
+    records = trace_model(compile_sizes.lorenz_bridge_scales, (), data, random.PRNGKey(0))[0]
+    assert {"innovation_scale", "observation_scale", "x0", "x", "y"} <= set(records)
+    assert records["x"].value_shape == (30, 3) and not records["x"].observed
