@@ -571,3 +571,35 @@ def test_a_correlation_factor_is_no_grid_scale_and_the_advice_says_why():
     scalar = plan_of(*_slopes(False))
     assert refine_mod.hyperparameters(scalar) == ("sigma_group",)
     assert "chol_corr" not in named_remedies(scalar)[0]
+
+
+@pytest.mark.parametrize("converged", [True, False])
+def test_a_candidate_that_passes_the_diagnostics_ends_the_refinement(monkeypatch, converged):
+    """Eight schools with ``LocScaleReparam``: the grid over τ took k̂ from 0.62 to 0.06, and the
+    mixture tried after it ran to the budget's end (20 s, against the grid's 11 s and NUTS's
+    7 s). A converged candidate whose k̂, ESS and narrow-q check pass answers what started the
+    refinement: the candidates after it are listed as not run. One that did not converge
+    answers nothing."""
+    first = _result(0.62, -31.36, ess=0.1)
+    passed = _result(0.06, -31.31, ess=0.9)
+    passed.converged = converged
+    cands = [refine_mod.Candidate("grid", None, None, remedy=refine_mod.GRID)]
+    cands += [refine_mod.Candidate("over-dispersed", None, None, remedy=refine_mod.START)]
+    cands += [refine_mod.Candidate("mixture", None, None, remedy=refine_mod.MIXTURE)]
+    monkeypatch.setattr(refine_mod, "candidates", lambda *a: cands)
+    monkeypatch.setattr(refine_mod, "same_optimum", lambda first, result: False)
+    calls = []
+
+    def fit(options, key, init_values=None, start=0, deadline=None, design=None):
+        calls.append(start)
+        return (passed, []) if len(calls) == 1 else (_result(0.6, -31.4, ess=0.1), [])
+
+    result, _, refinements = refine_mod.refine(fit, first, [], fit_options(), None, 1.0, 50.0, False)
+    assert not passed.diagnostics.poor()
+    if converged:
+        assert len(calls) == 1 and result is passed
+        notes = {r.change: r.note for r in refinements[2:]}
+        assert set(notes) == {"over-dispersed", "mixture"}
+        assert all(n.startswith(refine_mod.NOT_RUN) and "passed the diagnostics" in n for n in notes.values())
+    else:
+        assert len(calls) == 3  # (the over-dispersed start and the mixture run after it)
