@@ -27,7 +27,8 @@ A plate declared ``numpyro.plate(name, N, subsample_size=M)`` makes every latent
 
    (κ = 0.7, τ = 10 by default): the bracket is an unbiased estimate of the full-batch
    message, since the likelihood terms carry the site scale N/M and the priors of global
-   blocks carry none;
+   blocks carry none (in an online fit, ``prior=``, λ̃_prior is the previous posterior's λ,
+   which the step reads beside the minibatch: :func:`minibatch_data`);
 5. keeps a tail average of every global block, reported as its posterior: λ̄_g =
    Σ_s (s + 1) λ_g(s) / Σ_s (s + 1) over the steps s since the last-but-one power of two
    (the last half to three quarters of the run: a doubling trick), i.e. Polyak–Ruppert
