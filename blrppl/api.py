@@ -217,13 +217,6 @@ def _minibatch_fit(program, batches: Minibatches, options, key, prior):
             grids, mixtures, ``mesh=``), or a model or batch the iterator cannot feed.
     """
     refuse_minibatch_options(options, bool(grid_sites(options.families_dict)))
-    if prior is not None:
-        # (an online fit of a subsampled plate does not compile yet, on arrays either: its run data
-        # hold the previous posterior beside the minibatch's arrays, which the minibatch step does not split)
-        raise MinibatchError(
-            "prior= (an online fit) does not combine with subsampled plates yet: fit the batches of both data sets "
-            "in one Minibatches (one fit), or fit without prior="
-        )
     args, kwargs = batches.first()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -27,7 +27,8 @@ A plate declared ``numpyro.plate(name, N, subsample_size=M)`` makes every latent
 
    (κ = 0.7, τ = 10 by default): the bracket is an unbiased estimate of the full-batch
    message, since the likelihood terms carry the site scale N/M and the priors of global
-   blocks carry none;
+   blocks carry none (in an online fit, ``prior=``, λ̃_prior is the previous posterior's λ,
+   which the step reads beside the minibatch: :func:`minibatch_data`);
 5. keeps a tail average of every global block, reported as its posterior: λ̄_g =
    Σ_s (s + 1) λ_g(s) / Σ_s (s + 1) over the steps s since the last-but-one power of two
    (the last half to three quarters of the run: a doubling trick), i.e. Polyak–Ruppert
@@ -53,7 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from blrppl.graph import host_rows
-from blrppl.graph.data import host_array
+from blrppl.graph.data import RunData, host_array, split_run_data
 from blrppl.model.functions import MinibatchData
 
 #: forgetting rate κ and delay τ of the default global step size ρ_t = (t + τ)^−κ
@@ -220,6 +221,16 @@ def global_update(update_block, family, nat, message, rho):
     return jax.tree.map(lambda p, k: jnp.where(usable, p, k), plain, kept), ok | usable
 
 
+def minibatch_data(data, indices: dict):
+    """The run data of one step on the minibatch ``indices``: the model's data leaves paired
+    with the minibatch (:class:`MinibatchData`); an online fit's previous posterior (and any
+    factor statistics) kept beside them in a :class:`blrppl.graph.data.RunData`, as the
+    objective reads them (the model's data leaves alone are what the model is run on)."""
+    model_data, previous, statistics = split_run_data(data)
+    batch = MinibatchData(tuple(model_data), indices)
+    return RunData(batch, previous, statistics) if (previous or statistics) else batch
+
+
 def make_minibatch_step(
     plan,
     messages: Callable,
@@ -235,7 +246,7 @@ def make_minibatch_step(
     Args:
         plan: a plan with subsampled plates.
         messages: ``messages(nat, names, data, key)`` → summed messages of the blocks
-            ``names`` (minibatch natural parameters, :class:`MinibatchData`).
+            ``names`` (minibatch natural parameters, the data of :func:`minibatch_data`).
         elbo_fn: :func:`minibatch_elbo`.
         update_block: ``(family, nat, message, rho) -> (nat, ok)``.
         state_type, info_type: the engine's BLRState and BLRInfo.
@@ -258,7 +269,7 @@ def make_minibatch_step(
         if ahead:  # (the next step draws from the key this step passes on, as above)
             following = draw_minibatch(plan, order, t + 1, jax.random.split(key, len(plan.order) + 3)[2])[1]
             host_rows.prefetch(tuple(p.size for p in ahead), tuple(following[p.name] for p in ahead))
-        batch = MinibatchData(tuple(data), indices)
+        batch = minibatch_data(data, indices)
         old = {n: gather_local(blocks[n], state.nat[n], indices) if n in local else state.nat[n] for n in plan.order}
         nat = dict(old)
         dtype = jnp.result_type(float)

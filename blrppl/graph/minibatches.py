@@ -216,7 +216,7 @@ class BatchFeed:
         if ahead and self.source.read_ahead:
             self._next = host_rows._READER.submit(self._read)
         self.source.used += 1
-        if isinstance(data, tuple) and (self.previous or self.statistics is not None):
+        if not isinstance(data, RunData) and (self.previous or self.statistics is not None):
             stats = self.statistics(data) if self.statistics is not None else {}
             data = RunData(data, dict(self.previous), stats)
         return data

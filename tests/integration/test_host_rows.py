@@ -11,6 +11,7 @@ A Normal linear regression with known noise, N = 20,000 rows on disk in minibatc
   precision I + XᵀX/σ², mean its inverse times Xᵀy/σ²) and its sds within 5 %: the fit runs
   to convergence over whole epochs of a random reshuffling, whose minibatch noise cancels
   over each epoch (measured: 0.005 sd at N/M = 10); the checks leave a factor 20 of margin;
+* an online fit (``prior=``) on disk equals the same online fit in memory;
 * while it runs, no device array holds more than a minibatch of rows (read inside the
   step's host callbacks, where the step's buffers are alive), and each step's rows were
   read once per array, most of them ahead of the step.
@@ -113,3 +114,20 @@ def test_a_full_batch_model_on_host_rows_is_refused(data):
     _, _, mX, my = data
     with pytest.raises(BLRError, match=r"X\[idx\]"):
         blr_fit(full_batch, (HostRows(mX), HostRows(my)), rng_key=random.PRNGKey(0), progress_bar=False)
+
+
+def test_an_online_fit_on_disk_equals_the_online_fit_in_memory(data):
+    """``prior=`` with rows read from the memmap: the second half's fit (100 steps) with the
+    first half's posterior as its prior equals, on disk, the same fit on the arrays in memory
+    (same key, hence the same minibatches) to 1e-10."""
+    X, y, mX, my = data
+    half = N // 2
+    previous = blr_fit(model, (X[:half], y[:half]), rng_key=random.PRNGKey(0), num_steps=100, progress_bar=False)
+    fits = {
+        where: blr_fit(model, second, prior=previous, rng_key=random.PRNGKey(1), num_steps=100, progress_bar=False)
+        for where, second in (("disk", (HostRows(mX[half:]), HostRows(my[half:]))), ("memory", (X[half:], y[half:])))
+    }
+    q, q_mem = fits["disk"].posterior["w"], fits["memory"].posterior["w"]
+    assert "w:previous" in fits["disk"].plan.describe()
+    np.testing.assert_allclose(q.mean, q_mem.mean, rtol=1e-10)
+    np.testing.assert_allclose(q.covariance_matrix, q_mem.covariance_matrix, rtol=1e-10)
