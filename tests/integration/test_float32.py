@@ -111,10 +111,12 @@ out["student_t_volatility"] = {"mean": np.asarray(s.mean).tolist(), "sd": np.sqr
 # a GP prior over a 10 x 10 distance matrix, Poisson counts whose rate is a P^b / g exp(k): from
 # unit variances the Monte Carlo messages of the log scales overflow in float32
 model, data = rm.get("oceanic_gp")
-r = blr_fit(model, data, rng_key=random.PRNGKey(0), progress_bar=False, refine=False)
-out["oceanic_gp"] = {n: [np.ravel(r.posterior[n].mean).tolist(), np.sqrt(np.ravel(r.posterior[n].variance)).tolist()]
-                     for n in ("etasq", "rhosq", "a", "b", "g", "k")}
-out["oceanic_gp"].update(converged=bool(r.converged), message=r.message, steps=int(r.num_steps))
+for name, refine in (("oceanic_gp_first", False), ("oceanic_gp", True)):
+    r = blr_fit(model, data, rng_key=random.PRNGKey(0), progress_bar=False, refine=refine)
+    out[name] = {n: [np.ravel(r.posterior[n].mean).tolist(), np.sqrt(np.ravel(r.posterior[n].variance)).tolist()]
+                 for n in ("etasq", "rhosq", "a", "b", "g", "k")}
+    out[name].update(converged=bool(r.converged), message=r.message, steps=int(r.num_steps),
+                     poor=bool(r.diagnostics.poor()), khat=float(r.diagnostics.khat))
 
 # an AR(1) state with a bounded persistence (read through its moments) started from its
 # stationary distribution (integrated on a grid): both quadratures in single precision
@@ -323,23 +325,41 @@ def test_float32_narrow_q_check_sees_a_q_a_tenth_as_wide(float32_run):
     assert abs(ry - 1.0) < 0.1 and not ny, found
 
 
+def _near_gp_reference(r) -> list:
+    """The sites of a float32 oceanic GP fit off NUTS's reference: a mean more than 1.5 of its
+    sds away, or an sd outside 0.3–2× its."""
+    params = json.loads((ROOT / "tests" / "data" / "oceanic_gp.json").read_text())["params"]
+    off = []
+    for site in ("etasq", "rhosq", "a", "b", "g", "k"):
+        names = [f"k[{i}]" for i in range(10)] if site == "k" else [site]
+        ref_mean = np.array([params[n]["mean"] for n in names])
+        ref_sd = np.array([params[n]["sd"] for n in names])
+        mean, sd = (np.asarray(x) for x in r[site])
+        if not (np.all(np.abs(mean - ref_mean) <= 1.5 * ref_sd) and np.all((sd >= 0.3 * ref_sd) & (sd <= 2.0 * ref_sd))):
+            off.append((site, mean.tolist(), sd.tolist(), ref_mean.tolist(), ref_sd.tolist()))
+    return off
+
+
 def test_float32_gp_poisson_started_narrowed_lands_near_nuts(float32_run):
     """A GP prior over a 10 × 10 distance matrix with Poisson counts whose rate is
     a P^b / g · exp(k) (populations of 10²–10⁵): in float32, from unit variances on the log
     scales, the Monte Carlo messages overflowed; the fit drifted off in its first hundred steps,
     then kept its parameters in 900 of the next 900 and ended up to 635 NUTS sd away, not
     converged. A fresh start stuck for most of a chunk now starts again narrowed and converges.
-    A Gaussian q holds this funnel only roughly (PSIS k̂ ≈ 0.5–1, warned): measured means within
-    1.03 NUTS sd (b, the exponent) and sds 0.46–1.33× the reference's; the bounds leave room for
-    that, and none for hundreds of sds."""
+    A Gaussian q holds this funnel only roughly (PSIS k̂ ≈ 0.5–1, warned): the default fit's
+    means within 1.03 NUTS sd (b, the exponent) and sds 0.48–1.33× the reference's (2026-12-08);
+    the bounds leave room for that, and none for hundreds of sds.
+
+    The first fit alone (``refine=False``) is fragile here: on one machine it landed as the
+    default fit does; on another (the same code and package versions) it converged after
+    141 steps with the variances of a, b, g and k collapsed (b 5.4 sds off, PSIS k̂ 1.73, its
+    bound 48,000 nats below the candidates'), as did key 1 (two of keys 0–7 there). It must then say
+    so (the poor-q warning), and the default refinement must recover (an over-dispersed start,
+    k̂ 0.67)."""
     out, _, _ = float32_run
     r = out["oceanic_gp"]
     assert r["converged"], r["message"]
-    params = json.loads((ROOT / "tests" / "data" / "oceanic_gp.json").read_text())["params"]
-    for site in ("etasq", "rhosq", "a", "b", "g", "k"):
-        names = [f"k[{i}]" for i in range(10)] if site == "k" else [site]
-        ref_mean = np.array([params[n]["mean"] for n in names])
-        ref_sd = np.array([params[n]["sd"] for n in names])
-        mean, sd = (np.asarray(x) for x in r[site])
-        assert np.all(np.abs(mean - ref_mean) <= 1.5 * ref_sd), (site, mean, ref_mean, ref_sd)
-        assert np.all((sd >= 0.3 * ref_sd) & (sd <= 2.0 * ref_sd)), (site, sd, ref_sd)
+    assert not _near_gp_reference(r), _near_gp_reference(r)
+    first = out["oceanic_gp_first"]
+    assert first["converged"], first["message"]
+    assert not _near_gp_reference(first) or first["poor"], (first["khat"], _near_gp_reference(first))
