@@ -358,7 +358,8 @@ def skip_reason(cand: Candidate, answered: set, first) -> str:
     1.02, and its mixture is kept.
 
     A candidate already fitted passed the diagnostics (:data:`PASSED`: converged, and its k̂,
-    importance ESS and narrow-q check no longer poor): no other candidate is run. Eight schools
+    importance ESS and narrow-q check no longer poor; a start back at the first fit's optimum
+    does not count, its k̂ being the first fit's on other draws): no other candidate is run. Eight schools
     with ``LocScaleReparam``: the grid over τ took its k̂ from 0.62 to 0.06, and the mixture
     tried after it ran 20 s to the budget's end, against the grid's 11 s and NUTS's 7 s."""
     if PASSED in answered:
@@ -480,10 +481,13 @@ def refine(fit: Callable, first, held: list, options, key, first_time: float, bu
         d = result.diagnostics
         grid = "'grid'" in cand.change
         gridded |= set(cand.grid_sites)
+        same = None
         if cand.remedy == START and getattr(result, "converged", True):
             # (one start at another optimum shows there are several: the rest run)
-            answered.add(SAME if same_optimum(first, result) else OTHER)
-        if getattr(result, "converged", True) and d is not None and not d.poor():
+            same = same_optimum(first, result)
+            answered.add(SAME if same else OTHER)
+        if getattr(result, "converged", True) and d is not None and not d.poor() and not same:
+            # (a start back at the first fit's optimum passing on other draws answers nothing new)
             answered.add(PASSED)
         fitted.append((Refinement(cand.change, d.khat, d.bound, seconds), result, caught, grid))
     # (a candidate that did not converge ranks below every one that did: the first fit did, and a

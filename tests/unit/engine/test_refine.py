@@ -603,3 +603,18 @@ def test_a_candidate_that_passes_the_diagnostics_ends_the_refinement(monkeypatch
         assert all(n.startswith(refine_mod.NOT_RUN) and "passed the diagnostics" in n for n in notes.values())
     else:
         assert len(calls) == 3  # (the over-dispersed start and the mixture run after it)
+
+
+def test_a_start_back_at_the_first_fits_optimum_does_not_pass_for_it(monkeypatch):
+    """A start at the first fit's optimum whose k̂ passes on other draws (0.79 with a close
+    ESS against the first fit's 0.89, the same bound) answers nothing the first fit did not:
+    the other starts are skipped because a start found the first fit's optimum again, not
+    because a fit passed."""
+    first = _result(0.89, -104.3, ess=0.1)
+    again = _result(0.79, -104.3, ess=0.96)
+    assert not again.diagnostics.poor()
+    refinements, ran = _starts_run(monkeypatch, first, [again] * 5, lambda r: True)
+    assert ran == ["over-dispersed"]
+    notes = [r.note for r in refinements[2:]]
+    assert notes and all("optimum again" in n or "k-hat" in n for n in notes), notes
+    assert not any("passed the diagnostics" in n for n in notes), notes
