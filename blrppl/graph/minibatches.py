@@ -287,7 +287,7 @@ class BatchFeed:
                     "the first batch's dtype (the fit's compiled one), does not hold exactly: yield every batch in "
                     "the first batch's dtypes"
                 ) from None
-        return tuple(out)
+        return tuple(jax.device_put(out))  # (on this thread: the step's call then finds them placed)
 
 
 def _same_value(a, b) -> bool:
